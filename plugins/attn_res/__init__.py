@@ -1,0 +1,3 @@
+from .reference import attn_res
+
+__all__ = ["attn_res"]

@@ -1,0 +1,34 @@
+"""Attention Residuals: a per-token softmax over depth (K3_SPEC.md §2.1)."""
+import torch
+
+
+def attn_res(partial: torch.Tensor, blocks: torch.Tensor, proj: torch.Tensor, norm_weight: torch.Tensor,
+             *, eps: float) -> torch.Tensor:
+    """Mix the block snapshots and the running sum by a softmax over depth.
+
+    Args:
+        partial: [M, D] running sum of the current block (the last candidate).
+        blocks: [K, M, D] block snapshots, oldest first; K may be 0.
+        proj: [D] the checkpoint's [1, D] res_proj weight, flattened.
+        norm_weight: [D] the res_norm weight.
+        eps: RMS epsilon of the keys.
+
+    Returns:
+        [M, D] in partial.dtype: Σ_i softmax_i(score) · v_i; `partial` itself when K == 0.
+    """
+    if partial.dim() != 2:
+        raise ValueError(f"attn_res: partial must be [M, D], got {tuple(partial.shape)}")
+    M, D = partial.shape
+    if blocks.dim() != 3 or tuple(blocks.shape[1:]) != (M, D):
+        raise ValueError(f"attn_res: blocks must be [K, {M}, {D}], got {tuple(blocks.shape)}")
+    if proj.numel() != D or norm_weight.shape != (D,):
+        raise ValueError(f"attn_res: proj ({tuple(proj.shape)}) and norm_weight ({tuple(norm_weight.shape)}) "
+                         f"must both hold {D} values")
+    if blocks.shape[0] == 0:
+        # A softmax over one candidate is exactly 1: the identity.
+        return partial
+    cand = torch.cat([blocks.float(), partial.float()[None]], dim=0)              # [K+1, M, D]
+    keys = cand * torch.rsqrt(cand.pow(2).mean(-1, keepdim=True) + eps)         # [K+1, M, D]
+    query = norm_weight.float() * proj.float().reshape(D)                       # [D]
+    probs = torch.softmax(keys @ query, dim=0)                                  # [K+1, M]
+    return (probs[..., None] * cand).sum(0).to(partial.dtype)

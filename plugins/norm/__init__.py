@@ -1,0 +1,3 @@
+from .reference import rms_norm
+
+__all__ = ["rms_norm"]

@@ -1,0 +1,3 @@
+from .reference import route
+
+__all__ = ["route"]
