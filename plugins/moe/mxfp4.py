@@ -1,0 +1,59 @@
+"""MXFP4 decode (runtime side, torch only): E2M1 elements packed two per byte, one E8M0 scale per 32 along K.
+
+Layout (K3_SPEC.md §3): byte = (code[2i+1] << 4) | code[2i] — low nibble is the even element. E2M1 code:
+bit 3 sign, bits 0-2 index into {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Scale byte s means 2^(s-127); 0xFF is NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MXFP4_BLOCK = 32
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# code -> value for all 16 codes (8..15 are the negatives, 8 is -0.0)
+E2M1_VALUES = E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES)
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+
+
+def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16 E2M1 values as fp32, indexed by code."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Split each byte into its two 4-bit codes.
+
+    Args:
+        packed: uint8 [..., K/2]
+    Returns:
+        uint8 codes [..., K], element 2i from the low nibble, 2i+1 from the high nibble.
+    """
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_e2m1: expected uint8 packed codes, got {packed.dtype}")
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w[..., k] = E2M1(code[..., k]) * 2^(scale[..., k // 32] - 127); scale byte 0xFF gives NaN.
+
+    Args:
+        packed: uint8 [..., K/2]
+        scale: uint8 [..., K/32]
+    Returns:
+        [..., K] in `dtype` (computed in fp32; every MXFP4 value is exact in fp32 and bf16).
+    """
+    if scale.dtype != torch.uint8:
+        raise TypeError(f"dequantize_mxfp4: expected uint8 E8M0 scales, got {scale.dtype}")
+    k = packed.shape[-1] * 2
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * MXFP4_BLOCK != k:
+        raise ValueError(f"dequantize_mxfp4: scale shape {tuple(scale.shape)} does not match packed "
+                         f"{tuple(packed.shape)} (expected [..., {k // MXFP4_BLOCK}])")
+    values = e2m1_table(packed.device)[unpack_e2m1(packed).long()]  # [..., K]
+    exps = scale.to(torch.int32) - E8M0_BIAS
+    blocks = values.unflatten(-1, (k // MXFP4_BLOCK, MXFP4_BLOCK))
+    out = torch.ldexp(blocks, exps.unsqueeze(-1).to(torch.float32))
+    out = torch.where((scale == E8M0_NAN).unsqueeze(-1), torch.nan, out)
+    return out.flatten(-2).to(dtype)
