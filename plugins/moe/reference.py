@@ -2,6 +2,7 @@
 import torch
 
 from k3plugins.mlp.reference import glu
+from k3plugins.moe.mxfp4 import dequantize_mxfp4
 
 
 def _expert_weight(packed: torch.Tensor, scale: torch.Tensor | None, name: str, rows: int,
@@ -14,7 +15,6 @@ def _expert_weight(packed: torch.Tensor, scale: torch.Tensor | None, name: str, 
     if tuple(packed.shape) != (rows, cols // 2) or tuple(scale.shape) != (rows, cols // 32):
         raise ValueError(f"moe_experts: MXFP4 {name} must be packed [{rows}, {cols // 2}] with scale "
                          f"[{rows}, {cols // 32}], got {tuple(packed.shape)} and {tuple(scale.shape)}")
-    from k3plugins.moe.mxfp4 import dequantize_mxfp4
     return dequantize_mxfp4(packed, scale, dtype=torch.float32)
 
 
