@@ -1,0 +1,46 @@
+"""Build options: what the user asks of an engine (limits, dtypes, target)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+TARGETS = ("cpu", "sm90", "gfx942")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: str = "cpu"
+    max_batch_size: int = 8
+    max_num_tokens: int = 2048
+    max_seq_len: int = 4096
+    page_size: int = 64
+    dtype: str = "bf16"  # activations and bf16-checkpoint weights
+    kv_dtype: str = "bf16"
+    state_dtype: str = "fp32"  # KDA recurrent state storage
+    gpu_memory_gib: float | None = None  # memory plan budget per rank (None: no check)
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"--target: expected one of {', '.join(TARGETS)}, got {self.target!r}")
+        for name in ("dtype", "kv_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"--{name.replace('_', '-')}: expected one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--state-dtype: expected fp32 or bf16, got {self.state_dtype!r}")
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "page_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(self, name)}")
+        if self.page_size != 64 and self.target != "cpu":
+            raise ValueError("--page-size: device MLA kernels need pages of 64 tokens")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(f"--max-num-tokens ({self.max_num_tokens}) must be >= --max-batch-size ({self.max_batch_size}): every running request decodes one token a step")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,119 @@
+"""Walk a rank's ONNX graph and run each node with the plugin the engine chose for it.
+
+Nodes are bound once at load (function, input names, constant attributes); a step only looks values up and
+calls. KDA and MLA nodes also receive the step's sequence metadata and their layer's cache tensors, found
+by the node's `cache_index` — the only state outside the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx
+import torch
+from k3plugins import registry
+from onnx import helper
+
+from .loader import _ONNX_TO_TORCH, RankEngine
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's inputs, all requests packed along tokens."""
+
+    input_ids: torch.Tensor  # [T] int64 (first PP stage)
+    cu_seqlens: torch.Tensor  # [N+1] int64, token offsets of the N scheduled sequences
+    slot_ids: torch.Tensor  # [N] int64, KDA slot of each sequence
+    context_lens: torch.Tensor  # [N] int64, tokens cached per sequence after this step
+    page_table: torch.Tensor  # [N, max_pages] int64, -1 where unused
+    logits_indices: torch.Tensor  # [M] int64, token rows whose logits are wanted
+
+
+class Communicator:
+    """Collectives by group name; a single rank's communicator is the identity."""
+
+    def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
+        return x
+
+
+@dataclass
+class _Bound:
+    name: str
+    fn: Callable
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict
+    kind: str  # "plain" | "kda" | "mla" | "comm"
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
+
+
+class Executor:
+    def __init__(self, engine: RankEngine, caches, comm: Communicator | None = None):
+        """Args: caches: has `kda_state[i]`, `kda_conv[i]`, `mla_kv[i]` per local KDA / MLA layer index."""
+        self.engine, self.caches, self.comm = engine, caches, comm or Communicator()
+        self.weights = engine.weights
+        plugins = engine.build["plugins"]
+        self.outputs = [o.name for o in engine.graph.output]
+        self.nodes = [self._bind(n, plugins) for n in engine.graph.node]
+
+    def _bind(self, node: onnx.NodeProto, plugins: dict) -> _Bound:
+        attrs = _attrs(node)
+        ins, outs = list(node.input), list(node.output)
+        if node.domain == "":
+            return _Bound(node.name, _ONNX_OPS[node.op_type](attrs), ins, outs, {}, "plain")
+        if node.op_type in ("AllReduce", "AllGather"):
+            return _Bound(node.name, getattr(self.comm, "all_reduce" if node.op_type == "AllReduce" else "all_gather"),
+                          ins, outs, attrs, "comm")
+        entry = plugins[node.op_type]
+        fn = registry.find(node.op_type, entry["tactic"]).load()
+        kind = {"KDA": "kda", "MLA": "mla"}.get(node.op_type, "plain")
+        if node.op_type == "Router":
+            attrs["renormalize"] = bool(attrs["renormalize"])
+        return _Bound(node.name, fn, ins, outs, attrs, kind)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run the graph for one step. Returns the graph outputs (logits [M, V] fp32 on the last stage)."""
+        env = dict(self.weights)
+        env.update({"input_ids": batch.input_ids, "logits_indices": batch.logits_indices, **(extra or {})})
+        env[""] = None
+        for b in self.nodes:
+            args = [env[i] for i in b.inputs]
+            if b.kind == "kda":
+                ci = b.attrs["cache_index"]
+                kw = {k: v for k, v in b.attrs.items() if k != "cache_index"}
+                kw.setdefault("lower_bound", None)
+                out = b.fn(*args, self.caches.kda_state[ci], self.caches.kda_conv[ci], cu_seqlens=batch.cu_seqlens,
+                           slot_ids=batch.slot_ids, **kw)
+            elif b.kind == "mla":
+                ci = b.attrs["cache_index"]
+                kw = {k: v for k, v in b.attrs.items() if k != "cache_index"}
+                out = b.fn(*args, self.caches.mla_kv[ci], cu_seqlens=batch.cu_seqlens,
+                           context_lens=batch.context_lens, page_table=batch.page_table, **kw)
+            else:
+                out = b.fn(*args, **b.attrs)
+            if len(b.outputs) == 1:
+                env[b.outputs[0]] = out
+            else:
+                env.update(zip(b.outputs, out))
+        return {name: env[name] for name in self.outputs}
+
+
+def _cast(attrs: dict):
+    dtype = _ONNX_TO_TORCH[attrs["to"]]
+    return lambda x: x.to(dtype)
+
+
+_ONNX_OPS: dict[str, Callable[[dict], Callable]] = {
+    "Add": lambda attrs: (lambda a, b: a + b),
+    "Identity": lambda attrs: (lambda x: x),
+    "Cast": _cast,
+}

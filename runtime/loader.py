@@ -1,0 +1,141 @@
+"""Load one rank of an engine: verify its stamp, read its graph and weights (the runtime never needs k3build)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+from k3plugins import registry
+from safetensors.torch import load_file
+
+ENGINE_FORMAT_VERSION = 1
+KDA, MLA = "kda", "mla"
+
+
+class EngineError(RuntimeError):
+    """The engine cannot be loaded here; the message says what to rebuild or fix."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the runtime needs to know of the model (read from the engine's pretrained_config)."""
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    kda_num_heads: int
+    kda_head_dim: int
+    kda_conv_size: int
+    mla_cache_width: int
+    eos_token_id: int | None
+    bos_token_id: int | None
+    max_position_embeddings: int
+
+    @classmethod
+    def from_pretrained_config(cls, d: dict) -> "ModelFacts":
+        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], layer_types=tuple(d["layer_types"]),
+                   kda_num_heads=d["kda_num_heads"], kda_head_dim=d["kda_head_dim"], kda_conv_size=d["kda_conv_size"],
+                   mla_cache_width=d["kv_lora_rank"] + d["qk_rope_head_dim"], eos_token_id=d.get("eos_token_id"),
+                   bos_token_id=d.get("bos_token_id"), max_position_embeddings=d["max_position_embeddings"])
+
+
+@dataclass
+class RankEngine:
+    engine_dir: Path
+    rank: int
+    config: dict
+    facts: ModelFacts
+    graph: onnx.GraphProto
+    weights: dict[str, torch.Tensor]
+
+    @property
+    def build(self) -> dict:
+        return self.config["build_config"]
+
+    @property
+    def rank_info(self) -> dict:
+        return self.config["ranks"][str(self.rank)]
+
+    @property
+    def world_size(self) -> int:
+        return self.config["mapping"]["world_size"]
+
+    def local_layers(self, kind: str) -> list[int]:
+        start, stop = self.rank_info["layers"]
+        return [i for i in range(start, stop) if self.facts.layer_types[i] == kind]
+
+
+def read_engine_config(engine_dir: str | Path) -> dict:
+    path = Path(engine_dir) / "config.json"
+    if not path.exists():
+        raise EngineError(f"{engine_dir}: not an engine dir (no config.json); build one with `k3build build`")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{path}: not valid JSON ({e})") from None
+    check_stamp(cfg, path)
+    return cfg
+
+
+def _device_target(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    if torch.version.hip:
+        return "gfx942"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> None:
+    """Refuse an engine this runtime cannot run, naming what to rebuild."""
+    rebuild = f"rebuild it with `k3build build` from this installation"
+    if cfg.get("version") != ENGINE_FORMAT_VERSION:
+        raise EngineError(f"{path}: engine format v{cfg.get('version')} but this runtime reads v{ENGINE_FORMAT_VERSION}; {rebuild}")
+    stamp = cfg.get("stamp") or {}
+    if stamp.get("plugin_abi") != registry.PLUGIN_ABI:
+        raise EngineError(f"{path}: built for plugin ABI {stamp.get('plugin_abi')}, this runtime has ABI {registry.PLUGIN_ABI}; {rebuild}")
+    for op, p in cfg["build_config"]["plugins"].items():
+        impl = registry.find(op, p["tactic"])
+        if impl is None or impl.version != p["version"]:
+            have = f"v{impl.version}" if impl else "none"
+            raise EngineError(f"{path}: plugin {op}/{p['tactic']} v{p['version']} is not available here ({have}); {rebuild}")
+    if device is not None:
+        here, target = _device_target(device), stamp.get("target")
+        if here != target and not (target == "cpu" and device.type == "cpu"):
+            raise EngineError(f"{path}: engine built for target {target!r} but this device is {here!r}; "
+                              f"rebuild with `k3build build --target {here if here in ('cpu', 'sm90', 'gfx942') else '<target>'}`")
+
+
+def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu") -> RankEngine:
+    engine_dir, device = Path(engine_dir), torch.device(device)
+    cfg = read_engine_config(engine_dir)
+    check_stamp(cfg, engine_dir / "config.json", device)
+    if str(rank) not in cfg["ranks"]:
+        raise EngineError(f"{engine_dir}: no rank {rank} (world size {cfg['mapping']['world_size']})")
+    rank_dir = engine_dir / f"rank{rank}"
+    graph = onnx.load(rank_dir / "graph.onnx").graph
+    weights = load_file(rank_dir / "weights.safetensors", device=str(device))
+    _check_weights(graph, weights, rank_dir)
+    return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)
+
+
+_ONNX_TO_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
+                  onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.UINT8: torch.uint8,
+                  onnx.TensorProto.INT64: torch.int64}
+
+
+def _check_weights(graph: onnx.GraphProto, weights: dict[str, torch.Tensor], rank_dir: Path) -> None:
+    for vi in graph.input:
+        t = vi.type.tensor_type
+        if any(d.dim_param for d in t.shape.dim):
+            continue  # a data input (symbolic dims), bound per step
+        if vi.name not in weights:
+            raise EngineError(f"{rank_dir}/weights.safetensors: tensor {vi.name!r} declared by graph.onnx is missing")
+        shape = tuple(d.dim_value for d in t.shape.dim)
+        w = weights[vi.name]
+        if tuple(w.shape) != shape or w.dtype != _ONNX_TO_TORCH[t.elem_type]:
+            raise EngineError(f"{rank_dir}/weights.safetensors: {vi.name!r} is {tuple(w.shape)} {w.dtype}, graph expects "
+                              f"{shape} {_ONNX_TO_TORCH[t.elem_type]}")
