@@ -1,0 +1,75 @@
+"""The engine's tokenizer (tokenizer.json via the `tokenizers` library), incremental detokenizing and stop strings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, engine_dir: str | Path):
+        engine_dir = Path(engine_dir)
+        path = engine_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: the engine has no tokenizer; pass token ids instead of text")
+        self._tok = _HFTokenizer.from_file(str(path))
+        cfg_path = engine_dir / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = engine_dir / "chat_template.jinja"
+        self.chat_template = template.read_text() if template.exists() else self.config.get("chat_template")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=bool(self.config.get("add_bos_token", False))).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("the engine's tokenizer has no chat template; use completions instead")
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                          **special)
+
+
+class Detokenizer:
+    """Text of a growing token list, released only as far as no stop string can still start there.
+
+    Decoding the whole output each time keeps multi-byte characters split across tokens intact; the
+    released prefix never changes afterwards, so streamed deltas concatenate to the final text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.released = 0
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token_id: int, final: bool = False) -> str:
+        """Add one token; return the newly released text (stop strings cut the text and set `stopped`)."""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                text, self.stopped, final = text[:at], True, True
+        if not final:
+            # Hold back an incomplete UTF-8 character and any tail that could begin a stop string.
+            keep = len(text) - 1 if text.endswith("\ufffd") else len(text)
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            keep = min(keep, len(text) - hold) if hold else keep
+            text = text[:max(keep, self.released)]
+        delta = text[self.released:]
+        self.released = len(text)
+        self.text = text
+        return delta
