@@ -1,0 +1,59 @@
+"""`k3runtime` command line: generate from an engine (servers and stores register here too)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from .loader import EngineError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Run k3build engines."""
+
+
+@main.command("generate")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
+def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream):
+    """Generate completions for PROMPTs."""
+    from .api import LLM
+    from .sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        llm = LLM(engine, device=device)
+        if stream:
+            for chunk in llm.stream(prompts[0], params):
+                click.echo(chunk.text, nl=False)
+            click.echo()
+            return
+        for prompt, out in zip(prompts, llm.generate(list(prompts), params)):
+            click.echo(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})")
+            click.echo(out.text if out.text is not None else out.token_ids)
+    except (EngineError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+# (module, command attribute) of commands living beside their code.
+COMMANDS = [
+    ("k3runtime.server.cli", "serve_cmd"),
+    ("k3runtime.triton_backend.repo", "triton_repo_cmd"),
+    ("k3runtime.dist.weight_store", "weight_store_cmd"),
+]
+for _module, _attr in COMMANDS:
+    try:
+        main.add_command(getattr(importlib.import_module(_module), _attr))
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("k3runtime"):
+            print(f"k3runtime: {_module} unavailable ({e})", file=sys.stderr)
