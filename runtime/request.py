@@ -1,0 +1,106 @@
+"""One generation request and its bookkeeping (no torch; nano-vllm's `Sequence` in spirit).
+
+The scheduler owns every field below `params`; the API layer creates the request and reads
+`output_token_ids`, `status` and `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SEED_LIMIT, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled yet
+    RUNNING = "running"  # holds a slot and pages on the device
+    SWAPPED = "swapped"  # preempted; its pages and slot live in the host store
+    PREEMPTED = "preempted"  # preempted by recompute; holds nothing, re-prefills prompt + output
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+                 "abort": RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its sampling params and everything the scheduler tracks about it.
+
+    Args:
+        request_id: unique among live requests.
+        prompt_token_ids: the prompt, at least one token id >= 0.
+        params: sampling and stopping options.
+        eos_token_id: the model's EOS id (None = no EOS stop); set by the API layer from the tokenizer.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose MLA KV and KDA state are in the cache (advanced when a chunk is scheduled).
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    slot_id: int | None = None
+    host_page_ids: list[int] = field(default_factory=list)
+    host_slot_id: int | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    arrival: int = -1  # arrival order, set by Scheduler.add; smaller = older = higher priority
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+    # Fixed at creation so a request without an explicit seed still samples identically after recompute.
+    sampling_seed: int = -1
+
+    def __post_init__(self):
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id: expected a non-empty string, got {self.request_id!r}")
+        ids = self.prompt_token_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError(f"prompt_token_ids: expected a non-empty list of token ids (request {self.request_id!r})")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"prompt_token_ids: expected ints >= 0 (request {self.request_id!r})")
+        self.prompt_token_ids = list(ids)
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(self.params).__name__}")
+        if self.sampling_seed < 0:
+            self.sampling_seed = self.params.seed if self.params.seed is not None else random.randrange(SEED_LIMIT)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far; also the index of the next token to sample (the sampler's RNG position)."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_slice(self, start: int, stop: int) -> tuple[int, ...]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return tuple(self.prompt_token_ids[start:stop])
+        return tuple(self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):stop - n])

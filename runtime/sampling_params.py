@@ -1,0 +1,75 @@
+"""Per-request sampling options: a frozen, validated value object (no torch).
+
+Reproducibility contract with the sampler: the random draw for output token i of a request is a
+pure function of (`Request.sampling_seed`, i), where i = `Request.num_output_tokens` when the item
+that samples it is scheduled. Preemption by recompute re-prefills prompt + generated tokens and
+samples token i again with the same (seed, i), so the output is identical to an unpreempted run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# One request may not ask for more output tokens than K3's native context (1M tokens).
+MAX_TOKENS_LIMIT = 1 << 20
+SEED_LIMIT = 1 << 63
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick output tokens and when to stop.
+
+    Args:
+        max_tokens: output tokens to generate at most, 1..MAX_TOKENS_LIMIT.
+        temperature: 0 = greedy; > 0 scales logits.
+        top_p: nucleus mass in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        seed: per-request seed in [0, 2**63); None = a random seed fixed at request creation.
+        stop: strings that end generation (matched on detokenized text by the API layer).
+        stop_token_ids: token ids that end generation (applied by the scheduler, even with ignore_eos).
+        ignore_eos: keep generating past the model's EOS token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens: expected an int in 1..{MAX_TOKENS_LIMIT}, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed: expected None or an int in [0, 2**63), got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop: expected a string or a sequence of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) \
+                or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: expected a sequence of ints >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        # Lists are accepted for convenience but stored as tuples so the object stays hashable.
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

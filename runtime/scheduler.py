@@ -1,0 +1,331 @@
+"""Continuous-batching scheduler (no torch; vLLM v1's scheduler in spirit).
+
+Every step is a list of "N tokens of request r starting at position p, sample the last one or not":
+a decoding request gets 1 token, a prefilling one a chunk, both in the same step; there is no
+prefill/decode flag. Priority is arrival order (FCFS). When a running request needs pages that are
+not free, the most recently arrived running request is preempted ("recompute" or "swap").
+
+The executor runs a `StepPlan` in this order: swap_out copies, swap_in copies, zero reset_slot_ids,
+then the forward over `items`; it answers `update(plan, {request_id: token})` for every item with
+`sample=True`. `schedule()` advances `num_computed_tokens`, so `update()` must follow each plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from .kv_cache.page_pool import PagePool
+from .kv_cache.slot_pool import SlotPool
+from .request import FINISH_STATUS, Request, RequestStatus
+from .scheduler_config import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ScheduledItem:
+    """Feed `token_ids` (positions start_pos .. start_pos+num_tokens-1) of one request this step.
+
+    `page_ids` is the request's full page table after this step (position p is in page_ids[p // page_size]);
+    `slot_id` holds its KDA state, which carries over from earlier chunks (fresh when start_pos == 0).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    num_tokens: int
+    sample: bool  # the logits of the last token are sampled into the request's next output token
+    slot_id: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SwapEntry:
+    """Copy a request's pages and slot between device ids and host-store ids (page_ids[i] <-> host_page_ids[i])."""
+
+    request_id: str
+    page_ids: tuple[int, ...]
+    slot_id: int
+    host_page_ids: tuple[int, ...]
+    host_slot_id: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step; see the module doc for the order in which the executor applies it.
+
+    finished_ids: requests that finished (abort, stop, length) since the previous plan, so the
+    executor can drop anything it keeps per request; their pages and slots are already free.
+    """
+
+    items: tuple[ScheduledItem, ...]
+    reset_slot_ids: tuple[int, ...]
+    swap_out: tuple[SwapEntry, ...]
+    swap_in: tuple[SwapEntry, ...]
+    preempted_ids: tuple[str, ...]
+    finished_ids: tuple[str, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+class Scheduler:
+    """Owns the request queues and hands out pages/slots from the pools it is given.
+
+    Args:
+        config: limits and preemption mode.
+        page_pool: device MLA pages (its page_size must equal config.page_size).
+        slot_pool: device KDA state slots.
+    """
+
+    def __init__(self, config: SchedulerConfig, page_pool: PagePool, slot_pool: SlotPool):
+        if page_pool.page_size != config.page_size:
+            raise ValueError(f"page_size: scheduler config says {config.page_size}, page pool has {page_pool.page_size}")
+        if page_pool.num_pages < 1 or slot_pool.num_slots < 1:
+            raise ValueError(f"page/slot pool: need at least one page and one slot, got "
+                             f"{page_pool.num_pages} pages and {slot_pool.num_slots} slots")
+        self.config = config
+        self.page_pool = page_pool
+        self.slot_pool = slot_pool
+        self.host_page_pool = PagePool(config.num_host_pages, config.page_size)
+        self.host_slot_pool = SlotPool(config.num_host_slots)
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.waiting: list[Request] = []  # WAITING / PREEMPTED / SWAPPED, sorted by arrival
+        self.running: list[Request] = []  # RUNNING, sorted by arrival
+        self._arrivals = itertools.count()
+        self._finished_ids: list[str] = []
+        self._in_flight: StepPlan | None = None
+        self._in_flight_requests: dict[str, Request] = {}
+
+    # --- queue state, for the engine and metrics ---
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # --- requests in and out ---
+    def add(self, request: Request) -> None:
+        """Queue a fresh request; raises ValueError if it could never run on this engine."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already live")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r}: expected a fresh request, got status {request.status.value}")
+        max_len = self.config.max_model_len
+        if max_len is not None and request.num_prompt_tokens >= max_len:
+            raise ValueError(f"prompt_token_ids: {request.num_prompt_tokens} tokens leave no room under "
+                             f"max_model_len={max_len}")
+        # Every request must fit alone, or preemption could never make room for it.
+        need = self.page_pool.pages_needed(self._max_kv_tokens(request))
+        if need > self.page_pool.num_pages:
+            raise ValueError(f"max_tokens: prompt ({request.num_prompt_tokens}) + max_tokens "
+                             f"({request.params.max_tokens}) needs {need} pages of {self.config.page_size} tokens; "
+                             f"the cache holds {self.page_pool.num_pages}")
+        request.arrival = next(self._arrivals)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """End a live request now ("stop" | "length" | "abort") and free its pages and slot.
+
+        Returns:
+            the request, or None if no live request has that id (already finished or unknown).
+        """
+        if reason not in FINISH_STATUS:
+            raise ValueError(f"reason: expected one of {tuple(FINISH_STATUS)}, got {reason!r}")
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, reason)
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, "abort")
+
+    # --- one step ---
+    def schedule(self) -> StepPlan:
+        """Plan the next step (pages and slots are booked here)."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule: the previous StepPlan has not been passed to update() yet")
+        budget = self.config.max_num_batched_tokens
+        items: list[tuple[int, ScheduledItem]] = []
+        reset: list[int] = []
+        swap_out: list[SwapEntry] = []
+        swap_in: list[SwapEntry] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request, budget)
+            if not self._reserve_pages(request, n, swap_out, preempted):
+                break  # the request preempted itself; every later one already was
+            items.append((request.arrival, self._item(request, n)))
+            budget -= n
+            i += 1
+
+        # No admissions in a step that had to preempt: the freed room went to older requests.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = self._chunk(request, budget)
+            if not self._admit(request, n, reset, swap_in):
+                break  # FCFS: nothing overtakes the head of the queue
+            self.waiting.pop(0)
+            self._insert(self.running, request)
+            items.append((request.arrival, self._item(request, n)))
+            budget -= n
+
+        items.sort(key=lambda x: x[0])
+        plan = StepPlan(items=tuple(it for _, it in items), reset_slot_ids=tuple(reset), swap_out=tuple(swap_out),
+                        swap_in=tuple(swap_in), preempted_ids=tuple(preempted),
+                        finished_ids=tuple(self._finished_ids),
+                        num_batched_tokens=self.config.max_num_batched_tokens - budget)
+        self._finished_ids = []
+        self._in_flight = plan
+        self._in_flight_requests = {it.request_id: self.requests[it.request_id] for it in plan.items}
+        return plan
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Apply the tokens sampled by the executor for `plan`.
+
+        Args:
+            plan: the plan returned by the last `schedule()`.
+            sampled: request_id -> token id, exactly for the items with sample=True.
+        Returns:
+            requests that finished in this update (stop token, EOS, max_tokens, max_model_len).
+        """
+        if plan is not self._in_flight:
+            raise ValueError("update: plan is not the StepPlan returned by the last schedule()")
+        expected = {it.request_id for it in plan.items if it.sample}
+        if set(sampled) != expected:
+            missing, extra = sorted(expected - set(sampled)), sorted(set(sampled) - expected)
+            raise ValueError(f"sampled: expected tokens for exactly the sampled items; missing {missing}, extra {extra}")
+        requests, self._in_flight, self._in_flight_requests = self._in_flight_requests, None, {}
+        finished = []
+        for it in plan.items:
+            request = requests[it.request_id]
+            # Aborted while the step ran: its token is dropped.
+            if not it.sample or request.is_finished:
+                continue
+            token = sampled[it.request_id]
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"sampled[{it.request_id!r}]: expected a token id >= 0, got {token!r}")
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    # --- helpers ---
+    def _max_kv_tokens(self, request: Request) -> int:
+        # The last sampled token is never fed back, so it needs no cache row.
+        total = request.num_prompt_tokens + request.params.max_tokens
+        if self.config.max_model_len is not None:
+            total = min(total, self.config.max_model_len)
+        return total - 1
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        assert remaining > 0, f"request {request.request_id} has nothing to compute"
+        return min(remaining, self.config.max_prefill_chunk, budget)
+
+    def _item(self, request: Request, n: int) -> ScheduledItem:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += n
+        return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n,
+                             start + n == request.num_tokens, request.slot_id, tuple(request.page_ids))
+
+    def _reserve_pages(self, request: Request, n: int, swap_out: list, preempted: list) -> bool:
+        """Give a running request the pages for n more tokens, preempting the newest running requests if short."""
+        need = self.page_pool.pages_needed(request.num_computed_tokens + n) - len(request.page_ids)
+        while need > self.page_pool.num_free:
+            victim = self.running.pop()
+            self._preempt(victim, swap_out, preempted)
+            if victim is request:
+                return False
+        request.page_ids += self.page_pool.allocate(need)
+        return True
+
+    def _admit(self, request: Request, n: int, reset: list, swap_in: list) -> bool:
+        """Move the head of the waiting queue onto the device if a slot and its pages are free."""
+        need = self.page_pool.pages_needed(request.num_computed_tokens + n)
+        if self.slot_pool.num_free < 1 or need > self.page_pool.num_free:
+            return False
+        request.slot_id = self.slot_pool.allocate()
+        request.page_ids = self.page_pool.allocate(need)
+        if request.status is RequestStatus.SWAPPED:
+            k = len(request.host_page_ids)
+            swap_in.append(SwapEntry(request.request_id, tuple(request.page_ids[:k]), request.slot_id,
+                                     tuple(request.host_page_ids), request.host_slot_id))
+            self._free_host(request)
+        else:
+            reset.append(request.slot_id)
+        request.status = RequestStatus.RUNNING
+        return True
+
+    def _preempt(self, request: Request, swap_out: list, preempted: list) -> None:
+        num_pages = len(request.page_ids)
+        fits_host = self.host_page_pool.num_free >= num_pages and self.host_slot_pool.num_free >= 1
+        if self.config.preemption_mode == "swap" and fits_host:
+            request.host_page_ids = self.host_page_pool.allocate(num_pages)
+            request.host_slot_id = self.host_slot_pool.allocate()
+            swap_out.append(SwapEntry(request.request_id, tuple(request.page_ids), request.slot_id,
+                                      tuple(request.host_page_ids), request.host_slot_id))
+            request.status = RequestStatus.SWAPPED
+        else:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+        self._free_device(request)
+        request.num_preemptions += 1
+        self._insert(self.waiting, request)
+        preempted.append(request.request_id)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        p = request.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token == request.eos_token_id):
+            return "stop"
+        if request.num_output_tokens >= p.max_tokens:
+            return "length"
+        if self.config.max_model_len is not None and request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._free_device(request)
+        self._free_host(request)
+        request.status = FINISH_STATUS[reason]
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _free_device(self, request: Request) -> None:
+        self.page_pool.free(request.page_ids)
+        request.page_ids = []
+        if request.slot_id is not None:
+            self.slot_pool.free(request.slot_id)
+            request.slot_id = None
+
+    def _free_host(self, request: Request) -> None:
+        self.host_page_pool.free(request.host_page_ids)
+        request.host_page_ids = []
+        if request.host_slot_id is not None:
+            self.host_slot_pool.free(request.host_slot_id)
+            request.host_slot_id = None
+
+    @staticmethod
+    def _insert(queue: list[Request], request: Request) -> None:
+        bisect.insort(queue, request, key=lambda r: r.arrival)

@@ -1,0 +1,280 @@
+"""Scheduler driven by a fake, deterministic executor (scheduler_sim.py); no model, no tensors."""
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from k3runtime.kv_cache import PagePool, SlotPool
+from k3runtime.request import Request, RequestStatus
+from k3runtime.sampling_params import SamplingParams
+from k3runtime.scheduler import Scheduler
+from k3runtime.scheduler_config import SchedulerConfig
+from scheduler_sim import EOS, VOCAB, FakeExecutor, check_plan, reference, run
+
+
+def make(num_pages=64, num_slots=8, **cfg):
+    config = SchedulerConfig(**{"page_size": 4, **cfg})
+    return Scheduler(config, PagePool(num_pages, config.page_size), SlotPool(num_slots))
+
+
+def req(rid, n_prompt, max_tokens=8, seed=None, **kw):
+    rng = random.Random(rid)
+    prompt = [rng.randrange(2, VOCAB) for _ in range(n_prompt)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=seed, **kw), eos_token_id=EOS)
+
+
+def assert_matches_reference(requests, max_model_len=None):
+    for r in requests:
+        out, reason = reference(r, max_model_len)
+        assert (r.output_token_ids, r.finish_reason) == (out, reason), r.request_id
+
+
+def assert_all_free(sched):
+    assert sched.page_pool.num_free == sched.page_pool.num_pages
+    assert sched.slot_pool.num_free == sched.slot_pool.num_slots
+    assert sched.host_page_pool.num_free == sched.host_page_pool.num_pages
+    assert sched.host_slot_pool.num_free == sched.host_slot_pool.num_slots
+    assert not sched.running and not sched.waiting and not sched.requests
+
+
+def step(sched, ex):
+    plan = sched.schedule()
+    check_plan(plan, sched)
+    finished = sched.update(plan, ex.step(plan))
+    ex.poison_free()
+    return plan, finished
+
+
+def test_continuous_batching_admits_and_mixes_prefill_with_decode():
+    sched = make(max_prefill_chunk=16)
+    ex = FakeExecutor(sched)
+    a = req("a", 5, max_tokens=10, ignore_eos=True)
+    sched.add(a)
+    plan, _ = step(sched, ex)
+    assert [(it.request_id, it.start_pos, it.num_tokens, it.sample) for it in plan.items] == [("a", 0, 5, True)]
+    assert plan.reset_slot_ids == (a.slot_id,)
+    step(sched, ex)  # a decodes
+    b = req("b", 20, max_tokens=3, ignore_eos=True)
+    sched.add(b)
+    plan, _ = step(sched, ex)
+    # One step: a's decode token at position 6 and b's first prefill chunk, no flag telling them apart.
+    assert [(it.request_id, it.start_pos, it.num_tokens, it.sample) for it in plan.items] == \
+        [("a", 6, 1, True), ("b", 0, 16, False)]
+    assert plan.items[0].token_ids == (a.output_token_ids[1],)
+    assert plan.reset_slot_ids == (b.slot_id,) and plan.num_batched_tokens == 17
+    plan, _ = step(sched, ex)
+    assert [(it.request_id, it.start_pos, it.num_tokens, it.sample) for it in plan.items] == \
+        [("a", 7, 1, True), ("b", 16, 4, True)]
+    while sched.has_unfinished():
+        step(sched, ex)
+    assert_matches_reference([a, b])
+    assert_all_free(sched)
+
+
+def test_chunked_prefill_respects_chunk_and_step_budget():
+    sched = make(max_prefill_chunk=64, max_num_batched_tokens=100, page_size=16)
+    ex = FakeExecutor(sched)
+    a, b = req("a", 150, max_tokens=2, ignore_eos=True), req("b", 30, max_tokens=2, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    shapes = []
+    while a.num_output_tokens == 0:
+        plan, _ = step(sched, ex)
+        shapes.append([(it.request_id, it.start_pos, it.num_tokens, it.sample) for it in plan.items])
+    # b gets what a leaves of the 100-token budget, and never more than one chunk.
+    assert shapes == [[("a", 0, 64, False), ("b", 0, 30, True)],
+                      [("a", 64, 64, False), ("b", 30, 1, True)],
+                      [("a", 128, 22, True)]]
+    assert len(plan.items[0].page_ids) == 10  # ceil(150 / 16)
+
+
+def test_step_budget_smaller_than_chunk():
+    sched = make(max_prefill_chunk=64, max_num_batched_tokens=40)
+    ex = FakeExecutor(sched)
+    a = req("a", 100, max_tokens=1)
+    sched.add(a)
+    sizes = [step(sched, ex)[0].items[0].num_tokens for _ in range(3)]
+    assert sizes == [40, 40, 20] and a.finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_on_tiny_page_budget_gives_unpreempted_outputs(mode):
+    # 12 pages of 4 tokens: three requests growing to ~30 tokens each cannot all stay resident.
+    sched = make(num_pages=12, num_slots=4, max_prefill_chunk=8, preemption_mode=mode,
+                 num_host_pages=12, num_host_slots=4)
+    reqs = [req(f"r{i}", 10 + i, max_tokens=20, ignore_eos=True) for i in range(3)]
+    ex, plans = run(sched, {0: reqs})
+    assert any(p.preempted_ids for p in plans) and all(r.num_preemptions >= 0 for r in reqs)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert bool(ex.num_swaps) == (mode == "swap")
+    assert any(p.swap_in for p in plans) == (mode == "swap")
+    assert_matches_reference(reqs)
+    assert_all_free(sched)
+    # The oldest request is never the victim while a newer one runs.
+    assert reqs[0].num_preemptions <= reqs[-1].num_preemptions
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_slot_budget_queues_and_completes(mode):
+    sched = make(num_pages=8, num_slots=2, max_prefill_chunk=6, preemption_mode=mode,
+                 num_host_pages=4, num_host_slots=1)
+    reqs = [req(f"r{i}", 3 + 2 * i, max_tokens=12, seed=i, ignore_eos=i % 3 > 0) for i in range(6)]
+    ex, plans = run(sched, {0: reqs[:3], 4: reqs[3:]})
+    assert max(len(p.items) for p in plans) == 2
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert_matches_reference(reqs)
+    assert_all_free(sched)
+
+
+def test_swap_falls_back_to_recompute_when_host_store_is_full():
+    sched = make(num_pages=8, num_slots=3, max_prefill_chunk=8, preemption_mode="swap",
+                 num_host_pages=2, num_host_slots=1)
+    reqs = [req(f"r{i}", 9, max_tokens=14, ignore_eos=True) for i in range(3)]
+    seen = set()
+    run(sched, {0: reqs}, on_step=lambda s, p: seen.update(sched.get(i).status for i in p.preempted_ids))
+    assert RequestStatus.PREEMPTED in seen
+    assert_matches_reference(reqs)
+    assert_all_free(sched)
+
+
+def test_stop_conditions_and_api_finish():
+    sched = make(max_model_len=12)
+    ex = FakeExecutor(sched)
+    a = req("a", 4, max_tokens=50, ignore_eos=True)  # ends by max_model_len
+    b = req("b", 4, max_tokens=3, ignore_eos=True)  # ends by max_tokens
+    first = reference(req("c", 4, max_tokens=1, seed=5))[0][0]
+    c = req("c", 4, max_tokens=50, seed=5, ignore_eos=True, stop_token_ids=(first,))
+    d = req("d", 4, max_tokens=50, ignore_eos=True)  # the API layer stops it on a stop string
+    for r in (a, b, c, d):
+        sched.add(r)
+    _, finished = step(sched, ex)
+    assert finished == [c] and c.finish_reason == "stop" and c.output_token_ids == [first]
+    assert sched.finish("d", "stop") is d and d.status is RequestStatus.FINISHED_STOPPED
+    plan = sched.schedule()
+    assert plan.finished_ids == ("c", "d") and {it.request_id for it in plan.items} == {"a", "b"}
+    sched.update(plan, ex.step(plan))
+    while sched.has_unfinished():
+        step(sched, ex)
+    assert (a.num_tokens, a.finish_reason) == (12, "length")
+    assert (b.num_output_tokens, b.finish_reason) == (3, "length")
+    assert_all_free(sched)
+    with pytest.raises(ValueError, match="reason"):
+        sched.finish("a", "done")
+
+
+def test_eos_unless_ignored():
+    def unstopped(seed):
+        return reference(req("a", 3, max_tokens=6, seed=seed, ignore_eos=True))[0]
+
+    seed = next(s for s in range(1000) if EOS in unstopped(s)[:5])
+    a = req("a", 3, max_tokens=6, seed=seed)
+    b = Request("b", a.prompt_token_ids, SamplingParams(max_tokens=6, seed=seed, ignore_eos=True), eos_token_id=EOS)
+    run(make(), {0: [a, b]})
+    cut = unstopped(seed).index(EOS) + 1
+    assert (a.output_token_ids, a.finish_reason) == (unstopped(seed)[:cut], "stop")
+    assert (b.output_token_ids, b.finish_reason) == (unstopped(seed), "length")
+
+
+def test_abort_frees_resources_in_every_state():
+    sched = make(num_pages=10, num_slots=2, max_prefill_chunk=4, preemption_mode="swap",
+                 num_host_pages=10, num_host_slots=2)
+    ex = FakeExecutor(sched)
+    reqs = [req(f"r{i}", 6, max_tokens=30, ignore_eos=True) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    states = set()
+    for _ in range(25):
+        step(sched, ex)
+        states |= {r.status for r in reqs}
+    assert {RequestStatus.RUNNING, RequestStatus.SWAPPED, RequestStatus.WAITING} <= states
+    for r in sorted(reqs, key=lambda r: r.status.value):
+        assert sched.abort(r.request_id) is r and r.finish_reason == "abort"
+    assert sched.abort("r0") is None and sched.abort("nope") is None
+    assert_all_free(sched)
+
+
+def test_abort_while_step_in_flight_drops_its_token():
+    sched = make()
+    ex = FakeExecutor(sched)
+    a, b = req("a", 5, ignore_eos=True), req("b", 5, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    sampled = ex.step(plan)
+    sched.abort("a")
+    assert sched.update(plan, sampled) == [] and a.output_token_ids == [] and len(b.output_token_ids) == 1
+    assert sched.schedule().finished_ids == ("a",)
+
+
+def test_contract_errors():
+    sched = make(num_pages=4, max_model_len=10)
+    sched.add(req("a", 3))
+    with pytest.raises(ValueError, match="already live"):
+        sched.add(req("a", 3))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(req("long", 10))
+    with pytest.raises(ValueError, match="max_tokens.*needs 5 pages.*holds 4"):
+        make(num_pages=4).add(req("big", 10, max_tokens=10))
+    with pytest.raises(ValueError, match="page_size"):
+        Scheduler(SchedulerConfig(page_size=64), PagePool(4, 16), SlotPool(1))
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError, match="update"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="missing \\['a'\\]"):
+        sched.update(plan, {})
+    with pytest.raises(ValueError, match="extra \\['zz'\\]"):
+        sched.update(plan, {"a": 3, "zz": 1})
+    sched.update(plan, {"a": 3})
+    with pytest.raises(ValueError, match="last schedule"):
+        sched.update(plan, {"a": 3})
+
+
+@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("max_prefill_chunk", 0),
+                                         ("page_size", 0), ("preemption_mode", "drop"), ("num_host_pages", -1),
+                                         ("max_model_len", 1)])
+def test_config_validation_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
+
+
+def test_no_leak_over_1000_random_requests_with_aborts():
+    rng = random.Random(1234)
+    sched = make(num_pages=40, num_slots=6, max_num_seqs=5, max_prefill_chunk=12, max_num_batched_tokens=32,
+                 preemption_mode="swap", num_host_pages=16, num_host_slots=2, max_model_len=64)
+    arrivals, reqs = {}, []
+    for i in range(1000):
+        r = req(f"r{i}", rng.randint(1, 40), max_tokens=rng.randint(1, 20), seed=rng.choice([None, i]),
+                ignore_eos=rng.random() < 0.3)
+        arrivals.setdefault(i // 4, []).append(r)
+        reqs.append(r)
+    aborted = set()
+
+    def chaos(step, plan):
+        live = sorted(sched.requests)
+        if live and rng.random() < 0.08:
+            aborted.add(sched.abort(rng.choice(live)).request_id)
+
+    _, plans = run(sched, arrivals, on_step=chaos)
+    assert_all_free(sched)
+    assert len(aborted) > 20 and sum(bool(p.preempted_ids) for p in plans) > 10
+    assert all(r.is_finished for r in reqs)
+    assert_matches_reference([r for r in reqs if r.request_id not in aborted], max_model_len=64)
+    # An aborted request's tokens are a prefix of what it would have produced.
+    for r in reqs:
+        if r.request_id in aborted:
+            assert r.output_token_ids == reference(r, 64)[0][:r.num_output_tokens]
+
+
+@settings(max_examples=25, deadline=None)
+@given(page_size=st.sampled_from([1, 3, 8]), num_pages=st.integers(8, 30), num_slots=st.integers(1, 4),
+       chunk=st.integers(1, 9), budget=st.integers(1, 20), mode=st.sampled_from(["recompute", "swap"]),
+       host=st.integers(0, 10), lens=st.lists(st.integers(1, 12), min_size=1, max_size=6))
+def test_outputs_invariant_to_limits(page_size, num_pages, num_slots, chunk, budget, mode, host, lens):
+    sched = make(num_pages=num_pages * 8 // page_size, num_slots=num_slots, page_size=page_size,
+                 max_prefill_chunk=chunk, max_num_batched_tokens=budget, preemption_mode=mode,
+                 num_host_pages=host * 8 // page_size, num_host_slots=host // 3)
+    reqs = [req(f"r{i}", n, max_tokens=1 + (i * 7) % 10, seed=i) for i, n in enumerate(lens)]
+    run(sched, {0: reqs[::2], 3: reqs[1::2]})
+    assert_matches_reference(reqs)
+    assert_all_free(sched)
