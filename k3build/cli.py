@@ -35,3 +35,7 @@ COMMANDS = [
 ]
 
 _register()
+
+
+if __name__ == "__main__":
+    main()

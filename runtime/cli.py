@@ -57,3 +57,7 @@ for _module, _attr in COMMANDS:
     except ModuleNotFoundError as e:
         if not (e.name or "").startswith("k3runtime"):
             print(f"k3runtime: {_module} unavailable ({e})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -82,6 +82,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             "memory_plan": memory_plan,
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; an engine is meant to be shared
         if engine_dir.exists():
             shutil.rmtree(engine_dir)
         os.replace(tmp, engine_dir)
@@ -114,7 +115,7 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
                 writer.add(name, t)
                 shapes[name] = (tuple(t.shape), t.dtype)
                 layer = name.split(".", 1)[0]
-                if layer != last_layer and layer.startswith("l"):
+                if layer != last_layer and layer[1:].isdigit():
                     bar.update(1)
                     last_layer = layer
         except BaseException:
