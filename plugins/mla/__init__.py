@@ -1,0 +1,3 @@
+from .reference import mla_mixer
+
+__all__ = ["mla_mixer"]

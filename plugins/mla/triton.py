@@ -1,0 +1,137 @@
+"""Absorbed-MLA paged decode attention in Triton (split-K over the context, then a log-sum-exp merge).
+
+Cache: kv_cache [num_pages, 64, 576] = [normed latent 512 | k_pe 64] per token (K3_SPEC.md §2.3). Each
+program owns one sequence, one block of heads and one slice of its pages, so every cached token is read
+from HBM once per head block (the head blocks of one slice are adjacent in the grid and share it in L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PAGE = 64
+D_LAT = 512
+D_PE = 64
+
+
+@triton.jit
+def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale, H,
+                      stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_kv_page, stride_ob, stride_os, stride_oh,
+                      stride_lb, stride_ls, PAGES_PER_SPLIT: tl.constexpr, BH: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr):
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    first_page = split * PAGES_PER_SPLIT
+    n_pages = tl.minimum(tl.cdiv(ctx, PAGE_SIZE) - first_page, PAGES_PER_SPLIT)
+    offs_h = hb * BH + tl.arange(0, BH)
+    h_mask = offs_h < H
+    rl = tl.arange(0, DL)
+    rr = tl.arange(0, DR)
+    rt = tl.arange(0, PAGE_SIZE)
+    q_off = b * stride_qb + offs_h[:, None] * stride_qh
+    q = tl.load(q_lat_ptr + q_off + rl[None, :], mask=h_mask[:, None], other=0.0)      # [BH, DL]
+    qp_off = b * stride_rb + offs_h[:, None] * stride_rh
+    qp = tl.load(q_pe_ptr + qp_off + rr[None, :], mask=h_mask[:, None], other=0.0)     # [BH, DR]
+    # fold the softmax scale and log2(e) into one multiply so the loop uses exp2
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BH,), dtype=tl.float32)
+    acc = tl.zeros((BH, DL), dtype=tl.float32)
+    for i in range(0, n_pages):
+        page = tl.load(pt_ptr + b * stride_pb + first_page + i).to(tl.int64)
+        base = kv_ptr + page * stride_kv_page + rt[:, None] * (DL + DR)
+        c = tl.load(base + rl[None, :])                                                  # [T, DL]
+        cp = tl.load(base + DL + rr[None, :])                                            # [T, DR]
+        s = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(cp))                            # [BH, T]
+        t_ok = (first_page + i) * PAGE_SIZE + rt < ctx
+        s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+    # an empty slice (past the context) leaves l_i = 0: weight 0 in the merge, never a NaN
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o_off = b * stride_ob + split * stride_os + offs_h[:, None] * stride_oh + rl[None, :]
+    tl.store(o_ptr + o_off, (acc / safe_l[:, None]).to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+    lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+    tl.store(lse_ptr + b * stride_lb + split * stride_ls + offs_h, lse, mask=h_mask)
+
+
+@triton.jit
+def mla_merge_kernel(o_part_ptr, lse_ptr, out_ptr, H, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+                     stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, DL: tl.constexpr):
+    """out[b, h] = Σ_s 2^(lse_s − max) o_s / Σ_s 2^(lse_s − max)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    rs = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(lse_ptr + b * stride_lb + rs * stride_ls + h)
+    m = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    rl = tl.arange(0, DL)
+    o = tl.load(o_part_ptr + b * stride_pb + rs[:, None] * stride_ps + h * stride_ph + rl[None, :])
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + rl, tl.sum(o * w[:, None], 0).to(out_ptr.dtype.element_ty))
+
+
+def num_splits_for(batch: int, num_heads: int, max_pages: int, *, block_h: int = 16, num_sms: int = 132) -> int:
+    """Split count (a power of two) that gives the grid about 2 waves without slices under 4 pages."""
+    programs = batch * triton.cdiv(num_heads, block_h)
+    splits = 1
+    while programs * splits < 2 * num_sms and max_pages >= 8 * splits:
+        splits *= 2
+    return splits
+
+
+def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
+    if kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (PAGE, D_LAT + D_PE):
+        return False, f"kv_cache must be [num_pages, {PAGE}, {D_LAT + D_PE}], got {tuple(kv_cache.shape)}"
+    if q_lat.shape[-1] != D_LAT:
+        return False, f"q_lat must end in {D_LAT}, got {tuple(q_lat.shape)}"
+    if q_lat.dtype not in (torch.bfloat16, torch.float16, torch.float32) or kv_cache.dtype != q_lat.dtype:
+        return False, f"q_lat/kv_cache dtypes {q_lat.dtype}/{kv_cache.dtype} must match (bf16, fp16 or fp32)"
+    return True, ""
+
+
+def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                         context_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
+                         block_h: int = 16) -> torch.Tensor:
+    """softmax(scale·(q_lat·c_latᵀ + q_pe·k_peᵀ)) · c_lat over each sequence's cached tokens.
+
+    Args:
+        q_lat: [B, H, 512] absorbed queries; q_pe: [B, H, 64].
+        kv_cache: [num_pages, 64, 576] paged latent cache.
+        page_table: int32 [B, max_pages]; context_lens: int32 [B] (>= 1).
+        scale: softmax scale (K3: 192^-0.5).
+        num_splits: split-K factor (power of two); None picks one from the shapes (no device sync).
+
+    Returns:
+        o_lat [B, H, 512] in q_lat.dtype.
+    """
+    ok, why = supports(q_lat, kv_cache)
+    if not ok:
+        raise ValueError(f"mla_decode_attention: {why}")
+    B, H, _ = q_lat.shape
+    if q_pe.shape != (B, H, D_PE):
+        raise ValueError(f"mla_decode_attention: q_pe must be [{B}, {H}, {D_PE}], got {tuple(q_pe.shape)}")
+    max_pages = page_table.shape[1]
+    splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h)
+    pps = triton.cdiv(max_pages, splits)
+    q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
+    o_part = torch.empty(B, splits, H, D_LAT, dtype=torch.float32, device=q_lat.device)
+    lse = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
+    mla_decode_kernel[(triton.cdiv(H, block_h), splits, B)](
+        q_lat, q_pe, kv_cache, page_table, context_lens, o_part, lse, float(scale), H, q_lat.stride(0),
+        q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), kv_cache.stride(0), o_part.stride(0), o_part.stride(1),
+        o_part.stride(2), lse.stride(0), lse.stride(1), PAGES_PER_SPLIT=pps, BH=block_h, PAGE_SIZE=PAGE,
+        DL=D_LAT, DR=D_PE, num_warps=4, num_stages=2)
+    out = torch.empty(B, H, D_LAT, dtype=q_lat.dtype, device=q_lat.device)
+    mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
+                             DL=D_LAT, num_warps=4)
+    return out

@@ -1,0 +1,157 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3plugins.mla import mla_mixer
+
+DIMS = dict(num_heads=3, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+R, HIDDEN = 32, 40
+
+
+def _weights(seed, q_lora, gate, H=3, nope=16, rope=8, vd=12):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+    q_in = 24 if q_lora else HIDDEN
+    return dict(q_a=r(q_in, HIDDEN) if q_lora else None, q_a_norm=torch.rand(q_in, generator=g) + 0.5 if q_lora else None,
+                q_b=r(H * (nope + rope), q_in) * 3, kv_a=r(R + rope, HIDDEN) * 3,
+                kv_a_norm=torch.rand(R, generator=g) + 0.5, kv_b=r(H * (nope + vd), R),
+                g=r(H * vd, HIDDEN) if gate else None, o=r(HIDDEN, H * vd))
+
+
+def _absorb(kv_b, H=3, nope=16, vd=12):
+    """The builder's split of kv_b_proj [H*(nope+v), r], head-major [k_nope | v] rows per head."""
+    per_head = kv_b.view(H, nope + vd, -1)
+    return per_head[:, :nope].contiguous(), per_head[:, nope:].transpose(1, 2).contiguous()
+
+
+def _rms(v, w, eps):
+    return w * v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _naive(x, w, H=3, nope=16, rope=8, vd=12, eps=1e-6):
+    """One whole sequence, non-absorbed: per-head K/V expanded from kv_b_proj, causal softmax."""
+    T = x.shape[0]
+    q_src = x if w["q_a"] is None else _rms(x @ w["q_a"].T, w["q_a_norm"], eps)
+    q = (q_src @ w["q_b"].T).view(T, H, nope + rope)
+    ckv = x @ w["kv_a"].T
+    kv = (_rms(ckv[:, :R], w["kv_a_norm"], eps) @ w["kv_b"].T).view(T, H, nope + vd)
+    k = torch.cat([kv[..., :nope], ckv[:, None, R:].expand(T, H, rope)], dim=-1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), kv[..., nope:].transpose(0, 1),
+                                       is_causal=True, scale=(nope + rope) ** -0.5).transpose(0, 1)
+    o = o.reshape(T, H * vd)
+    if w["g"] is not None:
+        o = o * torch.sigmoid(x @ w["g"].T)
+    return o @ w["o"].T
+
+
+def _cache(num_pages, page_size, dtype=torch.float32):
+    # NaN everywhere: reading a position that was never written poisons the output.
+    return torch.full((num_pages, page_size, R + DIMS["qk_rope_head_dim"]), float("nan"), dtype=dtype)
+
+
+def _run(x, w, cache, cu, ctx, table):
+    w_uk, w_uv = _absorb(w["kv_b"])
+    return mla_mixer(x, w["q_a"], w["q_a_norm"], w["q_b"], w["kv_a"], w["kv_a_norm"], w_uk, w_uv, w["g"], w["o"],
+                     cache, cu_seqlens=torch.tensor(cu), context_lens=torch.tensor(ctx),
+                     page_table=torch.tensor(table, dtype=torch.int32), **DIMS,
+                     scale=(DIMS["qk_nope_head_dim"] + DIMS["qk_rope_head_dim"]) ** -0.5, latent_eps=1e-6)
+
+
+def _table(pages, width):
+    return pages + [-1] * (width - len(pages))
+
+
+@pytest.mark.parametrize("q_lora,gate", [(True, True), (False, True), (True, False)],
+                         ids=["qlora-gate", "noqlora-gate", "qlora-nogate"])
+@pytest.mark.parametrize("T,page_size", [(63, 64), (100, 4)], ids=["T63-ps64", "T100-ps4"])
+def test_absorbed_matches_naive(q_lora, gate, T, page_size):
+    w = _weights(T, q_lora, gate)
+    x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(T + 1))
+    need = -(-T // page_size)
+    # Non-contiguous, shuffled page ids; the remaining pages stay NaN.
+    pages = torch.randperm(2 * need + 1, generator=torch.Generator().manual_seed(2))[:need].tolist()
+    cache = _cache(2 * need + 1, page_size)
+    out = _run(x, w, cache, [0, T], [T], [_table(pages, need + 2)])
+    torch.testing.assert_close(out, _naive(x, w), rtol=1e-5, atol=1e-5)
+    unused = sorted(set(range(2 * need + 1)) - set(pages))
+    assert cache[unused].isnan().all()
+    written = cache[pages].reshape(-1, cache.shape[-1])[:T]
+    assert not written.isnan().any() and cache[pages].reshape(-1, cache.shape[-1])[T:].isnan().all()
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100], ids=["piece1", "piece7", "whole"])
+@pytest.mark.parametrize("page_size", [4, 64], ids=["ps4", "ps64"])
+def test_chunked_prefill_invariance(piece, page_size):
+    T = 100
+    w = _weights(5, True, True)
+    x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(6))
+    need = -(-T // page_size)
+    table = [_table([3 * i + 1 for i in range(need)], need)]
+    cache = _cache(3 * need + 1, page_size)
+    outs = []
+    for s in range(0, T, piece):
+        e = min(s + piece, T)
+        outs.append(_run(x[s:e], w, cache, [0, e - s], [e], table))
+    torch.testing.assert_close(torch.cat(outs), _naive(x, w), rtol=1e-5, atol=1e-5)
+    whole_cache = _cache(3 * need + 1, page_size)
+    _run(x, w, whole_cache, [0, T], [T], table)
+    torch.testing.assert_close(cache, whole_cache, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_ragged_batch_mixed_prefill_and_decode():
+    page_size = 4
+    w = _weights(9, True, True)
+    gen = torch.Generator().manual_seed(10)
+    prior, new = [0, 9, 5, 30], [13, 1, 7, 1]          # prefill from scratch, decode, chunked prefill, decode
+    full = [torch.randn(p + n, HIDDEN, generator=gen) for p, n in zip(prior, new)]
+    width = max(-(-(p + n) // page_size) for p, n in zip(prior, new))
+    free = torch.randperm(64, generator=gen).tolist()
+    tables = [_table([free.pop() for _ in range(-(-(p + n) // page_size))], width) for p, n in zip(prior, new)]
+    cache = _cache(64, page_size)
+    for n, p in enumerate(prior):
+        if p:
+            _run(full[n][:p], w, cache, [0, p], [p], [tables[n]])
+    alone_cache = cache.clone()
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    x = torch.cat([f[p:] for f, p in zip(full, prior)])
+    ctx = [p + n for p, n in zip(prior, new)]
+    batched = _run(x, w, cache, cu, ctx, tables)
+    alone = [_run(full[n][prior[n]:], w, alone_cache, [0, new[n]], [ctx[n]], [tables[n]]) for n in range(4)]
+    torch.testing.assert_close(batched, torch.cat(alone), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cache, alone_cache, rtol=1e-6, atol=1e-6, equal_nan=True)
+    naive_new = torch.cat([_naive(f, w)[p:] for f, p in zip(full, prior)])
+    torch.testing.assert_close(batched, naive_new, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_smoke_with_bf16_cache():
+    T = 63
+    w = _weights(11, True, True)
+    x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(12))
+    wb = {n: None if t is None else t.bfloat16() for n, t in w.items()}
+    cache = _cache(2, 64, dtype=torch.bfloat16)
+    out = _run(x.bfloat16(), wb, cache, [0, T], [T], [[1, -1]])
+    ref = _naive(x.bfloat16().float(), {n: None if t is None else t.float() for n, t in wb.items()})
+    assert out.dtype == torch.bfloat16 and cache[0].isnan().all()
+    assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
+    assert (out.float() - ref).norm() / ref.norm() < 3e-2
+
+
+def test_rejects_bad_input():
+    w = _weights(0, True, True)
+    x = torch.randn(6, HIDDEN)
+    with pytest.raises(ValueError, match="no page assigned"):
+        _run(x, w, _cache(4, 4), [0, 6], [6], [[2, -1]])
+    with pytest.raises(ValueError, match="beyond its 1 page-table entries"):
+        _run(x, w, _cache(4, 4), [0, 6], [6], [[2]])
+    with pytest.raises(ValueError, match="context_lens"):
+        _run(x, w, _cache(4, 4), [0, 6], [5], [[2, 3]])
+    with pytest.raises(ValueError, match="w_uk must be"):
+        mla_mixer(x, w["q_a"], w["q_a_norm"], w["q_b"], w["kv_a"], w["kv_a_norm"], torch.ones(3, 16, 31),
+                  torch.ones(3, 32, 12), w["g"], w["o"], _cache(4, 4), cu_seqlens=torch.tensor([0, 6]),
+                  context_lens=torch.tensor([6]), page_table=torch.tensor([[0, 1]]), **DIMS, scale=0.2,
+                  latent_eps=1e-6)
