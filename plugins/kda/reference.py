@@ -126,7 +126,7 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     expect = {"conv_weight": (conv_weight, (3 * D, W)), "f_b_weight": (f_b_weight, (D, K)), "A_log": (A_log, (H,)),
               "dt_bias": (dt_bias, (D,)), "o_norm_weight": (o_norm_weight, (K,)), "o_weight": (o_weight, (hidden, D)),
               "recurrent_pool": (recurrent_pool, (recurrent_pool.shape[0], H, K, K)),
-              "conv_pool": (conv_pool, (conv_pool.shape[0], 3 * D, W - 1))}
+              "conv_pool": (conv_pool, (recurrent_pool.shape[0], 3 * D, W - 1))}
     if g_b_weight is not None:
         expect["g_b_weight"] = (g_b_weight, (D, K))
     for name, (tensor, shape) in expect.items():
