@@ -1,0 +1,279 @@
+"""Per-rank memory model: weights, MLA KV, KDA state, activation reserve, and how many requests fit.
+
+Arithmetic over a K3Config and a Mapping, so the builder, `k3build plan` and tests share one answer. Weight
+bytes come from `memory_weights` (every tensor of `k3build.schema`, owned as `Mapping.shard` says).
+
+Device memory convention: `gpu_memory_bytes` is what the engine may use on one device after the CUDA/HIP
+context exists. An H200 reports 143,771 MiB (140.4 GiB) total; after the context ~139.8 GiB is usable, which is
+`H200_USABLE_GIB`. The plan keeps `overhead_bytes` (default 1 GiB: NCCL/RCCL communicators, allocator slack,
+CUDA-graph pools) and an activation reserve (`activation_reserve`) off the top; the rest holds KDA slots and pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from math import ceil
+
+from .config import K3Config
+from .mapping import Mapping
+from .memory_weights import CATEGORIES, check_expert_format, weight_bytes
+
+__all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_USABLE_GIB", "MI300X_USABLE_GIB", "MemoryPlan",
+           "RankMemory", "activation_reserve", "exchange_capacity_rows", "kda_state_bytes", "kv_bytes_per_token",
+           "max_concurrent_requests", "plan_memory", "reserve_bytes", "weight_bytes"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+PAGE_SIZE = 64  # tokens per MLA page (fast MLA decode kernels need 64)
+H200_USABLE_GIB = 139.8
+MI300X_USABLE_GIB = 191.0  # 192 GB HBM3 card reports ~191.7 GiB; minus the HIP context
+DEFAULT_OVERHEAD_BYTES = 1 * GiB
+STATE_BYTES = {"fp32": 4, "bf16": 2}
+CONV_STATE_BYTES = 2  # conv inputs are kept in bf16 (K3_SPEC §4.1)
+CHUNK = 64  # KDA chunk length of the prefill kernel
+
+
+def kda_state_bytes(cfg: K3Config, mapping: Mapping, rank: int, state_dtype: str = "fp32") -> int:
+    """KDA slot bytes per request on `rank`: recurrent [H_tp, V, K] + last W-1 conv inputs of q|k|v (bf16)."""
+    if state_dtype not in STATE_BYTES:
+        raise ValueError(f"state_dtype: expected one of {sorted(STATE_BYTES)}, got {state_dtype!r}")
+    heads = cfg.kda_num_heads // mapping.attn_tp_size
+    per_layer = (heads * cfg.kda_head_dim * cfg.kda_head_dim * STATE_BYTES[state_dtype]
+                 + (cfg.kda_conv_size - 1) * 3 * heads * cfg.kda_head_dim * CONV_STATE_BYTES)
+    return per_layer * sum(1 for i in _layers(cfg, mapping, rank) if cfg.layer_types[i] == "kda")
+
+
+def kv_bytes_per_token(cfg: K3Config, mapping: Mapping, rank: int, kv_dtype_bytes: int = 2) -> int:
+    """Absorbed-MLA cache bytes per token on `rank`: one 576-wide latent per MLA layer of its stage.
+
+    The latent is one "head", so attention-TP does not split it: every TP rank of a stage holds it.
+    """
+    n = sum(1 for i in _layers(cfg, mapping, rank) if cfg.layer_types[i] == "mla")
+    return n * cfg.mla_cache_width * kv_dtype_bytes
+
+
+def exchange_capacity_rows(cfg: K3Config, mapping: Mapping, max_num_tokens: int) -> int:
+    """Rows (token x expert pairs) a rank's fixed-capacity MoE buffers must hold, worst-case routing.
+
+    Without device->host sync the buffers cannot be sized by the actual routing, so they cover the case where
+    every token sent to this rank picks only local experts: tokens_in x min(top_k, local experts). Under
+    attention-DP each of the EP ranks sends its own max_num_tokens; under attention-TP the tokens are already
+    replicated in the TP group.
+    """
+    local = cfg.num_experts // mapping.moe_ep_size
+    tokens_in = max_num_tokens * (mapping.moe_ep_size if mapping.attention_dp else 1)
+    return tokens_in * min(cfg.num_experts_per_token, local)
+
+
+def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_tokens: int,
+                       max_batch_size: int) -> dict[str, int]:
+    """Transient bytes of one forward step on `rank` (T = max_num_tokens, B = max_batch_size).
+
+    residual: T x hidden x bf16 x (3 + AttnRes snapshots): running sum, normed input, mixer/FFN output, snapshots.
+    exchange: dispatch + combine buffers, exchange_capacity_rows x latent x bf16 x 2 (persistent).
+    peak: the largest per-layer working set of the stage, one of
+      kda   T x (5 proj outputs bf16 + fp32 gate) x D_tp + T x H_tp x (fp32 beta + 2 fp32 64-chunk rows);
+      mla   T x H_tp x (q 192 + k_nope|v 256 + out 128 + gate 128) x bf16 + T x 576 x bf16;
+      dense T x 3 x intermediate_tp x bf16;
+      moe   T x E x fp32 router + T x 3 x shared_tp x bf16 + rows x 3 x moe_intermediate_tp x bf16;
+      logits B x vocab x fp32 (gathered) + B x vocab_tp x fp32 (last stage).
+    Returns {"residual", "exchange", "peak_kda", "peak_mla", "peak_dense", "peak_moe", "peak_logits"};
+    `reserve_bytes` adds them up as overhead + residual + exchange + the largest peak (layers run one by one).
+    """
+    T, layers = max_num_tokens, list(_layers(cfg, mapping, rank))
+    kinds = {cfg.layer_types[i] for i in layers}
+    snaps = sum(1 for i in range(cfg.num_hidden_layers) if cfg.takes_snapshot(i))
+    h_tp = cfg.kda_num_heads // mapping.attn_tp_size
+    d_tp = h_tp * cfg.kda_head_dim
+    mla_h = cfg.num_attention_heads // mapping.attn_tp_size
+    dense_tp = mapping.dense_tp_size
+    has_moe = any(cfg.is_moe_layer(i) for i in layers)
+    rows = exchange_capacity_rows(cfg, mapping, T) if has_moe else 0
+    return {
+        "residual": T * cfg.hidden_size * 2 * (3 + snaps),
+        "exchange": rows * cfg.expert_hidden_size * 2 * 2,
+        "peak_kda": T * (5 * 2 + 4) * d_tp + T * h_tp * (4 + 2 * CHUNK * 4) if "kda" in kinds else 0,
+        "peak_mla": (T * mla_h * (cfg.qk_head_dim + cfg.qk_nope_head_dim + 3 * cfg.v_head_dim) * 2
+                + T * cfg.mla_cache_width * 2) if "mla" in kinds else 0,
+        "peak_dense": T * 3 * (cfg.intermediate_size // dense_tp) * 2
+        if any(not cfg.is_moe_layer(i) for i in layers) else 0,
+        "peak_moe": (T * cfg.num_experts * 4 + T * 3 * (cfg.shared_intermediate_size // dense_tp) * 2
+                + rows * 3 * (cfg.moe_intermediate_size // mapping.moe_tp_size) * 2) if has_moe else 0,
+        "peak_logits": (max_batch_size * cfg.vocab_size * 4 + max_batch_size * (cfg.vocab_size // dense_tp) * 4)
+        if mapping.is_last_stage(rank) else 0,
+    }
+
+
+def reserve_bytes(reserve: dict[str, int]) -> int:
+    """overhead + residual + exchange + the largest peak_* term of an `activation_reserve` dict."""
+    peaks = [v for k, v in reserve.items() if k.startswith("peak_")]
+    return sum(v for k, v in reserve.items() if not k.startswith("peak_")) + max(peaks, default=0)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's budget. Byte counts; `max_concurrent_requests` counts requests of max_seq_len tokens."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    layers: tuple[int, int]  # [start, stop) of its PP stage
+    weights: dict[str, int]  # category -> bytes
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kda_state_bytes_per_request: int
+    page_bytes: int
+    request_bytes: int  # one KDA slot + ceil(max_seq_len / page_size) pages
+    reserve: dict[str, int]  # overhead + activation_reserve terms
+    reserve_bytes: int
+    free_bytes: int  # gpu memory - weights - reserve (negative when weights do not fit)
+    max_concurrent_requests: int
+    kda_slots: int
+    kv_pages: int
+    fits: bool
+    reason: str
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Plan for all ranks. `max_concurrent_requests` is system-wide (per pipeline replica)."""
+
+    mapping: dict
+    gpu_memory_bytes: int
+    max_seq_len: int
+    max_batch_size: int
+    max_num_tokens: int
+    page_size: int
+    kv_dtype_bytes: int
+    state_dtype: str
+    expert_format: str
+    kv_bytes_per_token_model: int  # all MLA layers, one rank's view at attention-TP 1
+    kda_state_bytes_per_request_model: int  # all KDA layers, unsharded
+    ranks: tuple[RankMemory, ...]
+    max_concurrent_requests: int
+    fits: bool
+    reason: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def worst_rank(self) -> RankMemory:
+        return min(self.ranks, key=lambda r: (r.free_bytes, r.rank))
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "ranks"}
+        d["notes"] = list(self.notes)
+        d["ranks"] = [r.to_dict() for r in self.ranks]
+        return d
+
+
+def plan_memory(cfg: K3Config, mapping: Mapping, *, gpu_memory_bytes: int, max_seq_len: int, max_batch_size: int,
+                max_num_tokens: int, kv_dtype_bytes: int = 2, state_dtype: str = "fp32",
+                page_size: int = PAGE_SIZE, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                expert_format: str | None = None) -> MemoryPlan:
+    """Budget every rank of `mapping` for `cfg`; `fits` is False with a `reason` when a rank cannot hold one
+    request of `max_seq_len` tokens.
+
+    KDA slots: up to max_batch_size while one full-length request's pages still fit; pages take the rest.
+    Raises MappingError when the mapping does not divide the model, ValueError for bad limits.
+    """
+    for name, v in (("gpu_memory_bytes", gpu_memory_bytes), ("max_seq_len", max_seq_len),
+                    ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens), ("page_size", page_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if kv_dtype_bytes not in (1, 2, 4):
+        raise ValueError(f"kv_dtype_bytes: expected 1 (fp8), 2 (bf16) or 4 (fp32), got {kv_dtype_bytes!r}")
+    if state_dtype not in STATE_BYTES:
+        raise ValueError(f"state_dtype: expected one of {sorted(STATE_BYTES)}, got {state_dtype!r}")
+    fmt = expert_format or ("mxfp4" if cfg.quantization.method == "mxfp4" else "bf16")
+    check_expert_format(fmt)
+    if max_seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_seq_len: {max_seq_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    mapping.validate(cfg)
+    ranks = tuple(_rank_plan(cfg, mapping, r, gpu_memory_bytes, max_seq_len, max_batch_size, max_num_tokens,
+                             kv_dtype_bytes, state_dtype, page_size, overhead_bytes, fmt)
+                  for r in range(mapping.world_size))
+    bad = [r for r in ranks if not r.fits]
+    short = [r for r in ranks if r.fits and r.kda_slots < max_batch_size]
+    notes = [f"rank {short[0].rank}: memory holds {short[0].kda_slots} KDA slots, fewer than "
+             f"max_batch_size={max_batch_size}"] if short else []
+    full = Mapping()
+    total = _system_concurrency(mapping, ranks)
+    return MemoryPlan(
+        mapping=mapping.to_dict(), gpu_memory_bytes=gpu_memory_bytes, max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, page_size=page_size,
+        kv_dtype_bytes=kv_dtype_bytes, state_dtype=state_dtype, expert_format=fmt,
+        kv_bytes_per_token_model=kv_bytes_per_token(cfg, full, 0, kv_dtype_bytes),
+        kda_state_bytes_per_request_model=kda_state_bytes(cfg, full, 0, state_dtype),
+        ranks=ranks, max_concurrent_requests=total, fits=not bad, reason=bad[0].reason if bad else "",
+        notes=tuple(notes))
+
+
+def max_concurrent_requests(cfg: K3Config, mapping: Mapping, *, gpu_memory_bytes: int, max_seq_len: int,
+                            max_batch_size: int = 1, max_num_tokens: int = 8192, **kw) -> int:
+    """System-wide number of requests of `max_seq_len` tokens that fit (0 when nothing fits)."""
+    return plan_memory(cfg, mapping, gpu_memory_bytes=gpu_memory_bytes, max_seq_len=max_seq_len,
+                       max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, **kw).max_concurrent_requests
+
+
+def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, page_size, overhead, fmt):
+    weights = weight_bytes(cfg, mapping, rank, expert_format=fmt)
+    w = sum(weights.values())
+    kv_tok = kv_bytes_per_token(cfg, mapping, rank, kv_b)
+    slot = kda_state_bytes(cfg, mapping, rank, state_dtype)
+    page = page_size * kv_tok
+    pages_per_req = ceil(seq / page_size)
+    req = slot + pages_per_req * page
+    reserve = {"overhead": overhead, **activation_reserve(cfg, mapping, rank, max_num_tokens=tokens,
+                                                          max_batch_size=batch)}
+    res = reserve_bytes(reserve)
+    free = gpu - w - res
+    n = (free // req if req else batch) if free > 0 else 0
+    slots = min(batch, (free - pages_per_req * page) // slot if slot else batch) if n else 0
+    pages = (free - slots * slot) // page if n and page else 0
+    stage = mapping.rank_layers(rank, cfg.num_hidden_layers)
+    where = f"rank {rank} (pp {mapping.pp_rank(rank)}, tp {mapping.tp_rank(rank)})"
+    if w > gpu:
+        reason = (f"{where}: weights alone need {_gib(w)}, more than the {_gib(gpu)} of device memory "
+                  f"(largest: {_largest(weights)})")
+    elif w + res > gpu:
+        reason = (f"{where}: weights {_gib(w)} + reserve {_gib(res)} = {_gib(w + res)} exceed the "
+                  f"{_gib(gpu)} of device memory (largest: {_largest(weights)})")
+    elif not n:
+        reason = (f"{where}: {_gib(free)} left after weights and reserve, but one request of {seq} tokens needs "
+                  f"{req / MiB:.1f} MiB (KDA slot {slot / MiB:.1f} MiB + {pages_per_req} pages of {page} B)")
+    else:
+        reason = ""
+    return RankMemory(rank=rank, pp_rank=mapping.pp_rank(rank), tp_rank=mapping.tp_rank(rank),
+                      layers=(stage.start, stage.stop), weights=weights, weight_bytes=w, kv_bytes_per_token=kv_tok,
+                      kda_state_bytes_per_request=slot, page_bytes=page, request_bytes=req, reserve=reserve,
+                      reserve_bytes=res, free_bytes=free, max_concurrent_requests=n, kda_slots=max(slots, 0),
+                      kv_pages=max(pages, 0), fits=not reason, reason=reason)
+
+
+def _system_concurrency(mapping: Mapping, ranks: tuple[RankMemory, ...]) -> int:
+    # A request needs room on one rank of every stage; attention-DP ranks each serve their own requests,
+    # attention-TP ranks of a stage all hold the same ones.
+    n = {(r.pp_rank, r.tp_rank): r.max_concurrent_requests for r in ranks}
+    stages = range(mapping.pp_size)
+    if mapping.attention_dp:
+        return sum(min(n[(p, t)] for p in stages) for t in range(mapping.tp_size))
+    return min(n.values())
+
+
+def _layers(cfg: K3Config, mapping: Mapping, rank: int) -> range:
+    return mapping.rank_layers(rank, cfg.num_hidden_layers)
+
+
+def _gib(b: int) -> str:
+    return f"{b / GiB:.2f} GiB"
+
+
+def _largest(weights: dict[str, int]) -> str:
+    top = sorted(weights.items(), key=lambda kv: -kv[1])[:2]
+    return ", ".join(f"{k} {_gib(v)}" for k, v in top)

@@ -1,0 +1,222 @@
+"""Build recipes: one TOML file per deployment in engines/ (model, mapping, build limits, runtime backend).
+
+    [model]    preset = "k3"            # or checkpoint = "path/to/ckpt" (relative to the recipe file)
+    [mapping]  tp_size, pp_size, moe_tp_size, moe_ep_size, attention_dp
+    [build]    target = "cpu" | "sm90" | "gfx942", max_batch_size, max_num_tokens, max_seq_len,
+               state_dtype = "fp32" | "bf16", kv_dtype = "bf16" | "fp8", page_size = 64, gpu_memory_gib,
+               overhead_gib = 1.0
+    [runtime]  expert_backend = "nccl" | "deepep" | "local"
+    [plan]     expect_fits = true, why = "..."   # a recipe that documents a deployment that does not fit
+
+Every mistake raises `RecipeError` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .config import PRESETS, ConfigError, K3Config, preset
+from .mapping import Mapping, MappingError
+from .memory import GiB, PAGE_SIZE, MemoryPlan, plan_memory
+
+TARGETS = ("cpu", "sm90", "gfx942")
+STATE_DTYPES = ("fp32", "bf16")
+KV_DTYPES = {"bf16": 2, "fp8": 1}
+EXPERT_BACKENDS = ("nccl", "deepep", "local")
+
+
+class RecipeError(ValueError):
+    """A recipe file that cannot be read or holds a wrong value; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    preset: str | None = None
+    checkpoint: Path | None = None  # a checkpoint dir (or its config.json), resolved against the recipe's dir
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    target: str
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    gpu_memory_gib: float  # usable device memory per rank after the CUDA/HIP context
+    state_dtype: str = "fp32"
+    kv_dtype: str = "bf16"
+    page_size: int = PAGE_SIZE
+    overhead_gib: float = 1.0
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return int(self.gpu_memory_gib * GiB)
+
+    @property
+    def overhead_bytes(self) -> int:
+        return int(self.overhead_gib * GiB)
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return KV_DTYPES[self.kv_dtype]
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    expert_backend: str = "nccl"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: Path
+    name: str  # the file stem
+    description: str
+    model: ModelSpec
+    mapping: Mapping
+    build: BuildSpec
+    runtime: RuntimeSpec
+    expect_fits: bool = True
+    why: str = ""
+
+    def model_config(self) -> K3Config:
+        if self.model.preset is not None:
+            return preset(self.model.preset)
+        ckpt = self.model.checkpoint
+        assert ckpt is not None
+        try:
+            return K3Config.from_file(ckpt / "config.json" if ckpt.is_dir() else ckpt)
+        except ConfigError as e:
+            raise RecipeError(f"{self.path}: model.checkpoint: {e}") from None
+
+    def plan(self, cfg: K3Config | None = None) -> MemoryPlan:
+        """The memory plan for this recipe (what `k3build plan --recipe` prints)."""
+        b = self.build
+        return plan_memory(cfg or self.model_config(), self.mapping, gpu_memory_bytes=b.gpu_memory_bytes,
+                           max_seq_len=b.max_seq_len, max_batch_size=b.max_batch_size,
+                           max_num_tokens=b.max_num_tokens, kv_dtype_bytes=b.kv_dtype_bytes,
+                           state_dtype=b.state_dtype, page_size=b.page_size, overhead_bytes=b.overhead_bytes)
+
+
+_SECTIONS = {"description", "model", "mapping", "build", "runtime", "plan"}
+_MAPPING = {"tp_size": int, "pp_size": int, "moe_tp_size": int, "moe_ep_size": int, "attention_dp": bool}
+_BUILD = {"target": str, "max_batch_size": int, "max_num_tokens": int, "max_seq_len": int, "gpu_memory_gib": float,
+          "state_dtype": str, "kv_dtype": str, "page_size": int, "overhead_gib": float}
+_BUILD_REQUIRED = ("target", "max_batch_size", "max_num_tokens", "max_seq_len", "gpu_memory_gib")
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate one recipe file. Raises RecipeError("<file>: <section>.<field>: ...")."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML ({e})") from None
+    try:
+        return _parse(path, raw)
+    except (RecipeError, MappingError, ConfigError) as e:
+        raise RecipeError(f"{path}: {e}") from None
+
+
+def load_recipes(folder: str | Path) -> list[Recipe]:
+    return [load_recipe(p) for p in sorted(Path(folder).glob("*.toml"))]
+
+
+def _parse(path: Path, raw: dict[str, Any]) -> Recipe:
+    unknown = sorted(set(raw) - _SECTIONS)
+    if unknown:
+        raise RecipeError(f"{unknown[0]}: unknown section (expected {', '.join(sorted(_SECTIONS))})")
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        raise RecipeError("description: expected a string")
+    model = _model(path, _section(raw, "model", required=True))
+    m = _typed(_section(raw, "mapping"), "mapping", _MAPPING)
+    mapping = Mapping(**m)
+    b = _typed(_section(raw, "build", required=True), "build", _BUILD)
+    for k in _BUILD_REQUIRED:
+        if k not in b:
+            raise RecipeError(f"build.{k}: required field missing")
+    build = BuildSpec(**b)
+    _check_build(build)
+    rt = _typed(_section(raw, "runtime"), "runtime", {"expert_backend": str})
+    runtime = RuntimeSpec(**rt)
+    _check_runtime(runtime, mapping, build)
+    p = _typed(_section(raw, "plan"), "plan", {"expect_fits": bool, "why": str})
+    if p.get("expect_fits") is False and not p.get("why"):
+        raise RecipeError("plan.why: a recipe with expect_fits = false must say why it does not fit")
+    if model.preset is not None:
+        mapping.validate(preset(model.preset))
+    return Recipe(path=path, name=path.stem, description=description, model=model, mapping=mapping, build=build,
+                  runtime=runtime, expect_fits=p.get("expect_fits", True), why=p.get("why", ""))
+
+
+def _section(raw: dict, name: str, required: bool = False) -> dict:
+    if name not in raw:
+        if required:
+            raise RecipeError(f"[{name}]: required section missing")
+        return {}
+    if not isinstance(raw[name], dict):
+        raise RecipeError(f"{name}: expected a [{name}] table")
+    return raw[name]
+
+
+def _typed(d: dict, section: str, fields: dict[str, type]) -> dict:
+    out = {}
+    for k, v in d.items():
+        if k not in fields:
+            raise RecipeError(f"{section}.{k}: unknown field (expected one of {', '.join(fields)})")
+        want = fields[k]
+        ok = isinstance(v, want) and (want is bool or not isinstance(v, bool))
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            v, ok = float(v), True
+        if not ok:
+            raise RecipeError(f"{section}.{k}: expected {want.__name__}, got {type(v).__name__} {v!r}")
+        out[k] = v
+    return out
+
+
+def _model(path: Path, d: dict) -> ModelSpec:
+    m = _typed(d, "model", {"preset": str, "checkpoint": str})
+    if ("preset" in m) == ("checkpoint" in m):
+        raise RecipeError("model: give exactly one of preset or checkpoint")
+    if "preset" in m:
+        if m["preset"] not in PRESETS:
+            raise RecipeError(f"model.preset: unknown {m['preset']!r}; known: {', '.join(PRESETS)}")
+        return ModelSpec(preset=m["preset"])
+    ckpt = Path(m["checkpoint"])
+    return ModelSpec(checkpoint=ckpt if ckpt.is_absolute() else path.parent / ckpt)
+
+
+def _check_build(b: BuildSpec) -> None:
+    if b.target not in TARGETS:
+        raise RecipeError(f"build.target: expected one of {', '.join(TARGETS)}, got {b.target!r}")
+    for k in ("max_batch_size", "max_num_tokens", "max_seq_len", "page_size"):
+        if getattr(b, k) <= 0:
+            raise RecipeError(f"build.{k}: expected a positive int, got {getattr(b, k)}")
+    if b.gpu_memory_gib <= 0 or b.overhead_gib < 0:
+        raise RecipeError("build.gpu_memory_gib / overhead_gib: expected gpu_memory_gib > 0 and overhead_gib >= 0")
+    if b.state_dtype not in STATE_DTYPES:
+        raise RecipeError(f"build.state_dtype: expected one of {', '.join(STATE_DTYPES)}, got {b.state_dtype!r}")
+    if b.kv_dtype not in KV_DTYPES:
+        raise RecipeError(f"build.kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {b.kv_dtype!r}")
+    if b.max_num_tokens < b.max_batch_size:
+        raise RecipeError(f"build.max_num_tokens: {b.max_num_tokens} is less than max_batch_size "
+                          f"{b.max_batch_size} (a decode step needs one token per running request)")
+
+
+def _check_runtime(r: RuntimeSpec, mapping: Mapping, b: BuildSpec) -> None:
+    if r.expert_backend not in EXPERT_BACKENDS:
+        raise RecipeError(f"runtime.expert_backend: expected one of {', '.join(EXPERT_BACKENDS)}, "
+                          f"got {r.expert_backend!r}")
+    if r.expert_backend == "local" and mapping.moe_ep_size != 1:
+        raise RecipeError(f"runtime.expert_backend: 'local' keeps every expert on its rank, but "
+                          f"moe_ep_size={mapping.moe_ep_size}; use 'nccl'")
+    if r.expert_backend == "deepep" and b.target == "cpu":
+        raise RecipeError("runtime.expert_backend: 'deepep' needs a GPU target, got build.target = 'cpu'")
