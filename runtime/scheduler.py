@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from .kv_cache.page_pool import PagePool
 from .kv_cache.slot_pool import SlotPool
 from .request import FINISH_STATUS, Request, RequestStatus
+from .sampling_params import SamplingParams
 from .scheduler_config import SchedulerConfig
 
 
@@ -28,6 +29,8 @@ class ScheduledItem:
 
     `page_ids` is the request's full page table after this step (position p is in page_ids[p // page_size]);
     `slot_id` holds its KDA state, which carries over from earlier chunks (fresh when start_pos == 0).
+    The sampling fields make a plan self-contained (ranks that hold no Request objects can sample):
+    the sampler draws from (seed, sample_index), which recompute after preemption reproduces exactly.
     """
 
     request_id: str
@@ -37,6 +40,9 @@ class ScheduledItem:
     sample: bool  # the logits of the last token are sampled into the request's next output token
     slot_id: int
     page_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int  # Request.sampling_seed: params.seed, or a random seed fixed when the request was created
+    sample_index: int  # index among the request's output tokens of the token this item samples
 
 
 @dataclass(frozen=True)
@@ -243,7 +249,8 @@ class Scheduler:
         start = request.num_computed_tokens
         request.num_computed_tokens += n
         return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n,
-                             start + n == request.num_tokens, request.slot_id, tuple(request.page_ids))
+                             start + n == request.num_tokens, request.slot_id, tuple(request.page_ids),
+                             request.params, request.sampling_seed, request.num_output_tokens)
 
     def _reserve_pages(self, request: Request, n: int, swap_out: list, preempted: list) -> bool:
         """Give a running request the pages for n more tokens, preempting the newest running requests if short."""

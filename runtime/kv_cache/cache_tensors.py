@@ -6,7 +6,7 @@ every layer in one indexed copy; `mla_kv[i]`, `kda_state[i]`, `kda_conv[i]` are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,6 +72,15 @@ class CacheConfig:
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.bytes_per_page + self.num_slots * self.bytes_per_slot
+
+    def fit_pages(self, budget_bytes: int) -> "CacheConfig":
+        """A copy with as many pages as fit in `budget_bytes` after num_slots slots (found at start-up)."""
+        left = budget_bytes - self.num_slots * self.bytes_per_slot
+        num_pages = left // self.bytes_per_page if self.bytes_per_page else 0
+        if num_pages < 1:
+            raise ValueError(f"cache budget: {budget_bytes} B holds {self.num_slots} slots of {self.bytes_per_slot} B "
+                             f"but not one page of {self.bytes_per_page} B; lower num_slots or raise the budget")
+        return replace(self, num_pages=int(num_pages))
 
 
 class CacheTensors:

@@ -92,8 +92,10 @@ class FakeExecutor:
                     stored_pos, tok = rows[pos % self.P]
                     assert stored_pos == pos, f"{it.request_id}: page table maps position {pos} to a row of {stored_pos}"
                     kv.append(tok)
+                # The plan alone carries what sampling needs; the Request is only cross-checked.
                 r = self.sched.get(it.request_id)
-                sampled[it.request_id] = next_token(kv, state, r.sampling_seed, r.num_output_tokens)
+                assert (it.seed, it.sample_index, it.params) == (r.sampling_seed, r.num_output_tokens, r.params)
+                sampled[it.request_id] = next_token(kv, state, it.seed, it.sample_index)
         return sampled
 
     def poison_free(self) -> None:

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,6 +93,11 @@ def test_k3_sizes_match_the_spec():
                      kda_head_k_dim=128, kda_head_v_dim=128, kda_conv_dim=3 * 96 * 128)
     assert k3.bytes_per_slot == 449_372_160 and k3.bytes_per_page == 27_648 * 64
     assert k3.nbytes == k3.bytes_per_slot + k3.bytes_per_page
+    k10 = dataclasses.replace(k3, num_slots=10)
+    fitted = k10.fit_pages(10 * k3.bytes_per_slot + 5 * k3.bytes_per_page + 1)
+    assert fitted.num_pages == 5 and fitted.num_slots == 10 and k10.num_pages == 1
+    with pytest.raises(ValueError, match="not one page"):
+        k3.fit_pages(k3.bytes_per_slot)
 
 
 @pytest.mark.parametrize("kw,field", [({"state_dtype": "fp16"}, "state_dtype"), ({"kv_dtype": "int8"}, "kv_dtype"),
