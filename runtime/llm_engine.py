@@ -76,6 +76,7 @@ class LLMEngine:
             num_host_slots=options.num_host_slots, max_model_len=build["max_seq_len"])
         self.scheduler = Scheduler(sched_cfg, PagePool(cache_cfg.num_pages, self.page_size), SlotPool(num_slots))
         self._ids = itertools.count()
+        self.stats = {"steps": 0, "preemptions": 0, "swaps_out": 0, "tokens": 0}
 
     @property
     def eos_token_id(self) -> int | None:
@@ -99,6 +100,9 @@ class LLMEngine:
 
     def step(self) -> list[TokenEvent]:
         plan = self.scheduler.schedule()
+        self.stats["steps"] += 1
+        self.stats["preemptions"] += len(plan.preempted_ids)
+        self.stats["swaps_out"] += len(plan.swap_out)
         if plan.is_empty:
             self.scheduler.update(plan, {})
             return []
@@ -113,6 +117,7 @@ class LLMEngine:
                         [r.num_output_tokens for r in reqs])
         sampled = {it.request_id: t for it, t in zip(sampled_items, tokens)}
         finished = {r.request_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
+        self.stats["tokens"] += plan.num_batched_tokens
         return [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items()]
 
     def _batch(self, plan: StepPlan) -> StepBatch:
@@ -145,7 +150,7 @@ class LLMEngine:
             raise RuntimeError("score: no free pages or KDA slot (the engine is busy; retry when idle)")
         try:
             self.cache.zero_slots([slot])
-            chunk = self.scheduler.config.max_num_batched_tokens
+            chunk = min(self.scheduler.config.max_prefill_chunk, self.scheduler.config.max_num_batched_tokens)
             out = []
             for start in range(0, len(token_ids), chunk):
                 part = token_ids[start:start + chunk]

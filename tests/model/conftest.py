@@ -1,0 +1,26 @@
+"""Fixtures: tiny checkpoints converted and built into engines once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the oracles package beside these tests
+from engines import build_engine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def k3_tiny_ckpt(tmp_path_factory) -> Path:
+    from k3build.config import preset
+    from k3build.synth import synth
+
+    out = tmp_path_factory.mktemp("k3tiny") / "ckpt"
+    synth(out, preset("tiny"), seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def k3_tiny_engine(k3_tiny_ckpt, tmp_path_factory) -> Path:
+    return build_engine(k3_tiny_ckpt, tmp_path_factory.mktemp("k3tiny_engine") / "engine")
