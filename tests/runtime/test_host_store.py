@@ -106,3 +106,19 @@ def test_k3_sizes_match_the_spec():
 def test_config_validation_names_field(kw, field):
     with pytest.raises(ValueError, match=field):
         tiny("fp32", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_round_trip_through_pinned_host(dtype):
+    cache = CacheTensors(tiny(dtype), device="cuda")
+    randomize(cache, 3)
+    before = [t.clone() for t in cache.tensors()]
+    store = HostStore(cache, num_host_pages=4, num_host_slots=2)
+    assert store.pinned and store.mla_kv_all.is_pinned()
+    store.swap_out([6, 0], 1, [3, 1], 0)
+    cache.zero_slots(torch.tensor([1], device="cuda"))
+    assert cache.kda_state_all[:, 1].eq(0).all()
+    store.swap_in([3, 1], 0, [2, 4], 2)
+    assert torch.equal(cache.mla_kv_all[:, [2, 4]], before[0][:, [6, 0]])
+    assert torch.equal(cache.kda_state_all[:, 2], before[1][:, 1]) and torch.equal(cache.kda_conv_all[:, 2], before[2][:, 1])
