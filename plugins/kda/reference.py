@@ -146,7 +146,8 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     beta = torch.sigmoid(b)                                                     # [T, H]
     g_out = g_in if g_b_weight is None else g_in @ g_b_weight.float().T         # [T, D]
 
-    o = torch.empty(T, H, K, dtype=torch.float32, device=x.device)
+    # NaN, not empty: a token that no sequence covers would show in the output.
+    o = torch.full((T, H, K), float("nan"), dtype=torch.float32, device=x.device)
     for n, slot in enumerate(slots):
         s, e = cu[n], cu[n + 1]
         if s == e:

@@ -96,7 +96,8 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
         pages, offs = _cache_slots(page_table[n], pos, page_size, n)
         kv_cache[pages, offs] = entries[s:e]
 
-    o = torch.empty(T, H, vd, dtype=torch.float32, device=x.device)
+    # NaN, not empty: a token that no sequence covers would show in the output.
+    o = torch.full((T, H, vd), float("nan"), dtype=torch.float32, device=x.device)
     for n in range(N):
         s, e = cu[n], cu[n + 1]
         if s == e:
