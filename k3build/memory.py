@@ -162,7 +162,8 @@ class MemoryPlan:
 
     @property
     def worst_rank(self) -> RankMemory:
-        return min(self.ranks, key=lambda r: (r.free_bytes, r.rank))
+        """The rank that limits concurrency (ties: the least free memory)."""
+        return min(self.ranks, key=lambda r: (r.max_concurrent_requests, r.free_bytes, r.rank))
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "ranks"}

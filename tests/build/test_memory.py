@@ -1,0 +1,183 @@
+"""Memory model: exact figures of K3_SPEC §3/§4, ownership identical to Mapping.shard, and the fit arithmetic."""
+
+from math import ceil, prod
+
+import pytest
+
+from k3build.config import preset
+from k3build.mapping import Mapping, MappingError
+from k3build.memory import (CATEGORIES, GiB, H200_USABLE_GIB, MiB, kda_state_bytes, kv_bytes_per_token, plan_memory,
+                            weight_bytes)
+from k3build.schema import checkpoint_tensors
+
+K3 = preset("k3")
+TINY = preset("tiny")
+H200 = int(H200_USABLE_GIB * GiB)
+ITEM = {"BF16": 2, "F32": 4, "U8": 1}
+TEP16 = Mapping(tp_size=16, moe_ep_size=16)
+DEP16 = Mapping(tp_size=16, moe_ep_size=16, attention_dp=True)
+
+
+def _k3_plan(mapping, seq, **kw):
+    kw = {"max_batch_size": 64, "max_num_tokens": 8192, **kw}
+    return plan_memory(K3, mapping, gpu_memory_bytes=H200, max_seq_len=seq, **kw)
+
+
+def test_kda_state_per_request_matches_spec():
+    full = Mapping()
+    assert kda_state_bytes(K3, full, 0, "fp32") == 449_372_160  # 428.6 MiB/slot
+    assert round(kda_state_bytes(K3, full, 0, "fp32") / MiB, 1) == 428.6
+    assert round(kda_state_bytes(K3, full, 0, "bf16") / MiB, 1) == 221.6
+    assert round(kda_state_bytes(K3, Mapping(tp_size=8), 0, "fp32") / MiB, 1) == 53.6
+    # attention-DP does not shard it; EP does not either.
+    assert kda_state_bytes(K3, Mapping(tp_size=8, attention_dp=True), 3, "fp32") == 449_372_160
+    with pytest.raises(ValueError, match="state_dtype"):
+        kda_state_bytes(K3, full, 0, "fp16")
+
+
+def test_mla_kv_per_token_matches_spec_and_is_not_split_by_tp():
+    assert kv_bytes_per_token(K3, Mapping(), 0, 2) == 27_648
+    assert kv_bytes_per_token(K3, Mapping(), 0, 1) == 13_824
+    assert all(kv_bytes_per_token(K3, TEP16, r, 2) == 27_648 for r in (0, 7, 15))
+    pp = Mapping(tp_size=8, pp_size=2)
+    stages = [kv_bytes_per_token(K3, pp, r, 2) for r in (0, 8)]
+    assert sum(stages) == 27_648 and stages == [11 * 576 * 2, 13 * 576 * 2]
+
+
+def test_full_k3_weights_match_published_sizes():
+    w = weight_bytes(K3, Mapping(), 0)
+    per_expert = 2 * (3072 * 1792 + 3072 * 112) + 3584 * 1536 + 3584 * 96
+    assert per_expert == 17_547_264  # "≈ 17.55 MB incl. scales"
+    assert w["routed_experts"] == 92 * 896 * per_expert
+    assert w["embedding"] == w["lm_head"] == 163840 * 7168 * 2
+    assert w["dense_mlp"] == 3 * 33792 * 7168 * 2
+    assert w["shared_experts"] == 92 * 3 * 6144 * 7168 * 2
+    # The published 1,560,936,091,448 B also hold the (out of scope) vision tower: text is ~0.06% less.
+    total = sum(w.values())
+    assert 0 < 1_560_936_091_448 - total < 0.001 * total
+
+
+@pytest.mark.parametrize("mapping", [
+    Mapping(), Mapping(tp_size=2), Mapping(tp_size=4), Mapping(tp_size=4, moe_tp_size=2), Mapping(pp_size=2),
+    Mapping(tp_size=2, pp_size=3), Mapping(tp_size=2, attention_dp=True), Mapping(tp_size=4, moe_tp_size=2, pp_size=2),
+], ids=lambda m: f"tp{m.tp_size}-pp{m.pp_size}-ep{m.moe_ep_size}-mtp{m.moe_tp_size}{'-dp' if m.attention_dp else ''}")
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_weight_bytes_equal_brute_force_over_schema(mapping, fmt):
+    import dataclasses
+
+    from k3build.config import QuantConfig
+    cfg = dataclasses.replace(TINY, quantization=QuantConfig("mxfp4" if fmt == "mxfp4" else "none"))
+    tensors = checkpoint_tensors(cfg, "canonical")
+    for rank in range(mapping.world_size):
+        want = 0
+        for name, (shape, dtype) in tensors.items():
+            s = mapping.shard(name, rank, cfg)
+            if s is not None:
+                want += prod(shape) * ITEM[dtype] // (s.parts if s.dim is not None else 1)
+        got = weight_bytes(TINY, mapping, rank, expert_format=fmt)
+        assert sum(got.values()) == want, rank
+        assert set(got) == set(CATEGORIES)
+
+
+def test_pp_stages_hold_embedding_first_and_lm_head_last():
+    pp = Mapping(tp_size=8, pp_size=2)
+    first, last = weight_bytes(K3, pp, 0), weight_bytes(K3, pp, 15)
+    assert first["embedding"] > 0 and first["lm_head"] == 0
+    assert last["embedding"] == 0 and last["lm_head"] > 0
+    assert first["dense_mlp"] > 0 and last["dense_mlp"] == 0  # layer 0 is dense
+
+
+def test_attention_dp_replicates_and_tp_splits():
+    full, dep, tep = weight_bytes(K3, Mapping(), 0), weight_bytes(K3, DEP16, 5), weight_bytes(K3, TEP16, 5)
+    for cat in ("embedding", "lm_head", "attention_kda", "attention_mla", "dense_mlp", "shared_experts"):
+        assert dep[cat] == full[cat], cat
+        assert tep[cat] < full[cat] / 8, cat
+    for cat in ("embedding", "lm_head", "dense_mlp", "shared_experts"):
+        assert tep[cat] * 16 == full[cat], cat
+    assert dep["routed_experts"] * 16 == tep["routed_experts"] * 16 == full["routed_experts"]
+    assert dep["router_latent_norms"] == tep["router_latent_norms"] == full["router_latent_norms"]
+
+
+def test_dep16_does_not_fit_h200_and_tep16_does():
+    dep = _k3_plan(DEP16, 8192, max_num_tokens=1024)
+    w = dep.ranks[0].weight_bytes
+    assert abs(w / GiB - 193) / 193 < 0.03, w / GiB  # spec §4.4: "DEP16 ≈193 GiB weights/rank"
+    assert not dep.fits and dep.max_concurrent_requests == 0
+    assert "weights alone" in dep.reason and "rank 0" in dep.reason
+    # DEP8 estimate in the spec: ≈273 GiB/rank.
+    dep8 = weight_bytes(K3, Mapping(tp_size=8, attention_dp=True), 0)
+    assert abs(sum(dep8.values()) / GiB - 273) / 273 < 0.03
+    tep = _k3_plan(TEP16, 131072)
+    assert tep.fits and tep.reason == ""
+    assert all(r.weight_bytes < 105 * GiB for r in tep.ranks)
+
+
+@pytest.mark.parametrize("seq", [8192, 131072])
+def test_tep16_concurrency_is_the_arithmetic(seq):
+    plan = _k3_plan(TEP16, seq)
+    r = plan.ranks[0]
+    free = H200 - r.weight_bytes - r.reserve_bytes
+    slot = 449_372_160 // 16  # 6 of 96 heads
+    want = free // (slot + ceil(seq / 64) * 64 * 27_648)
+    assert r.kda_state_bytes_per_request == slot
+    assert r.max_concurrent_requests == want == plan.max_concurrent_requests  # TP ranks share requests
+    assert {"overhead", "residual", "exchange"} <= set(r.reserve)
+    assert (r.kda_slots, r.kv_pages) == (min(64, (free - ceil(seq / 64) * 64 * 27_648) // slot),
+                                         (free - r.kda_slots * slot) // (64 * 27_648))
+    # Published Hopper context: SGLang's 2x8 H200 runs ~98 requests; 128K requests are ~3.6 GB each.
+    assert (100 < want < 200) if seq == 8192 else (5 < want < 15)
+
+
+def test_bf16_state_and_fp8_kv_raise_concurrency():
+    base = _k3_plan(TEP16, 32768).max_concurrent_requests
+    assert _k3_plan(TEP16, 32768, state_dtype="bf16").max_concurrent_requests > base
+    assert _k3_plan(TEP16, 32768, kv_dtype_bytes=1).max_concurrent_requests > base
+
+
+def test_attention_dp_concurrency_adds_up_over_ranks():
+    tp = plan_memory(TINY, Mapping(tp_size=2), gpu_memory_bytes=64 * MiB, max_seq_len=1024, max_batch_size=8,
+                     max_num_tokens=256, overhead_bytes=0)
+    dp = plan_memory(TINY, Mapping(tp_size=2, attention_dp=True), gpu_memory_bytes=64 * MiB, max_seq_len=1024,
+                     max_batch_size=8, max_num_tokens=256, overhead_bytes=0)
+    assert tp.max_concurrent_requests == min(r.max_concurrent_requests for r in tp.ranks)
+    assert dp.max_concurrent_requests == sum(r.max_concurrent_requests for r in dp.ranks)
+
+
+def test_pool_split_keeps_one_full_request_and_stays_in_budget():
+    plan = plan_memory(TINY, Mapping(pp_size=2), gpu_memory_bytes=8 * MiB, max_seq_len=4096, max_batch_size=64,
+                       max_num_tokens=256, overhead_bytes=0)
+    for r in plan.ranks:
+        assert 1 <= r.kda_slots <= 64
+        assert r.kv_pages >= 4096 // 64
+        assert r.kda_slots * r.kda_state_bytes_per_request + r.kv_pages * r.page_bytes <= r.free_bytes
+    d = plan.to_dict()
+    assert d["ranks"][1]["layers"] == [5, 9] and d["fits"] is True
+
+
+def test_refusal_when_one_request_does_not_fit():
+    plan = plan_memory(TINY, Mapping(), gpu_memory_bytes=6 * MiB, max_seq_len=4096, max_batch_size=8,
+                       max_num_tokens=256, overhead_bytes=0)
+    r = plan.ranks[0]
+    assert r.free_bytes > 0 and not plan.fits and plan.max_concurrent_requests == 0
+    assert "one request of 4096 tokens needs" in plan.reason
+    plan = plan_memory(TINY, Mapping(), gpu_memory_bytes=4 * MiB, max_seq_len=64, max_batch_size=8,
+                       max_num_tokens=256, overhead_bytes=0)
+    assert "reserve" in plan.reason and not plan.fits
+
+
+def test_bad_inputs_name_the_field():
+    kw = dict(gpu_memory_bytes=GiB, max_seq_len=1024, max_batch_size=8, max_num_tokens=256)
+    with pytest.raises(MappingError, match="num_attention_heads"):
+        plan_memory(TINY, Mapping(tp_size=8), **kw)
+    with pytest.raises(MappingError, match="multiple of 32"):  # 64 / 4 splits MXFP4 scale blocks
+        plan_memory(TINY, Mapping(tp_size=4, moe_tp_size=4), **kw)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        plan_memory(TINY, Mapping(), **{**kw, "max_seq_len": 8192})
+    with pytest.raises(ValueError, match="max_batch_size"):
+        plan_memory(TINY, Mapping(), **{**kw, "max_batch_size": 0})
+    with pytest.raises(ValueError, match="state_dtype"):
+        plan_memory(TINY, Mapping(), **kw, state_dtype="int8")
+    with pytest.raises(ValueError, match="kv_dtype_bytes"):
+        plan_memory(TINY, Mapping(), **kw, kv_dtype_bytes=3)
+    with pytest.raises(ValueError, match="expert_format"):
+        plan_memory(TINY, Mapping(), **kw, expert_format="nvfp4")
