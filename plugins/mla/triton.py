@@ -19,7 +19,7 @@ D_PE = 64
 @triton.jit
 def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale, H,
                       stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_kv_page, stride_ob, stride_os, stride_oh,
-                      stride_lb, stride_ls, PAGES_PER_SPLIT: tl.constexpr, BH: tl.constexpr,
+                      stride_lb, stride_ls, PAGES_PER_SPLIT, BH: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr):
     hb = tl.program_id(0)
     split = tl.program_id(1)

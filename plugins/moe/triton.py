@@ -1,0 +1,164 @@
+"""MXFP4 grouped MoE, W4A16, in Triton: same signature and semantics as `reference.moe_experts`.
+
+Three launches after a sync-free sort of the (token, expert) pairs by local expert:
+gate/up GEMM with SiTU fused (h [P, I], activation dtype), down GEMM with the routing weight applied
+(y [P, Dl] fp32), and a deterministic per-token sum of its local pairs (no atomics). Weights are read in
+the build's MXFP4 layout, unchanged (prepare_weights is the identity). Tactics are block configs:
+"decode" (BM=16, swap-AB so the weights fill the MMA rows) and "prefill" (BM=64, BN=128).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
+                                            mxfp4_dequant_kernel)
+
+_ACTS = {"situ": 0, "silu": 1}
+
+
+@dataclass(frozen=True)
+class MoETactic:
+    block_m: int   # tokens per MMA tile (the MMA's N side)
+    block_n: int   # weight rows per program
+    block_k: int   # K elements per step (multiple of 64)
+    num_warps: int
+    num_stages: int
+    dot_scaled: bool  # tl.dot_scaled (Triton's MX path) vs our in-register dequant + tl.dot
+
+
+TACTICS = {
+    "decode": MoETactic(16, 64, 256, 4, 3, True),
+    "decode_dq": MoETactic(16, 64, 256, 4, 3, False),
+    "prefill": MoETactic(64, 128, 128, 8, 3, True),
+    "prefill_dq": MoETactic(64, 128, 128, 8, 3, False),
+}
+
+
+def prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                    w2_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The layout this kernel reads is the build's MXFP4 layout itself: no transform."""
+    return {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
+
+
+def _tactic(tactic: str | MoETactic) -> MoETactic:
+    if isinstance(tactic, MoETactic):
+        return tactic
+    if tactic not in TACTICS:
+        raise ValueError(f"unknown MoE tactic {tactic!r}; have {sorted(TACTICS)}")
+    return TACTICS[tactic]
+
+
+def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+             tactic: str | MoETactic = "decode") -> tuple[bool, str]:
+    """Whether the Triton MoE runs these shapes/dtypes with `tactic`."""
+    try:
+        t = _tactic(tactic)
+    except ValueError as exc:
+        return False, str(exc)
+    if not z.is_cuda and not _interpreting():
+        return False, "Triton MoE needs a GPU tensor (or TRITON_INTERPRET=1)"
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        return False, "Triton MoE reads MXFP4 (uint8) weights only"
+    dl, inter = w13.shape[2] * 2, w2.shape[2] * 2
+    for name, k in (("Dl", dl), ("I", inter)):
+        if k % t.block_k:
+            return False, f"{name}={k} must be a multiple of block_k={t.block_k}"
+    if inter % t.block_n or dl % t.block_n:
+        return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
+    if t.dot_scaled and z.dtype not in (torch.bfloat16, torch.float16):
+        return False, "tl.dot_scaled takes bf16/fp16 activations; use a *_dq tactic for fp32"
+    return True, ""
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int):
+    """Pairs (token·k + j) sorted by local expert, with no device->host sync.
+
+    Returns:
+        order int32 [P] (pair ids, local experts' pairs first, grouped by expert), offsets int32 [E+1]
+        (expert e owns order[offsets[e]:offsets[e+1]]), inv int32 [P] (sorted position of each pair, -1 if
+        the expert is not local).
+    """
+    flat = topk_ids.reshape(-1)
+    local = flat - expert_start
+    valid = (local >= 0) & (local < num_local)
+    key = torch.where(valid, local, num_local)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.arange(num_local + 1, device=flat.device, dtype=sorted_key.dtype)
+    offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=flat.device)
+    inv = torch.where(valid, inv, -1)
+    return order.to(torch.int32), offsets, inv.to(torch.int32)
+
+
+def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int,
+                act: str, beta: float = 4.0, linear_beta: float = 25.0,
+                tactic: str | MoETactic = "decode") -> torch.Tensor:
+    """Σ over each token's selected local experts of w · W2(act(W1 z, W3 z)); see reference.moe_experts.
+
+    Args:
+        z: [M, Dl] bf16/fp16 (fp32 with a *_dq tactic).
+        topk_ids: [M, k] int64 global expert ids; topk_weights: [M, k] fp32.
+        w13: [E, 2I, Dl/2] u8; w13_scale: [E, 2I, Dl/32] u8; w2: [E, Dl, I/2] u8; w2_scale: [E, Dl, I/32] u8.
+        expert_start: global id of local expert 0. act: "situ" | "silu".
+        tactic: a key of TACTICS (the builder records it).
+
+    Returns:
+        [M, Dl] fp32.
+    """
+    if act not in _ACTS:
+        raise ValueError(f"moe_experts: unknown act {act!r}; expected one of {sorted(_ACTS)}")
+    if w13_scale is None or w2_scale is None:
+        raise ValueError("moe_experts (triton): MXFP4 scales are required")
+    ok, why = supports(z, w13, w2, tactic=tactic)
+    if not ok:
+        raise ValueError(f"moe_experts (triton): {why}")
+    M, Dl = z.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if w2.shape != (E, Dl, inter // 2) or w13.shape[2] * 2 != Dl:
+        raise ValueError(f"moe_experts (triton): w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
+                         f"z [M, {Dl}]")
+    t = _tactic(tactic)
+    z = z.contiguous()
+    order, offsets, inv = sort_pairs(topk_ids, expert_start, E)
+    P = order.numel()
+    h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
+    y = torch.empty(P, Dl, dtype=torch.float32, device=z.device)
+    out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    moe_gate_up_kernel[(E, inter // t.block_n)](
+        z, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
+        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, DOT_SCALED=t.dot_scaled,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    moe_down_kernel[(E, Dl // t.block_n)](
+        h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
+        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
+        DOT_SCALED=t.dot_scaled, num_warps=t.num_warps, num_stages=t.num_stages)
+    bd = 512
+    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)
+    return out
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MXFP4 [..., R, K/2] u8 + [..., R, K/32] u8 -> [..., R, K] `dtype` on the device (dequant-once tactic)."""
+    K = packed.shape[-1] * 2
+    rows = packed.numel() // packed.shape[-1]
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 32 != K or K % 128 or rows % 32:
+        raise ValueError(f"dequantize: packed {tuple(packed.shape)} / scale {tuple(scale.shape)} need K % 128 == 0, "
+                         "rows % 32 == 0 and one scale per 32 elements")
+    out = torch.empty(*packed.shape[:-1], K, dtype=dtype, device=packed.device)
+    mxfp4_dequant_kernel[(rows // 32, K // 128)](packed.contiguous(), scale.contiguous(), out, K=K, BR=32, BK=128)
+    return out

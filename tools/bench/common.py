@@ -1,0 +1,74 @@
+"""Timing helpers shared by the plugin benchmarks: CUDA-graph replays, L2 flushed, CUDA-event medians."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+_FLUSH: torch.Tensor | None = None
+
+
+def emit(**rec) -> None:
+    """One JSON line on stdout (and flushed, so a killed run keeps what it printed)."""
+    print(json.dumps(rec, sort_keys=False), flush=True)
+    sys.stdout.flush()
+
+
+def _flush_l2() -> None:
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # > 4x the H200's 60 MB L2
+    _FLUSH.zero_()
+
+
+def time_ms(fn, *, rep: int = 20, graph: bool = True, flush: bool = True) -> float:
+    """Median ms of `fn` on the GPU; replayed from a CUDA graph when `graph` (no launch gaps)."""
+    fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+        run()
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        if flush:
+            _flush_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hbm_read_tbps() -> float:
+    """HBM read bandwidth (TB/s): the sum of an 8 GiB bf16 tensor, as in ANCHORS.md."""
+    x = torch.empty(4 * 2**30, dtype=torch.bfloat16, device="cuda").normal_()
+    ms = time_ms(lambda: x.sum(), rep=10, graph=False, flush=False)
+    del x
+    torch.cuda.empty_cache()
+    return 8 * 2**30 / (ms * 1e-3) / 1e12
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm()).clamp_min(1e-30)).item()

@@ -1,0 +1,76 @@
+"""MLA paged decode: Triton split-K vs torch bmm (absorbed, contiguous cache) and the KV-bytes floor."""
+
+from __future__ import annotations
+
+import torch
+
+from common import emit, rel_l2, time_ms
+from k3plugins.mla.triton import PAGE, mla_decode_attention
+
+SCALE = 192 ** -0.5
+
+
+def make_case(B: int, L: int, H: int, gen: torch.Generator):
+    pages = B * L // PAGE
+    kv = torch.randn(pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    pt = torch.randperm(pages, device="cuda", generator=gen).view(B, L // PAGE).to(torch.int32)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    ql = torch.randn(B, H, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    qp = torch.randn(B, H, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    return kv, pt, lens, ql, qp
+
+
+def bmm_baseline(kv, pt, ql, qp):
+    B, H, _ = ql.shape
+    cache = kv[pt.long()].view(B, -1, 576)       # contiguous per sequence: the baseline gets it for free
+    q = torch.cat([ql, qp], -1)
+
+    def run():
+        s = torch.bmm(q, cache.transpose(1, 2)).float() * SCALE
+        return torch.bmm(torch.softmax(s, -1).to(cache.dtype), cache[:, :, :512])
+    return run, cache
+
+
+def bench_mla(bw_tbps: float, sweep: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    # ragged check: lengths 1..L, one sequence of a single token
+    kv, pt, _, ql, qp = make_case(4, 4096, 96, gen)
+    lens = torch.tensor([1, 63, 1000, 4096], dtype=torch.int32, device="cuda")
+    out = mla_decode_attention(ql, qp, kv, pt, lens, scale=SCALE)
+    refs = []
+    for b in range(4):
+        toks = kv[pt[b].long()].view(-1, 576)[: int(lens[b])].float()
+        s = (ql[b].float() @ toks[:, :512].T + qp[b].float() @ toks[:, 512:].T) * SCALE
+        refs.append(torch.softmax(s, -1) @ toks[:, :512])
+    emit(bench="mla_check", rel_l2=rel_l2(out.float(), torch.stack(refs)))
+    del kv
+    for B, L, H in ((64, 8192, 16), (32, 65536, 16), (64, 8192, 96), (32, 65536, 96)):
+        kv, pt, lens, ql, qp = make_case(B, L, H, gen)
+        floor_ms = B * L * 576 * 2 / (bw_tbps * 1e12) * 1e3
+        base, cache = bmm_baseline(kv, pt, ql, qp)
+        t_base = time_ms(base, rep=10)
+        ref = base().float()
+        del cache
+        configs = [(16, None)] if H == 16 else [(16, None), (32, None), (64, None)]
+        if sweep:
+            configs += [(16, 1), (16, 2), (16, 4), (16, 8)] if H == 16 else [(32, 1), (32, 2), (64, 1), (64, 2)]
+        best = None
+        for bh, ns in configs:
+            fn = lambda bh=bh, ns=ns: mla_decode_attention(ql, qp, kv, pt, lens, scale=SCALE, num_splits=ns,
+                                                           block_h=bh)
+            try:
+                t = time_ms(fn, rep=10)
+                err = rel_l2(fn().float(), ref)
+            except Exception as exc:
+                emit(bench="mla_config_failed", block_h=bh, num_splits=ns, error=repr(exc)[:300])
+                continue
+            emit(bench="mla_config", B=B, L=L, H=H, block_h=bh, num_splits=ns, ms=round(t, 4),
+                 frac_of_floor=round(floor_ms / t, 3), rel_l2_vs_bmm=err)
+            if best is None or t < best[1]:
+                best = ((bh, ns), t)
+        emit(bench="mla", B=B, L=L, H=H, kv_bytes=B * L * 1152, floor_ms=round(floor_ms, 4),
+             bmm_ms=round(t_base, 4), bmm_x_floor=round(t_base / floor_ms, 2), best_config=list(best[0]),
+             best_ms=round(best[1], 4), frac_of_floor=round(floor_ms / best[1], 3),
+             speedup_vs_bmm=round(t_base / best[1], 2))
+        del kv
+        torch.cuda.empty_cache()

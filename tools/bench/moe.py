@@ -1,0 +1,102 @@
+"""MoE benchmarks: Triton MXFP4 W4A16 vs bf16 torch._grouped_mm and the MXFP4 weight-bytes floor."""
+
+from __future__ import annotations
+
+import torch
+
+from common import cosine, emit, rel_l2, time_ms
+from k3plugins.moe import triton as mt
+from k3plugins.moe.reference import moe_experts as moe_ref
+
+E, DL, INTER, TOP_K, E_GLOBAL, E_START = 56, 3584, 3072, 16, 896, 112
+
+
+def make_weights(gen: torch.Generator):
+    dev = "cuda"
+    w13 = torch.randint(0, 256, (E, 2 * INTER, DL // 2), dtype=torch.uint8, device=dev, generator=gen)
+    s13 = torch.randint(119, 124, (E, 2 * INTER, DL // 32), dtype=torch.uint8, device=dev, generator=gen)
+    w2 = torch.randint(0, 256, (E, DL, INTER // 2), dtype=torch.uint8, device=dev, generator=gen)
+    s2 = torch.randint(119, 124, (E, DL, INTER // 32), dtype=torch.uint8, device=dev, generator=gen)
+    return w13, s13, w2, s2
+
+
+def make_tokens(tpe: int, gen: torch.Generator):
+    """tpe tokens on every local expert: slot 0 local, the other 15 slots on other ranks' experts."""
+    M = E * tpe
+    z = torch.randn(M, DL, device="cuda", generator=gen).to(torch.bfloat16)
+    local = (torch.arange(M, device="cuda") % E) + E_START
+    others = torch.randint(0, E_GLOBAL - E, (M, TOP_K - 1), device="cuda", generator=gen)
+    others = torch.where(others >= E_START, others + E, others)
+    ids = torch.cat([local[:, None], others], 1)
+    w = torch.rand(M, TOP_K, device="cuda", generator=gen)
+    return z, ids, w / w.sum(1, keepdim=True)
+
+
+def grouped_mm_baseline(z, ids, w13b, w2b):
+    """What a port without an MXFP4 kernel runs: bf16 grouped GEMMs over the sorted pairs."""
+    order, offsets, _ = mt.sort_pairs(ids, E_START, E)
+    n_local = z.shape[0]  # one local pair per token in these benches
+    x = z[(order[:n_local].long() // TOP_K)]
+    offs = offsets[1:].to(torch.int32)
+
+    def run():
+        h = torch._grouped_mm(x, w13b.transpose(1, 2), offs=offs)
+        g, u = h[:, :INTER].float(), h[:, INTER:].float()
+        a = (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * 25.0 * torch.tanh(u / 25.0)).to(torch.bfloat16)
+        return torch._grouped_mm(a, w2b.transpose(1, 2), offs=offs)
+    return run
+
+
+def bench_moe(bw_tbps: float, sweep: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, s13, w2, s2 = make_weights(gen)
+    wbytes = sum(t.numel() for t in (w13, s13, w2, s2))
+    floor_ms = wbytes / (bw_tbps * 1e12) * 1e3
+    w13b, w2b = mt.dequantize(w13, s13), mt.dequantize(w2, s2)
+    # correctness first, on a small ragged batch incl. empty experts, against the torch reference
+    z, ids, tw = make_tokens(1, gen)
+    z, ids, tw = z[:37], ids[:37], tw[:37]
+    ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
+    for name in ("decode", "decode_dq", "prefill", "prefill_dq"):
+        out = mt.moe_experts(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ", tactic=name)
+        emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
+    tactics = dict(mt.TACTICS)
+    if sweep:
+        for bn, bk, ds, nw in ((32, 128, True, 4), (32, 256, True, 4), (64, 128, True, 4), (128, 128, True, 4),
+                               (128, 256, True, 8), (64, 256, True, 8), (32, 128, False, 4), (64, 128, False, 4),
+                               (128, 128, False, 8), (64, 64, True, 4), (64, 64, False, 4)):
+            tactics[f"d_bn{bn}_bk{bk}_{'ds' if ds else 'dq'}_w{nw}"] = mt.MoETactic(16, bn, bk, nw, 3, ds)
+    for tpe in (1, 2, 4, 8, 128):
+        z, ids, tw = make_tokens(tpe, gen)
+        flops = 2 * z.shape[0] * 3 * DL * INTER
+        base = grouped_mm_baseline(z, ids, w13b, w2b)
+        t_base = time_ms(base)
+        rec = dict(bench="moe", tokens_per_expert=tpe, M=z.shape[0], experts=E, weight_bytes=wbytes,
+                   hbm_tbps=round(bw_tbps, 3), floor_ms=round(floor_ms, 4), grouped_mm_bf16_ms=round(t_base, 4))
+        names = [n for n in tactics if (n.startswith("prefill") if tpe >= 64 else not n.startswith("prefill"))]
+        if tpe >= 64:
+            names = names + [n for n in tactics if n.startswith("d")][:2]
+        best = None
+        for name in names:
+            try:
+                fn = lambda name=name: mt.moe_experts(z, ids, tw, w13, s13, w2, s2, expert_start=E_START,
+                                                      act="situ", tactic=tactics[name])
+                t = time_ms(fn)
+            except Exception as exc:  # a config that does not compile is a result, not a crash
+                emit(bench="moe_config_failed", tactic=name, error=repr(exc)[:300])
+                continue
+            emit(bench="moe_tactic", tokens_per_expert=tpe, tactic=name, ms=round(t, 4),
+                 frac_of_floor=round(floor_ms / t, 3), tflops=round(flops / t / 1e9, 1))
+            if best is None or t < best[1]:
+                best = (name, t)
+        if tpe >= 64:
+            def dq_once():
+                a = mt.dequantize(w13, s13)
+                b = mt.dequantize(w2, s2)
+                return a, b
+            t_dq = time_ms(dq_once, rep=5)
+            rec.update(dequant_once_ms=round(t_dq, 4), dequant_once_plus_grouped_mm_ms=round(t_dq + t_base, 4))
+        rec.update(best_tactic=best[0], best_ms=round(best[1], 4), frac_of_floor=round(floor_ms / best[1], 3),
+                   speedup_vs_grouped_mm=round(t_base / best[1], 2), tflops=round(flops / best[1] / 1e9, 1),
+                   grouped_mm_tflops=round(flops / t_base / 1e9, 1))
+        emit(**rec)
