@@ -47,7 +47,7 @@ class _Bound:
     inputs: list[str]
     outputs: list[str]
     attrs: dict
-    kind: str  # "plain" | "kda" | "mla" | "comm"
+    kind: str  # "plain" | "kda" | "mla" | "attn_res" | "comm"
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -74,7 +74,7 @@ class Executor:
                           ins, outs, attrs, "comm")
         entry = plugins[node.op_type]
         fn = registry.find(node.op_type, entry["tactic"]).load()
-        kind = {"KDA": "kda", "MLA": "mla"}.get(node.op_type, "plain")
+        kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
         if node.op_type == "Router":
             attrs["renormalize"] = bool(attrs["renormalize"])
         return _Bound(node.name, fn, ins, outs, attrs, kind)
@@ -98,6 +98,9 @@ class Executor:
                 kw = {k: v for k, v in b.attrs.items() if k != "cache_index"}
                 out = b.fn(*args, self.caches.mla_kv[ci], cu_seqlens=batch.cu_seqlens,
                            context_lens=batch.context_lens, page_table=batch.page_table, **kw)
+            elif b.kind == "attn_res":
+                # Graph order is (partial, proj, norm, *snapshots): the variadic inputs come last in ONNX.
+                out = b.fn(args[0], torch.stack(args[3:]), args[1], args[2], **b.attrs)
             else:
                 out = b.fn(*args, **b.attrs)
             if len(b.outputs) == 1:

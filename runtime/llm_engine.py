@@ -112,9 +112,8 @@ class LLMEngine:
         batch = self._batch(plan)
         logits = self.executor.run(batch)["logits"]
         sampled_items = [it for it in plan.items if it.sample]
-        reqs = [self.scheduler.get(it.request_id) for it in sampled_items]
-        tokens = sample(logits, [r.params for r in reqs], [r.sampling_seed for r in reqs],
-                        [r.num_output_tokens for r in reqs])
+        tokens = sample(logits, [it.params for it in sampled_items], [it.seed for it in sampled_items],
+                        [it.sample_index for it in sampled_items])
         sampled = {it.request_id: t for it, t in zip(sampled_items, tokens)}
         finished = {r.request_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
         self.stats["tokens"] += plan.num_batched_tokens
