@@ -243,11 +243,11 @@ def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, p
         reason = (f"{where}: weights alone need {_gib(w)}, more than the {_gib(gpu)} of device memory "
                   f"(largest: {_largest(weights)})")
     elif w + res > gpu:
-        reason = (f"{where}: weights {_gib(w)} + reserve {_gib(res)} = {_gib(w + res)} exceed the "
-                  f"{_gib(gpu)} of device memory (largest: {_largest(weights)})")
+        reason = (f"{where}: weights {_gib(w)} + reserve {_gib(res)} (overhead {_gib(overhead)}, activations "
+                  f"{_gib(res - overhead)}) = {_gib(w + res)} exceed the {_gib(gpu)} of device memory")
     elif not n:
         reason = (f"{where}: {_gib(free)} left after weights and reserve, but one request of {seq} tokens needs "
-                  f"{req / MiB:.1f} MiB (KDA slot {slot / MiB:.1f} MiB + {pages_per_req} pages of {page} B)")
+                  f"{_gib(req)} (KDA slot {_gib(slot)} + {pages_per_req} pages of {page:,} B)")
     else:
         reason = ""
     return RankMemory(rank=rank, pp_rank=mapping.pp_rank(rank), tp_rank=mapping.tp_rank(rank),
@@ -272,7 +272,7 @@ def _layers(cfg: K3Config, mapping: Mapping, rank: int) -> range:
 
 
 def _gib(b: int) -> str:
-    return f"{b / GiB:.2f} GiB"
+    return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / MiB:.2f} MiB"
 
 
 def _largest(weights: dict[str, int]) -> str:
