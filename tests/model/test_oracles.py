@@ -19,6 +19,8 @@ from tests.model.oracles import hf_oracle, k3_fp32, tiny_models
 PROMPT = [1, 17, 200, 5, 99, 42, 42, 7, 150, 3, 250, 11, 64, 128, 31, 8, 77, 190, 2, 45]
 N_GREEDY = 32
 VARIANTS = sorted(tiny_models.VARIANTS)
+ALL_VARIANTS = VARIANTS + sorted(tiny_models.EXTRA_VARIANTS)
+SPECS = {**tiny_models.VARIANTS, **tiny_models.EXTRA_VARIANTS}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,7 +40,7 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 def kimi_models(tmp_path_factory):
     """variant -> (checkpoint dir, transformers prompt logits, transformers greedy tokens); one worker for all."""
     dirs = {v: tiny_models.make_kimi_linear(tmp_path_factory.mktemp(f"kl_{v}"), seed=11 + i, variant=v)
-            for i, v in enumerate(VARIANTS)}
+            for i, v in enumerate(ALL_VARIANTS)}
     results = hf_oracle.hf_batch([hf_oracle.HFJob(str(d), tuple(PROMPT), N_GREEDY) for d in dirs.values()])
     return {v: (dirs[v], *r) for v, r in zip(dirs, results)}
 
@@ -58,17 +60,25 @@ def test_transformers_saves_original_kimi_naming(kimi_models):
     assert not torch.equal(t[p + "o_norm.weight"], torch.ones(16))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_k3_fp32_matches_transformers(kimi_models, variant):
     d, ref_logits, ref_greedy = kimi_models[variant]
     logits = k3_fp32.k3_logits(d, PROMPT)
-    assert logits.shape == ref_logits.shape == (len(PROMPT), tiny_models.VARIANTS[variant].vocab_size)
+    assert logits.shape == ref_logits.shape == (len(PROMPT), SPECS[variant].vocab_size)
     assert rel_err(logits, ref_logits) < 1e-5
     assert len(set(ref_greedy)) > 4, "degenerate greedy continuation proves little"
     # teacher-forced argmax == greedy decoding, in one forward instead of N_GREEDY
     forced = k3_fp32.k3_logits(d, PROMPT + ref_greedy[:-1])[len(PROMPT) - 1:]
     assert forced.argmax(-1).tolist() == ref_greedy
     assert k3_fp32.k3_greedy(d, PROMPT, 3) == ref_greedy[:3]
+
+
+def test_float64_mode_bounds_fp32_rounding(kimi_models):
+    # both fp32 implementations sit within fp32 rounding of the float64 forward: neither has a real bug
+    d, ref_logits, _ = kimi_models["qlora_mixed"]
+    exact = k3_fp32.k3_logits(d, PROMPT, dtype=torch.float64)
+    assert exact.dtype == np.float64
+    assert rel_err(ref_logits, exact) < 1e-5 and rel_err(k3_fp32.k3_logits(d, PROMPT), exact) < 1e-5
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -80,13 +90,13 @@ def test_k3_naming_reader_matches_transformers(kimi_models, tmp_path, variant):
     assert rel_err(k3_fp32.k3_logits(k3_dir, PROMPT), ref_logits) < 1e-5
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_routing_exercises_bias_and_experts(kimi_models, variant):
     d, _, _ = kimi_models[variant]
     trace: dict = {}
     with torch.no_grad():
         k3_fp32.forward(k3_fp32.load(d), PROMPT, trace)
-    v = tiny_models.VARIANTS[variant]
+    v = SPECS[variant]
     for layer, picks in trace["experts"].items():
         unbiased = trace["experts_unbiased"][layer]
         changed = sum(set(a.tolist()) != set(b.tolist()) for a, b in zip(picks, unbiased))

@@ -27,21 +27,21 @@ class CheckpointError(ValueError):
     """A tensor is missing or has the wrong shape; the message names it."""
 
 
-def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """K3_SPEC §3: packed u8 [N, K/2] (low nibble = even k), scale u8 [N, K/32] E8M0 -> fp32 [N, K]."""
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """K3_SPEC §3: packed u8 [N, K/2] (low nibble = even k), scale u8 [N, K/32] E8M0 -> [N, K] (exact in fp32)."""
     p = packed.to(torch.int64)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)  # [N, K]
-    mag = _E2M1[codes & 0x7]
+    mag = _E2M1.to(dtype)[codes & 0x7]
     val = torch.where((codes & 0x8) != 0, -mag, mag)
-    exp = torch.exp2(scale.to(torch.float32) - 127.0)  # [N, K/32]
+    exp = torch.exp2(scale.to(dtype) - 127.0)  # [N, K/32]
     return val * exp.repeat_interleave(32, dim=1)
 
 
 class Checkpoint:
-    """All tensors of a checkpoint dir as fp32 (MXFP4 experts dequantised), looked up by model-relative name."""
+    """All tensors of a checkpoint dir as `dtype` (MXFP4 experts dequantised), looked up by model-relative name."""
 
-    def __init__(self, ckpt_dir: str | Path):
-        self.dir = Path(ckpt_dir)
+    def __init__(self, ckpt_dir: str | Path, dtype: torch.dtype = torch.float32):
+        self.dir, self.dtype = Path(ckpt_dir), dtype
         self.cfg = K3Config.from_file(self.dir / "config.json")
         index = self.dir / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
@@ -72,7 +72,7 @@ class Checkpoint:
         if name not in self._fp32:
             if name not in self.raw:
                 raise CheckpointError(f"{self.dir}: tensor {name!r} not found")
-            self._fp32[name] = self.raw[name].to(torch.float32)
+            self._fp32[name] = self.raw[name].to(self.dtype)
         t = self._fp32[name]
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.dir}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
@@ -89,7 +89,7 @@ class Checkpoint:
             if tuple(packed.shape) != (shape[0], shape[1] // 2) or tuple(scale.shape) != (shape[0], shape[1] // 32):
                 raise CheckpointError(f"{self.dir}: {name} packed {tuple(packed.shape)} / scale {tuple(scale.shape)} "
                                       f"do not encode a {shape} MXFP4 matrix")
-            self._fp32[name] = mxfp4_dequant(packed, scale)
+            self._fp32[name] = mxfp4_dequant(packed, scale, self.dtype)
         return self._fp32[name]
 
 
@@ -124,7 +124,7 @@ def kda(ck: Checkpoint, pre: str, x: torch.Tensor) -> torch.Tensor:
     def conv_silu(name):
         y = x @ ck.get(pre + f"{name}_proj.weight", (D, cfg.hidden_size)).T  # [T, D]
         w = ck.get(pre + f"{name}_conv1d.weight", (D, 1, W))[:, 0]  # [D, W]
-        padded = torch.cat([torch.zeros(W - 1, D), y])
+        padded = torch.cat([y.new_zeros(W - 1, D), y])
         out = sum(w[:, i] * padded[i:i + T] for i in range(W))
         return F.silu(out).view(T, H, K)
 
@@ -143,8 +143,8 @@ def kda(ck: Checkpoint, pre: str, x: torch.Tensor) -> torch.Tensor:
     else:
         g = -decay * F.softplus(z)
     beta = torch.sigmoid(x @ ck.get(pre + "b_proj.weight", (H, cfg.hidden_size)).T)  # [T, H]
-    S = torch.zeros(H, K, K)  # [H, K, V]
-    o = torch.empty(T, H, K)
+    S = x.new_zeros(H, K, K)  # [H, K, V]
+    o = x.new_empty(T, H, K)
     for t in range(T):
         S = S * torch.exp(g[t])[:, :, None]
         u = v[t] - torch.einsum("hkv,hk->hv", S, k[t])
@@ -216,7 +216,7 @@ def moe(ck: Checkpoint, pre: str, x: torch.Tensor, trace: dict | None, layer: in
         trace.setdefault("experts", {})[layer] = idx.clone()
         trace.setdefault("experts_unbiased", {})[layer] = route(cfg, x @ ck.get(pre + "gate.weight").T, 0 * bias)[0]
     z = x @ ck.get(pre + "routed_expert_down_proj.weight").T if cfg.is_latent_moe else x
-    comb = torch.zeros(z.shape[0], cfg.num_experts).scatter_(1, idx, w)  # [T, E], zero where not routed
+    comb = z.new_zeros(z.shape[0], cfg.num_experts).scatter_(1, idx, w)  # [T, E], zero where not routed
     y = torch.zeros_like(z)
     for e in idx.unique().tolist():
         ep, inter, lat = pre + f"experts.{e}.", cfg.moe_intermediate_size, cfg.expert_hidden_size
@@ -270,26 +270,32 @@ def forward(ck: Checkpoint, token_ids: list[int], trace: dict | None = None) -> 
 _loaded: dict[tuple, Checkpoint] = {}
 
 
-def load(ckpt_dir: str | Path) -> Checkpoint:
-    """A cached `Checkpoint` (reloaded when any file in the dir changed)."""
+def load(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """A cached `Checkpoint` (reloaded when any file in the dir changed); keeps the last two loaded."""
     d = Path(ckpt_dir)
-    key = (str(d.resolve()), tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in d.iterdir() if p.is_file())))
+    files = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in d.iterdir() if p.is_file()))
+    key = (str(d.resolve()), files, dtype)
     if key not in _loaded:
-        _loaded.clear()
-        _loaded[key] = Checkpoint(d)
+        while len(_loaded) >= 2:
+            _loaded.pop(next(iter(_loaded)))
+        _loaded[key] = Checkpoint(d, dtype)
     return _loaded[key]
 
 
 @torch.no_grad()
-def k3_logits(ckpt_dir: str | Path, token_ids: list[int]) -> np.ndarray:
-    """fp32 logits [T, vocab] of the whole sequence, no cache."""
-    return forward(load(ckpt_dir), list(token_ids)).numpy()
+def k3_logits(ckpt_dir: str | Path, token_ids: list[int], *, dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """Logits [T, vocab] of the whole sequence, no cache; fp32 (float64 gives a rounding-free yardstick).
+
+    Returns:
+        np.ndarray [T, vocab] of `dtype`.
+    """
+    return forward(load(ckpt_dir, dtype), list(token_ids)).numpy()
 
 
 @torch.no_grad()
-def k3_greedy(ckpt_dir: str | Path, token_ids: list[int], n: int) -> list[int]:
+def k3_greedy(ckpt_dir: str | Path, token_ids: list[int], n: int, *, dtype: torch.dtype = torch.float32) -> list[int]:
     """`n` greedy tokens by full recompute each step (never stops at EOS)."""
-    ck, seq, out = load(ckpt_dir), list(token_ids), []
+    ck, seq, out = load(ckpt_dir, dtype), list(token_ids), []
     for _ in range(n):
         nxt = int(forward(ck, seq)[-1].argmax())
         out.append(nxt)

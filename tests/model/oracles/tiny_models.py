@@ -41,6 +41,9 @@ class KimiLinearVariant:
     moe_intermediate_size: int = 32
     num_shared_experts: int = 1
     routed_scaling_factor: float = 2.446
+    first_k_dense_replace: int = 1
+    num_expert_group: int = 1
+    topk_group: int = 1
 
 
 KDA, MLA = "kda", "mla"
@@ -54,7 +57,14 @@ VARIANTS: dict[str, KimiLinearVariant] = {
     "wide_mla_first": KimiLinearVariant(
         layers=(MLA, KDA, KDA, MLA, KDA), hidden_size=128, vocab_size=512, intermediate_size=160, q_lora_rank=48,
         num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=24,
-        kda_num_heads=4, kda_head_dim=32, num_experts=12, num_experts_per_token=3, moe_intermediate_size=48),
+        kda_num_heads=4, kda_head_dim=32, num_experts=12, num_experts_per_token=3, moe_intermediate_size=48,
+        first_k_dense_replace=2),
+}
+
+# Shapes transformers runs but K3 never uses (grouped routing): for oracle-vs-transformers tests only.
+EXTRA_VARIANTS: dict[str, KimiLinearVariant] = {
+    "grouped_router": KimiLinearVariant(layers=(KDA, MLA, KDA), num_experts=16, num_experts_per_token=4,
+                                        num_expert_group=4, topk_group=2),
 }
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -66,15 +76,16 @@ def make_kimi_linear(out_dir: str | Path, *, seed: int, variant: str | KimiLinea
     Args:
         out_dir: directory to write (created); gets config.json, model.safetensors, generation_config.json.
         seed: all weights and buffers are a function of it.
-        variant: a key of `VARIANTS` or a `KimiLinearVariant`.
+        variant: a key of `VARIANTS` / `EXTRA_VARIANTS`, or a `KimiLinearVariant`.
     Returns:
         `out_dir` as a Path.
     """
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    if isinstance(variant, str) and variant not in VARIANTS:
-        raise KeyError(f"variant {variant!r}: known {sorted(VARIANTS)}")
-    v = VARIANTS[variant] if isinstance(variant, str) else variant
+    known = {**VARIANTS, **EXTRA_VARIANTS}
+    if isinstance(variant, str) and variant not in known:
+        raise KeyError(f"variant {variant!r}: known {sorted(known)}")
+    v = known[variant] if isinstance(variant, str) else variant
     n = len(v.layers)
     full = [i + 1 for i, t in enumerate(v.layers) if t == MLA]
     cfg = KimiLinearConfig(
@@ -84,6 +95,7 @@ def make_kimi_linear(out_dir: str | Path, *, seed: int, variant: str | KimiLinea
         qk_rope_head_dim=v.qk_rope_head_dim, qk_nope_head_dim=v.qk_nope_head_dim, v_head_dim=v.v_head_dim,
         num_experts=v.num_experts, num_experts_per_token=v.num_experts_per_token,
         num_shared_experts=v.num_shared_experts, routed_scaling_factor=v.routed_scaling_factor,
+        first_k_dense_replace=v.first_k_dense_replace, n_group=v.num_expert_group, topk_group=v.topk_group,
         linear_attn_config=dict(num_heads=v.kda_num_heads, head_dim=v.kda_head_dim, short_conv_kernel_size=4,
                                 full_attn_layers=full, kda_layers=[i for i in range(1, n + 1) if i not in full]),
         max_position_embeddings=4096, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, dtype="float32")
