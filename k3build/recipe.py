@@ -94,6 +94,13 @@ class Recipe:
         except ConfigError as e:
             raise RecipeError(f"{self.path}: model.checkpoint: {e}") from None
 
+    def build_options(self) -> dict[str, Any]:
+        """Keyword arguments for `k3build.build.options.BuildOptions` (overhead_gib is the plan's alone)."""
+        b = self.build
+        return {"target": b.target, "max_batch_size": b.max_batch_size, "max_num_tokens": b.max_num_tokens,
+                "max_seq_len": b.max_seq_len, "page_size": b.page_size, "kv_dtype": b.kv_dtype,
+                "state_dtype": b.state_dtype, "gpu_memory_gib": b.gpu_memory_gib}
+
     def plan(self, cfg: K3Config | None = None) -> MemoryPlan:
         """The memory plan for this recipe (what `k3build plan --recipe` prints)."""
         b = self.build

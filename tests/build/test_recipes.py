@@ -130,3 +130,13 @@ def test_good_recipe_and_checkpoint_relative_to_recipe(tmp_path):
     (tmp_path / "missing.toml").write_text(TINY.replace('preset = "tiny"', 'checkpoint = "nope"'))
     with pytest.raises(RecipeError, match="model.checkpoint"):
         load_recipe(tmp_path / "missing.toml").model_config()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_feeds_the_builder_options(path):
+    from k3build.build.options import BuildOptions
+
+    rec = load_recipe(path)
+    opts = BuildOptions(**rec.build_options())
+    assert (opts.target, opts.max_seq_len, opts.gpu_memory_gib) == (rec.build.target, rec.build.max_seq_len,
+                                                                    rec.build.gpu_memory_gib)
