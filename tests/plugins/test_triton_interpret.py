@@ -1,0 +1,114 @@
+"""Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
+
+Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it)
+and the MLA split-K decode, each against its torch definition. The interpreter must be on before the
+first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
+run in one child process started with the variable set; each test reads its result.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+def _patch_interpreter():
+    """numpy >= 2.4 refuses int() of a 1-element array, which Triton 3.6's interpreter does for range() bounds."""
+    import numpy as np
+    import triton.runtime.interpreter as ti
+    orig = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    ti._patch_lang_tensor = patched
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _moe_case(moe, dtype, act):
+    from k3plugins.moe.reference import moe_experts as ref
+    g = torch.Generator().manual_seed(0)
+    M, k, E, e_global, start, dl, inter = 7, 4, 6, 11, 3, 128, 64
+    z = torch.randn(M, dl, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e_global, generator=g)[:k] for _ in range(M)])
+    ids[0, :] = torch.tensor([0, 1, 2, 10])  # a token with no local expert
+    w = torch.rand(M, k, generator=g)
+    w13 = torch.randint(0, 256, (E, 2 * inter, dl // 2), dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 128, (E, 2 * inter, dl // 32), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
+    s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
+    tactic = moe.MoETactic(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, dot_scaled=False)
+    out = moe.moe_experts(z, ids, w, w13, s13, w2, s2, expert_start=start, act=act, tactic=tactic)
+    expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act=act)
+    return {"rel": _rel(out, expect), "token0_zero": bool(torch.equal(out[0], torch.zeros(dl)))}
+
+
+def _mla_case(mla, splits):
+    g = torch.Generator().manual_seed(2)
+    B, H, max_pages, num_pages = 3, 5, 4, 20
+    lens = torch.tensor([1, 70, 256], dtype=torch.int32)
+    kv = torch.randn(num_pages, 64, 576, generator=g)
+    pt = torch.randperm(num_pages, generator=g)[: B * max_pages].view(B, max_pages).int()
+    ql, qp = torch.randn(B, H, 512, generator=g), torch.randn(B, H, 64, generator=g)
+    out = mla.mla_decode_attention(ql, qp, kv, pt, lens, scale=192 ** -0.5, num_splits=splits)
+    rels = []
+    for b in range(B):
+        toks = kv[pt[b].long()].reshape(-1, 576)[: int(lens[b])].double()
+        s = (ql[b].double() @ toks[:, :512].T + qp[b].double() @ toks[:, 512:].T) * 192 ** -0.5
+        rels.append(_rel(out[b], torch.softmax(s, -1) @ toks[:, :512]))
+    return {"rel": max(rels)}
+
+
+def _child() -> None:
+    _patch_interpreter()
+    from k3plugins.mla import triton as mla
+    from k3plugins.moe import triton as moe
+    from k3plugins.moe.mxfp4 import dequantize_mxfp4
+    res = {}
+    for dtype in (torch.float32, torch.float16):
+        for act in ("situ", "silu"):
+            res[f"moe-{str(dtype)[6:]}-{act}"] = _moe_case(moe, dtype, act)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
+    s = torch.randint(100, 150, (2, 64, 8), dtype=torch.uint8, generator=g)
+    res["dequant"] = {"equal": bool(torch.equal(moe.dequantize(w, s, torch.float32), dequantize_mxfp4(w, s)))}
+    for splits in (1, 2, 4):
+        res[f"mla-{splits}"] = _mla_case(mla, splits)
+    print("RESULTS " + json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert proc.returncode == 0 and line, f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 3e-3)])  # fp16: h rounds between GEMMs
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_moe_interpreted(results, dtype, tol, act):
+    r = results[f"moe-{dtype}-{act}"]
+    assert r["token0_zero"], "a token with no local expert must get exactly zero"
+    assert r["rel"] < tol, r
+
+
+def test_mxfp4_dequant_interpreted(results):
+    assert results["dequant"]["equal"]
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_mla_decode_interpreted(results, splits):
+    assert results[f"mla-{splits}"]["rel"] < 1e-5
+
+
+if __name__ == "__main__":
+    _child()
