@@ -1,0 +1,290 @@
+"""`AsyncLLMEngine`: one background thread owns an LLMEngine and runs its step loop.
+
+Callers on any thread submit requests through a thread-safe command queue; the engine thread is the
+only one that touches the scheduler, pools and cache. Tokens come back either through a callback
+(run on the engine thread: Triton's response senders) or as an asyncio iterator (`generate`).
+Stop strings are applied on the engine thread right after the step that produced the token, exactly
+as `LLM.generate` does, so a streamed request yields the same tokens as the Python API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from .api import StreamChunk
+from .llm_engine import EngineOptions, LLMEngine
+from .sampling_params import SamplingParams
+from .tokenizer import Detokenizer, Tokenizer
+
+# Called on the engine thread: ACCEPTED once the request is queued, then each chunk; or once with the
+# exception that rejected it (or EngineDeadError if the engine stops under it).
+ACCEPTED = "accepted"
+Callback = Callable[[StreamChunk | BaseException | str], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised); no request can run."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot written by the engine thread after every step."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    pages_used: int = 0
+    pages_total: int = 0
+    slots_used: int = 0
+    slots_total: int = 0
+    num_steps: int = 0
+
+
+class Metrics:
+    """Hooks the engine thread calls; the server subclasses this with Prometheus metrics."""
+
+    def __init__(self):
+        self.requests_finished: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def on_first_token(self, ttft_s: float) -> None:
+        pass
+
+    def on_finish(self, reason: str, prompt_tokens: int, output_tokens: int, tpot_s: float | None) -> None:
+        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += output_tokens
+
+    def on_step(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+
+def _call(callback: Callback, ev) -> bool:
+    try:
+        callback(ev)
+        return True
+    except Exception:
+        return False
+
+
+@dataclass
+class _Live:
+    callback: Callback
+    detok: Detokenizer | None
+    num_prompt: int
+    submitted: float
+    first: float | None = None
+    num_out: int = 0
+
+
+class RequestStream:
+    """Async iterator over one accepted request's chunks; `close()` (or leaving early) aborts it."""
+
+    def __init__(self, engine: AsyncLLMEngine, loop: asyncio.AbstractEventLoop):
+        self.engine, self._loop = engine, loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.request_id = ""
+        self.done = False
+
+    def _push(self, ev) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self.done:
+            raise StopAsyncIteration
+        ev = await self._queue.get()
+        if isinstance(ev, BaseException):
+            self.done = True
+            raise ev
+        self.done = ev.finish_reason is not None
+        return ev
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Args: engine: an LLMEngine, or an engine dir (then `options` builds one); tokenizer: for text and stop
+    strings (None = token ids only; default = the engine dir's tokenizer if any); metrics: hook object."""
+
+    def __init__(self, engine: LLMEngine | str, options: EngineOptions = EngineOptions(), *,
+                 tokenizer: Tokenizer | None | str = "auto", metrics: Metrics | None = None):
+        if not isinstance(engine, LLMEngine):
+            engine_dir = engine
+            engine = LLMEngine(engine_dir, options)
+            if tokenizer == "auto":
+                try:
+                    tokenizer = Tokenizer(engine_dir)
+                except FileNotFoundError:
+                    tokenizer = None
+        elif tokenizer == "auto":
+            tokenizer = None
+        self.engine, self.tokenizer = engine, tokenizer
+        self.metrics = metrics or Metrics()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self.error: BaseException | None = None
+        self.stats = self._snapshot()
+        self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+        self._thread.start()
+
+    # --- any thread ---
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.rank.facts.vocab_size
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback,
+               request_id: str | None = None) -> str:
+        """Queue a request; returns its id at once. Rejections (bad ids, too long) reach `callback` as an exception."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine thread is not running ({self.error!r})")
+        rid = request_id or f"req-{next(self._ids)}"
+        self._commands.put(("add", rid, list(prompt_ids), params, callback))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op if it already finished); its pages and slot are freed by the engine thread."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop = True
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    async def add(self, prompt_ids: list[int], params: SamplingParams,
+                  request_id: str | None = None) -> RequestStream:
+        """Submit and wait until the engine accepted the request; raises ValueError if it rejected it."""
+        stream = RequestStream(self, asyncio.get_running_loop())
+        stream.request_id = self.submit(prompt_ids, params, stream._push, request_id)
+        try:
+            first = await stream._queue.get()
+        except BaseException:
+            self.abort(stream.request_id)
+            raise
+        if isinstance(first, BaseException):
+            stream.done = True
+            raise first
+        return stream
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Yield the request's chunks; the last has finish_reason set. Leaving early (break, task
+        cancellation, client disconnect) aborts the request. Raises ValueError if the engine rejects it."""
+        stream = await self.add(prompt_ids, params, request_id)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            stream.close()
+
+    # --- engine thread ---
+    def _snapshot(self, num_steps: int = 0) -> EngineStats:
+        s = self.engine.scheduler
+        return EngineStats(s.num_waiting, s.num_running, s.page_pool.num_used, s.page_pool.num_pages,
+                           s.slot_pool.num_used, s.slot_pool.num_slots, num_steps)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                # Block only when idle; while requests run, pick up new commands between steps.
+                busy = self.engine.has_unfinished()
+                self._drain(block=not busy)
+                if self._stop:
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # a failing step must not leave callers waiting forever
+            self.error = e
+        finally:
+            err = self.error or EngineDeadError("the engine was shut down")
+            for rid in list(self._live):
+                _call(self._live.pop(rid).callback, EngineDeadError(f"request {rid}: {err!r}"))
+            self._drain_rejecting(err)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self.stats = self._snapshot(self.stats.num_steps)
+
+    def _drain_rejecting(self, err: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _call(cmd[4], EngineDeadError(f"request {cmd[1]}: {err!r}"))
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, ids, params, callback = cmd
+            try:
+                if rid in self._live:
+                    raise ValueError(f"request_id: {rid!r} is already live")
+                req = self.engine.add_request(ids, params, rid)
+            except ValueError as e:
+                _call(callback, e)
+                return
+            detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+            self._live[rid] = _Live(callback, detok, req.num_prompt_tokens, time.monotonic())
+            if not _call(callback, ACCEPTED):
+                self._apply(("abort", rid))
+        elif cmd[0] == "abort":
+            if cmd[1] in self._live:
+                self.engine.abort(cmd[1])
+                live = self._live.pop(cmd[1])
+                self.metrics.on_finish("abort", live.num_prompt, live.num_out, None)
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        events = self.engine.step()
+        now = time.monotonic()
+        self.metrics.on_step(len(events), now - t0)
+        for ev in events:
+            live = self._live.get(ev.request_id)
+            if live is None:  # aborted while the step ran
+                continue
+            reason = ev.finish_reason
+            text = ""
+            if live.detok is not None:
+                text = live.detok.push(ev.token_id, final=reason is not None)
+                if live.detok.stopped and reason is None:
+                    self.engine.scheduler.finish(ev.request_id, "stop")
+                    reason = "stop"
+            live.num_out += 1
+            if live.first is None:
+                live.first = now
+                self.metrics.on_first_token(now - live.submitted)
+            if reason is not None:
+                del self._live[ev.request_id]
+                tpot = (now - live.first) / (live.num_out - 1) if live.num_out > 1 else None
+                self.metrics.on_finish(reason, live.num_prompt, live.num_out, tpot)
+            # A broken consumer (closed event loop, Triton stream gone) cancels only its own request.
+            if not _call(live.callback, StreamChunk(ev.request_id, ev.token_id, text, reason)) and reason is None:
+                self._apply(("abort", ev.request_id))
+        self.stats = self._snapshot(self.stats.num_steps + 1)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`k3runtime serve`): FastAPI app, Prometheus metrics, request limits."""

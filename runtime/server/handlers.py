@@ -1,0 +1,284 @@
+"""Request handling behind the OpenAI routes: validation into SamplingParams, admission, runs, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from ..sampling_params import SamplingParams
+from .metrics import PrometheusMetrics
+
+if TYPE_CHECKING:
+    from .app import ServerConfig
+
+MAX_BATCH_PROMPTS = 16
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+
+def _param(e: ValueError) -> str:
+    return str(e).split(":")[0]  # runtime errors start with the field name
+
+
+class _SSE(StreamingResponse):
+    """Streaming response whose cleanup runs however the stream ends (done, disconnect, send error)."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Handlers:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, metrics: PrometheusMetrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.tok = engine.tokenizer
+        self.max_model_len = engine.engine.scheduler.config.max_model_len
+        self.admission_waiting = 0
+        self._running = 0
+
+    # --- admission: at most max_concurrent HTTP requests generating, max_queue more waiting ---
+    async def _admit(self) -> None:
+        c = self.config
+        if self._running >= c.max_concurrent and self.admission_waiting >= c.max_queue:
+            raise APIError(429, f"server busy: {self._running} requests running and {self.admission_waiting} "
+                                f"queued (max_concurrent={c.max_concurrent}, max_queue={c.max_queue}); retry later",
+                           code="queue_full", type_="rate_limit_error")
+        if not hasattr(self, "_sem"):
+            self._sem = asyncio.Semaphore(c.max_concurrent)
+        self.admission_waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.admission_waiting -= 1
+        self._running += 1
+
+    def _release(self) -> None:
+        self._running -= 1
+        self._sem.release()
+
+    # --- validation ---
+    def _check(self, body) -> None:
+        if body.model != self.config.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.config.model_name!r}",
+                           "model", "model_not_found")
+        bad = body.unsupported()
+        if bad:
+            raise APIError(400, bad[1], bad[0])
+
+    def _encode(self, prompt: str | list[int], field: str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tok is None:
+                raise APIError(400, f"{field}: this engine has no tokenizer; send token ids", field)
+            ids = self.tok.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, f"{field}: empty (at least one token is needed)", field)
+        if len(ids) > self.config.max_prompt_tokens:
+            raise APIError(400, f"{field}: {len(ids)} tokens is over this server's limit of "
+                                f"{self.config.max_prompt_tokens} prompt tokens", field, "context_length_exceeded")
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{field}: token ids must be in 0..{vocab - 1}", field)
+        return ids
+
+    def _params(self, body, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+        limit = self.config.max_tokens_limit
+        if max_tokens is None:  # chat default: as much as the context and the server allow
+            room = self.max_model_len - prompt_len if self.max_model_len else limit
+            max_tokens = max(1, min(limit, room))
+        if max_tokens > limit:
+            raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {limit}", "max_tokens")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
+                seed=body.seed, stop=body.stop or (), ignore_eos=body.ignore_eos)
+        except ValueError as e:
+            raise APIError(400, str(e), _param(e)) from None
+
+    # --- endpoints ---
+    async def completions(self, body, request: Request):
+        self._check(body)
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) or not p else list(p)
+        if len(prompts) > MAX_BATCH_PROMPTS:
+            raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompts)}",
+                           "prompt")
+        ids = [self._encode(x, "prompt") for x in prompts]
+        params = [self._params(body, body.max_tokens, len(x)) for x in ids]
+        return await self._serve(request, body, ids, params, chat=False)
+
+    async def chat(self, body, request: Request):
+        self._check(body)
+        if self.tok is None or not self.tok.chat_template:
+            raise APIError(400, "messages: this engine's tokenizer has no chat template; use /v1/completions",
+                           "messages")
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True)
+        except Exception as e:  # a template that cannot render these messages is the client's input problem
+            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+        ids = self._encode(text, "messages")
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise APIError(400, "max_tokens / max_completion_tokens: set at most one", "max_tokens")
+        mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await self._serve(request, body, [ids], [self._params(body, mt, len(ids))], chat=True)
+
+    async def _start(self, ids, params) -> list[RequestStream]:
+        streams = []
+        try:
+            for x, sp in zip(ids, params):
+                streams.append(await self.engine.add(x, sp))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, ValueError):  # the scheduler's checks: prompt + max_tokens vs cache and context
+                raise APIError(400, str(e), _param(e)) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), type_="server_error") from None
+            raise
+        return streams
+
+    async def _serve(self, request: Request, body, ids, params, chat: bool):
+        await self._admit()
+        try:
+            streams = await self._start(ids, params)
+        except BaseException:
+            self._release()
+            raise
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.config.model_name}
+        closed = []
+
+        def close():
+            if not closed:
+                closed.append(1)
+                for s in streams:
+                    s.close()
+                self._release()
+
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close), close)
+        try:
+            outs = await _until_disconnect(request, asyncio.gather(*(_collect(s) for s in streams)))
+        finally:
+            close()
+        n_out = sum(len(o[1]) for o in outs)
+        choices = []
+        for i, (text, tids, reason) in enumerate(outs):
+            c = {"index": i, "finish_reason": reason, "logprobs": None}
+            if chat:
+                c["message"] = {"role": "assistant", "content": text}
+            else:
+                c["text"] = text
+            if body.return_token_ids:
+                c["token_ids"] = tids
+            choices.append(c)
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                "usage": _usage(sum(map(len, ids)), n_out)}
+
+    async def _sse(self, streams, ids, meta, chat, include_usage, return_ids, close):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, s):
+            try:
+                async for ch in s:
+                    q.put_nowait((i, ch))
+            except Exception as e:  # noqa: BLE001 - becomes an error event for the client
+                q.put_nowait((i, e))
+            q.put_nowait((i, None))
+
+        def event(choice: dict, usage=None) -> str:
+            data = {**meta, "object": obj, "choices": [choice] if choice else []}
+            if usage is not None:
+                data["usage"] = usage
+            return f"data: {json.dumps(data)}\n\n"
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        n_out, live = 0, len(streams)
+        try:
+            if chat:
+                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                             "logprobs": None})
+            while live:
+                i, ch = await q.get()
+                if ch is None:
+                    live -= 1
+                    continue
+                if isinstance(ch, Exception):
+                    err = {"message": f"generation failed: {ch}", "type": "server_error", "param": None, "code": None}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    return
+                n_out += 1
+                c = {"index": i, "finish_reason": ch.finish_reason, "logprobs": None}
+                if chat:
+                    c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
+                else:
+                    c["text"] = ch.text
+                if return_ids:
+                    c["token_ids"] = [ch.token_id]
+                yield event(c)
+            if include_usage:
+                yield event({}, _usage(sum(map(len, ids)), n_out))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            close()
+
+
+def _usage(p: int, c: int) -> dict:
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def _collect(stream: RequestStream) -> tuple[str, list[int], str | None]:
+    text, tids, reason = [], [], None
+    try:
+        async for ch in stream:
+            text.append(ch.text)
+            tids.append(ch.token_id)
+            reason = ch.finish_reason
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type_="server_error") from None
+    return "".join(text), tids, reason
+
+
+async def _until_disconnect(request: Request, aw):
+    """Await aw; cancel it (its finally blocks abort the requests) if the client disconnects first."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            raise APIError(499, "client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(request: Request):
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return

@@ -1,0 +1,106 @@
+"""OpenAI request bodies (pydantic, strict types: "16" is not a max_tokens) and the error body.
+
+Fields OpenAI defines but this server does not implement are declared so that a request using them
+gets a 400 naming the field instead of being silently ignored; unknown extra fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Number = float  # strict mode still accepts JSON integers for floats
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: int | None = Field(None, description="Extension: keep the k most likely tokens; 0 or -1 = off.")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    logit_bias: dict[str, Number] | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
+    return_token_ids: bool = Field(False, description="Extension: add the generated token ids to each choice.")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) for the first field set to something this server cannot do."""
+        if self.n != 1:
+            return "n", f"n: only n=1 is supported, got {self.n}"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty", "presence_penalty / frequency_penalty: penalties are not supported (use 0)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias: not supported"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs", "logprobs: not supported"
+        return None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self):
+        if self.echo:
+            return "echo", "echo: not supported"
+        if self.suffix:
+            return "suffix", "suffix: not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of: only 1 is supported"
+        return super().unsupported()
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list | None = None
+
+    def unsupported(self):
+        if self.tools:
+            return "tools", "tools: tool calling is not supported"
+        return super().unsupported()
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
