@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.model.oracles import hf_oracle, k3_fp32, tiny_models
+from oracles import hf_oracle, k3_fp32, tiny_models  # tests/model is on sys.path (conftest.py)
 
 PROMPT = [1, 17, 200, 5, 99, 42, 42, 7, 150, 3, 250, 11, 64, 128, 31, 8, 77, 190, 2, 45]
 N_GREEDY = 32
@@ -106,10 +106,28 @@ def test_routing_exercises_bias_and_experts(kimi_models, variant):
 
 def test_hf_oracle_single_calls_agree_with_batch(kimi_models):
     d, ref_logits, ref_greedy = kimi_models["base"]
-    # served from the cache the batch filled: hf_greedy's job also stored its logits-only twin
+    runs = hf_oracle._worker().count
+    # served from the cache the batch filled: no new worker round trip
     np.testing.assert_array_equal(hf_oracle.hf_logits(d, PROMPT), ref_logits)
+    assert hf_oracle.hf_greedy(d, PROMPT, 5) == ref_greedy[:5]
     assert hf_oracle.hf_greedy(d, PROMPT, N_GREEDY) == ref_greedy
+    assert hf_oracle._worker().count == runs
     assert ref_greedy[0] == int(ref_logits[-1].argmax())
+
+
+def test_hf_oracle_cache_follows_checkpoint_contents(kimi_models, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, ref_logits, _ = kimi_models["base"]
+    d = shutil.copytree(src, tmp_path / "copy")
+    np.testing.assert_array_equal(hf_oracle.hf_logits(d, PROMPT), ref_logits)  # same bytes elsewhere: a hit
+    t = load_file(str(d / "model.safetensors"))
+    t["lm_head.weight"][3] += 1.0
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    changed = hf_oracle.hf_logits(d, PROMPT)  # new bytes: recomputed by the (already running) worker
+    assert not np.allclose(changed[:, 3], ref_logits[:, 3]) and np.allclose(changed[:, 4], ref_logits[:, 4])
 
 
 def test_mxfp4_decoder_matches_ml_dtypes():

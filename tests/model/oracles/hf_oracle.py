@@ -1,30 +1,36 @@
 """transformers' `KimiLinearForCausalLM` as a CPU oracle, run in a subprocess.
 
 Why a subprocess: when `fla` and `triton` both import, transformers binds KDA and the short conv to fla's Triton
-kernels, which fail without a GPU (PITFALLS.md). The worker (this file run as a script) makes `triton`, `fla` and
-`causal_conv1d` unimportable *before* torch/transformers load, then asserts that every kernel-capable function in
-the Kimi-Linear module resolved to transformers' own torch implementation.
+kernels, which fail without a GPU (PITFALLS.md). The worker (this file run as a script) makes `triton`, `fla`,
+`causal_conv1d` and `kernels` unimportable *before* torch/transformers load, then asserts that every
+kernel-capable function of the Kimi-Linear module resolved to transformers' own torch implementation.
 
-Results are cached in memory and on disk (`$K3_ORACLE_CACHE_DIR`, default `<tmp>/k3_hf_oracle_cache`), keyed by the
-checkpoint files' contents, the request and the transformers version, so a changed checkpoint is never served
-stale numbers while an identical re-created one is.
+One worker serves the whole test session (importing transformers costs seconds). Every request computes the prompt
+logits and `PREFETCH_GREEDY` greedy tokens, so `hf_logits` then `hf_greedy` on one prompt is one run. Results are
+cached in memory and on disk (`$K3_ORACLE_CACHE_DIR`, default `<tmp>/k3_hf_oracle_cache`), keyed by the checkpoint
+files' contents, the prompt and the transformers version: a changed checkpoint is never served stale numbers,
+an identical re-created one is a hit.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 BLOCKED = ("triton", "fla", "causal_conv1d", "kernels")
-_memo: dict[str, tuple[np.ndarray, list[int] | None]] = {}
+PREFETCH_GREEDY = 32
+_memo: dict[str, tuple[np.ndarray, list[int]]] = {}
+_digests: dict[tuple, str] = {}
 
 
 class OracleError(RuntimeError):
@@ -33,7 +39,7 @@ class OracleError(RuntimeError):
 
 @dataclass(frozen=True)
 class HFJob:
-    """One request: prompt logits of `token_ids`, plus `n_greedy` greedy tokens when > 0."""
+    """One request: prompt logits of `token_ids`, plus at least `n_greedy` greedy tokens."""
 
     model_dir: str
     token_ids: tuple[int, ...]
@@ -56,29 +62,27 @@ def hf_greedy(model_dir: str | Path, token_ids: list[int], n: int) -> list[int]:
     """
     if n <= 0:
         raise ValueError(f"n: expected a positive number of tokens, got {n}")
-    return hf_batch([HFJob(str(model_dir), tuple(token_ids), n)])[0][1]
+    return hf_batch([HFJob(str(model_dir), tuple(token_ids), n)])[0][1][:n]
 
 
-def hf_batch(jobs: list[HFJob]) -> list[tuple[np.ndarray, list[int] | None]]:
-    """Run many jobs in ONE worker process (importing transformers costs seconds); returns (logits, greedy) each.
-
-    A job with n_greedy > 0 also fills the cache for its logits-only twin, so `hf_greedy` then `hf_logits` on the
-    same prompt costs one run.
-    """
+def hf_batch(jobs: list[HFJob]) -> list[tuple[np.ndarray, list[int]]]:
+    """Run many jobs in one worker round trip; returns (logits [T, vocab], greedy tokens >= n_greedy) per job."""
     keys = [_key(j) for j in jobs]
-    todo = [(k, j) for k, j in zip(keys, jobs) if _lookup(k) is None]
-    todo = list({k: j for k, j in todo}.items())
+    todo: dict[str, HFJob] = {}
+    for k, j in zip(keys, jobs):
+        if _lookup(k, j.n_greedy) is None:
+            prev = todo.get(k)
+            todo[k] = j if prev is None or j.n_greedy > prev.n_greedy else prev
     if todo:
-        results = _run_worker([j for _, j in todo])
-        for (k, j), (logits, greedy) in zip(todo, results):
+        order = list(todo)
+        runs = [HFJob(todo[k].model_dir, todo[k].token_ids, max(todo[k].n_greedy, PREFETCH_GREEDY)) for k in order]
+        for k, (logits, greedy) in zip(order, _worker().run(runs)):
             _store(k, logits, greedy)
-            if j.n_greedy:
-                _store(_key(HFJob(j.model_dir, j.token_ids)), logits, None)
     out = []
-    for k in keys:
-        hit = _lookup(k)
+    for k, j in zip(keys, jobs):
+        hit = _lookup(k, j.n_greedy)
         assert hit is not None
-        out.append((hit[0].copy(), None if hit[1] is None else list(hit[1])))
+        out.append((hit[0].copy(), list(hit[1])))
     return out
 
 
@@ -86,12 +90,8 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("K3_ORACLE_CACHE_DIR") or Path(tempfile.gettempdir()) / "k3_hf_oracle_cache")
 
 
-_digests: dict[tuple, str] = {}
-
-
-def _key(job: HFJob) -> str:
-    # Content-addressed (not path/mtime): a re-created identical tiny model hits the disk cache across runs.
-    d = Path(job.model_dir)
+def _digest(model_dir: str) -> str:
+    d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d}: no config.json; expected a transformers save_pretrained directory")
     files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors"))
@@ -101,7 +101,12 @@ def _key(job: HFJob) -> str:
         for p in files:
             h.update(p.name.encode() + b"\0" + p.read_bytes())
         _digests[stat] = h.hexdigest()
-    blob = json.dumps([_digests[stat], list(job.token_ids), job.n_greedy, _transformers_version(), 3])
+    return _digests[stat]
+
+
+def _key(job: HFJob) -> str:
+    # Content-addressed (not path/mtime), so a re-created identical tiny model hits the disk cache across runs.
+    blob = json.dumps([_digest(job.model_dir), list(job.token_ids), _transformers_version(), 4])
     return hashlib.sha1(blob.encode()).hexdigest()
 
 
@@ -114,46 +119,88 @@ def _transformers_version() -> str:
         return "missing"
 
 
-def _lookup(key: str):
-    if key in _memo:
-        return _memo[key]
-    path = _cache_dir() / f"{key}.npz"
-    if path.is_file():
+def _lookup(key: str, n_greedy: int):
+    if key not in _memo:
+        path = _cache_dir() / f"{key}.npz"
+        if not path.is_file():
+            return None
         try:
             z = np.load(path)
-            greedy = z["greedy"].tolist() if "greedy" in z.files else None
-            _memo[key] = (z["logits"], greedy)
-            return _memo[key]
+            _memo[key] = (z["logits"], z["greedy"].tolist())
         except (OSError, ValueError, KeyError):
             path.unlink(missing_ok=True)  # a torn write from a killed run: recompute
-    return None
+            return None
+    hit = _memo[key]
+    return hit if len(hit[1]) >= n_greedy else None
 
 
-def _store(key: str, logits: np.ndarray, greedy: list[int] | None) -> None:
+def _store(key: str, logits: np.ndarray, greedy: list[int]) -> None:
     _memo[key] = (logits, greedy)
     d = _cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f"{key}.{os.getpid()}.tmp.npz"
-    arrays = {"logits": logits} if greedy is None else {"logits": logits, "greedy": np.asarray(greedy, np.int64)}
-    np.savez(tmp, **arrays)
+    np.savez(tmp, logits=logits, greedy=np.asarray(greedy, np.int64))
     os.replace(tmp, d / f"{key}.npz")
 
 
-def _run_worker(jobs: list[HFJob]) -> list[tuple[np.ndarray, list[int] | None]]:
-    with tempfile.TemporaryDirectory(prefix="hf_oracle_") as tmp:
-        spec = Path(tmp) / "jobs.json"
-        spec.write_text(json.dumps([{"model_dir": j.model_dir, "token_ids": list(j.token_ids),
-                                     "n_greedy": j.n_greedy} for j in jobs]))
+class _Client:
+    """The parent's handle on the long-lived worker: one JSON line per request, arrays through .npz files."""
+
+    def __init__(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="hf_oracle_")
+        self.log = open(Path(self.tmp.name) / "worker.log", "w+")
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(spec), tmp],
-                              capture_output=True, text=True, env=env, timeout=600)
-        if proc.returncode != 0:
-            raise OracleError(f"transformers oracle worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-        out = []
-        for i, j in enumerate(jobs):
-            z = np.load(Path(tmp) / f"out{i}.npz")
-            out.append((z["logits"].astype(np.float32), z["greedy"].tolist() if j.n_greedy else None))
-        return out
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.count = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, jobs: list[HFJob]) -> list[tuple[np.ndarray, list[int]]]:
+        self.count += 1
+        out_dir = Path(self.tmp.name) / f"req{self.count}"
+        out_dir.mkdir()
+        req = {"out_dir": str(out_dir), "jobs": [{"model_dir": j.model_dir, "token_ids": list(j.token_ids),
+                                                  "n_greedy": j.n_greedy} for j in jobs]}
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        except BrokenPipeError:
+            reply = ""
+        if not reply:
+            self.log.seek(0)
+            raise OracleError(f"transformers oracle worker died (rc={self.proc.poll()}):\n{self.log.read()[-4000:]}")
+        status = json.loads(reply)
+        if not status["ok"]:
+            raise OracleError(f"transformers oracle worker failed:\n{status['error']}")
+        results = []
+        for i in range(len(jobs)):
+            z = np.load(out_dir / f"out{i}.npz")
+            results.append((z["logits"].astype(np.float32), z["greedy"].tolist()))
+        return results
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        self.tmp.cleanup()
+
+
+_client: _Client | None = None
+
+
+def _worker() -> _Client:
+    global _client
+    if _client is None or not _client.alive():
+        _client = _Client()
+        atexit.register(_client.close)
+    return _client
 
 
 # ---------------------------------------------------------------- worker side (runs in the subprocess) ----------
@@ -161,7 +208,7 @@ def _run_worker(jobs: list[HFJob]) -> list[tuple[np.ndarray, list[int] | None]]:
 def _block_kernel_packages() -> None:
     # None in sys.modules: `import x` raises ImportError and importlib.util.find_spec(x) returns None.
     for name in BLOCKED:
-        if name in sys.modules and sys.modules[name] is not None:
+        if sys.modules.get(name) is not None:
             raise OracleError(f"{name} was imported before the oracle could block it")
         sys.modules[name] = None  # type: ignore[assignment]
 
@@ -178,7 +225,30 @@ def _check_torch_path(modeling) -> None:
                               "the reference implementation")
 
 
-def _worker(spec_path: str, out_dir: str) -> None:
+def _run_job(torch, model, job: dict) -> dict[str, np.ndarray]:
+    ids = torch.tensor([job["token_ids"]], dtype=torch.long)
+    logits = model(ids, use_cache=False).logits[0].float().numpy()
+    n = job["n_greedy"]
+    gen = model.generate(ids, max_new_tokens=n, do_sample=False, use_cache=True, eos_token_id=None,
+                         pad_token_id=model.config.pad_token_id, attention_mask=torch.ones_like(ids))
+    greedy = gen[0, ids.shape[1]:].tolist()
+    if len(greedy) != n:
+        raise OracleError(f"{job['model_dir']}: generate returned {len(greedy)} tokens, asked for {n}")
+    seq = ids
+    for step in range(n):
+        nxt = int(model(seq, use_cache=False).logits[0, -1].argmax())
+        if nxt != greedy[step]:
+            raise OracleError(f"{job['model_dir']}: cached generate and no-cache recompute disagree at step {step}: "
+                              f"{greedy[step]} vs {nxt}")
+        seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+    return {"logits": logits, "greedy": np.asarray(greedy, np.int64)}
+
+
+def _serve() -> None:
+    # protocol on a private copy of stdout; anything printed by libraries goes to stderr (the log)
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     _block_kernel_packages()
     import torch
 
@@ -187,37 +257,30 @@ def _worker(spec_path: str, out_dir: str) -> None:
     from transformers.models.kimi_linear import modeling_kimi_linear as modeling
 
     _check_torch_path(modeling)
-    jobs = json.loads(Path(spec_path).read_text())
     models: dict[str, torch.nn.Module] = {}
-    for i, job in enumerate(jobs):
-        if job["model_dir"] not in models:
-            models[job["model_dir"]] = KimiLinearForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
-        model = models[job["model_dir"]]
-        ids = torch.tensor([job["token_ids"]], dtype=torch.long)
-        with torch.no_grad():
-            logits = model(ids, use_cache=False).logits[0].float().numpy()
-            arrays = {"logits": logits}
-            n = job["n_greedy"]
-            if n:
-                gen = model.generate(ids, max_new_tokens=n, min_new_tokens=0, do_sample=False, use_cache=True,
-                                     eos_token_id=None, pad_token_id=model.config.pad_token_id,
-                                     attention_mask=torch.ones_like(ids))
-                greedy = gen[0, ids.shape[1]:].tolist()
-                if len(greedy) != n:
-                    raise OracleError(f"{job['model_dir']}: generate returned {len(greedy)} tokens, asked for {n}")
-                seq = ids
-                for step in range(n):
-                    nxt = int(model(seq, use_cache=False).logits[0, -1].argmax())
-                    if nxt != greedy[step]:
-                        raise OracleError(f"{job['model_dir']}: cached generate and no-cache recompute disagree at "
-                                          f"step {step}: {greedy[step]} vs {nxt}")
-                    seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
-                arrays["greedy"] = np.asarray(greedy, np.int64)
-        np.savez(Path(out_dir) / f"out{i}.npz", **arrays)
-    real = [m for m in BLOCKED if sys.modules.get(m) is not None]
-    if real:
-        raise OracleError(f"blocked kernel packages got imported anyway: {real}")
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            for i, job in enumerate(req["jobs"]):
+                key = _digest(job["model_dir"])
+                if key not in models:
+                    while len(models) >= 8:
+                        models.pop(next(iter(models)))
+                    models[key] = KimiLinearForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+                with torch.no_grad():
+                    arrays = _run_job(torch, models[key], job)
+                np.savez(Path(req["out_dir"]) / f"out{i}.npz", **arrays)
+            real = [m for m in BLOCKED if sys.modules.get(m) is not None]
+            if real:
+                raise OracleError(f"blocked kernel packages got imported anyway: {real}")
+            reply = {"ok": True}
+        except Exception:
+            reply = {"ok": False, "error": traceback.format_exc()}
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    if sys.argv[1:] != ["--serve"]:
+        raise SystemExit("usage: hf_oracle.py --serve (started by hf_oracle._worker)")
+    _serve()
