@@ -1,7 +1,8 @@
 """Per-rank memory model: weights, MLA KV, KDA state, activation reserve, and how many requests fit.
 
-Arithmetic over a K3Config and a Mapping, so the builder, `k3build plan` and tests share one answer. Weight
-bytes come from `memory_weights` (every tensor of `k3build.schema`, owned as `Mapping.shard` says).
+Arithmetic over a K3Config and a Mapping (no torch in this file), so the builder, `k3build plan` and tests
+share one answer. Weight bytes come from `memory_weights`: every tensor of `k3build.schema` (imported on first
+use; it imports torch), owned as `Mapping.shard` says.
 
 Device memory convention: `gpu_memory_bytes` is what the engine may use on one device after the CUDA/HIP
 context exists. An H200 reports 143,771 MiB (140.4 GiB) total; after the context ~139.8 GiB is usable, which is

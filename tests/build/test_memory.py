@@ -6,7 +6,8 @@ import pytest
 
 from k3build.config import preset
 from k3build.mapping import Mapping, MappingError
-from k3build.memory import (CATEGORIES, GiB, H200_USABLE_GIB, MiB, kda_state_bytes, kv_bytes_per_token, plan_memory,
+from k3build.memory import (CATEGORIES, GiB, H200_USABLE_GIB, MiB, kda_state_bytes, kv_bytes_per_token, max_concurrent_requests,
+                            plan_memory,
                             weight_bytes)
 from k3build.schema import checkpoint_tensors
 
@@ -121,6 +122,7 @@ def test_tep16_concurrency_is_the_arithmetic(seq):
     want = free // (slot + ceil(seq / 64) * 64 * 27_648)
     assert r.kda_state_bytes_per_request == slot
     assert r.max_concurrent_requests == want == plan.max_concurrent_requests  # TP ranks share requests
+    assert max_concurrent_requests(K3, TEP16, gpu_memory_bytes=H200, max_seq_len=seq, max_batch_size=64) == want
     assert {"overhead", "residual", "exchange"} <= set(r.reserve)
     assert (r.kda_slots, r.kv_pages) == (min(64, (free - ceil(seq / 64) * 64 * 27_648) // slot),
                                          (free - r.kda_slots * slot) // (64 * 27_648))
