@@ -31,13 +31,19 @@ class StepBatch:
 
 
 class Communicator:
-    """Collectives by group name; a single rank's communicator is the identity."""
+    """Collectives by group name; a single rank's communicator is the identity (runtime/dist/comm.py: many)."""
 
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         return x
 
     def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
         return x
+
+    def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+        raise RuntimeError("pipeline hand-off needs the multi-rank communicator")
+
+    def recv_stage(self, num_tokens: int, hidden_size: int, num_blocks: int, dtype: torch.dtype) -> dict:
+        raise RuntimeError("pipeline hand-off needs the multi-rank communicator")
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""One engine step loop: schedule -> apply swaps / reset slots -> run the graph -> sample -> update.
+"""The driver's step loop: schedule -> broadcast the step -> run this rank's share -> sample -> update.
 
-This is the only room that knows both the scheduler (token bookkeeping, no tensors) and the executor
-(tensors, no bookkeeping); it turns a StepPlan into a StepBatch and sampled logits back into tokens.
+The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
+worker.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .executor import Executor, StepBatch
-from .kv_cache import CacheTensors, HostStore, PagePool, SlotPool
-from .kv_cache.cache_tensors import CacheConfig
-from .loader import KDA, MLA, load_rank
+from .kv_cache import PagePool, SlotPool
+from .loader import load_rank
+from .rank_runner import RankRunner, Step, cache_config
 from .request import Request
 from .sampler import sample
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Scheduler, ScheduledItem
 from .scheduler_config import SchedulerConfig
 
 
@@ -46,44 +45,59 @@ class TokenEvent:
     finish_reason: str | None
 
 
+def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> RankRunner:
+    """Load `rank` of the engine with caches sized by `options` (or the engine's memory plan)."""
+    engine = load_rank(engine_dir, rank, options.device)
+    plan = engine.config["memory_plan"]
+    cfg = cache_config(engine, num_pages=options.num_pages or plan["num_pages"],
+                       num_slots=options.num_slots or plan["num_slots"])
+    return RankRunner(engine, cfg, comm, num_host_pages=options.num_host_pages if options.preemption_mode == "swap" else 0,
+                      num_host_slots=options.num_host_slots if options.preemption_mode == "swap" else 0)
+
+
+def sample_step(step: Step, logits: torch.Tensor) -> torch.Tensor:
+    """Token ids [M] for the step's sampled items (the same on every rank that holds the logits)."""
+    items = [it for it in step.items if it.sample]
+    return torch.tensor(sample(logits, [it.params for it in items], [it.seed for it in items],
+                               [it.sample_index for it in items]), dtype=torch.int64)
+
+
 class LLMEngine:
     def __init__(self, engine_dir, options: EngineOptions = EngineOptions()):
-        self.rank = rank = load_rank(engine_dir, 0, options.device)
-        if rank.world_size != 1:
-            raise NotImplementedError(f"{engine_dir}: a {rank.world_size}-rank engine needs the multi-rank launcher")
-        build, plan, facts = rank.build, rank.config["memory_plan"], rank.facts
-        self.device = torch.device(options.device)
-        self.page_size = build["page_size"]
-        num_slots = options.num_slots or plan["num_slots"]
-        kda_layers, mla_layers = rank.local_layers(KDA), rank.local_layers(MLA)
-        tp = rank.config["mapping"]["tp_size"] if not rank.config["mapping"]["attention_dp"] else 1
-        heads = facts.kda_num_heads // tp
-        cache_cfg = CacheConfig(
-            num_pages=options.num_pages or plan["num_pages"], num_slots=num_slots, num_mla_layers=len(mla_layers),
-            mla_width=facts.mla_cache_width, num_kda_layers=len(kda_layers), kda_num_heads=heads,
-            kda_head_k_dim=facts.kda_head_dim, kda_head_v_dim=facts.kda_head_dim,
-            kda_conv_dim=3 * heads * facts.kda_head_dim, page_size=self.page_size, kda_conv_size=facts.kda_conv_size,
-            kv_dtype=build["kv_dtype"], state_dtype=build["state_dtype"], conv_dtype=build["dtype"])
-        self.cache = CacheTensors(cache_cfg, self.device)
-        self.host_store = HostStore(self.cache, options.num_host_pages, options.num_host_slots) \
-            if options.preemption_mode == "swap" else None
-        self.executor = Executor(rank, self.cache)
+        from .loader import read_engine_config
+
+        config = read_engine_config(engine_dir)
+        self.world_size = config["mapping"]["world_size"]
+        comm = None
+        if self.world_size > 1:
+            from .dist.launch import driver_comm
+
+            comm = driver_comm(config, options.device, options)
+        self.runner = runner = open_rank(engine_dir, options, 0, comm)
+        self.comm = comm
+        build, cache = runner.engine.build, runner.cache.config
+        self.device, self.page_size = runner.device, build["page_size"]
         sched_cfg = SchedulerConfig(
-            max_num_seqs=min(options.max_num_seqs or build["max_batch_size"], num_slots),
+            max_num_seqs=min(options.max_num_seqs or build["max_batch_size"], cache.num_slots),
             max_num_batched_tokens=options.max_num_batched_tokens or build["max_num_tokens"],
             max_prefill_chunk=options.max_prefill_chunk or build["max_num_tokens"], page_size=self.page_size,
             preemption_mode=options.preemption_mode, num_host_pages=options.num_host_pages,
             num_host_slots=options.num_host_slots, max_model_len=build["max_seq_len"])
-        self.scheduler = Scheduler(sched_cfg, PagePool(cache_cfg.num_pages, self.page_size), SlotPool(num_slots))
+        self.scheduler = Scheduler(sched_cfg, PagePool(cache.num_pages, self.page_size), SlotPool(cache.num_slots))
         self._ids = itertools.count()
         self.stats = {"steps": 0, "preemptions": 0, "swaps_out": 0, "tokens": 0}
+        self._last_stage_rank = self.world_size - config["mapping"]["tp_size"]
+
+    @property
+    def facts(self):
+        return self.runner.engine.facts
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.rank.facts.eos_token_id
+        return self.facts.eos_token_id
 
     def add_request(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Request:
-        vocab = self.rank.facts.vocab_size
+        vocab = self.facts.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
@@ -98,6 +112,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _execute(self, step: Step) -> torch.Tensor:
+        """Run a step on every rank; returns sampled ids [M] (or all logits [N, V] in score mode)."""
+        if self.comm is not None:
+            self.comm.broadcast_step(step)
+        logits = self.runner.run(step)
+        if logits is not None:
+            return logits if step.all_logits else sample_step(step, logits)
+        ndim, dtype = (2, torch.float32) if step.all_logits else (1, torch.int64)
+        return self.comm.recv_result(self._last_stage_rank, ndim, dtype)
+
     def step(self) -> list[TokenEvent]:
         plan = self.scheduler.schedule()
         self.stats["steps"] += 1
@@ -106,35 +130,11 @@ class LLMEngine:
         if plan.is_empty:
             self.scheduler.update(plan, {})
             return []
-        if self.host_store is not None and (plan.swap_out or plan.swap_in):
-            self.host_store.apply(plan.swap_out, plan.swap_in)
-        self.cache.zero_slots(list(plan.reset_slot_ids))
-        batch = self._batch(plan)
-        logits = self.executor.run(batch)["logits"]
-        sampled_items = [it for it in plan.items if it.sample]
-        tokens = sample(logits, [it.params for it in sampled_items], [it.seed for it in sampled_items],
-                        [it.sample_index for it in sampled_items])
-        sampled = {it.request_id: t for it, t in zip(sampled_items, tokens)}
+        tokens = self._execute(Step.from_plan(plan)).tolist()
+        sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens)}
         finished = {r.request_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
         self.stats["tokens"] += plan.num_batched_tokens
         return [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items()]
-
-    def _batch(self, plan: StepPlan) -> StepBatch:
-        items = plan.items
-        ids = list(itertools.chain.from_iterable(it.token_ids for it in items))
-        lens = [it.num_tokens for it in items]
-        cu = [0, *itertools.accumulate(lens)]
-        max_pages = max(len(it.page_ids) for it in items)
-        table = [list(it.page_ids) + [-1] * (max_pages - len(it.page_ids)) for it in items]
-        sampled_rows = [cu[i + 1] - 1 for i, it in enumerate(items) if it.sample]
-        d = self.device
-        return StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=d),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=d),
-            slot_ids=torch.tensor([it.slot_id for it in items], dtype=torch.int64, device=d),
-            context_lens=torch.tensor([it.start_pos + it.num_tokens for it in items], dtype=torch.int64, device=d),
-            page_table=torch.tensor(table, dtype=torch.int64, device=d),
-            logits_indices=torch.tensor(sampled_rows, dtype=torch.int64, device=d))
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
@@ -148,21 +148,23 @@ class LLMEngine:
                 slots.free(slot)
             raise RuntimeError("score: no free pages or KDA slot (the engine is busy; retry when idle)")
         try:
-            self.cache.zero_slots([slot])
             chunk = min(self.scheduler.config.max_prefill_chunk, self.scheduler.config.max_num_batched_tokens)
             out = []
             for start in range(0, len(token_ids), chunk):
-                part = token_ids[start:start + chunk]
-                d, n = self.device, len(part)
-                batch = StepBatch(
-                    input_ids=torch.tensor(part, dtype=torch.int64, device=d),
-                    cu_seqlens=torch.tensor([0, n], dtype=torch.int64, device=d),
-                    slot_ids=torch.tensor([slot], dtype=torch.int64, device=d),
-                    context_lens=torch.tensor([start + n], dtype=torch.int64, device=d),
-                    page_table=torch.tensor([pages], dtype=torch.int64, device=d),
-                    logits_indices=torch.arange(n, dtype=torch.int64, device=d))
-                out.append(self.executor.run(batch)["logits"])
+                part = tuple(token_ids[start:start + chunk])
+                item = ScheduledItem(request_id="score", token_ids=part, start_pos=start, num_tokens=len(part),
+                                     sample=False, slot_id=slot, page_ids=tuple(pages), params=None, seed=0,
+                                     sample_index=0)
+                out.append(self._execute(Step((item,), reset_slot_ids=(slot,) if start == 0 else (), all_logits=True)))
             return torch.cat(out)
         finally:
             pool.free(pages)
             slots.free(slot)
+
+    def shutdown(self) -> None:
+        """Release the worker ranks (they leave their loop); a no-op with one rank."""
+        if self.comm is not None:
+            from .dist.launch import release_workers
+
+            release_workers(self.comm)
+            self.comm = None

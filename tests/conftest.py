@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the oracles package beside these tests
+sys.path.insert(0, str(Path(__file__).parent / "model"))  # engines.py and the oracles package
 from engines import build_engine  # noqa: E402
 
 

@@ -1,0 +1,97 @@
+"""Collectives and stage hand-off over torch.distributed (NCCL on GPUs, gloo on CPU).
+
+Groups come from the engine's rank table (written by the builder from its Mapping), so the runtime never
+recomputes who owns what. Every rank creates every group in the same order, as torch.distributed requires.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..executor import Communicator
+
+
+def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
+    """Process groups this rank belongs to, by graph group name ("tp", "moe")."""
+    mine = {}
+    for key in ("tp_group", "moe_group"):
+        seen = []
+        for info in (ranks_table[str(r)] for r in sorted(map(int, ranks_table))):
+            members = tuple(info[key])
+            if members in seen:
+                continue
+            seen.append(members)
+            group = dist.new_group(list(members)) if len(members) > 1 else None
+            if rank in members:
+                mine[key.removesuffix("_group")] = group
+    return mine
+
+
+class ControlPlane:
+    """Driver -> workers messages (options, steps) and last stage -> driver results, over gloo on the CPU.
+
+    Kept apart from the data-plane groups so NCCL ranks never need host objects on their streams.
+    """
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+
+    def broadcast(self, obj=None):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def send_result(self, t: torch.Tensor, dst: int = 0) -> None:
+        """Last stage -> driver: sampled token ids [M] int64, or logits [N, V] fp32 in score mode."""
+        t = t.detach().cpu().contiguous()
+        dist.send(torch.tensor(list(t.shape), dtype=torch.int64), dst, group=self.group)
+        dist.send(t, dst, group=self.group)
+
+    def recv_result(self, src: int, ndim: int, dtype: torch.dtype) -> torch.Tensor:
+        shape = torch.empty(ndim, dtype=torch.int64)
+        dist.recv(shape, src, group=self.group)
+        t = torch.empty(*shape.tolist(), dtype=dtype)
+        dist.recv(t, src, group=self.group)
+        return t
+
+
+class DistCommunicator(Communicator):
+    def __init__(self, ranks_table: dict[str, dict], rank: int, tp_size: int, device: torch.device):
+        self.rank, self.tp_size, self.device = rank, tp_size, device
+        self.groups = build_groups(ranks_table, rank)
+        self.control = ControlPlane()
+        # gloo has no bf16/fp16 reductions on every build: reduce those in fp32 (also more accurate).
+        self.upcast = dist.get_backend() == "gloo"
+
+    def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
+        y = x.float() if self.upcast and x.dtype != torch.float32 else x.contiguous()
+        dist.all_reduce(y, group=self.groups[group])
+        return y.to(x.dtype)
+
+    def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
+        g = self.groups[group]
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(g))]
+        dist.all_gather(parts, x, group=g)
+        return torch.cat(parts, dim=axis)
+
+    def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+        dst = self.rank + self.tp_size  # same TP index, next stage
+        for t in [hidden, *blocks]:
+            dist.send(t.contiguous(), dst)
+
+    def recv_stage(self, num_tokens: int, hidden_size: int, num_blocks: int, dtype: torch.dtype) -> dict:
+        src = self.rank - self.tp_size
+        out = {}
+        for name in ["hidden_in"] + [f"blocks_in.{i}" for i in range(num_blocks)]:
+            t = torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device)
+            dist.recv(t, src)
+            out[name] = t
+        return out
+
+    def broadcast_step(self, step) -> None:
+        self.control.broadcast(step)
+
+    def recv_result(self, src: int, ndim: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.control.recv_result(src, ndim, dtype)

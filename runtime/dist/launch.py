@@ -1,0 +1,113 @@
+"""Multi-rank entry under torchrun: rank 0 drives (scheduler + API), every other rank runs `worker_loop`.
+
+    torchrun --nproc-per-node 4 -m k3runtime.dist.launch ENGINE generate --prompt "Hi"
+
+Any k3runtime subcommand that opens an engine works after ENGINE. torchrun supplies RANK / WORLD_SIZE /
+MASTER_ADDR (multi-node included); a rank that dies makes torchrun stop the others and name it, and a rank
+that hangs trips the collective timeout (K3_DIST_TIMEOUT_S, default 60 s), so the job never hangs silently.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..loader import EngineError, read_engine_config
+from .comm import DistCommunicator
+
+
+def init_from_env(device: str = "cpu") -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise EngineError("a multi-rank engine runs under torchrun: "
+                          "`torchrun --nproc-per-node N -m k3runtime.dist.launch ENGINE <command> ...`")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("K3_DIST_TIMEOUT_S", 60))))
+
+
+def _communicator(config: dict, device: str) -> DistCommunicator:
+    init_from_env(device)
+    world = config["mapping"]["world_size"]
+    if dist.get_world_size() != world:
+        raise EngineError(f"the engine has {world} ranks but torchrun started {dist.get_world_size()} processes; "
+                          f"use --nproc-per-node/--nnodes for {world}")
+    return DistCommunicator(config["ranks"], dist.get_rank(), config["mapping"]["tp_size"], torch.device(device))
+
+
+_live: list[DistCommunicator] = []  # driver communicators whose workers still wait for steps
+
+
+def driver_comm(config: dict, device: str, options) -> DistCommunicator:
+    """Rank 0: join the groups and hand every worker the runtime options (cache sizes must agree)."""
+    comm = _communicator(config, device)
+    comm.control.broadcast(options)
+    _live.append(comm)
+    return comm
+
+
+def release_workers(comm: DistCommunicator) -> None:
+    from ..rank_runner import Step
+
+    if comm in _live:
+        _live.remove(comm)
+        comm.control.broadcast(Step((), stop=True))
+
+
+def worker_loop(engine_dir: str, device: str = "cpu") -> None:
+    """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
+    from ..llm_engine import open_rank, sample_step
+
+    config = read_engine_config(engine_dir)
+    comm = _communicator(config, device)
+    rank = dist.get_rank()
+    options = comm.control.broadcast()
+    runner = open_rank(engine_dir, options, rank, comm)
+    reports = runner.last and config["ranks"][str(rank)]["tp_rank"] == 0
+    while True:
+        step = comm.control.broadcast()
+        if step.stop:
+            break
+        logits = runner.run(step)
+        if reports:
+            comm.control.send_result(logits if step.all_logits else sample_step(step, logits), dst=0)
+
+
+def run(engine_dir: str, driver_fn, device: str = "cpu"):
+    """Call `driver_fn()` on rank 0 (it opens the engine), serve as a worker elsewhere; returns its result."""
+    init_from_env(device)
+    try:
+        if dist.get_rank() == 0:
+            try:
+                return driver_fn()
+            finally:
+                for comm in list(_live):
+                    release_workers(comm)
+        worker_loop(engine_dir, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2:
+        raise SystemExit("usage: torchrun ... -m k3runtime.dist.launch ENGINE <k3runtime command> [args]")
+    engine_dir, command = argv[0], argv[1:]
+    device = "cuda" if "--device" in command and command[command.index("--device") + 1].startswith("cuda") else "cpu"
+    from ..cli import main as cli
+
+    def drive():
+        # The command opens the engine itself: ENGINE is its first argument.
+        cli.main([command[0], engine_dir, *command[1:]], standalone_mode=False)
+
+    run(engine_dir, drive, device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""One rank's share of a step: its caches, its graph, and the hand-off to the next pipeline stage.
+
+Every rank runs the same `Step` (the scheduler's decisions, broadcast by the driver); ranks of a stage see the
+same tokens and meet in the graph's AllReduce/AllGather nodes, consecutive stages exchange the hidden state and
+the attention-residual snapshots. A step's sequences are split into micro-batches so stage s can work on
+micro-batch i while stage s+1 works on i-1.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .executor import Communicator, Executor, StepBatch
+from .kv_cache import CacheTensors, HostStore
+from .kv_cache.cache_tensors import CacheConfig
+from .loader import KDA, MLA, RankEngine
+from .scheduler import ScheduledItem, StepPlan, SwapEntry
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every rank executes this step (picklable: it is broadcast to the other ranks)."""
+
+    items: tuple[ScheduledItem, ...]
+    reset_slot_ids: tuple[int, ...] = ()
+    swap_out: tuple[SwapEntry, ...] = ()
+    swap_in: tuple[SwapEntry, ...] = ()
+    all_logits: bool = False  # score mode: logits of every token, not only sampled ones
+    stop: bool = False  # the driver is shutting down: workers leave their loop
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan) -> "Step":
+        return cls(plan.items, plan.reset_slot_ids, plan.swap_out, plan.swap_in)
+
+
+def cache_config(engine: RankEngine, *, num_pages: int, num_slots: int) -> CacheConfig:
+    facts, build, mapping = engine.facts, engine.build, engine.config["mapping"]
+    tp = 1 if mapping["attention_dp"] else mapping["tp_size"]
+    heads = facts.kda_num_heads // tp
+    return CacheConfig(
+        num_pages=num_pages, num_slots=num_slots, num_mla_layers=len(engine.local_layers(MLA)),
+        mla_width=facts.mla_cache_width, num_kda_layers=len(engine.local_layers(KDA)), kda_num_heads=heads,
+        kda_head_k_dim=facts.kda_head_dim, kda_head_v_dim=facts.kda_head_dim,
+        kda_conv_dim=3 * heads * facts.kda_head_dim, page_size=build["page_size"], kda_conv_size=facts.kda_conv_size,
+        kv_dtype=build["kv_dtype"], state_dtype=build["state_dtype"], conv_dtype=build["dtype"])
+
+
+class RankRunner:
+    def __init__(self, engine: RankEngine, cache_cfg: CacheConfig, comm: Communicator | None = None, *,
+                 num_host_pages: int = 0, num_host_slots: int = 0):
+        self.engine, self.comm = engine, comm or Communicator()
+        self.device = next(iter(engine.weights.values())).device
+        self.cache = CacheTensors(cache_cfg, self.device)
+        self.host_store = HostStore(self.cache, num_host_pages, num_host_slots) if num_host_pages or num_host_slots else None
+        self.executor = Executor(engine, self.cache, self.comm)
+        info = engine.rank_info
+        self.first, self.last = info["first_stage"], info["last_stage"]
+        self.pp_size = engine.config["mapping"]["pp_size"]
+        self.num_blocks_in = sum(1 for i in engine.graph.input if i.name.startswith("blocks_in."))
+        self.act_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[engine.build["dtype"]]
+
+    def run(self, step: Step) -> torch.Tensor | None:
+        """Apply the step's cache edits and run its tokens. Returns fp32 logits [M, V] on the last stage."""
+        if step.swap_out or step.swap_in:
+            if self.host_store is None:
+                raise RuntimeError("the step swaps requests but this rank has no host store (num_host_pages = 0)")
+            self.host_store.apply(step.swap_out, step.swap_in)
+        self.cache.zero_slots(list(step.reset_slot_ids))
+        logits = []
+        for items in _micro_batches(step.items, self.pp_size):
+            batch = self.batch(items, step.all_logits)
+            extra = {}
+            if not self.first:
+                t = int(batch.input_ids.numel())
+                extra = self.comm.recv_stage(t, self.engine.facts.hidden_size, self.num_blocks_in, self.act_dtype)
+            out = self.executor.run(batch, extra)
+            if self.last:
+                logits.append(out["logits"])
+            else:
+                self.comm.send_stage(out["hidden_out"], [out[f"blocks_out.{i}"] for i in range(len(out) - 1)])
+        return torch.cat(logits) if self.last else None
+
+    def batch(self, items: tuple[ScheduledItem, ...], all_logits: bool = False) -> StepBatch:
+        ids = list(itertools.chain.from_iterable(it.token_ids for it in items))
+        cu = [0, *itertools.accumulate(it.num_tokens for it in items)]
+        max_pages = max(len(it.page_ids) for it in items)
+        table = [list(it.page_ids) + [-1] * (max_pages - len(it.page_ids)) for it in items]
+        rows = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i, it in enumerate(items) if it.sample]
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
+                         context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
+                         page_table=tensor(table), logits_indices=tensor(rows))
+
+
+def _micro_batches(items: tuple[ScheduledItem, ...], pp_size: int) -> list[tuple[ScheduledItem, ...]]:
+    """Up to pp_size groups of whole sequences, in order (one group without pipeline parallelism)."""
+    if pp_size == 1 or len(items) == 1:
+        return [items]
+    n = min(pp_size, len(items))
+    size = -(-len(items) // n)
+    return [items[i:i + size] for i in range(0, len(items), size)]
