@@ -1,0 +1,1 @@
+"""Triton Inference Server Python-backend model repository for k3build engines (`k3runtime triton-repo`)."""

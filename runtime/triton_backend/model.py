@@ -1,0 +1,159 @@
+"""Triton Python-backend model serving a k3build engine (copied as `<repo>/<model>/1/model.py`).
+
+Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `input_ids`), `max_tokens`,
+`temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop` in; `text_output`, `output_ids`,
+`finish_reason` out. In decoupled mode each request is handed to the engine thread and answered from
+there (one response per token when stream=true), so concurrent requests batch continuously; a
+cancelled request (client gone) is aborted on the engine, which frees its pages and KDA slot.
+Needs numpy<2 in the stub's environment (Triton 2.51's stub), plus k3runtime and its dependencies.
+"""
+
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _scalar(request, name, default, kind):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    a = t.as_numpy().reshape(-1)
+    if a.size != 1:
+        raise ValueError(f"{name}: expected one value, got {a.size}")
+    v = a[0]
+    return kind(v.decode("utf-8") if isinstance(v, bytes) else v)
+
+
+def _outputs(text: str, ids: list, reason: str | None):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)),
+        pb_utils.Tensor("finish_reason", np.array([(reason or "").encode()], dtype=np.object_)),
+    ])
+
+
+def _error(message: str):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from k3runtime.async_engine import AsyncLLMEngine
+        from k3runtime.llm_engine import EngineOptions
+        from k3runtime.sampling_params import SamplingParams
+
+        cfg = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        if "engine_dir" not in params:
+            raise pb_utils.TritonModelException("config.pbtxt: parameters must set 'engine_dir'")
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        num_pages = int(params["num_pages"]) if params.get("num_pages") else None
+        self.engine = AsyncLLMEngine(params["engine_dir"],
+                                     EngineOptions(device=params.get("device", "cpu"), num_pages=num_pages))
+        self.SamplingParams = SamplingParams
+        self.max_tokens_limit = int(params.get("max_tokens_limit") or 4096)
+
+    def _parse(self, request):
+        """(prompt ids, SamplingParams, stream) of one request; ValueError names the bad input."""
+        text = _scalar(request, "text_input", None, str)
+        ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if (text is None) == (ids_t is None):
+            raise ValueError("text_input / input_ids: send exactly one of them")
+        if text is not None:
+            if self.engine.tokenizer is None:
+                raise ValueError("text_input: the engine has no tokenizer; send input_ids")
+            ids = self.engine.tokenizer.encode(text)
+        else:
+            ids = [int(x) for x in ids_t.as_numpy().reshape(-1)]
+        if not ids:
+            raise ValueError("text_input / input_ids: empty prompt (at least one token is needed)")
+        max_tokens = _scalar(request, "max_tokens", 16, int)
+        if max_tokens > self.max_tokens_limit:
+            raise ValueError(f"max_tokens: {max_tokens} is over this model's limit of {self.max_tokens_limit}")
+        stop_t = pb_utils.get_input_tensor_by_name(request, "stop")
+        stop = tuple(s.decode("utf-8") for s in stop_t.as_numpy().reshape(-1)) if stop_t is not None else ()
+        seed = _scalar(request, "seed", None, int)
+        sp = self.SamplingParams(max_tokens=max_tokens, temperature=_scalar(request, "temperature", 1.0, float),
+                                 top_p=_scalar(request, "top_p", 1.0, float), top_k=_scalar(request, "top_k", 0, int),
+                                 seed=seed, stop=stop)
+        return ids, sp, _scalar(request, "stream", False, bool)
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                self._start_decoupled(request)
+            return None
+        return self._execute_unary(requests)
+
+    def _start_decoupled(self, request):
+        sender = request.get_response_sender()
+        try:
+            ids, sp, stream = self._parse(request)
+        except (ValueError, UnicodeDecodeError) as e:
+            sender.send(_error(str(e)), flags=FINAL)
+            return
+        acc = {"text": [], "ids": []}
+        rid = []
+
+        def on_event(ev):  # engine thread
+            if isinstance(ev, str):  # accepted
+                return
+            if isinstance(ev, BaseException):
+                sender.send(_error(str(ev)), flags=FINAL)
+                return
+            if ev.finish_reason is None and request.is_cancelled():
+                self.engine.abort(rid[0])
+                sender.send(flags=FINAL)
+                return
+            if stream:
+                sender.send(_outputs(ev.text, [ev.token_id], ev.finish_reason),
+                            flags=FINAL if ev.finish_reason else 0)
+                return
+            acc["text"].append(ev.text)
+            acc["ids"].append(ev.token_id)
+            if ev.finish_reason:
+                sender.send(_outputs("".join(acc["text"]), acc["ids"], ev.finish_reason), flags=FINAL)
+
+        rid.append(self.engine.submit(ids, sp, on_event))
+
+    def _execute_unary(self, requests):
+        responses = [None] * len(requests)
+        pending = []
+        for i, request in enumerate(requests):
+            try:
+                ids, sp, stream = self._parse(request)
+                if stream:
+                    raise ValueError("stream: true needs the decoupled model (config.pbtxt "
+                                     "model_transaction_policy { decoupled: true })")
+            except (ValueError, UnicodeDecodeError) as e:
+                responses[i] = _error(str(e))
+                continue
+            done, acc = threading.Event(), {"text": [], "ids": [], "reason": None, "error": None}
+
+            def on_event(ev, done=done, acc=acc):  # engine thread
+                if isinstance(ev, str):
+                    return
+                if isinstance(ev, BaseException):
+                    acc["error"] = str(ev)
+                    done.set()
+                    return
+                acc["text"].append(ev.text)
+                acc["ids"].append(ev.token_id)
+                if ev.finish_reason:
+                    acc["reason"] = ev.finish_reason
+                    done.set()
+
+            self.engine.submit(ids, sp, on_event)
+            pending.append((i, done, acc))
+        for i, done, acc in pending:
+            done.wait()
+            responses[i] = _error(acc["error"]) if acc["error"] else \
+                _outputs("".join(acc["text"]), acc["ids"], acc["reason"])
+        return responses
+
+    def finalize(self):
+        self.engine.shutdown()

@@ -1,0 +1,86 @@
+"""`k3runtime triton-repo ENGINE OUT`: write a Triton model repository (config.pbtxt + 1/model.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import click
+
+_INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets
+    ("text_input", "TYPE_STRING", [1]),
+    ("input_ids", "TYPE_INT32", [-1]),
+    ("max_tokens", "TYPE_INT32", [1]),
+    ("temperature", "TYPE_FP32", [1]),
+    ("top_p", "TYPE_FP32", [1]),
+    ("top_k", "TYPE_INT32", [1]),
+    ("seed", "TYPE_UINT64", [1]),
+    ("stream", "TYPE_BOOL", [1]),
+    ("stop", "TYPE_STRING", [-1]),
+]
+_OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]),
+            ("finish_reason", "TYPE_STRING", [1])]
+
+
+def _tensor(name, dtype, dims, optional):
+    opt = "\n    optional: true" if optional else ""
+    return f'  {{\n    name: "{name}"\n    data_type: {dtype}\n    dims: {json.dumps(dims).replace(",", ", ")}{opt}\n  }}'
+
+
+def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: str = "cpu",
+                 max_tokens_limit: int = 4096, num_pages: int | None = None) -> str:
+    params = {"engine_dir": str(engine_dir), "device": device, "max_tokens_limit": str(max_tokens_limit)}
+    if num_pages:
+        params["num_pages"] = str(num_pages)
+    lines = [f'name: "{model_name}"', 'backend: "python"',
+             # No Triton batching: the engine batches continuously across requests itself.
+             "max_batch_size: 0"]
+    if decoupled:
+        lines.append("model_transaction_policy {\n  decoupled: true\n}")
+    lines.append("input [\n" + ",\n".join(_tensor(*t, True) for t in _INPUTS) + "\n]")
+    lines.append("output [\n" + ",\n".join(_tensor(*t, False) for t in _OUTPUTS) + "\n]")
+    kind = "KIND_CPU" if device == "cpu" else "KIND_MODEL"  # KIND_MODEL: the engine places itself on its device
+    lines.append(f"instance_group [\n  {{\n    count: 1\n    kind: {kind}\n  }}\n]")
+    for k, v in params.items():
+        lines.append(f'parameters {{\n  key: "{k}"\n  value: {{ string_value: {json.dumps(v)} }}\n}}')
+    return "\n".join(lines) + "\n"
+
+
+def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3", decoupled: bool = True,
+               device: str = "cpu", max_tokens_limit: int = 4096, num_pages: int | None = None,
+               overwrite: bool = False) -> Path:
+    """Write OUT/MODEL/{config.pbtxt, 1/model.py}; returns the model dir. Other models in OUT are kept."""
+    engine_dir = Path(engine_dir).resolve()
+    if not (engine_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
+    model_dir = Path(out) / model_name
+    if model_dir.exists():
+        if not overwrite:
+            raise FileExistsError(f"{model_dir}: exists (pass --overwrite to replace it)")
+        shutil.rmtree(model_dir)
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device,
+                                                         max_tokens_limit=max_tokens_limit, num_pages=num_pages))
+    shutil.copyfile(Path(__file__).with_name("model.py"), model_dir / "1" / "model.py")
+    return model_dir
+
+
+@click.command("triton-repo")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--model-name", default="k3", show_default=True)
+@click.option("--decoupled/--no-decoupled", default=True, show_default=True,
+              help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--num-pages", type=click.IntRange(min=1), default=None, help="KV pages [engine memory plan].")
+@click.option("--overwrite", is_flag=True)
+def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, num_pages, overwrite):
+    """Write a Triton Python-backend model repository serving ENGINE into OUT."""
+    try:
+        d = write_repo(engine, out, model_name=model_name, decoupled=decoupled, device=device,
+                       max_tokens_limit=max_tokens_limit, num_pages=num_pages, overwrite=overwrite)
+    except (FileNotFoundError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {d} (start: tritonserver --model-repository={Path(out).resolve()})")
