@@ -143,6 +143,11 @@ def _store(key: str, logits: np.ndarray, greedy: list[int]) -> None:
     os.replace(tmp, d / f"{key}.npz")
 
 
+def build_kimi_linear(out_dir: Path, seed: int, variant: dict) -> None:
+    """Run `tiny_models.build_kimi_linear_here` in the worker (the variant as `dataclasses.asdict`)."""
+    _worker().request({"op": "build", "out_dir": str(out_dir), "seed": seed, "variant": variant})
+
+
 class _Client:
     """The parent's handle on the long-lived worker: one JSON line per request, arrays through .npz files."""
 
@@ -161,8 +166,15 @@ class _Client:
         self.count += 1
         out_dir = Path(self.tmp.name) / f"req{self.count}"
         out_dir.mkdir()
-        req = {"out_dir": str(out_dir), "jobs": [{"model_dir": j.model_dir, "token_ids": list(j.token_ids),
-                                                  "n_greedy": j.n_greedy} for j in jobs]}
+        self.request({"op": "run", "out_dir": str(out_dir), "jobs": [
+            {"model_dir": j.model_dir, "token_ids": list(j.token_ids), "n_greedy": j.n_greedy} for j in jobs]})
+        results = []
+        for i in range(len(jobs)):
+            z = np.load(out_dir / f"out{i}.npz")
+            results.append((z["logits"].astype(np.float32), z["greedy"].tolist()))
+        return results
+
+    def request(self, req: dict) -> None:
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
@@ -175,11 +187,6 @@ class _Client:
         status = json.loads(reply)
         if not status["ok"]:
             raise OracleError(f"transformers oracle worker failed:\n{status['error']}")
-        results = []
-        for i in range(len(jobs)):
-            z = np.load(out_dir / f"out{i}.npz")
-            results.append((z["logits"].astype(np.float32), z["greedy"].tolist()))
-        return results
 
     def close(self) -> None:
         if self.alive():
@@ -261,7 +268,12 @@ def _serve() -> None:
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            for i, job in enumerate(req["jobs"]):
+            if req["op"] == "build":
+                import tiny_models  # beside this file, which is sys.path[0] in the worker
+
+                v = dict(req["variant"], layers=tuple(req["variant"]["layers"]))
+                tiny_models.build_kimi_linear_here(req["out_dir"], req["seed"], tiny_models.KimiLinearVariant(**v))
+            for i, job in enumerate(req.get("jobs", [])):
                 key = _digest(job["model_dir"])
                 if key not in models:
                     while len(models) >= 8:

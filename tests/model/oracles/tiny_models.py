@@ -11,10 +11,12 @@ every parameter a bug could hide behind (norm weights, A_log, dt_bias, conv taps
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -73,6 +75,9 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 def make_kimi_linear(out_dir: str | Path, *, seed: int, variant: str | KimiLinearVariant = "base") -> Path:
     """Build a random tiny `KimiLinearForCausalLM` (fp32) and `save_pretrained` it into `out_dir`.
 
+    Built inside the transformers oracle's worker process (see hf_oracle.py): the caller never imports
+    transformers (seconds saved, and no fla/triton binding in the test process).
+
     Args:
         out_dir: directory to write (created); gets config.json, model.safetensors, generation_config.json.
         seed: all weights and buffers are a function of it.
@@ -80,12 +85,22 @@ def make_kimi_linear(out_dir: str | Path, *, seed: int, variant: str | KimiLinea
     Returns:
         `out_dir` as a Path.
     """
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    from . import hf_oracle
 
     known = {**VARIANTS, **EXTRA_VARIANTS}
     if isinstance(variant, str) and variant not in known:
         raise KeyError(f"variant {variant!r}: known {sorted(known)}")
     v = known[variant] if isinstance(variant, str) else variant
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_oracle.build_kimi_linear(out, seed, dataclasses.asdict(v))
+    return out
+
+
+def build_kimi_linear_here(out_dir: str | Path, seed: int, v: KimiLinearVariant) -> None:
+    """`make_kimi_linear`'s body, run in the process that already has transformers imported."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
     n = len(v.layers)
     full = [i + 1 for i, t in enumerate(v.layers) if t == MLA]
     cfg = KimiLinearConfig(
@@ -102,10 +117,7 @@ def make_kimi_linear(out_dir: str | Path, *, seed: int, variant: str | KimiLinea
     torch.manual_seed(seed)
     model = KimiLinearForCausalLM(cfg).float().eval()
     randomize_(model, seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return out
+    model.save_pretrained(out_dir)
 
 
 @torch.no_grad()
@@ -136,9 +148,24 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(normal(p.shape, 2.0 / math.sqrt(p.shape[-1])))
         else:
             p.copy_(normal(p.shape, 1.0 / math.sqrt(p.shape[-1])))
+    _shrink_mla_latents_(model.named_parameters(), model.config.kv_lora_rank)
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.copy_(normal(b.shape, 0.15))
+
+
+LATENT_SCALE = 0.01
+
+
+@torch.no_grad()
+def _shrink_mla_latents_(named: Iterable[tuple[str, torch.Tensor]], kv_lora_rank: int) -> None:
+    # Latents with mean square ~1e-4 make the latent norms' eps (1e-6, not rms_norm_eps; PITFALLS.md) visible in the
+    # logits; the RMSNorm right after restores their scale, so nothing else gets smaller. k_pe rows stay O(1).
+    for name, p in named:
+        if name.endswith("q_a_proj.weight"):
+            p.mul_(LATENT_SCALE)
+        elif name.endswith("kv_a_proj_with_mqa.weight"):
+            p[:kv_lora_rank].mul_(LATENT_SCALE)
 
 
 # --- K3 naming (only for the K3-feature oracle test; the project's synth is the real writer) -------------------
@@ -248,6 +275,7 @@ def make_k3_tiny(out_dir: str | Path, *, seed: int, cfg=None) -> Path:
         else:
             arr = rng.standard_normal(shape) * std
         t = torch.from_numpy(arr.astype(np.float32))
+        _shrink_mla_latents_([(name, t)], cfg.kv_lora_rank)
         tensors[full] = t if kind in ("conv", "dt_bias", "norm32", "bias") else t.to(torch.bfloat16)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,8 +299,6 @@ def kimi_linear_to_k3_naming(src: str | Path, dst: str | Path, *, num_shards: in
     becomes a zero-padded vector, names get `language_model.`, tensors are split into shards with an index. The
     model is the same function, so an oracle reading K3 naming must reproduce transformers' logits on it.
     """
-    import dataclasses
-
     from safetensors import safe_open
     from safetensors.torch import save_file
 
