@@ -78,7 +78,7 @@ class LLM:
             if det is not None:
                 det.push(ev.token_id, final=ev.finish_reason is not None)
                 if det.stopped and ev.finish_reason is None:
-                    self.engine.scheduler.finish(ev.request_id, "stop")
+                    self.engine.finish(ev.request_id, "stop")
                     out.finish_reason = "stop"
                 out.text = det.text
         return list(outputs.values())
@@ -95,7 +95,7 @@ class LLM:
                 reason = ev.finish_reason
                 text = det.push(ev.token_id, final=reason is not None) if det else ""
                 if det and det.stopped and reason is None:
-                    self.engine.scheduler.finish(req.request_id, "stop")
+                    self.engine.finish(req.request_id, "stop")
                     reason = "stop"
                 yield StreamChunk(req.request_id, ev.token_id, text, reason)
                 if reason is not None:

@@ -39,6 +39,12 @@ class Communicator:
     def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
         return x
 
+    def ep_gather(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, group: str, capacity: int):
+        return z, ids, weights
+
+    def ep_scatter(self, y: torch.Tensor, z: torch.Tensor, *, group: str, capacity: int) -> torch.Tensor:
+        return y
+
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
         raise RuntimeError("pipeline hand-off needs the multi-rank communicator")
 
@@ -75,9 +81,8 @@ class Executor:
         ins, outs = list(node.input), list(node.output)
         if node.domain == "":
             return _Bound(node.name, _ONNX_OPS[node.op_type](attrs), ins, outs, {}, "plain")
-        if node.op_type in ("AllReduce", "AllGather"):
-            return _Bound(node.name, getattr(self.comm, "all_reduce" if node.op_type == "AllReduce" else "all_gather"),
-                          ins, outs, attrs, "comm")
+        if node.op_type in _COMM_OPS:
+            return _Bound(node.name, getattr(self.comm, _COMM_OPS[node.op_type]), ins, outs, attrs, "comm")
         entry = plugins[node.op_type]
         fn = registry.find(node.op_type, entry["tactic"]).load()
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
@@ -114,6 +119,9 @@ class Executor:
             else:
                 env.update(zip(b.outputs, out))
         return {name: env[name] for name in self.outputs}
+
+
+_COMM_OPS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "EPGather": "ep_gather", "EPScatter": "ep_scatter"}
 
 
 def _cast(attrs: dict):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import PagePool, SlotPool
-from .loader import load_rank
+from .loader import EngineError, load_rank
 from .rank_runner import RankRunner, Step, cache_config
 from .request import Request
 from .sampler import sample
@@ -45,12 +45,27 @@ class TokenEvent:
     finish_reason: str | None
 
 
+def cache_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
+    """(pages, slots) the scheduler hands out, per attention-DP rank."""
+    plan = config["memory_plan"]
+    return options.num_pages or plan["num_pages"], options.num_slots or plan["num_slots"]
+
+
+def dummy_step(config: dict, options: EngineOptions) -> Step:
+    """One throw-away token on the spare page/slot: an attention-DP rank with no work of its own still has to
+    meet the others in every expert exchange."""
+    pages, slots = cache_sizes(config, options)
+    item = ScheduledItem(request_id="", token_ids=(0,), start_pos=0, num_tokens=1, sample=False, slot_id=slots,
+                         page_ids=(pages,), params=None, seed=0, sample_index=0)
+    return Step((item,), reset_slot_ids=(slots,))
+
+
 def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> RankRunner:
     """Load `rank` of the engine with caches sized by `options` (or the engine's memory plan)."""
     engine = load_rank(engine_dir, rank, options.device)
-    plan = engine.config["memory_plan"]
-    cfg = cache_config(engine, num_pages=options.num_pages or plan["num_pages"],
-                       num_slots=options.num_slots or plan["num_slots"])
+    pages, slots = cache_sizes(engine.config, options)
+    spare = 1 if engine.config["mapping"]["attention_dp"] else 0  # dummy_step's page and slot
+    cfg = cache_config(engine, num_pages=pages + spare, num_slots=slots + spare)
     return RankRunner(engine, cfg, comm, num_host_pages=options.num_host_pages if options.preemption_mode == "swap" else 0,
                       num_host_slots=options.num_host_slots if options.preemption_mode == "swap" else 0)
 
@@ -67,7 +82,13 @@ class LLMEngine:
         from .loader import read_engine_config
 
         config = read_engine_config(engine_dir)
-        self.world_size = config["mapping"]["world_size"]
+        self.config, self.options = config, options
+        mapping = config["mapping"]
+        self.world_size = mapping["world_size"]
+        # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
+        self.dp_size = mapping["tp_size"] if mapping["attention_dp"] else 1
+        if self.dp_size > 1 and mapping["pp_size"] > 1:
+            raise EngineError(f"{engine_dir}: attention-DP with pipeline parallelism is not supported; rebuild with pp_size 1")
         comm = None
         if self.world_size > 1:
             from .dist.launch import driver_comm
@@ -75,18 +96,22 @@ class LLMEngine:
             comm = driver_comm(config, options.device, options)
         self.runner = runner = open_rank(engine_dir, options, 0, comm)
         self.comm = comm
-        build, cache = runner.engine.build, runner.cache.config
+        build = runner.engine.build
+        num_pages, num_slots = cache_sizes(config, options)
         self.device, self.page_size = runner.device, build["page_size"]
         sched_cfg = SchedulerConfig(
-            max_num_seqs=min(options.max_num_seqs or build["max_batch_size"], cache.num_slots),
+            max_num_seqs=min(options.max_num_seqs or build["max_batch_size"], num_slots),
             max_num_batched_tokens=options.max_num_batched_tokens or build["max_num_tokens"],
             max_prefill_chunk=options.max_prefill_chunk or build["max_num_tokens"], page_size=self.page_size,
             preemption_mode=options.preemption_mode, num_host_pages=options.num_host_pages,
             num_host_slots=options.num_host_slots, max_model_len=build["max_seq_len"])
-        self.scheduler = Scheduler(sched_cfg, PagePool(cache.num_pages, self.page_size), SlotPool(cache.num_slots))
+        self.schedulers = [Scheduler(sched_cfg, PagePool(num_pages, self.page_size), SlotPool(num_slots))
+                           for _ in range(self.dp_size)]
+        self.scheduler = self.schedulers[0]
+        self._owner: dict[str, Scheduler] = {}
         self._ids = itertools.count()
         self.stats = {"steps": 0, "preemptions": 0, "swaps_out": 0, "tokens": 0}
-        self._last_stage_rank = self.world_size - config["mapping"]["tp_size"]
+        self._last_stage_rank = self.world_size - mapping["tp_size"]
 
     @property
     def facts(self):
@@ -103,38 +128,61 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                       eos_token_id=None if params.ignore_eos else self.eos_token_id)
-        self.scheduler.add(req)
+        # Least-loaded attention-DP rank (the only one without attention-DP).
+        sched = min(self.schedulers, key=lambda s: len(s.requests))
+        sched.add(req)
+        self._owner[req.request_id] = sched
         return req
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        sched = self._owner.get(request_id)
+        if sched is not None:
+            sched.abort(request_id)
+
+    def finish(self, request_id: str, reason: str) -> None:
+        sched = self._owner.get(request_id)
+        if sched is not None:
+            sched.finish(request_id, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(s.has_unfinished() for s in self.schedulers)
 
-    def _execute(self, step: Step) -> torch.Tensor:
-        """Run a step on every rank; returns sampled ids [M] (or all logits [N, V] in score mode)."""
+    def _execute(self, steps: tuple[Step, ...]) -> list[torch.Tensor]:
+        """Run one step per attention-DP rank on every rank; returns, per DP rank, its sampled ids [M]
+        (or all logits [N, V] in score mode)."""
         if self.comm is not None:
-            self.comm.broadcast_step(step)
+            self.comm.broadcast_step(steps)
+        step = steps[0]
         logits = self.runner.run(step)
-        if logits is not None:
-            return logits if step.all_logits else sample_step(step, logits)
         ndim, dtype = (2, torch.float32) if step.all_logits else (1, torch.int64)
-        return self.comm.recv_result(self._last_stage_rank, ndim, dtype)
+        if logits is not None:
+            results = [logits if step.all_logits else sample_step(step, logits)]
+        else:
+            results = [self.comm.recv_result(self._last_stage_rank, ndim, dtype)]
+        # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens.
+        results += [self.comm.recv_result(d, ndim, dtype) for d in range(1, len(steps))]
+        return results
 
     def step(self) -> list[TokenEvent]:
-        plan = self.scheduler.schedule()
+        plans = [s.schedule() for s in self.schedulers]
         self.stats["steps"] += 1
-        self.stats["preemptions"] += len(plan.preempted_ids)
-        self.stats["swaps_out"] += len(plan.swap_out)
-        if plan.is_empty:
-            self.scheduler.update(plan, {})
+        for plan in plans:
+            self.stats["preemptions"] += len(plan.preempted_ids)
+            self.stats["swaps_out"] += len(plan.swap_out)
+        if all(p.is_empty for p in plans):
+            for s, p in zip(self.schedulers, plans):
+                s.update(p, {})
             return []
-        tokens = self._execute(Step.from_plan(plan)).tolist()
-        sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens)}
-        finished = {r.request_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
-        self.stats["tokens"] += plan.num_batched_tokens
-        return [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items()]
+        steps = tuple(Step.from_plan(p) if not p.is_empty else dummy_step(self.config, self.options) for p in plans)
+        events = []
+        for sched, plan, tokens in zip(self.schedulers, plans, self._execute(steps)):
+            sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens.tolist())}
+            finished = {r.request_id: r.finish_reason for r in sched.update(plan, sampled)}
+            for r in finished:
+                self._owner.pop(r, None)
+            self.stats["tokens"] += plan.num_batched_tokens
+            events += [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items()]
+        return events
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
@@ -155,7 +203,9 @@ class LLMEngine:
                 item = ScheduledItem(request_id="score", token_ids=part, start_pos=start, num_tokens=len(part),
                                      sample=False, slot_id=slot, page_ids=tuple(pages), params=None, seed=0,
                                      sample_index=0)
-                out.append(self._execute(Step((item,), reset_slot_ids=(slot,) if start == 0 else (), all_logits=True)))
+                step = Step((item,), reset_slot_ids=(slot,) if start == 0 else (), all_logits=True)
+                idle = (dummy_step(self.config, self.options),) * (self.dp_size - 1)
+                out.append(self._execute((step, *idle))[0])
             return torch.cat(out)
         finally:
             pool.free(pages)

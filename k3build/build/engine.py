@@ -2,7 +2,8 @@
 
 ENGINE/config.json  {version, pretrained_config, mapping, build_config, stamp, ranks, memory_plan}
 ENGINE/rank{N}/graph.onnx, ENGINE/rank{N}/weights.safetensors, tokenizer files.
-Written into a temporary sibling directory and renamed into place, so an interrupted build leaves nothing.
+Written into a hidden sibling directory and renamed into place, so an interrupted build leaves no ENGINE dir
+(staging.py: a SIGKILLed build's staging dir is removed by the next build).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import math
 import os
 import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -25,7 +26,9 @@ from ..mapping import Mapping
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
+from .source import BuildError, read_converted
 from .st_writer import SafetensorsWriter
+from .staging import clean_stale, finish_staging_dir, make_staging_dir
 from .tactics import resolve_plugins, stamp_for
 
 ENGINE_FORMAT_VERSION = 1
@@ -33,38 +36,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 
 
-class BuildError(RuntimeError):
-    """The build cannot proceed; the message says why and what to change."""
-
-
-def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
-    path = converted_dir / "config.json"
-    if not path.exists():
-        raise BuildError(f"{converted_dir}: not a converted checkpoint (no config.json); run `k3build convert` first")
-    raw = json.loads(path.read_text())
-    if "mapping" not in raw:
-        raise BuildError(f"{path}: no 'mapping' field; this looks like an HF checkpoint — run `k3build convert` on it first")
-    cfg = K3Config.from_dict({k: v for k, v in raw.items() if k not in ("mapping", "source")})
-    mapping = Mapping.from_dict(raw["mapping"])
-    for rank in range(mapping.world_size):
-        if not (converted_dir / f"rank{rank}.safetensors").exists():
-            raise BuildError(f"{converted_dir}/rank{rank}.safetensors: missing (mapping has world_size {mapping.world_size})")
-    return raw, cfg, mapping
-
-
 def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, options: BuildOptions, *,
-          overwrite: bool = False, progress: bool = True) -> Path:
+          overwrite: bool = False, progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+    """Build the engine dir `engine_dir` from the converted checkpoint `converted_dir`.
+
+    Args:
+        log: receives notes the user should see (a preferred plugin tactic that is not available here).
+    Raises:
+        BuildError naming the file/option at fault; ENGINE is then left as it was.
+    """
     converted_dir, engine_dir = Path(converted_dir), Path(engine_dir)
-    _, cfg, mapping = read_converted(converted_dir)
     if engine_dir.exists() and not overwrite:
         raise BuildError(f"{engine_dir}: already exists (pass --overwrite to replace it)")
-    if mapping.attention_dp and mapping.world_size > 1:
-        raise BuildError("attention-DP engines need the token exchange of the multi-rank runtime, which this "
-                         "version does not have yet; build with attention-DP off")
+    if engine_dir.resolve() == converted_dir.resolve():
+        raise BuildError(f"{engine_dir}: the engine dir must differ from the converted checkpoint dir")
+    _, cfg, mapping = read_converted(converted_dir)
+    if options.max_seq_len > cfg.max_position_embeddings:
+        raise BuildError(f"--max-seq-len: {options.max_seq_len} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings}, {converted_dir}/config.json)")
     memory_plan = _memory_plan(cfg, mapping, options)
-    plugins = resolve_plugins(options.target)
+    try:
+        plugins, notes = resolve_plugins(options.target)
+    except (KeyError, ValueError) as e:
+        raise BuildError(f"--target {options.target}: {e}") from None
+    for note in notes:
+        (log or (lambda m: None))(note)
     engine_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{engine_dir.name}.tmp-", dir=engine_dir.parent))
+    clean_stale(engine_dir)
+    tmp = make_staging_dir(engine_dir)
     try:
         ranks = {}
         for rank in range(mapping.world_size):
@@ -76,16 +75,21 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             "version": ENGINE_FORMAT_VERSION,
             "pretrained_config": cfg.to_dict(),
             "mapping": mapping.to_dict(),
-            "build_config": {**options.to_dict(), "plugins": plugins},
+            "build_config": {**options.to_dict(), "plugins": plugins, "plugin_notes": notes},
             "stamp": stamp_for(options.target),
             "ranks": ranks,
             "memory_plan": memory_plan,
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; an engine is meant to be shared
+        finish_staging_dir(tmp)
         if engine_dir.exists():
-            shutil.rmtree(engine_dir)
-        os.replace(tmp, engine_dir)
+            # Move the old engine aside first so ENGINE is never a mix of the two builds.
+            old = engine_dir.with_name(f".{engine_dir.name}.tmp-old-{os.getpid()}")
+            os.replace(engine_dir, old)
+            os.replace(tmp, engine_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, engine_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -109,22 +113,31 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
 
         layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
         bar = tqdm(total=len(layers), desc=f"build rank{rank}", unit="layer", disable=not progress)
-        last_layer = None
+        last_layer = last_name = None
         try:
             for name, t in engine_tensors(cfg, mapping, rank, get, options.torch_dtype):
                 writer.add(name, t)
+                last_name = name
                 shapes[name] = (tuple(t.shape), t.dtype)
                 layer = name.split(".", 1)[0]
                 if layer != last_layer and layer[1:].isdigit():
                     bar.update(1)
                     last_layer = layer
+        except BuildError:
+            writer.abort()
+            raise
+        except (RuntimeError, ValueError) as e:
+            # A tensor of the wrong shape for the model config (e.g. a reshape in the MLA absorption pass).
+            writer.abort()
+            raise BuildError(f"{src_path}: the layout pass for rank {rank} failed after {last_name!r}: {e}; "
+                             f"the file does not match {converted_dir}/config.json — convert again") from None
         except BaseException:
             writer.abort()
             raise
         finally:
             bar.close()
     writer.close()
-    model = graph_mod.build_graph(cfg, mapping, rank, shapes, options.torch_dtype)
+    model = graph_mod.build_graph(cfg, mapping, rank, shapes, options.torch_dtype, capacity=options.max_num_tokens)
     onnx.save(model, rank_dir / "graph.onnx")
     return {
         "pp_rank": mapping.pp_rank(rank), "tp_rank": mapping.tp_rank(rank), "layers": [layers.start, layers.stop],
@@ -140,7 +153,7 @@ def _range(r: range) -> list[int]:
 
 
 def _memory_plan(cfg: K3Config, mapping: Mapping, options: BuildOptions) -> dict:
-    """Cache sizes the runtime starts with, and a refusal when the limits cannot fit the budget."""
+    """Cache sizes the runtime starts with, and a refusal, with numbers, when the limits cannot fit the budget."""
     pages_per_seq = math.ceil(options.max_seq_len / options.page_size)
     plan = {"num_slots": options.max_batch_size, "num_pages": options.max_batch_size * pages_per_seq,
             "page_size": options.page_size}
@@ -148,11 +161,18 @@ def _memory_plan(cfg: K3Config, mapping: Mapping, options: BuildOptions) -> dict
         return plan
     from ..memory import plan_memory
 
-    mp = plan_memory(cfg, mapping, gpu_memory_bytes=int(options.gpu_memory_gib * 2**30),
-                     max_seq_len=options.max_seq_len, max_batch_size=options.max_batch_size,
-                     max_num_tokens=options.max_num_tokens,
-                     kv_dtype_bytes=DTYPES[options.kv_dtype].itemsize,
-                     state_dtype=options.state_dtype)
+    try:
+        mp = plan_memory(cfg, mapping, gpu_memory_bytes=int(options.gpu_memory_gib * 2**30),
+                         max_seq_len=options.max_seq_len, max_batch_size=options.max_batch_size,
+                         max_num_tokens=options.max_num_tokens, kv_dtype_bytes=DTYPES[options.kv_dtype].itemsize,
+                         state_dtype=options.state_dtype, page_size=options.page_size,
+                         overhead_bytes=int(options.overhead_gib * 2**30))
+    except ValueError as e:
+        raise BuildError(f"memory plan: {e}") from None
     if not mp.fits:
-        raise BuildError(f"the engine does not fit in {options.gpu_memory_gib} GiB per rank: {mp.reason}")
+        raise BuildError(f"the engine does not fit in --gpu-memory-gib {options.gpu_memory_gib} per rank: {mp.reason}")
+    # Every rank gets the same cache sizes: those of the rank with the least room, never more than the limits use.
+    # (A rank without KDA or MLA layers holds no slots or pages and sets no bound.)
+    plan["num_slots"] = min([plan["num_slots"]] + [r.kda_slots for r in mp.ranks if r.kda_state_bytes_per_request])
+    plan["num_pages"] = min([plan["num_pages"]] + [r.kv_pages for r in mp.ranks if r.page_bytes])
     return {**plan, "budget": mp.to_dict()}

@@ -30,6 +30,7 @@ class _Builder:
     mapping: Mapping
     rank: int
     act_dtype: torch.dtype
+    capacity: int
     nodes: list = field(default_factory=list)
     count: int = 0
 
@@ -50,9 +51,10 @@ class _Builder:
 
 
 def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                act_dtype: torch.dtype) -> onnx.ModelProto:
-    """Args: weights: engine tensor name -> (shape, dtype) for this rank (from the layout pass)."""
-    b = _Builder(cfg, mapping, rank, act_dtype)
+                act_dtype: torch.dtype, capacity: int = 2048) -> onnx.ModelProto:
+    """Args: weights: engine tensor name -> (shape, dtype) for this rank (from the layout pass);
+    capacity: most tokens one rank feeds a step (the expert exchange buffers of attention-DP are this big)."""
+    b = _Builder(cfg, mapping, rank, act_dtype, capacity)
     layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
     blocks = [f"blocks_in.{i}" for i in range(_snapshots_before(cfg, layers.start))]
     data_inputs = []
@@ -158,11 +160,21 @@ def _moe(b: _Builder, layer: int, x: str) -> str:
                         topk_group=cfg.topk_group)
     z = b.op("Linear", [x, e + "down_proj"], name=e + "down_proj") if cfg.is_latent_moe else x
     quant = cfg.quantization.method == "mxfp4"
-    y = b.op("MoEExperts", [z, ids, weights, e + "w13", e + "w13_scale" if quant else "", e + "w2",
+    exchange = mp.attention_dp and mp.moe_ep_size > 1
+    zs, ids_s, w_s = z, ids, weights
+    if exchange:
+        # Attention-DP: every rank has its own tokens. Gather all ranks' (fixed-capacity, zero-padded) tokens,
+        # run the local experts on all of them, and reduce-scatter the partial sums back to their owners.
+        zs, ids_s, w_s = b.op("EPGather", [z, ids, weights], num_outputs=3, name=e + "dispatch", group="moe",
+                              capacity=b.capacity)
+    y = b.op("MoEExperts", [zs, ids_s, w_s, e + "w13", e + "w13_scale" if quant else "", e + "w2",
                             e + "w2_scale" if quant else ""], name=e + "experts",
              expert_start=mp.local_experts(b.rank, cfg.num_experts).start, **_mlp_attrs(cfg))
-    # Expert partials are summed across the EP x MoE-TP ranks in fp32, in latent space, before the norm.
-    y = b.reduce(y, "moe", mp.moe_ep_size * mp.moe_tp_size, e + "experts.allreduce")
+    if exchange:
+        y = b.op("EPScatter", [y, z], name=e + "combine", group="moe", capacity=b.capacity)
+    else:
+        # Expert partials are summed across the EP x MoE-TP ranks in fp32, in latent space, before the norm.
+        y = b.reduce(y, "moe", mp.moe_ep_size * mp.moe_tp_size, e + "experts.allreduce")
     y = b.op("Cast", [y], name=e + "experts.cast", domain="", to=_ONNX_DTYPE[b.act_dtype])
     if cfg.is_latent_moe:
         if cfg.latent_moe_use_norm:

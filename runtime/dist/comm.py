@@ -76,6 +76,27 @@ class DistCommunicator(Communicator):
         dist.all_gather(parts, x, group=g)
         return torch.cat(parts, dim=axis)
 
+    def ep_gather(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, group: str, capacity: int):
+        """Attention-DP dispatch: every rank's tokens, each rank padded to `capacity` rows ([n*C, ...]).
+
+        Fixed-size buffers keep the exchange free of host syncs; padded rows carry routing weight 0.
+        """
+        t = z.shape[0]
+        if t > capacity:
+            raise RuntimeError(f"expert exchange: {t} tokens exceed the engine's capacity of {capacity} per rank")
+        out = []
+        for x in (z, ids, weights):
+            padded = x.new_zeros((capacity, *x.shape[1:]))
+            padded[:t] = x
+            out.append(self.all_gather(padded, group, 0))
+        return tuple(out)
+
+    def ep_scatter(self, y: torch.Tensor, z: torch.Tensor, *, group: str, capacity: int) -> torch.Tensor:
+        """Attention-DP combine: sum every rank's expert partials [n*C, D] and keep this rank's rows."""
+        mine = y.new_empty((capacity, *y.shape[1:]))
+        dist.reduce_scatter_tensor(mine, y.contiguous(), group=self.groups[group])
+        return mine[:z.shape[0]]
+
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
         dst = self.rank + self.tp_size  # same TP index, next stage
         for t in [hidden, *blocks]:

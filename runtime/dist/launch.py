@@ -57,7 +57,7 @@ def release_workers(comm: DistCommunicator) -> None:
 
     if comm in _live:
         _live.remove(comm)
-        comm.control.broadcast(Step((), stop=True))
+        comm.control.broadcast((Step((), stop=True),))
 
 
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
@@ -69,11 +69,14 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     rank = dist.get_rank()
     options = comm.control.broadcast()
     runner = open_rank(engine_dir, options, rank, comm)
-    reports = runner.last and config["ranks"][str(rank)]["tp_rank"] == 0
+    tp_rank, attention_dp = config["ranks"][str(rank)]["tp_rank"], config["mapping"]["attention_dp"]
+    # Without attention-DP one rank of the last stage reports for its TP group; with it every rank has its own.
+    reports = runner.last and (tp_rank == 0 or attention_dp)
     while True:
-        step = comm.control.broadcast()
-        if step.stop:
+        steps = comm.control.broadcast()
+        if steps[0].stop:
             break
+        step = steps[tp_rank if attention_dp else 0]
         logits = runner.run(step)
         if reports:
             comm.control.send_result(logits if step.all_logits else sample_step(step, logits), dst=0)

@@ -27,6 +27,7 @@ MAPPINGS = {
     "tp2xep2": Mapping(tp_size=4, moe_tp_size=2),
     "pp2": Mapping(pp_size=2),
     "pp2xtp2": Mapping(tp_size=2, pp_size=2),
+    "dp2xep2": Mapping(tp_size=2, attention_dp=True),
 }
 
 
@@ -51,7 +52,9 @@ def run_ranks(engine: Path, world: int, out: Path, options: dict) -> dict:
 def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     mapping = MAPPINGS[name]
     engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
-    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", OPTIONS)
+    # Attention-DP spreads the prompts over two schedulers: fewer pages each to still force preemption.
+    options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", options)
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
