@@ -4,10 +4,11 @@ Arithmetic over a K3Config and a Mapping (no torch in this file), so the builder
 share one answer. Weight bytes come from `memory_weights`: every tensor of `k3build.schema` (imported on first
 use; it imports torch), owned as `Mapping.shard` says.
 
-Device memory convention: `gpu_memory_bytes` is what the engine may use on one device after the CUDA/HIP
-context exists. An H200 reports 143,771 MiB (140.4 GiB) total; after the context ~139.8 GiB is usable, which is
-`H200_USABLE_GIB`. The plan keeps `overhead_bytes` (default 1 GiB: NCCL/RCCL communicators, allocator slack,
-CUDA-graph pools) and an activation reserve (`activation_reserve`) off the top; the rest holds KDA slots and pages.
+Device memory convention: `gpu_memory_bytes` is the device's total as torch reports it
+(`torch.cuda.get_device_properties(i).total_memory`). Measured on an H200 (torch 2.11, CUDA 13): 150,109,880,320 B
+= 139.80 GiB (nvidia-smi says 143,771 MiB), of which the CUDA context takes 529 MiB. The plan keeps
+`overhead_bytes` (default 1 GiB: that context, NCCL/RCCL communicators, allocator slack) and an activation
+reserve (`activation_reserve`) off the top; the rest holds KDA slots and MLA pages.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from .config import K3Config
 from .mapping import Mapping
 from .memory_weights import CATEGORIES, check_expert_format, weight_bytes
 
-__all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_USABLE_GIB", "MI300X_USABLE_GIB", "MemoryPlan",
+__all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_GIB", "H200_TOTAL_BYTES", "MI300X_GIB", "MemoryPlan",
            "RankMemory", "activation_reserve", "exchange_capacity_rows", "kda_state_bytes", "kv_bytes_per_token",
            "max_concurrent_requests", "plan_memory", "reserve_bytes", "weight_bytes"]
 
 GiB = 1 << 30
 MiB = 1 << 20
 PAGE_SIZE = 64  # tokens per MLA page (fast MLA decode kernels need 64)
-H200_USABLE_GIB = 139.8
-MI300X_USABLE_GIB = 191.0  # 192 GB HBM3 card reports ~191.7 GiB; minus the HIP context
+H200_TOTAL_BYTES = 150_109_880_320  # measured, see the module doc
+H200_GIB = 139.8
+MI300X_GIB = 191.5  # 192 GB HBM3; ROCm reports about 191.7 GiB (not measured in this project)
 DEFAULT_OVERHEAD_BYTES = 1 * GiB
 STATE_BYTES = {"fp32": 4, "bf16": 2}
 CONV_STATE_BYTES = 2  # conv inputs are kept in bf16 (K3_SPEC §4.1)

@@ -42,7 +42,7 @@ def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **l
 @click.option("--pp-size", type=int)
 @click.option("--moe-tp-size", type=int, help="split each expert's intermediate dim; default tp / ep")
 @click.option("--attention-dp/--no-attention-dp", default=None, help="replicate attention, each rank its requests")
-@click.option("--gpu-memory-gib", type=float, help="usable device memory per rank (H200: 139.8)")
+@click.option("--gpu-memory-gib", type=float, help="device memory per rank as torch reports it (H200: 139.8)")
 @click.option("--max-seq-len", type=int)
 @click.option("--max-batch-size", type=int, help="[default: 64]")
 @click.option("--max-num-tokens", type=int, help="tokens per forward step per rank [default: 8192]")
@@ -185,7 +185,8 @@ def _ranges(ids: list[int]) -> str:
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    def fmt(cells):
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return [fmt(head)] + [fmt(r) for r in rows]
 
 

@@ -48,7 +48,7 @@ class BuildSpec:
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
-    gpu_memory_gib: float  # usable device memory per rank after the CUDA/HIP context
+    gpu_memory_gib: float  # device memory per rank as torch reports it (k3build.memory's convention)
     state_dtype: str = "fp32"
     kv_dtype: str = "bf16"
     page_size: int = PAGE_SIZE

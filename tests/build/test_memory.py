@@ -6,14 +6,13 @@ import pytest
 
 from k3build.config import preset
 from k3build.mapping import Mapping, MappingError
-from k3build.memory import (CATEGORIES, GiB, H200_USABLE_GIB, MiB, kda_state_bytes, kv_bytes_per_token, max_concurrent_requests,
-                            plan_memory,
-                            weight_bytes)
+from k3build.memory import (CATEGORIES, GiB, H200_TOTAL_BYTES, MiB, kda_state_bytes, kv_bytes_per_token,
+                            max_concurrent_requests, plan_memory, weight_bytes)
 from k3build.schema import checkpoint_tensors
 
 K3 = preset("k3")
 TINY = preset("tiny")
-H200 = int(H200_USABLE_GIB * GiB)
+H200 = H200_TOTAL_BYTES
 ITEM = {"BF16": 2, "F32": 4, "U8": 1}
 TEP16 = Mapping(tp_size=16, moe_ep_size=16)
 DEP16 = Mapping(tp_size=16, moe_ep_size=16, attention_dp=True)
