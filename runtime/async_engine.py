@@ -148,7 +148,7 @@ class AsyncLLMEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.rank.facts.vocab_size
+        return self.engine.facts.vocab_size
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback,
                request_id: str | None = None) -> str:
@@ -196,9 +196,10 @@ class AsyncLLMEngine:
 
     # --- engine thread ---
     def _snapshot(self, num_steps: int = 0) -> EngineStats:
-        s = self.engine.scheduler
-        return EngineStats(s.num_waiting, s.num_running, s.page_pool.num_used, s.page_pool.num_pages,
-                           s.slot_pool.num_used, s.slot_pool.num_slots, num_steps)
+        ss = self.engine.schedulers  # one per attention-DP rank
+        return EngineStats(sum(s.num_waiting for s in ss), sum(s.num_running for s in ss),
+                           sum(s.page_pool.num_used for s in ss), sum(s.page_pool.num_pages for s in ss),
+                           sum(s.slot_pool.num_used for s in ss), sum(s.slot_pool.num_slots for s in ss), num_steps)
 
     def _loop(self) -> None:
         try:
@@ -213,6 +214,10 @@ class AsyncLLMEngine:
         except BaseException as e:  # a failing step must not leave callers waiting forever
             self.error = e
         finally:
+            try:
+                self.engine.shutdown()  # releases worker ranks of a multi-rank engine
+            except Exception as e:  # noqa: BLE001 - keep failing the callers below
+                self.error = self.error or e
             err = self.error or EngineDeadError("the engine was shut down")
             for rid in list(self._live):
                 _call(self._live.pop(rid).callback, EngineDeadError(f"request {rid}: {err!r}"))
@@ -274,7 +279,7 @@ class AsyncLLMEngine:
             if live.detok is not None:
                 text = live.detok.push(ev.token_id, final=reason is not None)
                 if live.detok.stopped and reason is None:
-                    self.engine.scheduler.finish(ev.request_id, "stop")
+                    self.engine.finish(ev.request_id, "stop")
                     reason = "stop"
             live.num_out += 1
             if live.first is None:

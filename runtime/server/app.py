@@ -82,11 +82,18 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
-        err = e.errors()[0]
+        errs = e.errors()
+        err = errs[0]
         if err.get("type") == "json_invalid":
             return _error(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-        return _error(400, f"{where}: {err['msg']}", param=where)
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = loc[0] if loc else "body"
+        same = [x for x in errs if [str(y) for y in x.get("loc", ()) if y != "body"][:1] == loc[:1]]
+        if len(same) > 1:  # a union field (prompt, stop, content): pydantic reports one error per alternative
+            tried = "; ".join(f"as {'.'.join(str(y) for y in x['loc'][2:]) or 'value'}: {x['msg']}" for x in same[:4])
+            return _error(400, f"{field}: no accepted form matches ({tried})", param=field)
+        where = ".".join(loc) or "body"
+        return _error(400, f"{where}: {err['msg']}", param=field)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):

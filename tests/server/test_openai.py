@@ -1,0 +1,156 @@
+"""The `openai` client against the real server on loopback; results equal the Python API's (greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from k3runtime import SamplingParams
+
+MODEL = "k3-tiny"
+PROMPTS = ["Hello world", "The quick brown fox", "1 2 3 4"]
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_python_api(client, llm):
+    for prompt in PROMPTS:
+        ref = llm.generate(prompt, greedy(12))[0]
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        c = r.choices[0]
+        assert c.model_extra["token_ids"] == ref.token_ids
+        assert c.text == ref.text and c.finish_reason == ref.finish_reason == "length"
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 12
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_token_id_and_batch_prompts(client, llm):
+    ids = [[5, 17, 99, 3], [7, 8]]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    refs = llm.generate(ids, greedy(6))
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [o.token_ids for o in refs]
+    assert r.usage.completion_tokens == 12
+
+
+def test_streaming_completion_equals_non_streaming(client, llm):
+    ref = llm.generate(PROMPTS[1], greedy(10))[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    tokens = [c.choices[0].model_extra["token_ids"][0] for c in chunks if c.choices]
+    assert tokens == ref.token_ids
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_and_chat_streaming(client, llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ref = llm.generate(prompt, greedy(8))[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(llm.tokenizer.encode(prompt)) and r.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_matches_python_api(client, llm):
+    text = llm.generate(PROMPTS[0], greedy(16))[0].text
+    stop = text[3:5]  # a stop string that certainly occurs
+    ref = llm.generate(PROMPTS[0], greedy(16, stop=(stop,)))[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].finish_reason == ref.finish_reason == "stop"
+    assert r.choices[0].text == ref.text and stop not in ref.text
+    assert r.choices[0].model_extra["token_ids"] == ref.token_ids
+
+
+def test_seeded_sampling_is_reproducible(client, llm):
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0, top_p=0.95,
+              extra_body={"return_token_ids": True, "top_k": 50})
+    a = client.completions.create(seed=1234, **kw).choices[0].model_extra["token_ids"]
+    b = client.completions.create(seed=1234, **kw).choices[0].model_extra["token_ids"]
+    c = client.completions.create(seed=4321, **kw).choices[0].model_extra["token_ids"]
+    ref = llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50,
+                                                  seed=1234))[0].token_ids
+    assert a == b == ref and a != c
+
+
+def test_concurrent_requests_equal_sequential(server, llm):
+    prompts = [f"request number {i}" for i in range(10)]
+    refs = [o.token_ids for o in llm.generate(prompts, greedy(8))]
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+    async def one(p):
+        s = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True,
+                                             extra_body={"return_token_ids": True})
+        return [t async for c in s for t in c.choices[0].model_extra["token_ids"]]
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(main()) == refs
+    server.wait_idle()
+
+
+def test_metrics_after_requests(server, client):
+    before = server.metrics()
+    client.completions.create(model=MODEL, prompt="metrics please", max_tokens=5, temperature=0)
+    m = server.wait_idle()
+    assert m["k3_time_to_first_token_seconds_count"] == before["k3_time_to_first_token_seconds_count"] + 1
+    assert m["k3_time_per_output_token_seconds_count"] == before["k3_time_per_output_token_seconds_count"] + 1
+    assert m['k3_requests_finished_total{finish_reason="length"}'] >= 1
+    assert m["k3_generation_tokens_total"] >= before["k3_generation_tokens_total"] + 5
+    assert m["k3_kv_pages_total"] > 0 and m["k3_kda_slots_total"] > 0
+    assert m["k3_generation_tokens_per_second"] > 0
+
+
+def _aborts(server) -> float:
+    return server.metrics().get('k3_requests_finished_total{finish_reason="abort"}', 0.0)
+
+
+def test_stream_disconnect_aborts_and_frees(server):
+    before = _aborts(server)
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": 64, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [ln for ln in (next(lines) for _ in range(6)) if ln.startswith("data:")]
+        assert len(got) >= 2
+        assert server.metrics()["k3_requests_running"] == 1
+    server.wait_idle()
+    assert _aborts(server) == before + 1
+
+
+def test_non_stream_disconnect_aborts_and_frees(server):
+    before = _aborts(server)
+    body = {"model": MODEL, "prompt": "another long one", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    server.wait_idle()
+    deadline = time.monotonic() + 5
+    while _aborts(server) != before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborts(server) == before + 1
