@@ -50,9 +50,12 @@ def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **l
 @click.option("--kv-dtype", type=click.Choice(sorted(KV_DTYPES)), help="MLA cache [default: bf16]")
 @click.option("--page-size", type=int, help="[default: 64]")
 @click.option("--overhead-gib", type=float, help="fixed reserve per rank [default: 1.0]")
+@click.option("--expert-format", type=click.Choice(["mxfp4", "bf16"]),
+              help="routed experts as converted (convert --quantize mxfp4 of a bf16 checkpoint) [default: as stored]")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, gpu_memory_gib,
-             max_seq_len, max_batch_size, max_num_tokens, state_dtype, kv_dtype, page_size, overhead_gib, as_json):
+             max_seq_len, max_batch_size, max_num_tokens, state_dtype, kv_dtype, page_size, overhead_gib, expert_format,
+             as_json):
     """Memory plan for CKPT (a checkpoint dir or config.json) or --preset under a parallel mapping."""
     try:
         rec = load_recipe(recipe) if recipe else None
@@ -68,7 +71,8 @@ def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, 
                       max_num_tokens=pick(max_num_tokens, "max_num_tokens", 8192),
                       kv_dtype_bytes=KV_DTYPES[pick(kv_dtype, "kv_dtype", "bf16")],
                       state_dtype=pick(state_dtype, "state_dtype", "fp32"), page_size=pick(page_size, "page_size", 64),
-                      overhead_bytes=int(pick(overhead_gib, "overhead_gib", DEFAULT_OVERHEAD_BYTES / GiB) * GiB))
+                      overhead_bytes=int(pick(overhead_gib, "overhead_gib", DEFAULT_OVERHEAD_BYTES / GiB) * GiB),
+                      expert_format=expert_format)
         plan = plan_memory(cfg, mapping, max_seq_len=seq, **limits)
         by_len = concurrency_by_length(cfg, mapping, plan, **limits)
     except (RecipeError, ConfigError, MappingError, ValueError) as e:

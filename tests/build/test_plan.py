@@ -86,6 +86,14 @@ def test_checkpoint_dir_config(tmp_path, flavour):
     assert json.loads(res.stdout)["mapping"]["moe_ep_size"] == 4
 
 
+def test_expert_format_option():
+    args = ["plan", "--preset", "tiny", "--gpu-memory-gib", "1", "--overhead-gib", "0", "--max-seq-len", "64", "--json"]
+    mx = json.loads(_run(*args).stdout)["ranks"][0]["weights"]["routed_experts"]
+    bf = json.loads(_run(*args, "--expert-format", "bf16").stdout)["ranks"][0]["weights"]["routed_experts"]
+    # bf16: 2 B/element; MXFP4: 0.5 B + one scale byte per 32 elements.
+    assert bf * (0.5 + 1 / 32) == pytest.approx(mx * 2)
+
+
 def test_recipe_options_override():
     res = _run("plan", "--recipe", str(ENGINES / "k3_h200_tep16.toml"), "--max-seq-len", "8192", "--json")
     assert res.exit_code == 0, res.output
