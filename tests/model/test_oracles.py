@@ -130,6 +130,45 @@ def test_hf_oracle_cache_follows_checkpoint_contents(kimi_models, tmp_path):
     assert not np.allclose(changed[:, 3], ref_logits[:, 3]) and np.allclose(changed[:, 4], ref_logits[:, 4])
 
 
+FAKE_KERNELS = {
+    "triton/__init__.py": "",
+    "causal_conv1d/__init__.py": "def causal_conv1d_fn(*a, **k): raise RuntimeError('fake')\n"
+                                 "def causal_conv1d_update(*a, **k): raise RuntimeError('fake')\n",
+    "fla/__init__.py": "",
+    "fla/ops/__init__.py": "",
+    "fla/ops/kda/__init__.py": "def chunk_kda(*a, **k): raise RuntimeError('fake')\n"
+                               "def fused_recurrent_kda(*a, **k): raise RuntimeError('fake')\n",
+}
+
+
+def test_hf_worker_blocks_importable_kernel_packages(kimi_models, tmp_path):
+    # PITFALLS.md: with fla + triton importable, transformers would bind KDA to them. Fake packages that WOULD bind
+    # (they import fine and export the names) and that leave a marker when imported; the worker must not touch them.
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake"
+    marker = tmp_path / "imported"
+    for rel, body in FAKE_KERNELS.items():
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_text(f"open({str(marker)!r}, 'a').write({rel!r} + '\\n')\n" + body)
+    path = os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])
+    probe = subprocess.run([sys.executable, "-c", "import fla.ops.kda as m; print(m.chunk_kda.__module__)"],
+                           env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    assert probe.stdout.strip() == "fla.ops.kda" and marker.exists()  # the fakes are what an import would find
+    marker.unlink()
+    d, ref_logits, ref_greedy = kimi_models["base"]
+    client = hf_oracle._Client(env_overrides={"PYTHONPATH": path})
+    try:
+        (logits, greedy), = client.run([hf_oracle.HFJob(str(d), tuple(PROMPT), 2)])
+    finally:
+        client.close()
+    assert not marker.exists(), f"worker imported {marker.read_text()}"
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert greedy == ref_greedy[:2]
+
+
 def test_mxfp4_decoder_matches_ml_dtypes():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(0)

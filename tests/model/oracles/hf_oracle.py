@@ -151,10 +151,11 @@ def build_kimi_linear(out_dir: Path, seed: int, variant: dict) -> None:
 class _Client:
     """The parent's handle on the long-lived worker: one JSON line per request, arrays through .npz files."""
 
-    def __init__(self):
+    def __init__(self, env_overrides: dict[str, str] | None = None):
         self.tmp = tempfile.TemporaryDirectory(prefix="hf_oracle_")
         self.log = open(Path(self.tmp.name) / "worker.log", "w+")
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   **(env_overrides or {}))
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.count = 0
@@ -182,6 +183,10 @@ class _Client:
         except BrokenPipeError:
             reply = ""
         if not reply:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
             self.log.seek(0)
             raise OracleError(f"transformers oracle worker died (rc={self.proc.poll()}):\n{self.log.read()[-4000:]}")
         status = json.loads(reply)
