@@ -3,23 +3,46 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from pathlib import Path
 
 import click
 
 from ..config import ConfigError
-from ..mapping import MappingError
+from ..mapping import Mapping, MappingError
 from .engine import BuildError, build
 from .options import DTYPES, TARGETS, BuildOptions
 
 
-def _recipe_build_options(recipe_path: str | None) -> dict:
+def _recipe_build_options(recipe_path: str | None, converted: str) -> dict:
+    """BuildOptions keywords from a recipe, after checking it describes this converted checkpoint."""
     if not recipe_path:
         return {}
     from ..recipe import load_recipe
+    from .source import read_converted
 
     r = load_recipe(recipe_path)
-    return {k: v for k, v in r.build_options().items() if v is not None}
+    _, cfg, mapping = read_converted(Path(converted))
+    if mapping != r.mapping:
+        raise BuildError(f"{recipe_path}: [mapping] is {_mapping_str(r.mapping)} but {converted} was converted "
+                         f"for {_mapping_str(mapping)}; convert with the recipe's mapping or pick its recipe")
+    if r.model.preset is not None or r.model.checkpoint is not None:
+        want = r.model_config()
+        for field in ("num_hidden_layers", "hidden_size", "num_experts", "vocab_size"):
+            if getattr(want, field) != getattr(cfg, field):
+                raise BuildError(f"{recipe_path}: [model] has {field}={getattr(want, field)}, {converted} has "
+                                 f"{getattr(cfg, field)}; its memory budget was planned for another model")
+    return {**{k: v for k, v in r.build_options().items() if v is not None}, "overhead_gib": r.build.overhead_gib}
+
+
+def _mapping_str(m: Mapping) -> str:
+    return ", ".join(f"{k}={v}" for k, v in m.to_dict().items())
+
+
+def _raise_interrupt(signum, frame):
+    # SIGTERM unwinds like Ctrl-C, so the staging dir is removed on the way out.
+    raise KeyboardInterrupt
 
 
 @click.command("build")
@@ -36,14 +59,22 @@ def _recipe_build_options(recipe_path: str | None) -> dict:
 @click.option("--page-size", type=int, default=None, help="Tokens per MLA cache page [64].")
 @click.option("--gpu-memory-gib", type=float, default=None, help="Per-rank memory budget the plan must fit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine dir.")
-def build_cmd(converted, engine, recipe, overwrite, **flags):
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar per rank.")
+def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
     """Build per-rank engines from a converted checkpoint."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        opts = {**_recipe_build_options(recipe), **{k: v for k, v in flags.items() if v is not None}}
+        opts = {**_recipe_build_options(recipe, converted), **{k: v for k, v in flags.items() if v is not None}}
         options = BuildOptions(**opts)
-        out = build(converted, engine, options, overwrite=overwrite)
+        out = build(converted, engine, options, overwrite=overwrite, progress=progress,
+                    log=lambda m: click.echo(f"note: {m}", err=True))
     except (BuildError, ConfigError, MappingError, ValueError, KeyError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo(f"\nbuild interrupted; {engine} was not written", err=True)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     click.echo(f"engine written to {out}")
 
 
@@ -54,24 +85,49 @@ def inspect_cmd(engine, as_json):
     """Print an engine's plan, plugins and per-rank sizes."""
     path = Path(engine) / "config.json"
     if not path.exists():
-        raise click.ClickException(f"{engine}: not an engine dir (no config.json)")
-    cfg = json.loads(path.read_text())
-    if as_json:
-        click.echo(json.dumps(cfg, indent=1))
-        return
+        raise click.ClickException(f"{engine}: not an engine dir (no config.json); build one with `k3build build`")
+    try:
+        cfg = json.loads(path.read_text())
+        lines = _describe(Path(engine), cfg)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise click.ClickException(f"{path}: not a k3build engine config ({type(e).__name__}: {e})") from None
+    click.echo(json.dumps(cfg, indent=1) if as_json else "\n".join(lines))
+
+
+def _mib(n: int) -> str:
+    if abs(n) < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.1f} MiB" if abs(n) < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _describe(engine: Path, cfg: dict) -> list[str]:
     b, s, m = cfg["build_config"], cfg["stamp"], cfg["mapping"]
-    click.echo(f"engine {engine}  (format v{cfg['version']}, k3build {s['k3build_version']}, target {s['target']}, "
-               f"plugin ABI {s['plugin_abi']}, torch {s['torch']})")
-    click.echo("mapping: " + ", ".join(f"{k}={v}" for k, v in m.items()))
-    click.echo(f"limits: max_batch_size={b['max_batch_size']} max_num_tokens={b['max_num_tokens']} "
-               f"max_seq_len={b['max_seq_len']} page_size={b['page_size']}")
-    click.echo(f"dtypes: act={b['dtype']} kv={b['kv_dtype']} kda_state={b['state_dtype']}")
+    out = [f"engine {engine}  (format v{cfg['version']}, k3build {s['k3build_version']}, target {s['target']}, "
+           f"plugin ABI {s['plugin_abi']}, torch {s['torch']}, triton {s.get('triton') or '-'})",
+           "mapping: " + ", ".join(f"{k}={v}" for k, v in m.items()),
+           f"limits: max_batch_size={b['max_batch_size']} max_num_tokens={b['max_num_tokens']} "
+           f"max_seq_len={b['max_seq_len']} page_size={b['page_size']}",
+           f"dtypes: act={b['dtype']} kv={b['kv_dtype']} kda_state={b['state_dtype']}"]
     mp = cfg["memory_plan"]
-    click.echo(f"memory plan: {mp['num_pages']} pages of {mp['page_size']} tokens, {mp['num_slots']} KDA slots")
-    click.echo("plugins:")
+    out.append(f"memory plan: {mp['num_pages']} pages of {mp['page_size']} tokens, {mp['num_slots']} KDA slots")
+    budget = mp.get("budget")
+    if budget:
+        out.append(f"  budget {_mib(budget['gpu_memory_bytes'])} per rank, {budget['max_concurrent_requests']} "
+                   f"requests of {budget['max_seq_len']} tokens fit")
+        for r in budget["ranks"]:
+            out.append(f"  rank{r['rank']}: weights {_mib(r['weight_bytes'])}, reserve {_mib(r['reserve_bytes'])}, "
+                       f"free {_mib(r['free_bytes'])} -> {r['kda_slots']} slots, {r['kv_pages']} pages")
+    else:
+        out.append("  (no --gpu-memory-gib budget: sized by the limits alone)")
+    out.append("plugins:")
     for op, p in b["plugins"].items():
-        click.echo(f"  {op:<12} v{p['version']}  {p['tactic']}")
-    click.echo("ranks:")
+        out.append(f"  {op:<12} v{p['version']}  {p['tactic']}")
+    out += [f"  note: {n}" for n in b.get("plugin_notes", [])]
+    out.append("ranks:")
     for r, info in cfg["ranks"].items():
-        click.echo(f"  rank{r}: pp={info['pp_rank']} tp={info['tp_rank']} layers {info['layers'][0]}..{info['layers'][1] - 1} "
-                   f"experts {info['experts'][0]}..{info['experts'][1] - 1}  weights {info['weight_bytes'] / 2**20:.1f} MiB")
+        graph = engine / f"rank{r}" / "graph.onnx"
+        gsize = _mib(graph.stat().st_size) if graph.exists() else "missing"
+        out.append(f"  rank{r}: pp={info['pp_rank']} tp={info['tp_rank']} layers {info['layers'][0]}..{info['layers'][1] - 1} "
+                   f"experts {info['experts'][0]}..{info['experts'][1] - 1}  weights {_mib(info['weight_bytes'])}  "
+                   f"graph {gsize}")
+    return out

@@ -21,6 +21,7 @@ class BuildOptions:
     kv_dtype: str = "bf16"
     state_dtype: str = "fp32"  # KDA recurrent state storage
     gpu_memory_gib: float | None = None  # memory plan budget per rank (None: no check)
+    overhead_gib: float = 1.0  # held back from gpu_memory_gib by the plan (communicators, allocator slack)
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -31,10 +32,16 @@ class BuildOptions:
         if self.state_dtype not in ("fp32", "bf16"):
             raise ValueError(f"--state-dtype: expected fp32 or bf16, got {self.state_dtype!r}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "page_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got {v!r}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ValueError(f"--gpu-memory-gib: expected a positive number of GiB, got {self.gpu_memory_gib!r}")
+        if not self.overhead_gib >= 0:
+            raise ValueError(f"overhead_gib: expected >= 0 GiB, got {self.overhead_gib!r}")
         if self.page_size != 64 and self.target != "cpu":
-            raise ValueError("--page-size: device MLA kernels need pages of 64 tokens")
+            raise ValueError(f"--page-size: {self.page_size} on target {self.target}, but its MLA kernels need "
+                             "pages of 64 tokens")
         if self.max_num_tokens < self.max_batch_size:
             raise ValueError(f"--max-num-tokens ({self.max_num_tokens}) must be >= --max-batch-size ({self.max_batch_size}): every running request decodes one token a step")
 

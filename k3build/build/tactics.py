@@ -15,13 +15,34 @@ PLUGIN_OPS = ("Embedding", "LMHead", "Linear", "RMSNorm", "AttnRes", "GatedMLP",
 TARGET_ARCH = {"cpu": "cpu", "sm90": "sm_90", "gfx942": "gfx942"}
 
 
-def resolve_plugins(target: str, overrides: dict[str, str] | None = None) -> dict[str, dict]:
+def resolve_plugins(target: str, overrides: dict[str, str] | None = None) -> tuple[dict[str, dict], list[str]]:
+    """The plugin table {op: {version, tactic}} for `target`, and notes on preferred tactics passed over.
+
+    A preferred tactic that cannot run here (e.g. a Triton kernel without the `triton` package) falls back to
+    the next one in `registry.PREFERENCE`; the note says so, because the engine then runs a slower kernel.
+    Raises ValueError when an op has no implementation for the target at all (or a forced override fails).
+    """
     overrides = overrides or {}
-    table = {}
+    table, notes = {}, []
     for op in PLUGIN_OPS:
         impl = registry.resolve(op, target, overrides.get(op))
         table[op] = {"version": impl.version, "tactic": impl.tactic}
-    return table
+        if op not in overrides:
+            notes += _passed_over(op, target, impl.tactic)
+    return table, notes
+
+
+def _passed_over(op: str, target: str, chosen: str) -> list[str]:
+    notes = []
+    for tactic in registry.PREFERENCE[target]:
+        if tactic == chosen:
+            break
+        impl = registry.find(op, tactic)
+        if impl is not None:
+            ok, why = impl.supports(target)
+            if not ok:
+                notes.append(f"{op}: using the {chosen!r} tactic on {target}, not {tactic!r} ({why})")
+    return notes
 
 
 def _version(pkg: str) -> str | None:

@@ -1,0 +1,91 @@
+"""Read and check a converted checkpoint before anything is built from it.
+
+Every rank file's header is checked against the checkpoint's mapping (its `k3_rank`/`k3_world_size` and the
+`k3_slices` the converter recorded must be what `Mapping.shard` says), so a renamed, stale or truncated file
+is refused before the first byte of an engine is written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import ConfigError, K3Config
+from ..mapping import Mapping, MappingError
+from ..safetensors_io import SafetensorsError, read_header
+
+
+class BuildError(RuntimeError):
+    """The build cannot proceed; the message says why and what to change."""
+
+
+def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
+    """Returns (raw config.json, model config, mapping) after checking every rank file's header."""
+    path = converted_dir / "config.json"
+    if not converted_dir.is_dir():
+        raise BuildError(f"{converted_dir}: no such directory (expected the output of `k3build convert`)")
+    if not path.exists():
+        raise BuildError(f"{converted_dir}: not a converted checkpoint (no config.json); run `k3build convert` first")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BuildError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or "mapping" not in raw:
+        raise BuildError(f"{path}: no 'mapping' field; this looks like an HF checkpoint — run `k3build convert` "
+                         "on it first")
+    try:
+        cfg = K3Config.from_dict({k: v for k, v in raw.items() if k not in ("mapping", "source", "format")})
+        mapping = Mapping.from_dict(raw["mapping"])
+        mapping.validate(cfg)
+    except (ConfigError, MappingError, TypeError) as e:
+        raise BuildError(f"{path}: {e}") from None
+    for rank in range(mapping.world_size):
+        check_rank_file(converted_dir / f"rank{rank}.safetensors", cfg, mapping, rank)
+    extra = sorted(p.name for p in converted_dir.glob("rank*.safetensors")
+                   if p.stem[4:].isdigit() and int(p.stem[4:]) >= mapping.world_size)
+    if extra:
+        raise BuildError(f"{converted_dir}: {', '.join(extra)} beyond the mapping's world_size {mapping.world_size} "
+                         f"({path} and the rank files disagree; convert again)")
+    return raw, cfg, mapping
+
+
+def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int) -> None:
+    """Refuse a rank file that is missing, corrupt, or sliced for another rank or mapping."""
+    if not path.exists():
+        raise BuildError(f"{path}: missing (the mapping has world_size {mapping.world_size}); convert again")
+    try:
+        tensors, meta = read_header(path)
+    except SafetensorsError as e:
+        raise BuildError(f"{e}; convert again") from None
+    again = f"it was converted for another rank or mapping than {path.parent}/config.json says; convert again"
+    if meta.get("k3_rank") != str(rank) or meta.get("k3_world_size") != str(mapping.world_size):
+        raise BuildError(f"{path}: holds rank {meta.get('k3_rank')} of world size {meta.get('k3_world_size')}, "
+                         f"expected rank {rank} of {mapping.world_size}; {again}")
+    try:
+        slices = json.loads(meta.get("k3_slices", "{}"))
+    except json.JSONDecodeError:
+        raise BuildError(f"{path}: corrupt k3_slices metadata; convert again") from None
+    for name, s in slices.items():
+        try:
+            shard = mapping.shard(name, rank, cfg)
+        except ConfigError as e:
+            raise BuildError(f"{path}: {e}") from None
+        if shard is None:
+            raise BuildError(f"{path}: tensor {name!r} does not belong on rank {rank}; {again}")
+        dim = shard.dim if shard.parts > 1 else None
+        want = _norm(dim, *shard.bounds(s["shape"][dim]), s["shape"]) if dim is not None else (None,)
+        have = _norm(s["dim"], s["start"], s["stop"], s["shape"])
+        if want != have:
+            raise BuildError(f"{path}: tensor {name!r} holds slice {have} of {s['shape']}, the mapping gives rank "
+                             f"{rank} {want}; {again}")
+        info = tensors.get(name)
+        if info is not None and dim is not None and info.shape[dim] != s["stop"] - s["start"]:
+            raise BuildError(f"{path}: tensor {name!r} is {list(info.shape)}, its slice says "
+                             f"{s['stop'] - s['start']} along dim {dim}; convert again")
+
+
+def _norm(dim: int | None, start: int, stop: int, shape: list[int]) -> tuple:
+    # (dim, start, stop) of a slice; a slice covering the whole tensor is just (None,)
+    if dim is None or (start, stop) == (0, shape[dim]):
+        return (None,)
+    return (dim, start, stop)
