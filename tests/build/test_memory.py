@@ -1,10 +1,11 @@
 """Memory model: exact figures of K3_SPEC §3/§4, ownership identical to Mapping.shard, and the fit arithmetic."""
 
+import dataclasses
 from math import ceil, prod
 
 import pytest
 
-from k3build.config import preset
+from k3build.config import QuantConfig, preset
 from k3build.mapping import Mapping, MappingError
 from k3build.memory import (CATEGORIES, GiB, H200_TOTAL_BYTES, MiB, kda_state_bytes, kv_bytes_per_token,
                             max_concurrent_requests, plan_memory, weight_bytes)
@@ -62,11 +63,13 @@ def test_full_k3_weights_match_published_sizes():
     Mapping(tp_size=2, pp_size=3), Mapping(tp_size=2, attention_dp=True), Mapping(tp_size=4, moe_tp_size=2, pp_size=2),
 ], ids=lambda m: f"tp{m.tp_size}-pp{m.pp_size}-ep{m.moe_ep_size}-mtp{m.moe_tp_size}{'-dp' if m.attention_dp else ''}")
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
-def test_weight_bytes_equal_brute_force_over_schema(mapping, fmt):
-    import dataclasses
-
-    from k3build.config import QuantConfig
-    cfg = dataclasses.replace(TINY, quantization=QuantConfig("mxfp4" if fmt == "mxfp4" else "none"))
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear"])
+def test_weight_bytes_equal_brute_force_over_schema(mapping, fmt, kind):
+    # kimi_linear: no latent MoE, no AttnRes, low-rank KDA gate, plain q_proj, no MLA output gate.
+    base = TINY if kind == "k3" else dataclasses.replace(
+        TINY, routed_expert_hidden_size=None, attn_res_block_size=None, kda_use_full_rank_gate=False,
+        mla_use_output_gate=False, q_lora_rank=None)
+    cfg = dataclasses.replace(base, quantization=QuantConfig("mxfp4" if fmt == "mxfp4" else "none"))
     tensors = checkpoint_tensors(cfg, "canonical")
     for rank in range(mapping.world_size):
         want = 0
@@ -74,7 +77,7 @@ def test_weight_bytes_equal_brute_force_over_schema(mapping, fmt):
             s = mapping.shard(name, rank, cfg)
             if s is not None:
                 want += prod(shape) * ITEM[dtype] // (s.parts if s.dim is not None else 1)
-        got = weight_bytes(TINY, mapping, rank, expert_format=fmt)
+        got = weight_bytes(base, mapping, rank, expert_format=fmt)
         assert sum(got.values()) == want, rank
         assert set(got) == set(CATEGORIES)
 
