@@ -63,7 +63,10 @@ def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, 
         base = rec.mapping if rec else ckpt_mapping or Mapping()
         mapping = _mapping(base, tp_size, ep_size, pp_size, moe_tp_size, attention_dp)
         b = rec.build if rec else None
-        pick = lambda cli, field, default=None: cli if cli is not None else getattr(b, field, default)  # noqa: E731
+
+        def pick(cli, field, default=None):
+            return cli if cli is not None else getattr(b, field, default)
+
         gpu, seq = pick(gpu_memory_gib, "gpu_memory_gib"), pick(max_seq_len, "max_seq_len")
         if gpu is None or seq is None:
             raise click.UsageError("--gpu-memory-gib and --max-seq-len are required (or give --recipe)")
