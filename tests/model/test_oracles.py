@@ -2,7 +2,8 @@
 
 (a) k3_fp32 (written from K3_SPEC.md) == transformers' KimiLinearForCausalLM on random tiny Kimi-Linear models,
     also after rewriting them in K3 naming; (b) on K3-feature checkpoints every K3-only feature moves the logits,
-    and decoding is deterministic.
+    and decoding is deterministic; (c) the transformers worker really runs transformers' torch path even when
+    kernel packages that would bind are importable.
 """
 
 from __future__ import annotations
