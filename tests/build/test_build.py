@@ -1,0 +1,243 @@
+"""The engine format (DESIGN.md "Engine dir"): config.json, per-rank graph.onnx and weights.safetensors."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from k3plugins import registry
+from safetensors import safe_open
+
+from k3build.build.tactics import PLUGIN_OPS
+from k3build.cli import main
+from k3build.config import KDA, MLA, preset
+from k3build.mapping import Mapping
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
+from engines import build_engine  # noqa: E402
+
+CFG = preset("tiny")
+ONNX_OPS = {"Add", "Cast", "Identity"}  # default-domain ops; everything else is a k3 plugin or communicator
+COMM_OPS = {"AllReduce", "AllGather", "EPGather", "EPScatter"}
+_ST_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
+_ONNX_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
+               onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.UINT8: torch.uint8}
+MAPPINGS = {"tp2": Mapping(tp_size=2), "pp2": Mapping(pp_size=2), "ep4": Mapping(tp_size=4, moe_ep_size=4)}
+
+
+def _config(engine: Path) -> dict:
+    return json.loads((engine / "config.json").read_text())
+
+
+def _graph(engine: Path, rank: int) -> onnx.ModelProto:
+    return onnx.load(engine / f"rank{rank}" / "graph.onnx")
+
+
+def _weights(engine: Path, rank: int) -> dict[str, torch.Tensor]:
+    with safe_open(engine / f"rank{rank}" / "weights.safetensors", framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _converted(engine: Path, rank: int, name: str) -> torch.Tensor:
+    # tests/model/engines.py converts into ENGINE-converted beside the engine
+    with safe_open(engine.with_name(engine.name + "-converted") / f"rank{rank}.safetensors", framework="pt") as f:
+        return f.get_tensor(name)
+
+
+@pytest.fixture(scope="module")
+def multi_engines(k3_tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("multi")
+    return {name: build_engine(k3_tiny_ckpt, root / name, mapping=m) for name, m in MAPPINGS.items()}
+
+
+def test_config_fields(k3_tiny_engine):
+    cfg = _config(k3_tiny_engine)
+    assert set(cfg) == {"version", "pretrained_config", "mapping", "build_config", "stamp", "ranks", "memory_plan"}
+    assert cfg["version"] == 1
+    assert cfg["pretrained_config"]["num_hidden_layers"] == CFG.num_hidden_layers
+    assert cfg["pretrained_config"]["layer_types"] == list(CFG.layer_types)
+    assert cfg["mapping"] == Mapping().to_dict()
+    b = cfg["build_config"]
+    # tests/model/engines.py's defaults
+    assert (b["max_seq_len"], b["max_num_tokens"], b["max_batch_size"], b["page_size"]) == (512, 512, 8, 64)
+    assert (b["dtype"], b["kv_dtype"], b["state_dtype"], b["target"]) == ("fp32", "fp32", "fp32", "cpu")
+    assert set(b["plugins"]) == set(PLUGIN_OPS)
+    for op, p in b["plugins"].items():
+        impl = registry.find(op, p["tactic"])
+        assert impl is not None and impl.version == p["version"], (op, p)
+    s = cfg["stamp"]
+    assert s["target"] == "cpu" and s["plugin_abi"] == registry.PLUGIN_ABI
+    assert s["torch"] == torch.__version__.split("+")[0] and s["k3build_version"]
+    r = cfg["ranks"]["0"]
+    assert r["layers"] == [0, CFG.num_hidden_layers] and r["experts"] == [0, CFG.num_experts]
+    assert r["first_stage"] and r["last_stage"]
+    assert r["weight_bytes"] == (k3_tiny_engine / "rank0" / "weights.safetensors").stat().st_size
+    mp = cfg["memory_plan"]
+    assert mp == {"num_slots": 8, "num_pages": 8 * math.ceil(512 / 64), "page_size": 64}
+    assert (k3_tiny_engine / "tokenizer.json").exists()
+    assert not list(k3_tiny_engine.rglob("*.data")) and not list(k3_tiny_engine.rglob(".k3build.pid"))
+
+
+def _check_graph(model: onnx.ModelProto) -> None:
+    onnx.checker.check_model(model, full_check=True)
+    assert {o.domain: o.version for o in model.opset_import}.get("k3") == 1
+    for node in model.graph.node:
+        if node.op_type in ONNX_OPS:
+            assert node.domain == "", node.name
+        else:
+            assert node.domain == "k3" and node.op_type in set(PLUGIN_OPS) | COMM_OPS, (node.name, node.op_type)
+
+
+def _check_weights_declared(model: onnx.ModelProto, weights: dict[str, torch.Tensor]) -> None:
+    declared = {}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        if not any(d.dim_param for d in dims):
+            declared[vi.name] = (tuple(d.dim_value for d in dims), _ONNX_TORCH[vi.type.tensor_type.elem_type])
+    assert declared == {k: (tuple(t.shape), t.dtype) for k, t in weights.items()}
+    used = {i for n in model.graph.node for i in n.input if i}
+    # K3_SPEC §2.1: layer 0's attn-side AttnRes params exist but are unused (no snapshot yet)
+    assert set(weights) - used <= {"l0.attn_res.proj", "l0.attn_res.norm"}, sorted(set(weights) - used)
+
+
+def test_graph_is_valid_onnx_in_k3_domain(k3_tiny_engine):
+    model = _graph(k3_tiny_engine, 0)
+    _check_graph(model)
+    ops = {n.op_type for n in model.graph.node}
+    assert {"Embedding", "KDA", "MLA", "MoEExperts", "Router", "AttnRes", "LMHead"} <= ops
+    assert not ops & COMM_OPS  # one rank: nothing to reduce
+    assert [o.name for o in model.graph.output] == ["logits"]
+
+
+def test_every_weight_is_a_graph_input(k3_tiny_engine):
+    _check_weights_declared(_graph(k3_tiny_engine, 0), _weights(k3_tiny_engine, 0))
+
+
+def test_mla_absorption(k3_tiny_engine):
+    w = _weights(k3_tiny_engine, 0)
+    assert not [k for k in w if "kv_b" in k]
+    h, nope, v, r = CFG.num_attention_heads, CFG.qk_nope_head_dim, CFG.v_head_dim, CFG.kv_lora_rank
+    mla_layers = [i for i, t in enumerate(CFG.layer_types) if t == MLA]
+    assert mla_layers
+    for i in mla_layers:
+        w_uk, w_uv = w[f"l{i}.mla.w_uk"], w[f"l{i}.mla.w_uv"]
+        assert w_uk.shape == (h, nope, r) and w_uv.shape == (h, r, v)
+        kv_b = _converted(k3_tiny_engine, 0, f"model.layers.{i}.self_attn.kv_b_proj.weight").float()
+        kv_b = kv_b.reshape(h, nope + v, r)  # head-major [k_nope | v] rows
+        torch.testing.assert_close(w_uk, kv_b[:, :nope], rtol=0, atol=0)
+        torch.testing.assert_close(w_uv, kv_b[:, nope:].transpose(1, 2), rtol=0, atol=0)
+        assert w[f"l{i}.mla.kv_a"].shape == (r + CFG.qk_rope_head_dim, CFG.hidden_size)  # the 576-wide latent
+
+
+def test_kda_fused_in_proj(k3_tiny_engine):
+    w = _weights(k3_tiny_engine, 0)
+    hk, dk = CFG.kda_num_heads, CFG.kda_head_dim
+    d = hk * dk
+    g = d if CFG.kda_use_full_rank_gate else dk
+    for i in [i for i, t in enumerate(CFG.layer_types) if t == KDA]:
+        in_proj = w[f"l{i}.kda.in_proj"]
+        assert in_proj.shape == (3 * d + dk + hk + g, CFG.hidden_size)
+        src = [_converted(k3_tiny_engine, 0, f"model.layers.{i}.self_attn.{n}_proj.weight").float()
+               for n in ("q", "k", "v", "f_a", "b", "g")]
+        torch.testing.assert_close(in_proj, torch.cat(src), rtol=0, atol=0)
+        assert w[f"l{i}.kda.conv"].shape == (3 * d, CFG.kda_conv_size) and w[f"l{i}.kda.conv"].dtype == torch.float32
+
+
+def test_mxfp4_experts_stacked(k3_tiny_engine):
+    w = _weights(k3_tiny_engine, 0)
+    e, inter, k = CFG.num_experts, CFG.moe_intermediate_size, CFG.routed_expert_hidden_size
+    moe_layers = [i for i in range(CFG.num_hidden_layers) if CFG.is_moe_layer(i)]
+    assert moe_layers
+    for i in moe_layers:
+        w13, w2 = w[f"l{i}.moe.w13"], w[f"l{i}.moe.w2"]
+        assert w13.dtype == torch.uint8 and w13.shape == (e, 2 * inter, k // 2)
+        assert w[f"l{i}.moe.w13_scale"].shape == (e, 2 * inter, k // 32)
+        assert w2.dtype == torch.uint8 and w2.shape == (e, k, inter // 2)
+        x = f"model.layers.{i}.block_sparse_moe.experts.5."
+        want = torch.cat([_converted(k3_tiny_engine, 0, x + "w1.weight_packed"),
+                          _converted(k3_tiny_engine, 0, x + "w3.weight_packed")])
+        assert torch.equal(w13[5], want)
+
+
+@pytest.mark.parametrize("name", list(MAPPINGS))
+def test_multi_rank_graphs(multi_engines, name):
+    engine, mapping = multi_engines[name], MAPPINGS[name]
+    cfg = _config(engine)
+    assert cfg["mapping"] == mapping.to_dict() and set(cfg["ranks"]) == {str(r) for r in range(mapping.world_size)}
+    for rank in range(mapping.world_size):
+        model = _graph(engine, rank)
+        _check_graph(model)
+        _check_weights_declared(model, _weights(engine, rank))
+        info = cfg["ranks"][str(rank)]
+        layers = mapping.rank_layers(rank, CFG.num_hidden_layers)
+        experts = mapping.local_experts(rank, CFG.num_experts)
+        assert info["layers"] == [layers.start, layers.stop] and info["experts"] == [experts.start, experts.stop]
+        groups = {"tp": mapping.attn_tp_size, "moe": mapping.moe_ep_size * mapping.moe_tp_size}
+        reduces = [n for n in model.graph.node if n.op_type == "AllReduce"]
+        for n in reduces:
+            group = onnx.helper.get_attribute_value(n.attribute[0]).decode()
+            assert groups[group] > 1, f"{n.name}: AllReduce over a group of one"
+        attn = [n for n in reduces if n.name.endswith(".attn.allreduce")]
+        experts_ar = [n for n in reduces if n.name.endswith(".moe.experts.allreduce")]
+        assert len(attn) == (len(layers) if groups["tp"] > 1 else 0)
+        assert len(experts_ar) == (sum(CFG.is_moe_layer(i) for i in layers) if groups["moe"] > 1 else 0)
+        inputs = {i.name for i in model.graph.input}
+        outputs = [o.name for o in model.graph.output]
+        blocks = sum(CFG.takes_snapshot(i) for i in range(layers.start))
+        if mapping.is_first_stage(rank):
+            assert "input_ids" in inputs and "hidden_in" not in inputs
+        else:
+            assert {"hidden_in", *(f"blocks_in.{j}" for j in range(blocks))} <= inputs and "input_ids" not in inputs
+        if mapping.is_last_stage(rank):
+            assert outputs == ["logits"]
+        else:
+            after = sum(CFG.takes_snapshot(i) for i in range(layers.stop))
+            assert outputs == ["hidden_out", *(f"blocks_out.{j}" for j in range(after))]
+
+
+def test_pp_stages_hand_over_matching_blocks(multi_engines):
+    s0, s1 = _graph(multi_engines["pp2"], 0).graph, _graph(multi_engines["pp2"], 1).graph
+    out0 = {o.name.replace("_out", "_in") for o in s0.output}
+    in1 = {i.name for i in s1.input if i.name.startswith(("hidden_in", "blocks_in"))}
+    assert out0 == in1 and len(in1) > 1  # the tiny model snapshots before the stage boundary
+
+
+def test_tp_shards_differ_and_ep_splits_experts(multi_engines):
+    tp0, tp1 = _weights(multi_engines["tp2"], 0), _weights(multi_engines["tp2"], 1)
+    assert tp0["embed"].shape == (CFG.vocab_size // 2, CFG.hidden_size)
+    assert not torch.equal(tp0["embed"], tp1["embed"])
+    ep = [_weights(multi_engines["ep4"], r)["l1.moe.w13"] for r in range(4)]
+    full = _weights(multi_engines["tp2"], 0)["l1.moe.w13"]  # tp2: experts EP2, first half
+    assert all(t.shape[0] == CFG.num_experts // 4 for t in ep)
+    assert torch.equal(torch.cat(ep[:2]), full)
+
+
+def test_inspect_text_and_json(k3_tiny_engine, multi_engines):
+    runner = CliRunner()
+    res = runner.invoke(main, ["inspect", str(k3_tiny_engine)])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "memory plan: 64 pages of 64 tokens, 8 KDA slots" in out
+    for op in PLUGIN_OPS:
+        assert f"  {op} " in out
+    assert "rank0: pp=0 tp=0 layers 0..8 experts 0..15" in out and "weights" in out
+    res = runner.invoke(main, ["inspect", str(k3_tiny_engine), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output) == _config(k3_tiny_engine)
+    res = runner.invoke(main, ["inspect", str(multi_engines["ep4"])])
+    assert res.exit_code == 0
+    for r in range(4):
+        assert f"rank{r}: pp=0 tp={r} layers 0..8 experts {4 * r}..{4 * r + 3}" in res.output
+
+
+def test_inspect_refuses_a_non_engine(tmp_path):
+    res = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert res.exit_code != 0 and "not an engine dir" in res.output
+    (tmp_path / "config.json").write_text("{}")
+    res = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert res.exit_code != 0 and "not a k3build engine config" in res.output
