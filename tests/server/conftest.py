@@ -105,3 +105,9 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def make_server():
+    """LiveServer factory for tests that need their own limits (call .close() when done)."""
+    return LiveServer

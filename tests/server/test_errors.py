@@ -1,0 +1,199 @@
+"""Bad input: every case a 4xx with a message naming the problem, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+MODEL = "k3-tiny"
+
+
+def post(server, body, path="/v1/completions", **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        kw["json"] = body
+    else:
+        kw["content"] = body
+        kw.setdefault("headers", {"content-type": "application/json"})
+    return httpx.post(f"{server.url}{path}", timeout=60, **kw)
+
+
+def ok(**kw):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0, **kw}
+
+
+CASES = [  # (body, status, words the message must contain)
+    (b'{"model": "k3-tiny", "prompt": ', 400, "not valid JSON"),
+    (b"\xff\xfe\x00garbage", 400, "JSON"),
+    (b'{"model": "k3-tiny", "prompt": "\xff\xfe"}', 400, "UTF-8"),
+    (b"[1, 2, 3]", 400, "body"),
+    (ok(max_tokens="16"), 400, "max_tokens"),
+    (ok(max_tokens=-1), 400, "max_tokens"),
+    (ok(max_tokens=0), 400, "max_tokens"),
+    (ok(max_tokens=10**9), 400, "limit"),
+    (ok(max_tokens=2.5), 400, "max_tokens"),
+    (ok(temperature=-1), 400, "temperature"),
+    (ok(temperature="hot"), 400, "temperature"),
+    (ok(top_p=0), 400, "top_p"),
+    (ok(top_k=-5), 400, "top_k"),
+    (ok(seed=-3), 400, "seed"),
+    (ok(stop=[""]), 400, "stop"),
+    (ok(stream="yes"), 400, "stream"),
+    (ok(n=3), 400, "n"),
+    (ok(logprobs=5), 400, "logprobs"),
+    (ok(model="gpt-4"), 404, "does not exist"),
+    (ok(prompt=""), 400, "empty"),
+    (ok(prompt=[]), 400, "empty"),
+    (ok(prompt=[1, -2]), 400, "token ids"),
+    (ok(prompt=[10**9]), 400, "token ids"),
+    (ok(prompt=[1, "a"]), 400, "prompt"),
+    (ok(prompt=None), 400, "prompt"),
+    (ok(prompt="x " * 2000), 400, "limit"),
+    ({"prompt": "hi"}, 400, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_bad_completion_request(server, body, status, words):
+    r = post(server, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"], err
+    assert err["type"]
+
+
+CHAT_CASES = [
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"model": MODEL, "messages": [{"role": "user"}]}, "content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"model": MODEL, "messages": "hi"}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+      "max_completion_tokens": 2}, "at most one"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize("body,words", CHAT_CASES, ids=[f"chat{i}" for i in range(len(CHAT_CASES))])
+def test_bad_chat_request(server, body, words):
+    r = post(server, body, "/v1/chat/completions")
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_openai_client_errors(server):
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=-4)
+    with pytest.raises(openai.BadRequestError, match="messages: List should have at least 1 item"):
+        c.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert c.completions.create(model=MODEL, prompt="still fine", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_prompt_plus_max_tokens_over_context(server, tiny_engine):
+    # The engine's own check (context/cache) surfaces as a 400 too, not as a 500.
+    cfg = json.loads((tiny_engine / "config.json").read_text())
+    max_len = server.engine.engine.scheduler.config.max_model_len
+    ids = list(range(1, 200))
+    r = post(server, ok(prompt=ids, max_tokens=64))
+    assert r.status_code == 200 or max_len < 263, (r.text, cfg.get("build"))
+    assert post(server, ok(prompt=[1] * (max_len + 5))).status_code == 400
+
+
+@given(st.dictionaries(
+    st.sampled_from(["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                     "n", "echo", "ignore_eos", "logprobs", "stream_options", "extra"]),
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+              st.text(max_size=12), st.lists(st.integers(-3, 600), max_size=6),
+              st.lists(st.text(max_size=3), max_size=3), st.just(MODEL), st.just({"include_usage": True})),
+    max_size=8))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzz_never_5xx(fuzz_server, body):
+    body.setdefault("max_tokens", 2)
+    r = post(fuzz_server, body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_engine, make_server):
+    s = make_server(tiny_engine, max_prompt_tokens=32, max_tokens_limit=3)  # valid fuzz requests stay tiny
+    yield s
+    assert httpx.get(f"{s.url}/health").status_code == 200
+    s.wait_idle()
+    s.close()
+
+
+def test_openapi_lists_the_endpoints(server):
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(paths)
+
+
+def test_api_key(tiny_engine, make_server):
+    s = make_server(tiny_engine, api_key="sekret", max_tokens_limit=4)
+    try:
+        assert post(s, ok()).status_code == 401
+        r = post(s, b"{not json", headers={"content-type": "application/json", "authorization": "Bearer wrong"})
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        assert httpx.get(f"{s.url}/metrics").status_code == 401
+        assert httpx.get(f"{s.url}/health").status_code == 200  # load-balancer probes need no key
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekret", max_retries=0)
+        assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        s.close()
+
+
+def test_queue_full_gives_429(tiny_engine, make_server):
+    s = make_server(tiny_engine, max_concurrent=1, max_queue=0, max_tokens_limit=2000)
+    try:
+        # Long enough to still run when the second request comes; leaving the stream aborts it.
+        body = ok(prompt="occupy", max_tokens=2000, stream=True, ignore_eos=True)
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()  # keep it: a dropped httpx line iterator closes the connection
+            assert next(lines).startswith("data:")
+            busy = post(s, ok())
+            assert busy.status_code == 429 and "busy" in busy.json()["error"]["message"]
+        s.wait_idle()
+        assert post(s, ok()).status_code == 200
+        assert s.metrics()['k3_requests_rejected_total{reason="queue_full"}'] == 1
+    finally:
+        s.close()
+
+
+def _serve(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3runtime.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_enable_deepep_fails_fast_without_deep_ep(tiny_engine):
+    pytest.importorskip("k3runtime")  # (deep_ep is not installed on CPU hosts)
+    try:
+        import deep_ep  # noqa: F401
+        pytest.skip("deep_ep is installed here")
+    except ImportError:
+        pass
+    r = _serve(str(tiny_engine), "--enable-deepep", "--port", "1")
+    assert r.returncode != 0 and "deep_ep" in r.stderr and "--enable-deepep" in r.stderr
+
+
+def test_distributed_weight_config_is_validated(tiny_engine, tmp_path):
+    bad = tmp_path / "w.json"
+    bad.write_text("{nope")
+    r = _serve(str(tiny_engine), "--distributed-weight-config", str(bad))
+    assert r.returncode != 0 and "w.json" in r.stderr and "JSON" in r.stderr
+    r = _serve(str(tiny_engine), "--distributed-weight-config", str(tmp_path / "missing.json"))
+    assert r.returncode != 0 and "does not exist" in r.stderr
