@@ -1,0 +1,261 @@
+"""`k3build build` on bad input: a clear message, a non-zero exit, and nothing left behind.
+
+Every refusal goes through the real CLI; after it the output's parent dir holds no ENGINE and no staging dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from k3plugins import registry
+
+from k3build.build.staging import PID_FILE, _start_time
+from k3build.cli import main
+from k3build.convert import convert
+from k3build.mapping import Mapping
+
+ROOT = Path(__file__).parents[2]
+FAST = ["--dtype", "fp32", "--kv-dtype", "fp32", "--max-seq-len", "256", "--max-num-tokens", "256", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def converted(k3_tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("conv")
+    return {name: convert(k3_tiny_ckpt, root / name, m, progress=False)
+            for name, m in {"tp1": Mapping(), "tp2": Mapping(tp_size=2)}.items()}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _build(converted_dir, out: Path, *args: str):
+    res = CliRunner().invoke(main, ["build", str(converted_dir), str(out), *FAST, *args])
+    return res
+
+
+def _refused(res, out: Path, *words: str) -> None:
+    assert res.exit_code != 0, res.output
+    msg = res.output + (res.stderr if res.stderr_bytes else "")
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    assert "Traceback" not in msg
+    assert not out.exists()
+    if out.parent.exists():  # a refusal before the first write does not even create the parent
+        assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
+
+
+def test_missing_converted_dir(tmp_path):
+    out = tmp_path / "out" / "engine"
+    _refused(_build(tmp_path / "nope", out), out, "nope", "does not exist")
+
+
+def test_hf_checkpoint_is_not_converted(k3_tiny_ckpt, tmp_path):
+    out = tmp_path / "engine"
+    _refused(_build(k3_tiny_ckpt, out), out, "HF checkpoint", "k3build convert")
+
+
+def test_dir_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "engine"
+    _refused(_build(tmp_path / "empty", out), out, "not a converted checkpoint", "config.json")
+
+
+def test_missing_rank_file(converted, tmp_path):
+    conv = _copy(converted["tp2"], tmp_path / "conv")
+    (conv / "rank1.safetensors").unlink()
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank1.safetensors: missing", "world_size 2")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_corrupt_rank_file(converted, tmp_path, damage):
+    conv = _copy(converted["tp1"], tmp_path / "conv")
+    f = conv / "rank0.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:8] + b"{not json" + data[17:])
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank0.safetensors", "corrupt" if damage == "header" else "rank0")
+
+
+def test_rank_files_of_another_mapping(converted, tmp_path):
+    # config.json says TP2 but the files are TP1's rank0 twice
+    conv = _copy(converted["tp1"], tmp_path / "conv")
+    raw = json.loads((conv / "config.json").read_text())
+    raw["mapping"] = Mapping(tp_size=2).to_dict()
+    (conv / "config.json").write_text(json.dumps(raw))
+    shutil.copy(conv / "rank0.safetensors", conv / "rank1.safetensors")
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank0.safetensors", "world size 1", "expected rank 0 of 2")
+
+
+def test_slices_of_another_mapping(converted, tmp_path):
+    # Same world size, different split: TP2 with experts EP2 on disk, config.json claims MoE-TP2.
+    conv = _copy(converted["tp2"], tmp_path / "conv")
+    raw = json.loads((conv / "config.json").read_text())
+    raw["mapping"] = Mapping(tp_size=2, moe_tp_size=2).to_dict()
+    (conv / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank0.safetensors", "block_sparse_moe.experts", "convert again")
+
+
+def test_extra_rank_file(converted, tmp_path):
+    conv = _copy(converted["tp1"], tmp_path / "conv")
+    shutil.copy(conv / "rank0.safetensors", conv / "rank1.safetensors")
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank1.safetensors beyond the mapping's world_size 1")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--target", "tpu"], ["--target", "tpu"]),
+    (["--max-batch-size", "16", "--max-num-tokens", "8"], ["--max-num-tokens (8)", "--max-batch-size (16)"]),
+    (["--target", "sm90", "--page-size", "32"], ["--page-size: 32", "64"]),
+    (["--max-seq-len", "-1"], ["--max-seq-len", "-1"]),
+    (["--max-batch-size", "0"], ["--max-batch-size", "0"]),
+    (["--gpu-memory-gib", "-2"], ["--gpu-memory-gib", "-2"]),
+    (["--max-seq-len", "100000"], ["--max-seq-len: 100000", "max_position_embeddings (4096"]),
+], ids=["target", "tokens<batch", "page-size-sm90", "neg-seq", "zero-batch", "neg-mem", "seq>positions"])
+def test_bad_options(converted, tmp_path, args, words):
+    out = tmp_path / "engine"
+    # the last occurrence of an option wins, so these override FAST's
+    _refused(_build(converted["tp1"], out, *args), out, *words)
+
+
+def test_existing_engine_needs_overwrite(converted, tmp_path):
+    out = tmp_path / "engine"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    res = _build(converted["tp1"], out)
+    assert res.exit_code != 0 and "already exists" in res.output and "--overwrite" in res.output
+    assert (out / "keep").read_text() == "mine"
+    res = _build(converted["tp1"], out, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert (out / "config.json").exists() and not (out / "keep").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+
+
+def test_memory_budget_refusal_has_numbers(converted, tmp_path):
+    out = tmp_path / "engine"
+    res = _build(converted["tp1"], out, "--gpu-memory-gib", "0.0001")
+    _refused(res, out, "does not fit", "--gpu-memory-gib 0.0001", "rank 0", "MiB")
+
+
+def test_memory_budget_that_fits_sizes_the_caches(converted, tmp_path):
+    out = tmp_path / "engine"
+    res = _build(converted["tp1"], out, "--gpu-memory-gib", "1.0625", "--max-seq-len", "1024")
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "config.json").read_text())["memory_plan"]
+    assert plan["budget"]["fits"] and plan["budget"]["gpu_memory_bytes"] == int(1.0625 * 2**30)
+    rank = plan["budget"]["ranks"][0]
+    assert plan["num_slots"] == min(8, rank["kda_slots"])
+    assert plan["num_pages"] == min(8 * 1024 // 64, rank["kv_pages"])
+
+
+def test_recipe_supplies_the_options(converted, tmp_path):
+    out = tmp_path / "engine"
+    res = CliRunner().invoke(main, ["build", str(converted["tp1"]), str(out), "--recipe",
+                                    str(ROOT / "engines" / "tiny.toml"), "--max-batch-size", "4", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    b = json.loads((out / "config.json").read_text())
+    bc = b["build_config"]
+    # from engines/tiny.toml; the flag wins over the recipe
+    assert (bc["max_num_tokens"], bc["max_seq_len"], bc["kv_dtype"], bc["gpu_memory_gib"]) == (256, 1024, "bf16", 1.0625)
+    assert bc["max_batch_size"] == 4 and bc["overhead_gib"] == 1.0
+    assert b["memory_plan"]["budget"]["max_batch_size"] == 4
+
+
+def test_recipe_of_another_mapping_is_refused(converted, tmp_path):
+    out = tmp_path / "engine"
+    res = CliRunner().invoke(main, ["build", str(converted["tp1"]), str(out), "--recipe",
+                                    str(ROOT / "engines" / "tiny_tp2.toml"), "--no-progress"])
+    _refused(res, out, "tiny_tp2.toml", "[mapping]", "tp_size=2", "tp_size=1")
+
+
+def _cli(*args: str, block_triton: bool = False, slow: float = 0.0, **kw) -> subprocess.Popen:
+    """The real `k3build` CLI in a child process; `slow` sleeps per written tensor so a signal lands mid-build."""
+    code = ("import sys, time\n"
+            + ("sys.modules['triton'] = None\n" if block_triton else "")  # `import triton` then raises ImportError
+            + "import k3build.build.engine as eng\n"
+            + f"orig = eng.engine_tensors\n"
+            + f"def slow(*a):\n    for x in orig(*a):\n        time.sleep({slow})\n        yield x\n"
+            + ("eng.engine_tensors = slow\n" if slow else "")
+            + "from k3build.cli import main\nmain(sys.argv[1:])\n")
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, **kw)
+
+
+def test_sm90_without_triton_uses_what_runs(converted, tmp_path):
+    out = tmp_path / "engine"
+    p = _cli("build", str(converted["tp1"]), str(out), "--target", "sm90", *FAST, block_triton=True)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    plugins = json.loads((out / "config.json").read_text())["build_config"]["plugins"]
+    for op, t in plugins.items():
+        impl = registry.find(op, t["tactic"])
+        assert impl.needs != "triton" and "sm90" in impl.targets, (op, t)
+        # a preferred triton tactic that was passed over is reported, naming the package
+        skipped = [i for i in registry.IMPLS if i.op == op and i.needs == "triton" and "sm90" in i.targets]
+        if skipped:
+            assert f"{op}: using the {t['tactic']!r} tactic on sm90" in stderr and "'triton'" in stderr
+
+
+def _wait_for(path_glob: Path, pattern: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if any(f.stat().st_size for f in path_glob.glob(pattern)):  # the first tensor is being written
+                return
+        except FileNotFoundError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"build ended before the signal: {proc.communicate()}")
+        time.sleep(0.02)
+    pytest.fail(f"no {pattern} under {path_glob} after {timeout}s")
+
+
+def test_sigkill_mid_build_leaves_no_engine_and_next_build_cleans(converted, tmp_path):
+    out = tmp_path / "engine"
+    p = _cli("build", str(converted["tp1"]), str(out), *FAST, slow=0.05)
+    _wait_for(tmp_path, ".engine.tmp-*/rank0/weights.safetensors.data", p)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=30)
+    assert not out.exists()
+    stale = [d for d in tmp_path.iterdir() if d.name.startswith(".engine.tmp-")]
+    assert len(stale) == 1 and (stale[0] / PID_FILE).exists()
+    # a live build's staging dir (ours) must survive the clean-up
+    live = tmp_path / ".engine.tmp-live"
+    live.mkdir()
+    (live / PID_FILE).write_text(f"{os.getpid()} {os.uname().nodename} {_start_time(os.getpid())}\n")
+    res = _build(converted["tp1"], out)
+    assert res.exit_code == 0, res.output
+    assert sorted(d.name for d in tmp_path.iterdir()) == [".engine.tmp-live", "engine"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_mid_build_removes_everything(converted, tmp_path, sig):
+    out = tmp_path / "engine"
+    p = _cli("build", str(converted["tp1"]), str(out), *FAST[:-1], slow=0.05)  # with the progress bar
+    _wait_for(tmp_path, ".engine.tmp-*/rank0/weights.safetensors.data", p)
+    p.send_signal(sig)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr
+    assert "build interrupted" in stderr and "Traceback" not in stderr
+    assert "build rank0" in stderr  # the tqdm bar was running
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_per_layer(converted, tmp_path):
+    res = CliRunner().invoke(main, ["build", str(converted["tp2"]), str(tmp_path / "engine"), *FAST[:-1]])
+    assert res.exit_code == 0, res.output
+    err = res.stderr
+    assert "build rank0" in err and "build rank1" in err and "9/9" in err and "layer" in err
