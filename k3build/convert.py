@@ -1,0 +1,291 @@
+"""`k3build convert`: shard a K3 (MXFP4) or Kimi-Linear checkpoint into one safetensors file per rank.
+
+Converted directory format (read by `k3build build`):
+- `config.json`: `K3Config.to_dict()` of the output (model_type "k3"; `quantization` describes the output:
+  method "mxfp4" = routed experts as `weight_packed`/`weight_scale` U8, "none" = `weight` float), plus
+  `"mapping"`: `Mapping.to_dict()`, `"source"`: {path, flavour ("k3"|"kimi_linear"), model_type,
+  quantization, num_tensors} and `"format"`: "k3-converted/1". `K3Config.from_file` and `Mapping.from_dict`
+  read it back.
+- `rank{N}.safetensors` for N in range(world_size): exactly the tensors with `Mapping.shard(name, N, cfg)` not
+  None, under canonical names (k3build/schema.py, "canonical"), each holding that rank's slice
+  `narrow(dim, start, stop - start)` with `(start, stop) = Shard.bounds(full_shape[dim])` (dim None: whole).
+  Header metadata: `k3_rank`, `k3_world_size`, and `k3_slices` = JSON {name: {"shape": full canonical shape,
+  "dim": int|null, "start": int, "stop": int}} so any reader can reassemble or check a tensor.
+  Float tensors keep the source dtype (A_log is [H]: K3's zero padding is validated and dropped).
+- Tokenizer and generation files of the source, copied unchanged.
+The directory appears atomically: it is written as `OUT.tmp-<pid>-<random>` next to OUT, fsynced, renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .config import K3Config
+from .convert_plan import ConvertError, Job, Source, check_mapping, open_source, output_config, plan_jobs
+from .mapping import Mapping, MappingError
+from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
+from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
+from .schema import SchemaError, to_canonical_tensor
+
+FORMAT = "k3-converted/1"
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "tiktoken.model", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+FINITE_CHUNK = 1 << 24
+# Test hook: seconds to sleep after each tensor, so a test can kill a run midway.
+_SLEEP = float(os.environ.get("K3BUILD_CONVERT_TEST_SLEEP", "0") or 0)
+
+__all__ = ["convert", "convert_cmd", "ConvertError"]
+
+
+def _placements(jobs: list[Job], mapping: Mapping, cfg: K3Config):
+    """Per rank the (name, dtype, slice shape) entries and per output the (rank, dim, start, stop) slices."""
+    per_rank: list[list[tuple[str, str, tuple[int, ...]]]] = [[] for _ in range(mapping.world_size)]
+    slices: list[dict] = [{} for _ in range(mapping.world_size)]
+    where: dict[str, list[tuple[int, int | None, int, int]]] = {}
+    for job in jobs:
+        for out in job.outputs:
+            for rank in range(mapping.world_size):
+                shard = mapping.shard(out.name, rank, cfg)
+                if shard is None:
+                    continue
+                shape = list(out.shape)
+                dim = shard.dim if shard.parts > 1 else None
+                start, stop = shard.bounds(shape[dim]) if dim is not None else (0, shape[0] if shape else 1)
+                if dim is not None:
+                    shape[dim] = stop - start
+                per_rank[rank].append((out.name, out.dtype, tuple(shape)))
+                slices[rank][out.name] = {"shape": list(out.shape), "dim": dim, "start": start, "stop": stop}
+                where.setdefault(out.name, []).append((rank, dim, start, stop))
+    layouts = [plan_file(entries, {"format": "pt", "k3_rank": str(r), "k3_world_size": str(mapping.world_size),
+                                   "k3_slices": json.dumps(slices[r], separators=(",", ":"))})
+               for r, entries in enumerate(per_rank)]
+    return layouts, where
+
+
+# Per-process context of the job runner: config, source flavour, output paths, open file descriptors.
+_STATE: dict = {}
+
+
+def _check_finite(t: torch.Tensor, info) -> None:
+    flat = t.reshape(-1)
+    for s in range(0, flat.numel(), FINITE_CHUNK):
+        ok = torch.isfinite(flat[s: s + FINITE_CHUNK])
+        if not bool(ok.all()):
+            j = s + int((~ok).nonzero()[0, 0])
+            idx = [int(i) for i in np.unravel_index(j, tuple(t.shape))]
+            raise ConvertError(f"{info.path}: tensor {info.name}: holds {float(flat[j])} at index {idx}; "
+                               "expected finite weights")
+
+
+def _load(info) -> torch.Tensor:
+    try:
+        t = read_tensor(info)
+    except SafetensorsError as e:
+        raise ConvertError(str(e)) from None
+    if t.is_floating_point():
+        _check_finite(t, info)
+    elif info.name.endswith("weight_scale"):
+        try:
+            check_scale(t, f"{info.path}: tensor {info.name}")
+        except MXFP4Error as e:
+            raise ConvertError(str(e)) from None
+    return t
+
+
+def _init_worker(cfg: K3Config, flavour: str, paths: list[Path]) -> None:
+    _STATE.clear()
+    _STATE.update(cfg=cfg, flavour=flavour, paths=paths, fds={})
+
+
+def _run_job(task) -> int:
+    """task = (job, {output name: [(rank, dim, start, stop, file offset)]})."""
+    job, places = task
+    st = _STATE
+    if job.kind == "copy":
+        t = _load(job.sources[0])
+        try:
+            t = to_canonical_tensor(job.outputs[0].name, t, st["cfg"], st["flavour"], f"{job.sources[0].path}: ")
+        except SchemaError as e:
+            raise ConvertError(str(e)) from None
+        results = [t]
+    elif job.kind == "quantize":
+        results = list(quantize_mxfp4(_load(job.sources[0])))
+    else:
+        w = dequantize_mxfp4(_load(job.sources[0]), _load(job.sources[1]), torch.bfloat16)
+        _check_finite(w, job.sources[0])  # 6 * 2^127 overflows: such a scale has no BF16 value
+        results = [w]
+    fds = st["fds"]
+    for out, t in zip(job.outputs, results):
+        t = t.reshape(out.shape)
+        for rank, dim, start, stop, offset in places[out.name]:
+            part = t if dim is None else t.narrow(dim, start, stop - start)
+            if rank not in fds:
+                fds[rank] = os.open(st["paths"][rank], os.O_WRONLY)
+            pwrite_all(fds[rank], tensor_bytes(part), offset)
+    if _SLEEP:
+        time.sleep(_SLEEP)
+    return job.nbytes
+
+
+def _clean_stale(out: Path) -> None:
+    """Remove temp dirs of earlier runs for the same OUT whose process is gone (e.g. after kill -9)."""
+    for d in out.parent.glob(f"{out.name}.tmp-*"):
+        try:
+            pid = int(d.name[len(out.name) + 5:].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, PermissionError, IndexError):
+            continue
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _execute(tasks: list, context: tuple, workers: int, progress: bool) -> None:
+    tasks = sorted(tasks, key=lambda t: -t[0].nbytes)  # big first, so workers finish together
+    bar = tqdm(total=sum(t[0].nbytes for t in tasks), unit="B", unit_scale=True, desc="convert",
+               disable=not progress or None)
+    try:
+        if workers <= 1:
+            _init_worker(*context)
+            for task in tasks:
+                bar.update(_run_job(task))
+            return
+        # forkserver: workers start from a clean single-threaded process (fork of a threaded torch can hang).
+        ctx = multiprocessing.get_context("forkserver")
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=context)
+        try:
+            for n in pool.imap_unordered(_run_job, tasks, chunksize=max(1, min(64, len(tasks) // (workers * 8)))):
+                bar.update(n)
+            pool.close()
+        finally:
+            pool.terminate()
+            pool.join()
+    finally:
+        bar.close()
+        for fd in _STATE.pop("fds", {}).values():
+            os.close(fd)
+        _STATE.clear()
+
+
+def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quantize: str | None = None,
+            workers: int = 1, overwrite: bool = False, progress: bool = True) -> Path:
+    """Convert checkpoint `ckpt_dir` into the per-rank format above at `out_dir`.
+
+    Args:
+        quantize: None keeps the source's expert format; "mxfp4" quantizes float experts; "none" writes
+            float experts (MXFP4 sources are dequantized to BF16).
+        workers: processes moving tensors in parallel (each writes disjoint byte ranges).
+    Raises:
+        ConvertError naming file, tensor and expectation; nothing is left at out_dir then.
+    """
+    out = Path(out_dir).absolute()
+    if quantize not in (None, "none", "mxfp4"):
+        raise ConvertError(f"--quantize: expected 'none' or 'mxfp4', got {quantize!r}")
+    if out.exists() and not overwrite:
+        raise ConvertError(f"{out}: already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(out)
+    src = open_source(ckpt_dir)
+    cfg_out = output_config(src, quantize)
+    check_mapping(mapping, cfg_out)
+    jobs = plan_jobs(src, cfg_out)
+    layouts, where = _placements(jobs, mapping, cfg_out)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    try:
+        paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
+        for path, layout in zip(paths, layouts):
+            _write_header(path, layout)
+        tasks = [(job, {o.name: [(r, dim, a, b, layouts[r].offsets[o.name]) for r, dim, a, b in where[o.name]]
+                        for o in job.outputs}) for job in jobs]
+        _execute(tasks, (src.cfg, src.flavour, paths), workers, progress)
+        _write_config(tmp, src, cfg_out, mapping)
+        for name in COPY_FILES:
+            if (src.path / name).is_file():
+                shutil.copyfile(src.path / name, tmp / name)
+        for p in tmp.iterdir():
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new dir
+        _fsync_dir(tmp)
+        old = None
+        if out.exists():
+            old = out.parent / f"{out.name}.tmp-{os.getpid()}-old"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_header(path: Path, layout: FileLayout) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, layout.size)
+        pwrite_all(fd, layout.header, 0)
+    finally:
+        os.close(fd)
+
+
+def _write_config(tmp: Path, src: Source, cfg: K3Config, mapping: Mapping) -> None:
+    d = cfg.to_dict()
+    d["mapping"] = mapping.to_dict()
+    d["source"] = {"path": str(src.path.absolute()), "flavour": src.flavour,
+                   "model_type": src.raw_config.get("model_type"), "quantization": src.cfg.quantization.method,
+                   "num_tensors": len(src.tensors)}
+    d["format"] = FORMAT
+    (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through convert's cleanup
+
+
+@click.command("convert")
+@click.argument("ckpt", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--tp-size", type=int, default=None, help="ranks per PP stage [default: ep x moe-tp]")
+@click.option("--ep-size", type=int, default=None, help="expert-parallel ranks [default: tp / moe-tp]")
+@click.option("--pp-size", type=int, default=1, show_default=True)
+@click.option("--moe-tp-size", type=int, default=1, show_default=True)
+@click.option("--attention-dp", is_flag=True, help="replicate attention/dense weights; experts stay EP")
+@click.option("--quantize", type=click.Choice(["none", "mxfp4"]), default=None,
+              help="expert format of the output [default: as the source]")
+@click.option("--workers", type=int, default=1, show_default=True, help="parallel processes")
+@click.option("--overwrite", is_flag=True, help="replace an existing OUT")
+def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, quantize, workers, overwrite):
+    """Shard checkpoint CKPT into OUT/rank{N}.safetensors for the given mapping."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        if tp_size is None:
+            tp_size = (ep_size or 1) * moe_tp_size
+        mapping = Mapping(tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp_size, moe_ep_size=ep_size,
+                          attention_dp=attention_dp)
+        path = convert(ckpt, out, mapping, quantize=quantize, workers=workers, overwrite=overwrite)
+    except (ConvertError, MappingError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {path} ({mapping.world_size} ranks)")
