@@ -113,7 +113,8 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "k3runtime", "max_model_len": h.max_model_len}]}
+                                            "owned_by": "k3runtime", "max_model_len": h.max_model_len,
+                                            "vocab_size": engine.vocab_size}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -1,0 +1,223 @@
+"""Bounded load test of the OpenAI server on loopback (stops by itself).
+
+    python tools/load_test.py --engine ENGINE_DIR [--clients 16] [--requests 1000] [--max-tokens 4]
+    python tools/load_test.py --url http://127.0.0.1:8000 --model NAME ...
+
+1. A reference: every distinct (prompt, max_tokens) once, sequentially, greedy, non-streaming.
+2. The load: N concurrent streaming clients share M requests; each request is a random prompt of the
+   pool; a fraction disconnects mid-stream after a random number of tokens.
+3. Checks: each request that was not cut got exactly its reference tokens and finish reason, once (no
+   token lost or duplicated); a cut one got a prefix of them; afterwards /metrics shows no request
+   running or queued and zero KV pages and KDA slots in use (no leak).
+Prints p50/p99 time to first token and throughput; --json writes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+import httpx
+
+
+def _loopback(url: str) -> None:
+    host = urllib.parse.urlparse(url).hostname or ""
+    if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+        raise SystemExit(f"--url {url}: the load test only targets loopback addresses")
+
+
+def _metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def _reference(c: httpx.AsyncClient, model: str, pool: list[tuple[list[int], int]]) -> list[dict]:
+    refs = []
+    for ids, n in pool:
+        r = await c.post("/v1/completions", json={"model": model, "prompt": ids, "max_tokens": n, "temperature": 0,
+                                                  "return_token_ids": True})
+        r.raise_for_status()
+        ch = r.json()["choices"][0]
+        refs.append({"ids": ch["token_ids"], "reason": ch["finish_reason"]})
+    return refs
+
+
+async def _one(c: httpx.AsyncClient, model: str, ids: list[int], n: int, cut_after: int | None) -> dict:
+    """One streaming request; cut_after = disconnect after that many token events (None = read to the end)."""
+    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "stream": True,
+            "return_token_ids": True}
+    t0 = time.perf_counter()
+    out = {"ids": [], "reason": None, "ttft": None, "done": False, "cut": False, "status": None}
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        out["status"] = r.status_code
+        if r.status_code != 200:
+            await r.aread()
+            out["error"] = r.text
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out["done"] = True
+                break
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                out["error"] = ev["error"]
+                break
+            ch = ev["choices"][0]
+            if out["ttft"] is None:
+                out["ttft"] = time.perf_counter() - t0
+            out["ids"] += ch["token_ids"]
+            out["reason"] = ch["finish_reason"] or out["reason"]
+            if cut_after is not None and len(out["ids"]) >= cut_after:
+                out["cut"] = True
+                break  # leaving the block closes the connection mid-stream
+    out["latency"] = time.perf_counter() - t0
+    return out
+
+
+async def run_load(url: str, model: str, *, clients: int = 8, requests: int = 100, max_tokens: int = 4,
+                   num_prompts: int = 32, disconnect_rate: float = 0.1, seed: int = 0, vocab: int = 256,
+                   api_key: str | None = None, idle_timeout: float = 30.0) -> dict:
+    _loopback(url)
+    rng = random.Random(seed)
+    pool = [([rng.randrange(1, vocab) for _ in range(rng.randint(2, 24))], rng.randint(1, max_tokens))
+            for _ in range(num_prompts)]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=clients + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers, limits=limits) as c:
+        refs = await _reference(c, model, pool)
+        plan = []
+        for j in range(requests):
+            k = rng.randrange(num_prompts)
+            n_ref = len(refs[k]["ids"])
+            cut = rng.randint(1, n_ref - 1) if n_ref > 1 and rng.random() < disconnect_rate else None
+            plan.append((j, k, cut))
+        results: dict[int, dict] = {}
+        todo = list(plan)
+
+        async def worker():
+            while todo:
+                j, k, cut = todo.pop()
+                results[j] = {"k": k, **await _one(c, model, pool[k][0], pool[k][1], cut)}
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+        # Aborts reach the engine thread asynchronously: wait (bounded) for the pools to drain.
+        deadline = time.monotonic() + idle_timeout
+        while True:
+            m = _metrics((await c.get("/metrics")).text)
+            busy = {k: m[k] for k in ("k3_requests_running", "k3_queue_length", "k3_kv_pages_used",
+                                      "k3_kda_slots_used") if m.get(k)}
+            if not busy or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+
+    errors, mismatched, cut_bad = [], [], []
+    for j, res in sorted(results.items()):
+        ref = refs[res["k"]]
+        if res["status"] != 200 or res.get("error"):
+            errors.append((j, res["status"], res.get("error")))
+        elif res["cut"]:
+            if res["ids"] != ref["ids"][:len(res["ids"])]:
+                cut_bad.append(j)
+        elif not res["done"] or res["ids"] != ref["ids"] or res["reason"] != ref["reason"]:
+            mismatched.append({"request": j, "got": res["ids"], "want": ref["ids"], "reason": res["reason"]})
+    full = [r for r in results.values() if not r["cut"] and r["status"] == 200]
+    ttfts = [r["ttft"] for r in results.values() if r["ttft"] is not None]
+    tokens = sum(len(r["ids"]) for r in results.values())
+    return {
+        "requests": requests, "completed": len(full), "disconnected": sum(r["cut"] for r in results.values()),
+        "missing": requests - len(results), "errors": errors[:10], "num_errors": len(errors),
+        "mismatched": mismatched[:5], "num_mismatched": len(mismatched), "bad_prefixes": len(cut_bad),
+        "leak": busy, "clients": clients, "max_tokens": max_tokens, "wall_s": round(wall, 3),
+        "ttft_p50_ms": round(1000 * _pct(ttfts, 0.5), 2), "ttft_p99_ms": round(1000 * _pct(ttfts, 0.99), 2),
+        "requests_per_s": round(len(results) / wall, 2), "tokens_per_s": round(tokens / wall, 2),
+        "ok": not (errors or mismatched or cut_bad or busy) and len(results) == requests,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(engine: str, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "k3runtime.cli", "serve", engine, "--host", "127.0.0.1", "--port", str(port),
+           "--model-name", "load-test", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit("server did not become healthy in 120 s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--engine", help="start `k3runtime serve ENGINE` on a free loopback port for the run")
+    g.add_argument("--url", help="an already running server (loopback only)")
+    ap.add_argument("--model", default="load-test")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--disconnect-rate", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=os.environ.get("K3_API_KEY"))
+    ap.add_argument("--json", type=Path, help="write the report here")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `k3runtime serve` argument")
+    a = ap.parse_args(argv)
+    proc = None
+    url, model = a.url, a.model
+    if a.engine:
+        port = _free_port()
+        proc, url, model = _start_server(a.engine, port, a.serve_arg), f"http://127.0.0.1:{port}", "load-test"
+    try:
+        headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+        vocab = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0].get("vocab_size", 256)
+        report = asyncio.run(run_load(url, model, clients=a.clients, requests=a.requests, max_tokens=a.max_tokens,
+                                      num_prompts=a.prompts, disconnect_rate=a.disconnect_rate, seed=a.seed,
+                                      vocab=vocab, api_key=a.api_key))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print(json.dumps(report, indent=2))
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
