@@ -1,0 +1,126 @@
+"""The runtime refuses an engine it cannot run, saying what to rebuild (edited copies of a built engine)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from k3plugins import registry
+from safetensors.torch import load_file, save_file
+
+from k3runtime.cli import main as runtime_main
+from k3runtime.loader import EngineError, load_rank
+
+
+@pytest.fixture
+def engine(k3_tiny_engine, tmp_path) -> Path:
+    return Path(shutil.copytree(k3_tiny_engine, tmp_path / "engine"))
+
+
+def _edit(engine: Path, fn) -> None:
+    path = engine / "config.json"
+    cfg = json.loads(path.read_text())
+    fn(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+def _refused(engine: Path, *words: str, device: str = "cpu") -> str:
+    with pytest.raises(EngineError) as e:
+        load_rank(engine, 0, device)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    return msg
+
+
+def test_the_copy_loads(engine):
+    rank = load_rank(engine, 0, "cpu")
+    assert rank.world_size == 1 and "l0.kda.in_proj" in rank.weights
+
+
+def test_other_format_version(engine):
+    _edit(engine, lambda c: c.update(version=2))
+    _refused(engine, "config.json", "engine format v2", "reads v1", "rebuild it with `k3build build`")
+
+
+def test_other_plugin_abi(engine):
+    _edit(engine, lambda c: c["stamp"].update(plugin_abi=registry.PLUGIN_ABI + 1))
+    _refused(engine, f"plugin ABI {registry.PLUGIN_ABI + 1}", f"has ABI {registry.PLUGIN_ABI}", "rebuild")
+
+
+def test_unknown_plugin_tactic(engine):
+    _edit(engine, lambda c: c["build_config"]["plugins"]["KDA"].update(tactic="warp9"))
+    _refused(engine, "plugin KDA/warp9 v1 is not available here (none)", "rebuild")
+
+
+def test_unknown_plugin_version(engine):
+    _edit(engine, lambda c: c["build_config"]["plugins"]["MLA"].update(version=7))
+    have = registry.find("MLA", "reference").version
+    _refused(engine, "plugin MLA/reference v7 is not available here", f"(v{have})", "rebuild")
+
+
+def test_target_of_another_device(engine):
+    _edit(engine, lambda c: c["stamp"].update(target="sm90"))
+    _refused(engine, "built for target 'sm90'", "this device is 'cpu'", "k3build build --target cpu")
+
+
+def test_missing_rank(engine):
+    with pytest.raises(EngineError, match="no rank 3 .world size 1."):
+        load_rank(engine, 3, "cpu")
+
+
+def test_not_an_engine(tmp_path):
+    with pytest.raises(EngineError, match="not an engine dir .no config.json.; build one with `k3build build`"):
+        load_rank(tmp_path, 0, "cpu")
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(EngineError, match="not valid JSON"):
+        load_rank(tmp_path, 0, "cpu")
+
+
+def _rewrite_weights(engine: Path, fn) -> None:
+    path = engine / "rank0" / "weights.safetensors"
+    w = load_file(path)
+    fn(w)
+    save_file(w, path)
+
+
+def test_weight_shape_differs_from_graph(engine):
+    _rewrite_weights(engine, lambda w: w.update({"l3.mla.w_uk": torch.zeros(4, 16, 31)}))
+    _refused(engine, "weights.safetensors", "'l3.mla.w_uk'", "(4, 16, 31)", "graph expects (4, 16, 32)")
+
+
+def test_weight_dtype_differs_from_graph(engine):
+    _rewrite_weights(engine, lambda w: w.update({"l1.moe.w13": w["l1.moe.w13"].float()}))
+    _refused(engine, "'l1.moe.w13'", "torch.float32", "torch.uint8")
+
+
+def test_weight_missing(engine):
+    _rewrite_weights(engine, lambda w: w.pop("lm_head"))
+    _refused(engine, "'lm_head'", "declared by graph.onnx is missing")
+
+
+@pytest.mark.xfail(strict=True, raises=(FileNotFoundError, AssertionError),
+                   reason="runtime/loader.py: load_rank does not check that graph.onnx/weights.safetensors exist "
+                          "(reported to the lead)")
+def test_missing_graph_file(engine):
+    (engine / "rank0" / "graph.onnx").unlink()
+    _refused(engine, "graph.onnx", "rebuild")
+
+
+@pytest.mark.xfail(strict=True, reason="runtime/loader.py: a truncated weights.safetensors raises safetensors' "
+                                       "SafetensorError, not EngineError (reported to the lead)")
+def test_truncated_weights(engine):
+    path = engine / "rank0" / "weights.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _refused(engine, "weights.safetensors", "rebuild")
+
+
+def test_generate_cli_refuses_with_the_message(engine):
+    _edit(engine, lambda c: c["stamp"].update(plugin_abi=registry.PLUGIN_ABI + 1))
+    res = CliRunner().invoke(runtime_main, ["generate", str(engine), "--prompt", "hi", "--max-tokens", "1"])
+    assert res.exit_code != 0 and "plugin ABI" in res.output and "Traceback" not in res.output
