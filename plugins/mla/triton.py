@@ -100,7 +100,7 @@ def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
 
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                          context_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
-                         block_h: int = 16) -> torch.Tensor:
+                         block_h: int = 16, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """softmax(scale·(q_lat·c_latᵀ + q_pe·k_peᵀ)) · c_lat over each sequence's cached tokens.
 
     Args:
@@ -109,6 +109,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         page_table: int32 [B, max_pages]; context_lens: int32 [B] (>= 1).
         scale: softmax scale (K3: 192^-0.5).
         num_splits: split-K factor (power of two); None picks one from the shapes (no device sync).
+        block_h, num_warps, num_stages: the tactic (heads per program and its launch shape).
 
     Returns:
         o_lat [B, H, 512] in q_lat.dtype.
@@ -129,7 +130,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         q_lat, q_pe, kv_cache, page_table, context_lens, o_part, lse, float(scale), H, q_lat.stride(0),
         q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), kv_cache.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGES_PER_SPLIT=pps, BH=block_h, PAGE_SIZE=PAGE,
-        DL=D_LAT, DR=D_PE, num_warps=4, num_stages=2)
+        DL=D_LAT, DR=D_PE, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(B, H, D_LAT, dtype=q_lat.dtype, device=q_lat.device)
     mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                              lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,

@@ -31,8 +31,8 @@ class MoETactic:
 
 
 TACTICS = {
-    "decode": MoETactic(16, 64, 256, 4, 3, True),
-    "decode_dq": MoETactic(16, 64, 256, 4, 3, False),
+    "decode": MoETactic(16, 64, 64, 4, 2, True),
+    "decode_dq": MoETactic(16, 64, 64, 8, 2, False),
     "prefill": MoETactic(64, 128, 128, 8, 3, True),
     "prefill_dq": MoETactic(64, 128, 128, 8, 3, False),
 }

@@ -37,10 +37,8 @@ def _dequant(packed, scale, BN: tl.constexpr, BK: tl.constexpr, DTYPE: tl.conste
 
 
 @triton.jit
-def _mx_dot(acc, w_ptrs, s_ptrs, xT, BN: tl.constexpr, BK: tl.constexpr, DOT_SCALED: tl.constexpr):
-    """acc [BN, BM] += W[BN, BK] @ xT[BK, BM] with W read as MXFP4 at w_ptrs / s_ptrs."""
-    w = tl.load(w_ptrs)
-    s = tl.load(s_ptrs)
+def _mx_dot(acc, w, s, xT, BN: tl.constexpr, BK: tl.constexpr, DOT_SCALED: tl.constexpr):
+    """acc [BN, BM] += W[BN, BK] @ xT[BK, BM], W as MXFP4 codes w [BN, BK/2] and scales s [BN, BK/32]."""
     if DOT_SCALED:
         # Triton's MX dot: native on MX hardware, upcast-in-registers elsewhere (Hopper, CDNA3)
         acc = tl.dot_scaled(w, s, "e2m1", xT, None, "bf16" if xT.dtype == tl.bfloat16 else "fp16", acc)
@@ -74,10 +72,22 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
         z_ptrs = z_ptr + tok[None, :] * stride_zm + rk[:, None]
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(0, Dl, BK):
-            zT = tl.load(z_ptrs + k0, mask=p_mask[None, :], other=0.0)             # [BK, BM]
-            acc_g = _mx_dot(acc_g, wg_ptrs + k0 // 2, sg_ptrs + k0 // 32, zT, BN, BK, DOT_SCALED)
-            acc_u = _mx_dot(acc_u, wu_ptrs + k0 // 2, su_ptrs + k0 // 32, zT, BN, BK, DOT_SCALED)
+        zT = tl.load(z_ptrs, mask=p_mask[None, :], other=0.0)                      # [BK, BM]
+        wg, sg = tl.load(wg_ptrs), tl.load(sg_ptrs)
+        wu, su = tl.load(wu_ptrs), tl.load(su_ptrs)
+        for k0 in range(BK, Dl + BK, BK):
+            # register prefetch of the next K step (clamped: the last one re-reads a cached tile) so
+            # its HBM reads are in flight during this step's dequant and MMA
+            # (multiple_of: without it the loads fall to 1 byte each, the alignment of kn // 2 being unknown)
+            kn = tl.multiple_of(tl.minimum(k0, Dl - BK), BK)
+            kw = tl.multiple_of(kn // 2, BK // 2)
+            ks = tl.multiple_of(kn // 32, BK // 32)
+            zT_n = tl.load(z_ptrs + kn, mask=p_mask[None, :], other=0.0)
+            wg_n, sg_n = tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks)
+            wu_n, su_n = tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks)
+            acc_g = _mx_dot(acc_g, wg, sg, zT, BN, BK, DOT_SCALED)
+            acc_u = _mx_dot(acc_u, wu, su, zT, BN, BK, DOT_SCALED)
+            zT, wg, sg, wu, su = zT_n, wg_n, sg_n, wu_n, su_n
         if ACT == 0:  # SiTU
             a = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
         else:  # SiLU-GLU
@@ -105,9 +115,15 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         p_mask = offs_p < end
         h_ptrs = h_ptr + offs_p[None, :] * stride_hm + rk[:, None]
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            hT = tl.load(h_ptrs + k0, mask=p_mask[None, :], other=0.0)             # [BK, BM]
-            acc = _mx_dot(acc, w_ptrs + k0 // 2, s_ptrs + k0 // 32, hT, BN, BK, DOT_SCALED)
+        hT = tl.load(h_ptrs, mask=p_mask[None, :], other=0.0)                      # [BK, BM]
+        w, s = tl.load(w_ptrs), tl.load(s_ptrs)
+        for k0 in range(BK, I + BK, BK):
+            kn = tl.multiple_of(tl.minimum(k0, I - BK), BK)  # register prefetch, as in the gate/up kernel
+            hT_n = tl.load(h_ptrs + kn, mask=p_mask[None, :], other=0.0)
+            w_n = tl.load(w_ptrs + tl.multiple_of(kn // 2, BK // 2))
+            s_n = tl.load(s_ptrs + tl.multiple_of(kn // 32, BK // 32))
+            acc = _mx_dot(acc, w, s, hT, BN, BK, DOT_SCALED)
+            hT, w, s = hT_n, w_n, s_n
         pair = tl.load(sorted_ptr + offs_p, mask=p_mask, other=0)
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
         tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])

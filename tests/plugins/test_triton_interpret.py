@@ -1,7 +1,8 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
 
-Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it)
-and the MLA split-K decode, each against its torch definition. The interpreter must be on before the
+Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it),
+the MLA split-K decode, the fused KDA decode step and the KDA prefill conv kernels, each against its torch
+reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter must be on before the
 first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
 run in one child process started with the variable set; each test reads its result.
 """
@@ -66,8 +67,59 @@ def _mla_case(mla, splits):
     return {"rel": max(rels)}
 
 
+def _kda_layer(g, N, H, K, hid, S):
+    r = lambda *sh, sc=1.0: torch.randn(*sh, generator=g) * sc
+    D = H * K
+    w = [r(3 * D + K + H + D, hid, sc=hid ** -0.5), r(3 * D, 4, sc=0.5), r(D, K, sc=K ** -0.5), r(H, sc=0.5),
+         r(D, sc=0.5), None, 1 + 0.1 * r(K), r(hid, D, sc=D ** -0.5)]
+    return w, r(S, H, K, K, sc=0.1), r(S, 3 * D, 3), r(N, hid)
+
+
+def _kda_decode_case(kd, lower_bound):
+    from k3plugins.kda.reference import kda_mixer
+    g = torch.Generator().manual_seed(3)
+    N, H, K, hid, S = 3, 2, 16, 32, 5
+    w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
+    slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
+    outs = []
+    for fn in (kd.kda_mixer, kda_mixer):
+        a, b = rec.clone(), conv.clone()
+        o = fn(x, *w, a, b, cu_seqlens=cu, slot_ids=slots, num_heads=H, head_dim=K, lower_bound=lower_bound,
+               eps=1e-5)
+        outs.append((o, a, b))
+    (o1, a1, b1), (o2, a2, b2) = outs
+    return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2))}
+
+
+def _kda_conv_prefill_case(kd):
+    from k3plugins.kda.reference import short_conv
+    from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_state_kernel
+    g = torch.Generator().manual_seed(4)
+    lens, C, S = [2, 0, 7, 1], 64, 6
+    cu = torch.tensor([0] + lens).cumsum(0)
+    T = int(cu[-1])
+    x, w, pool = torch.randn(T, C, generator=g), torch.randn(C, 4, generator=g), torch.randn(S, C, 3, generator=g)
+    slots = torch.tensor([5, 1, 3, 0], dtype=torch.int32)
+    tok_seq = torch.searchsorted(cu[1:], torch.arange(T), right=True).to(torch.int32)
+    y, new = torch.empty(T, C), pool.clone()
+    conv_prefill_kernel[(T, 1)](x, w, new, slots, cu, tok_seq, y, x.stride(0), new.stride(0), y.stride(0), C, W=4,
+                                BC=C)
+    conv_state_kernel[(len(lens), 1)](x, new, slots, cu, x.stride(0), new.stride(0), W=4, BC=C)
+    rels, same = [], True
+    for n, sl in enumerate(slots.tolist()):
+        s, e = int(cu[n]), int(cu[n + 1])
+        if e == s:  # an empty chunk leaves its slot as it was
+            same &= bool(torch.equal(new[sl], pool[sl]))
+            continue
+        ref_y, ref_state = short_conv(x[s:e], w, pool[sl])
+        rels.append(_rel(y[s:e], ref_y))
+        same &= bool(torch.allclose(new[sl], ref_state))
+    return {"rel": max(rels), "state_equal": same}
+
+
 def _child() -> None:
     _patch_interpreter()
+    from k3plugins.kda import fla as kd
     from k3plugins.mla import triton as mla
     from k3plugins.moe import triton as moe
     from k3plugins.moe.mxfp4 import dequantize_mxfp4
@@ -81,6 +133,9 @@ def _child() -> None:
     res["dequant"] = {"equal": bool(torch.equal(moe.dequantize(w, s, torch.float32), dequantize_mxfp4(w, s)))}
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
+    for lb in (-5.0, None):
+        res[f"kda-decode-{lb}"] = _kda_decode_case(kd, lb)
+    res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     print("RESULTS " + json.dumps(res))
 
 
@@ -108,6 +163,17 @@ def test_mxfp4_dequant_interpreted(results):
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_mla_decode_interpreted(results, splits):
     assert results[f"mla-{splits}"]["rel"] < 1e-5
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
+def test_kda_fused_decode_interpreted(results, lower_bound):
+    r = results[f"kda-decode-{lower_bound}"]
+    assert r["rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["conv_equal"], r
+
+
+def test_kda_conv_prefill_interpreted(results):
+    r = results["kda-conv-prefill"]
+    assert r["rel"] < 1e-6 and r["state_equal"], r
 
 
 if __name__ == "__main__":

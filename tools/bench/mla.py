@@ -51,23 +51,27 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         t_base = time_ms(base, rep=10)
         ref = base().float()
         del cache
-        configs = [(16, None)] if H == 16 else [(16, None), (32, None), (64, None)]
+        configs = [(16, None, 4, 2)] if H == 16 else [(32, None, 4, 2), (64, None, 8, 2)]
         if sweep:
-            configs += [(16, 1), (16, 2), (16, 4), (16, 8)] if H == 16 else [(32, 1), (32, 2), (64, 1), (64, 2)]
+            configs += ([(16, None, 4, 1), (16, None, 4, 3), (16, None, 8, 2)] if H == 16 else
+                        [(32, None, 8, 2), (32, None, 4, 1), (32, None, 4, 3), (64, None, 8, 1), (64, 2, 8, 2),
+                         (16, None, 2, 2)])
         best = None
-        for bh, ns in configs:
-            fn = lambda bh=bh, ns=ns: mla_decode_attention(ql, qp, kv, pt, lens, scale=SCALE, num_splits=ns,
-                                                           block_h=bh)
+        for bh, ns, nw, st in configs:
+            fn = lambda bh=bh, ns=ns, nw=nw, st=st: mla_decode_attention(ql, qp, kv, pt, lens, scale=SCALE,
+                                                                         num_splits=ns, block_h=bh, num_warps=nw,
+                                                                         num_stages=st)
             try:
                 t = time_ms(fn, rep=10)
                 err = rel_l2(fn().float(), ref)
             except Exception as exc:
-                emit(bench="mla_config_failed", block_h=bh, num_splits=ns, error=repr(exc)[:300])
+                emit(bench="mla_config_failed", block_h=bh, num_splits=ns, num_warps=nw, error=repr(exc)[:300])
                 continue
-            emit(bench="mla_config", B=B, L=L, H=H, block_h=bh, num_splits=ns, ms=round(t, 4),
+            emit(bench="mla_config", B=B, L=L, H=H, block_h=bh, num_splits=ns, num_warps=nw, num_stages=st,
+                 ms=round(t, 4),
                  frac_of_floor=round(floor_ms / t, 3), rel_l2_vs_bmm=err)
             if best is None or t < best[1]:
-                best = ((bh, ns), t)
+                best = ((bh, ns, nw, st), t)
         emit(bench="mla", B=B, L=L, H=H, kv_bytes=B * L * 1152, floor_ms=round(floor_ms, 4),
              bmm_ms=round(t_base, 4), bmm_x_floor=round(t_base / floor_ms, 2), best_config=list(best[0]),
              best_ms=round(best[1], 4), frac_of_floor=round(floor_ms / best[1], 3),

@@ -60,12 +60,15 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     for name in ("decode", "decode_dq", "prefill", "prefill_dq"):
         out = mt.moe_experts(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ", tactic=name)
         emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
-    tactics = dict(mt.TACTICS)
+    decode_sweep, prefill_sweep = {}, {}
     if sweep:
-        for bn, bk, ds, nw in ((32, 128, True, 4), (32, 256, True, 4), (64, 128, True, 4), (128, 128, True, 4),
-                               (128, 256, True, 8), (64, 256, True, 8), (32, 128, False, 4), (64, 128, False, 4),
-                               (128, 128, False, 8), (64, 64, True, 4), (64, 64, False, 4)):
-            tactics[f"d_bn{bn}_bk{bk}_{'ds' if ds else 'dq'}_w{nw}"] = mt.MoETactic(16, bn, bk, nw, 3, ds)
+        for bn, bk, nw, ds in ((64, 64, 4, True), (64, 64, 8, True), (64, 128, 8, True), (128, 64, 8, True),
+                               (128, 128, 8, True), (64, 128, 4, True), (64, 64, 8, False), (64, 128, 8, False),
+                               (128, 64, 8, False), (128, 128, 8, False), (64, 256, 8, False), (32, 128, 4, True)):
+            decode_sweep[f"d_bn{bn}_bk{bk}_w{nw}_{'ds' if ds else 'dq'}"] = mt.MoETactic(16, bn, bk, nw, 2, ds)
+        for bm, bn, bk, nw, ds in ((64, 128, 64, 8, True), (64, 128, 64, 8, False), (128, 128, 64, 8, True),
+                                   (128, 128, 64, 8, False), (64, 128, 128, 8, False), (128, 64, 128, 8, False)):
+            prefill_sweep[f"p_bm{bm}_bn{bn}_bk{bk}_w{nw}_{'ds' if ds else 'dq'}"] = mt.MoETactic(bm, bn, bk, nw, 2, ds)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER
@@ -73,9 +76,8 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         t_base = time_ms(base)
         rec = dict(bench="moe", tokens_per_expert=tpe, M=z.shape[0], experts=E, weight_bytes=wbytes,
                    hbm_tbps=round(bw_tbps, 3), floor_ms=round(floor_ms, 4), grouped_mm_bf16_ms=round(t_base, 4))
-        names = [n for n in tactics if (n.startswith("prefill") if tpe >= 64 else not n.startswith("prefill"))]
-        if tpe >= 64:
-            names = names + [n for n in tactics if n.startswith("d")][:2]
+        tactics = dict(mt.TACTICS, **(prefill_sweep if tpe >= 64 else decode_sweep))
+        names = [n for n in tactics if not n.startswith("prefill")] if tpe < 64 else list(tactics)
         best = None
         for name in names:
             try:

@@ -1,0 +1,135 @@
+"""KDA mixer on the GPU: fla-core's chunk_kda (prefill) / fused_recurrent (decode) with Triton glue.
+
+Same signature and semantics as `reference.kda_mixer`. Projections are torch GEMMs in the activation
+dtype. Decode tactics ("a step with as many tokens as sequences", every sequence one token):
+  "fused" — one Triton program per (sequence, head) does conv update, norms, gates, the delta rule on the
+            in-place slot state and the gated output norm (the state is read once and written once);
+  "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel.
+Prefill: varlen conv kernel, fla-core chunk_kda from the gathered slot states, state scatter, norm kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from k3plugins.kda.triton_decode import (conv_prefill_kernel, conv_state_kernel, conv_update_kernel,
+                                         gated_norm_kernel, kda_decode_fused_kernel)
+
+DECODE_TACTICS = ("fused", "fla")
+
+
+def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, head_dim: int,
+             tactic: str = "fused") -> tuple[bool, str]:
+    if tactic not in DECODE_TACTICS:
+        return False, f"unknown KDA tactic {tactic!r}; have {DECODE_TACTICS}"
+    if not x.is_cuda:
+        return False, "the fla/Triton KDA path needs CUDA tensors"
+    if conv_pool.shape[-1] != 3:
+        return False, f"conv_pool must keep 3 inputs (short conv of width 4), got {conv_pool.shape[-1]}"
+    if head_dim & (head_dim - 1):
+        return False, f"head_dim={head_dim} must be a power of two"
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError as exc:
+        return False, f"fla-core does not import: {exc}"
+    return True, ""
+
+
+def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
+               conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
+               lower_bound: float | None, eps: float, tactic: str = "fused") -> torch.Tensor:
+    """One decode token per sequence, after the projections; slots are updated in place.
+
+    Args:
+        qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output; b: [N, H] beta logits;
+        g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
+        o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
+
+    Returns:
+        [N, D] gated, normed output in qkv.dtype (the o_proj input).
+    """
+    N = qkv.shape[0]
+    H, K = num_heads, head_dim
+    D = H * K
+    slot_ids = slot_ids.to(torch.int32)
+    out = torch.empty(N, D, dtype=qkv.dtype, device=qkv.device)
+    lb = 0.0 if lower_bound is None else float(lower_bound)
+    if tactic == "fused":
+        kda_decode_fused_kernel[(N, H)](
+            qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
+            out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
+            recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=8)
+        return out
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
+    conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),
+                                                       conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
+    q, k, v = (t.view(1, N, H, K) for t in y.split(D, dim=1))
+    cu = torch.arange(N + 1, dtype=torch.int64, device=qkv.device)
+    o, _ = fused_recurrent_kda_fwd(q, k, v, g_raw.float().view(1, N, H, K), b.float().contiguous().view(1, N, H),
+                                   A_log=A_log.float(), dt_bias=dt_bias.float(), initial_state=recurrent_pool,
+                                   scale=K ** -0.5, inplace_final_state=True, state_v_first=True, cu_seqlens=cu,
+                                   ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True,
+                                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
+    o = o.view(N, D)
+    gated_norm_kernel[(N, H)](o, g_out, o_norm_weight, out, o.stride(0), g_out.stride(0), out.stride(0), float(eps),
+                              K=K)
+    return out
+
+
+def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool,
+                cu_seqlens, slot_ids, *, num_heads, head_dim, lower_bound, eps):
+    """Packed prefill chunks (any lengths) via chunk_kda, continuing from and updating each slot."""
+    from fla.ops.kda import chunk_kda
+    T = qkv.shape[0]
+    N = slot_ids.shape[0]
+    H, K = num_heads, head_dim
+    D = H * K
+    slot_ids = slot_ids.to(torch.int32)
+    cu = cu_seqlens.to(torch.int64)
+    tok_seq = torch.searchsorted(cu[1:], torch.arange(T, device=qkv.device), right=True).to(torch.int32)
+    y = torch.empty(T, 3 * D, dtype=qkv.dtype, device=qkv.device)
+    grid_c = triton.cdiv(3 * D, 1024)
+    conv_prefill_kernel[(T, grid_c)](qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, qkv.stride(0),
+                                     conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
+    conv_state_kernel[(N, grid_c)](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0), W=4, BC=1024)
+    q, k, v = (t.reshape(1, T, H, K) for t in y.split(D, dim=1))
+    h0 = recurrent_pool[slot_ids.long()].float()                                 # [N, H, V, K]
+    o, ht = chunk_kda(q, k, v, g_raw.reshape(1, T, H, K).to(q.dtype), b.float().reshape(1, T, H), scale=K ** -0.5,
+                      initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
+                      lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu, A_log=A_log.float(),
+                      dt_bias=dt_bias.float())
+    recurrent_pool[slot_ids.long()] = ht.to(recurrent_pool.dtype)
+    o = o.reshape(T, D)
+    out = torch.empty(T, D, dtype=qkv.dtype, device=qkv.device)
+    gated_norm_kernel[(T, H)](o, g_out, o_norm_weight, out, o.stride(0), g_out.stride(0), out.stride(0), float(eps),
+                              K=K)
+    return out
+
+
+def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.Tensor, f_b_weight: torch.Tensor,
+              A_log: torch.Tensor, dt_bias: torch.Tensor, g_b_weight: torch.Tensor | None,
+              o_norm_weight: torch.Tensor, o_weight: torch.Tensor, recurrent_pool: torch.Tensor,
+              conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, num_heads: int,
+              head_dim: int, lower_bound: float | None, eps: float) -> torch.Tensor:
+    """See reference.kda_mixer. A step with T == N tokens is taken as decode (the scheduler puts no empty
+    sequence in a step), which needs no device->host sync; any other step is a prefill."""
+    T = x.shape[0]
+    H, K = num_heads, head_dim
+    D = H * K
+    G = D if g_b_weight is None else K
+    proj = x @ in_proj_weight.T                                                 # [T, 3D + K + H + G]
+    qkv = proj[:, :3 * D]
+    f_a, b, g_in = proj[:, 3 * D:].split([K, H, G], dim=-1)
+    g_raw = f_a @ f_b_weight.T                                                  # [T, D]
+    g_out = g_in if g_b_weight is None else g_in @ g_b_weight.T
+    args = (qkv, g_raw, b, g_out.contiguous(), conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
+    if T == slot_ids.shape[0]:
+        o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
+    else:
+        o = kda_prefill(*args, cu_seqlens, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
+    return o @ o_weight.T

@@ -1,0 +1,139 @@
+"""KDA decode glue in Triton (one token per sequence, slots updated in place).
+
+`kda_decode_fused_kernel` does a whole decode step of one (sequence, head) in one program: short-conv
+update of the q/k/v channels, SiLU, q/k L2 norm, the K3 gate, sigmoid beta, the delta rule on the
+[V, K] state (read once, written once), and the gated output RMSNorm. `conv_update_kernel` and
+`gated_norm_kernel` are the same glue split around fla-core's fused_recurrent kernel (the "fla" tactic).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_step(x_ptr, w_ptr, pool_ptr, ch, W: tl.constexpr):
+    """SiLU(Σ_i w[c, i]·window_i) for channels `ch` of one slot; shifts the raw input into the slot's state."""
+    x = tl.load(x_ptr + ch).to(tl.float32)
+    acc = x * tl.load(w_ptr + ch * W + (W - 1))
+    for i in tl.static_range(W - 1):
+        s = tl.load(pool_ptr + ch * (W - 1) + i).to(tl.float32)
+        acc += s * tl.load(w_ptr + ch * W + i)
+        if i > 0:
+            tl.store(pool_ptr + ch * (W - 1) + i - 1, s.to(pool_ptr.dtype.element_ty))
+    tl.store(pool_ptr + ch * (W - 1) + (W - 2), x.to(pool_ptr.dtype.element_ty))
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _gate(raw, a_log, bias, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
+    a = raw + bias
+    if HAS_LOWER_BOUND:
+        return lower_bound * tl.sigmoid(tl.exp(a_log) * a)
+    # -exp(A_log)·softplus(a), softplus written stably
+    return -tl.exp(a_log) * (tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a))))
+
+
+@triton.jit
+def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, gout_ptr,
+                            norm_w_ptr, state_ptr, slot_ptr, out_ptr, stride_qkv, stride_cp, stride_graw, stride_b,
+                            stride_gout, stride_st, stride_out, scale, lower_bound, eps, H: tl.constexpr,
+                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    D = H * K
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    rk = tl.arange(0, K)
+    ch = h * K + rk
+    x_row = qkv_ptr + n * stride_qkv
+    pool = conv_pool_ptr + slot * stride_cp
+    q = _conv_step(x_row, conv_w_ptr, pool, ch, W)
+    k = _conv_step(x_row, conv_w_ptr, pool, D + ch, W)
+    v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + ch, W)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    g = _gate(tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
+              tl.load(dt_bias_ptr + ch).to(tl.float32), lower_bound, HAS_LOWER_BOUND)
+    beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
+    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
+    S = tl.load(p_s).to(tl.float32) * tl.exp(g)[None, :]
+    u = (v - tl.sum(S * k[None, :], 1)) * beta                                       # [V]
+    S += u[:, None] * k[None, :]
+    o = tl.sum(S * q[None, :], 1)                                                    # [V]
+    tl.store(p_s, S.to(state_ptr.dtype.element_ty))
+    o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * tl.load(norm_w_ptr + rk).to(tl.float32)
+    o = o * tl.sigmoid(tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32))
+    tl.store(out_ptr + n * stride_out + ch, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def conv_update_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, y_ptr, stride_qkv, stride_cp, stride_y,
+                       C, W: tl.constexpr, BC: tl.constexpr):
+    """y[n, c] = SiLU(conv) for one token per sequence; the slot's conv state shifts in place."""
+    n = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    y = _conv_step(qkv_ptr + n * stride_qkv, conv_w_ptr, conv_pool_ptr + slot * stride_cp, ch, W)
+    tl.store(y_ptr + n * stride_y + ch, y.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gated_norm_kernel(o_ptr, gout_ptr, norm_w_ptr, out_ptr, stride_o, stride_gout, stride_out, eps,
+                      K: tl.constexpr):
+    """out[t, h] = RMSNorm(o[t, h]; w) · sigmoid(g_out[t, h]) per head of K values, fp32 math."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    ch = h * K + tl.arange(0, K)
+    o = tl.load(o_ptr + t * stride_o + ch).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * tl.load(norm_w_ptr + tl.arange(0, K)).to(tl.float32)
+    o = o * tl.sigmoid(tl.load(gout_ptr + t * stride_gout + ch).to(tl.float32))
+    tl.store(out_ptr + t * stride_out + ch, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, tok_seq_ptr, y_ptr, stride_qkv,
+                        stride_cp, stride_y, C, W: tl.constexpr, BC: tl.constexpr):
+    """y[t, c] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in before start."""
+    t = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    sid = tl.load(tok_seq_ptr + t)
+    start = tl.load(cu_ptr + sid)
+    pool = conv_pool_ptr + tl.load(slot_ptr + sid).to(tl.int64) * stride_cp
+    acc = tl.zeros((BC,), dtype=tl.float32)
+    for i in tl.static_range(W):
+        src = t - (W - 1) + i
+        if src >= start:
+            x = tl.load(qkv_ptr + src * stride_qkv + ch).to(tl.float32)
+        else:
+            x = tl.load(pool + ch * (W - 1) + (src - start + W - 1)).to(tl.float32)
+        acc += x * tl.load(conv_w_ptr + ch * W + i)
+    tl.store(y_ptr + t * stride_y + ch, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _raw_input(qkv_ptr, pool, ch, pos, start, stride_qkv, W: tl.constexpr):
+    """Raw conv input of packed position pos: the chunk's token, or the slot's old state before start."""
+    if pos >= start:
+        x = tl.load(qkv_ptr + pos * stride_qkv + ch)
+    else:
+        x = tl.load(pool + ch * (W - 1) + (pos - start + W - 1))
+    return x.to(tl.float32)
+
+
+@triton.jit
+def conv_state_kernel(qkv_ptr, conv_pool_ptr, slot_ptr, cu_ptr, stride_qkv, stride_cp, W: tl.constexpr,
+                      BC: tl.constexpr):
+    """After a prefill chunk: each slot keeps the last W-1 raw inputs (old state where the chunk is shorter)."""
+    tl.static_assert(W == 4, "conv_state_kernel is written for K3's short conv of width 4")
+    n = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    start = tl.load(cu_ptr + n)
+    end = tl.load(cu_ptr + n + 1)
+    pool = conv_pool_ptr + tl.load(slot_ptr + n).to(tl.int64) * stride_cp
+    # read every source before writing: sources in the old state sit at an index >= the one written
+    x0 = _raw_input(qkv_ptr, pool, ch, end - 3, start, stride_qkv, W)
+    x1 = _raw_input(qkv_ptr, pool, ch, end - 2, start, stride_qkv, W)
+    x2 = _raw_input(qkv_ptr, pool, ch, end - 1, start, stride_qkv, W)
+    dt = conv_pool_ptr.dtype.element_ty
+    tl.store(pool + ch * 3, x0.to(dt))
+    tl.store(pool + ch * 3 + 1, x1.to(dt))
+    tl.store(pool + ch * 3 + 2, x2.to(dt))

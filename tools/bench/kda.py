@@ -1,0 +1,79 @@
+"""KDA decode/prefill: our glue + fla-core vs fla-core's kernel alone and the state-bytes floor (H=96, K=128)."""
+
+from __future__ import annotations
+
+import torch
+
+from common import emit, rel_l2, time_ms
+from k3plugins.kda import fla as kda_dev
+
+H, K = 96, 128
+D = H * K
+
+
+def _inputs(N: int, gen: torch.Generator, state_dtype=torch.float32):
+    r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=gen) * sc
+    qkv = r(N, 3 * D).to(torch.bfloat16)
+    g_raw, b, g_out = r(N, D), r(N, H), r(N, D)
+    conv_w, a_log, dt_bias, norm_w = r(3 * D, 4, sc=0.5), r(H, sc=0.5), r(D, sc=0.5), 1 + 0.1 * r(K)
+    pool = r(N, H, K, K, sc=0.05).to(state_dtype)
+    conv_pool = r(N, 3 * D, 3).to(torch.bfloat16)
+    slots = torch.randperm(N, device="cuda", generator=gen).to(torch.int32)
+    return qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, slots
+
+
+def bench_kda(bw_tbps: float, sweep: bool) -> None:
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for N in (8, 64, 256):
+        args = _inputs(N, gen)
+        qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, slots = args
+        floor_ms = 2 * pool.numel() * 4 / (bw_tbps * 1e12) * 1e3
+        rec = dict(bench="kda_decode", N=N, H=H, state_bytes_rw=2 * pool.numel() * 4, floor_ms=round(floor_ms, 4))
+        # fla-core's kernel alone, in place by index (its inputs already made)
+        q, k, v = (torch.randn(1, N, H, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+        cu = torch.arange(N + 1, device="cuda")
+        gr, bb = g_raw.view(1, N, H, K), b.view(1, N, H)
+        alone = lambda: fused_recurrent_kda_fwd(q, k, v, gr, bb, A_log=a_log, dt_bias=dt_bias, initial_state=pool,
+                                                scale=K ** -0.5, inplace_final_state=True, state_v_first=True,
+                                                cu_seqlens=cu, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
+                                                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                                lower_bound=-5.0)
+        t_alone = time_ms(alone)
+        rec.update(fla_alone_ms=round(t_alone, 4), fla_alone_x_floor=round(t_alone / floor_ms, 2))
+        outs = {}
+        for tactic in kda_dev.DECODE_TACTICS:
+            p0, c0 = pool.clone(), conv_pool.clone()
+            outs[tactic] = kda_dev.kda_decode(*args[:8], p0, c0, slots, num_heads=H, head_dim=K, lower_bound=-5.0,
+                                              eps=1e-5, tactic=tactic).float()
+            outs[tactic + "_state"] = p0
+            fn = lambda tactic=tactic: kda_dev.kda_decode(*args, num_heads=H, head_dim=K, lower_bound=-5.0,
+                                                          eps=1e-5, tactic=tactic)
+            t = time_ms(fn)
+            rec[f"{tactic}_ms"] = round(t, 4)
+            rec[f"{tactic}_frac_of_floor"] = round(floor_ms / t, 3)
+        rec["fused_vs_fla_rel_l2"] = rel_l2(outs["fused"], outs["fla"])
+        rec["fused_vs_fla_state_rel_l2"] = rel_l2(outs["fused_state"], outs["fla_state"])
+        emit(**rec)
+        del args, pool, conv_pool
+        torch.cuda.empty_cache()
+    # prefill: one 8K sequence, glue included vs chunk_kda alone
+    T = 8192
+    args = _inputs(T, gen)
+    qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, _ = args
+    pool, slots = pool[:1].contiguous(), torch.zeros(1, dtype=torch.int32, device="cuda")
+    conv_pool = conv_pool[:1].contiguous()
+    cu = torch.tensor([0, T], device="cuda")
+    q, k, v = (torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    gr, bb = g_raw.view(1, T, H, K).to(torch.bfloat16), b.view(1, T, H)
+    alone = lambda: chunk_kda(q, k, v, gr, bb, scale=K ** -0.5, initial_state=pool.clone(), output_final_state=True,
+                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                              safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=cu, A_log=a_log,
+                              dt_bias=dt_bias)
+    t_alone = time_ms(alone, rep=10, graph=False)
+    ours = lambda: kda_dev.kda_prefill(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu,
+                                       slots, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5)
+    t_ours = time_ms(ours, rep=10, graph=False)
+    emit(bench="kda_prefill", T=T, H=H, chunk_kda_alone_ms=round(t_alone, 4), ours_ms=round(t_ours, 4),
+         ours_x_alone=round(t_ours / t_alone, 3), tokens_per_s=round(T / t_ours * 1e3))
