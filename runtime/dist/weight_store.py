@@ -198,7 +198,10 @@ class WeightStore:
 
     def load(self) -> None:
         for r, src in self.sources.items():
-            sha = copy_verified(src, self.opts.shm_dir / f"rank{r}.safetensors", self.stop, self._count)
+            dst = self.opts.shm_dir / f"rank{r}.safetensors"
+            sha = copy_verified(src, dst, self.stop, self._count)
+            if diffs := self.prints[r].differences(proto.rank_print(dst)):
+                raise StoreError(f"{src} changed after the store started: {'; '.join(diffs)}; restart the store")
             with self._lock:
                 self.content_sha[r] = sha
         with self._lock:
