@@ -116,7 +116,8 @@ def _run_job(task) -> int:
     if job.kind == "copy":
         t = _load(job.sources[0])
         try:
-            t = to_canonical_tensor(job.outputs[0].name, t, st["cfg"], st["flavour"], f"{job.sources[0].path}: ")
+            src = job.sources[0]
+            t = to_canonical_tensor(job.outputs[0].name, t, st["cfg"], st["flavour"], f"{src.path}: tensor {src.name}")
         except SchemaError as e:
             raise ConvertError(str(e)) from None
         results = [t]

@@ -181,7 +181,8 @@ def to_canonical_tensor(canonical_name: str, t: torch.Tensor, cfg: K3Config, fla
                         where: str = "") -> torch.Tensor:
     """Reshape/de-pad a source tensor into its canonical form; only A_log changes (to [H]).
 
-    Raises SchemaError when K3's padded A_log tail is non-zero.
+    Raises SchemaError when K3's padded A_log tail is non-zero; `where` (e.g. "file: tensor name") leads the
+    message, else the canonical name does.
     """
     if not canonical_name.endswith(".self_attn.A_log"):
         return t
@@ -191,7 +192,7 @@ def to_canonical_tensor(canonical_name: str, t: torch.Tensor, cfg: K3Config, fla
     tail = t[h:]
     if bool((tail != 0).any()):
         j = int((tail != 0).nonzero()[0, 0]) + h
-        raise SchemaError(f"{where}{canonical_name}: A_log padding must be zero after the first {h} heads "
+        raise SchemaError(f"{where or canonical_name}: A_log padding must be zero after the first {h} heads "
                           f"(shape [{t.shape[0]}]), got {float(t[j])!r} at index {j}")
     return t[:h].clone()
 

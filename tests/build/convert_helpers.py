@@ -59,16 +59,17 @@ def reassemble(out_dir: Path) -> dict[str, torch.Tensor]:
     return full
 
 
-def rewrite_shard(ckpt: Path, edit) -> None:
-    """Apply `edit(dict[str, Tensor]) -> dict` to the shard holding layer 2's tensors; keep the index in step."""
+def rewrite_shard(ckpt: Path, edit, name: str) -> str:
+    """Apply `edit(dict[str, Tensor]) -> dict` to the shard holding tensor `name`; keep the index in step."""
     index_path = ckpt / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    fname = index["weight_map"][PREFIX + "model.layers.2.input_layernorm.weight"]
+    fname = index["weight_map"][name]
     tensors = edit(load_file(ckpt / fname))
     save_file(tensors, ckpt / fname, metadata={"format": "pt"})
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != fname}
     index["weight_map"].update({k: fname for k in tensors})
     index_path.write_text(json.dumps(index))
+    return fname
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:

@@ -1,0 +1,151 @@
+"""Bad input to `k3build convert` (via the real CLI): a message naming file + tensor + expectation, exit != 0,
+no output directory (nor temp dir) left behind; and a kill -9 mid-run followed by a correct re-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from convert_helpers import copy_ckpt, make_tiny, reassemble, rewrite_shard, source_tensors
+from k3build.cli import main
+
+L2 = "language_model.model.layers.2."
+WQ = L2 + "self_attn.q_proj.weight"
+SCALE = L2 + "block_sparse_moe.experts.1.w3.weight_scale"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def _shard_of(ckpt, name):
+    return json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def _run(ckpt, out, *args):
+    r = CliRunner().invoke(main, ["convert", str(ckpt), str(out), *args])
+    assert r.exit_code != 0, r.output
+    assert isinstance(r.exception, SystemExit), r.exception  # a ClickException, not a traceback
+    assert not out.exists(), "no output directory may be left behind"
+    assert not list(out.parent.glob(out.name + ".tmp-*")), "no temp directory may be left behind"
+    return r.output
+
+
+def _edit(fn):
+    def edit(d):
+        fn(d)
+        return d
+    return edit
+
+
+def _set(name, value):
+    return _edit(lambda d: d.__setitem__(name, value))
+
+
+def _poke(name, index, value):
+    def fn(d):
+        t = d[name].clone()
+        t.view(-1)[index] = value
+        d[name] = t
+    return _edit(fn)
+
+
+CASES = {
+    "missing": (_edit(lambda d: d.pop(WQ)), ["missing tensor", WQ[len("language_model."):], "BF16 [128, 128]"]),
+    "unexpected": (_set(L2 + "self_attn.extra.weight", torch.zeros(3)), ["unexpected tensor", L2 + "self_attn.extra.weight"]),
+    "shape": (_set(WQ, torch.zeros(128, 64, dtype=torch.bfloat16)), [WQ, "wrong shape [128, 64]", "expected [128, 128]"]),
+    "dtype": (_edit(lambda d: d.__setitem__(WQ, d[WQ].float())), [WQ, "wrong dtype F32", "expected BF16"]),
+    "nan": (_poke(WQ, 77, float("nan")), [WQ, "nan", "expected finite"]),
+    "inf": (_poke(WQ, 5, float("-inf")), [WQ, "-inf", "expected finite"]),
+    "scale_ff": (_poke(SCALE, 9, 0xFF), [SCALE, "0xFF", "expected bytes 0..254"]),
+    "a_log_tail": (_poke(L2 + "self_attn.A_log", 7, 0.5), [L2 + "self_attn.A_log", "padding must be zero", "index 7"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_tensor(tiny, tmp_path, case):
+    edit, expect = CASES[case]
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    target = {"scale_ff": SCALE, "a_log_tail": L2 + "self_attn.A_log"}.get(case, WQ)
+    shard = rewrite_shard(ckpt, edit, target)
+    msg = _run(ckpt, tmp_path / "out", "--tp-size", "2", "--workers", "2" if case == "nan" else "1")
+    assert shard in msg or case == "missing", msg
+    for e in expect:
+        assert e in msg, (e, msg)
+
+
+def test_truncated_shard(tiny, tmp_path):
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    f = ckpt / _shard_of(ckpt, WQ)
+    os.truncate(f, f.stat().st_size - 100)
+    msg = _run(ckpt, tmp_path / "out")
+    assert str(f) in msg and "truncated" in msg and "tensor language_model." in msg, msg
+
+
+@pytest.mark.parametrize("how", ["garbage_json", "huge_length"])
+def test_corrupt_header(tiny, tmp_path, how):
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    f = ckpt / _shard_of(ckpt, WQ)
+    with open(f, "r+b") as fh:
+        if how == "garbage_json":
+            fh.seek(8)
+            fh.write(b"\x00not json\xff")
+        else:
+            fh.write((1 << 40).to_bytes(8, "little"))
+    msg = _run(ckpt, tmp_path / "out")
+    assert str(f) in msg and "corrupt safetensors header" in msg, msg
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--tp-size", "3"], "not divisible by attention TP=3"),
+    (["--tp-size", "2", "--ep-size", "3"], "must equal tp_size"),
+    (["--tp-size", "4", "--moe-tp-size", "4"], "multiple of 32"),
+    (["--tp-size", "2", "--moe-tp-size", "2", "--attention-dp"], "attention-DP off"),
+])
+def test_mapping_does_not_divide(tiny, tmp_path, args, expect):
+    msg = _run(tiny, tmp_path / "out", *args)
+    assert expect in msg, msg
+
+
+def test_sigkill_then_rerun(tiny, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "k3build.cli", "convert", str(tiny), str(out), "--tp-size", "2"]
+    env = dict(os.environ, K3BUILD_CONVERT_TEST_SLEEP="0.02")  # ~1000 tensors: about 20 s if left alone
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("out.tmp-*/rank1.safetensors")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # well inside the data phase
+    assert proc.poll() is None, "convert finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stale = list(tmp_path.glob("out.tmp-*"))
+    assert not out.exists() and len(stale) == 1
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not stale[0].exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
+    got, src = reassemble(out), source_tensors(tiny)
+    assert torch.equal(got["model.layers.4.self_attn.o_proj.weight"], src["model.layers.4.self_attn.o_proj.weight"])
+    assert all(torch.equal(got[n], src[n]) for n in src if not n.endswith("A_log"))
+
+
+def test_sigterm_cleans_up(tiny, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "k3build.cli", "convert", str(tiny), str(out)]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, K3BUILD_CONVERT_TEST_SLEEP="0.02"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("out.tmp-*/rank0.safetensors")) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) != 0
+    assert list(tmp_path.iterdir()) == []
