@@ -34,6 +34,7 @@ class EngineOptions:
     preemption_mode: str = "recompute"
     num_host_pages: int = 0
     num_host_slots: int = 0
+    enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class LLMEngine:
         from .loader import read_engine_config
 
         config = read_engine_config(engine_dir)
+        if options.enable_deepep:
+            from .dist.deepep import check_deepep
+
+            check_deepep(config["pretrained_config"])
         self.config, self.options = config, options
         mapping = config["mapping"]
         self.world_size = mapping["world_size"]

@@ -1,24 +1,34 @@
-"""Run under torchrun: rank 0 scores and generates with a multi-rank engine and writes the results as JSON."""
+"""Run under torchrun: rank 0 scores and generates with a multi-rank engine and writes the results as JSON.
+
+job["mode"] == "stream": rank 0 streams a long generation and touches `out` after each token (the failure
+test kills a rank meanwhile); every rank writes its pid to `<out>.rank<N>.pid` first.
+"""
 
 import json
+import os
 import sys
+from pathlib import Path
 
 from k3runtime.dist.launch import run
 
 
 def main():
-    engine, out, job = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    engine, out, job = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    Path(f"{out}.rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
 
     def drive():
         from k3runtime import LLM, SamplingParams
 
         llm = LLM(engine, **job["options"])
         greedy = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True)
+        if job.get("mode") == "stream":
+            for i, _ in enumerate(llm.stream(job["prompts"][0], greedy)):
+                out.write_text(str(i))
+            return
         result = {"logits": llm.logits(job["prompts"][0]).tolist(),
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],
                   "stats": llm.engine.stats}
-        with open(out, "w") as f:
-            json.dump(result, f)
+        out.write_text(json.dumps(result))
 
     run(engine, drive)
 
