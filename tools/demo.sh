@@ -2,7 +2,10 @@
 # The README's main job on a fresh machine: install, then synth -> convert -> build -> generate on the tiny K3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0 -e .
+# K3_DEMO_SKIP_INSTALL=1: the environment is already set up (tests/test_readme_demo.py runs the rest).
+if [ -z "${K3_DEMO_SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q torch==2.13.0 -e .
+fi
 work=${K3_DEMO_DIR:-$(mktemp -d)}
 echo "working in $work"
 k3build synth "$work/ckpt" --preset tiny --seed 0
