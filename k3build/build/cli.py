@@ -64,8 +64,15 @@ def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
     """Build per-rank engines from a converted checkpoint."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        opts = {**_recipe_build_options(recipe, converted), **{k: v for k, v in flags.items() if v is not None}}
-        options = BuildOptions(**opts)
+        from_recipe = _recipe_build_options(recipe, converted)
+        given = {k: v for k, v in flags.items() if v is not None}
+        try:
+            options = BuildOptions(**{**from_recipe, **given})
+        except ValueError as e:
+            # A bad value the user did not type comes from the recipe: say so.
+            if any(f"--{k.replace('_', '-')}" in str(e) for k in set(from_recipe) - set(given)):
+                raise BuildError(f"{recipe} [build]: {e}") from None
+            raise
         out = build(converted, engine, options, overwrite=overwrite, progress=progress,
                     log=lambda m: click.echo(f"note: {m}", err=True))
     except (BuildError, ConfigError, MappingError, ValueError, KeyError) as e:

@@ -20,7 +20,6 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .. import __version__
 from ..config import K3Config
 from ..mapping import Mapping
 from . import graph as graph_mod

@@ -186,7 +186,7 @@ def _cli(*args: str, block_triton: bool = False, slow: float = 0.0, **kw) -> sub
     code = ("import sys, time\n"
             + ("sys.modules['triton'] = None\n" if block_triton else "")  # `import triton` then raises ImportError
             + "import k3build.build.engine as eng\n"
-            + f"orig = eng.engine_tensors\n"
+            + "orig = eng.engine_tensors\n"
             + f"def slow(*a):\n    for x in orig(*a):\n        time.sleep({slow})\n        yield x\n"
             + ("eng.engine_tensors = slow\n" if slow else "")
             + "from k3build.cli import main\nmain(sys.argv[1:])\n")
@@ -259,3 +259,35 @@ def test_progress_bar_per_layer(converted, tmp_path):
     assert res.exit_code == 0, res.output
     err = res.stderr
     assert "build rank0" in err and "build rank1" in err and "9/9" in err and "layer" in err
+
+
+def test_bad_recipe_value_names_the_recipe(converted, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text((ROOT / "engines" / "tiny.toml").read_text().replace('kv_dtype = "bf16"', 'kv_dtype = "fp8"'))
+    out = tmp_path / "engine"
+    res = CliRunner().invoke(main, ["build", str(converted["tp1"]), str(out), "--recipe", str(recipe), "--no-progress"])
+    _refused(res, out, "r.toml [build]", "--kv-dtype", "'fp8'")
+    # the flag overrides the recipe's value
+    res = CliRunner().invoke(main, ["build", str(converted["tp1"]), str(out), "--recipe", str(recipe),
+                                    "--kv-dtype", "bf16", "--no-progress"])
+    assert res.exit_code == 0, res.output
+
+
+def test_clean_stale_tells_dead_from_live(tmp_path):
+    from k3build.build.staging import NO_PID_GRACE_S, clean_stale
+
+    host, me = os.uname().nodename, os.getpid()
+    dirs = {"live": f"{me} {host} {_start_time(me)}", "reused-pid": f"{me} {host} 1",
+            "other-host": f"1 not-{host} 1", "garbage": "x", "young-no-pid": None, "old-no-pid": None}
+    for name, pid in dirs.items():
+        d = tmp_path / f".engine.tmp-{name}"
+        d.mkdir()
+        if pid is not None:
+            (d / PID_FILE).write_text(pid)
+    old = time.time() - NO_PID_GRACE_S - 5
+    os.utime(tmp_path / ".engine.tmp-old-no-pid", (old, old))
+    (tmp_path / ".other.tmp-x").mkdir()  # another engine's staging dir is not ours to judge
+    removed = {p.name for p in clean_stale(tmp_path / "engine")}
+    assert removed == {".engine.tmp-reused-pid", ".engine.tmp-garbage", ".engine.tmp-old-no-pid"}
+    assert {p.name for p in tmp_path.iterdir()} == {".engine.tmp-live", ".engine.tmp-other-host",
+                                                    ".engine.tmp-young-no-pid", ".other.tmp-x"}
