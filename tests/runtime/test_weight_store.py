@@ -255,3 +255,20 @@ def test_config_files_json_and_toml(tmp_path):
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(WeightStoreError, match="bad.json: cannot read"):
         WeightStoreConfig.load(tmp_path / "bad.json")
+
+
+def test_load_rank_attaches_when_a_store_is_configured(engine, stores, tmp_path, monkeypatch):
+    import inspect
+
+    from k3runtime import loader
+
+    if "weight_store" not in inspect.getsource(loader.load_rank):
+        pytest.skip("runtime/loader.py load_rank has no weight-store hook yet")
+    store = stores(engine)
+    store.wait_ready()
+    cfg_file = tmp_path / "wsc.toml"
+    cfg_file.write_text(f'[nodes."*"]\nsocket = "{store.socket}"\nranks = [0, 1]\n')
+    monkeypatch.setenv("K3_WEIGHT_STORE_CONFIG", str(cfg_file))
+    rank = loader.load_rank(engine, 1)
+    shm_size = (store.dir / "rank1.safetensors").stat().st_size
+    assert all(t.untyped_storage().nbytes() == shm_size for t in rank.weights.values())  # mapped, not read from disk
