@@ -58,6 +58,8 @@ def _raise_interrupt(signum, frame):
 @click.option("--state-dtype", type=click.Choice(["fp32", "bf16"]), default=None, help="KDA state storage [fp32].")
 @click.option("--page-size", type=int, default=None, help="Tokens per MLA cache page [64].")
 @click.option("--gpu-memory-gib", type=float, default=None, help="Per-rank memory budget the plan must fit.")
+@click.option("--overhead-gib", type=float, default=None,
+              help="Held back from the budget for communicators and allocator slack [1.0].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine dir.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar per rank.")
 def build_cmd(converted, engine, recipe, overwrite, progress, **flags):

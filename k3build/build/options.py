@@ -38,7 +38,7 @@ class BuildOptions:
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ValueError(f"--gpu-memory-gib: expected a positive number of GiB, got {self.gpu_memory_gib!r}")
         if not self.overhead_gib >= 0:
-            raise ValueError(f"overhead_gib: expected >= 0 GiB, got {self.overhead_gib!r}")
+            raise ValueError(f"--overhead-gib: expected >= 0 GiB, got {self.overhead_gib!r}")
         if self.page_size != 64 and self.target != "cpu":
             raise ValueError(f"--page-size: {self.page_size} on target {self.target}, but its MLA kernels need "
                              "pages of 64 tokens")

@@ -123,8 +123,10 @@ def test_extra_rank_file(converted, tmp_path):
     (["--max-seq-len", "-1"], ["--max-seq-len", "-1"]),
     (["--max-batch-size", "0"], ["--max-batch-size", "0"]),
     (["--gpu-memory-gib", "-2"], ["--gpu-memory-gib", "-2"]),
+    (["--gpu-memory-gib", "1", "--overhead-gib", "-1"], ["--overhead-gib", "-1"]),
     (["--max-seq-len", "100000"], ["--max-seq-len: 100000", "max_position_embeddings (4096"]),
-], ids=["target", "tokens<batch", "page-size-sm90", "neg-seq", "zero-batch", "neg-mem", "seq>positions"])
+], ids=["target", "tokens<batch", "page-size-sm90", "neg-seq", "zero-batch", "neg-mem", "neg-overhead",
+     "seq>positions"])
 def test_bad_options(converted, tmp_path, args, words):
     out = tmp_path / "engine"
     # the last occurrence of an option wins, so these override FAST's
@@ -148,6 +150,10 @@ def test_memory_budget_refusal_has_numbers(converted, tmp_path):
     out = tmp_path / "engine"
     res = _build(converted["tp1"], out, "--gpu-memory-gib", "0.0001")
     _refused(res, out, "does not fit", "--gpu-memory-gib 0.0001", "rank 0", "MiB")
+    # with no overhead held back, 0.05 GiB holds the tiny model's weights and one request
+    res = _build(converted["tp1"], out, "--gpu-memory-gib", "0.05", "--overhead-gib", "0")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "config.json").read_text())["memory_plan"]["budget"]["ranks"][0]["reserve"]["overhead"] == 0
 
 
 def test_memory_budget_that_fits_sizes_the_caches(converted, tmp_path):
