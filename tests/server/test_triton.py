@@ -1,0 +1,183 @@
+"""A real tritonserver (nvidia-pytriton's 2.51 build) on a generated repository, real tritonclient calls.
+
+Greedy results over HTTP (unary model) and gRPC streaming (decoupled model) equal the Python API's;
+bad inputs get errors naming the input; SIGTERM stops the server and its stubs (no orphans).
+The stub's environment comes from tools/triton_env.sh (numpy<2 venv); it is built here if missing.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from k3runtime import SamplingParams
+from k3runtime.triton_backend.launch import DEFAULT_VENV, TritonServer, find_env
+from k3runtime.triton_backend.repo import config_pbtxt, write_repo
+
+ROOT = Path(__file__).parents[2]
+
+
+def _ports(n=3):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = tuple(s.getsockname()[1] for s in socks)
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_config_pbtxt_shape(tmp_path):
+    txt = config_pbtxt("k3", tmp_path, decoupled=True)
+    for name in ["text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop",
+                 "text_output", "output_ids", "finish_reason"]:
+        assert f'name: "{name}"' in txt
+    assert 'backend: "python"' in txt and "decoupled: true" in txt and str(tmp_path) in txt
+    assert "decoupled" not in config_pbtxt("k3", tmp_path, decoupled=False)
+    with pytest.raises(FileNotFoundError, match="not a k3build engine"):
+        write_repo(tmp_path, tmp_path / "repo")
+
+
+@pytest.fixture(scope="module")
+def triton(tiny_engine, tmp_path_factory):
+    try:
+        env = find_env(DEFAULT_VENV)
+    except FileNotFoundError:
+        r = subprocess.run(["bash", str(ROOT / "tools/triton_env.sh"), str(DEFAULT_VENV)], capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, f"tools/triton_env.sh failed:\n{r.stdout}\n{r.stderr}"
+        env = find_env(DEFAULT_VENV)
+    work = tmp_path_factory.mktemp("triton")
+    write_repo(tiny_engine, work / "repo", model_name="k3", decoupled=True, max_tokens_limit=64)
+    write_repo(tiny_engine, work / "repo", model_name="k3_unary", decoupled=False, max_tokens_limit=64)
+    ts = TritonServer(work / "repo", work, _ports(), env=env)
+    ts.start()
+    yield ts
+    kids = ts.children()
+    assert kids, "expected Python-backend stub processes under tritonserver"
+    assert ts.stop() == 0, ts.log_tail()
+    assert not [k for k in kids if Path(f"/proc/{k}").exists()], "stub processes outlived tritonserver"
+
+
+def _inputs(mod, **values):
+    kinds = {"text_input": ("BYTES", np.object_), "stop": ("BYTES", np.object_), "input_ids": ("INT32", np.int32),
+             "max_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32), "temperature": ("FP32", np.float32),
+             "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_)}
+    out = []
+    for name, v in values.items():
+        dt, npt = kinds[name]
+        a = np.array(v if isinstance(v, list) else [v], dtype=npt)
+        x = mod.InferInput(name, list(a.shape), dt)
+        x.set_data_from_numpy(a)
+        out.append(x)
+    return out
+
+
+def _stream(url, model, requests):
+    """Send each request (a dict of inputs) on one gRPC stream; returns, per request, its list of responses."""
+    import tritonclient.grpc as tg
+
+    q: queue.Queue = queue.Queue()
+    c = tg.InferenceServerClient(url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        for i, values in enumerate(requests):
+            c.async_stream_infer(model, _inputs(tg, **values), request_id=str(i), enable_empty_final_response=True)
+        got = {str(i): [] for i in range(len(requests))}
+        open_ = set(got)
+        while open_:
+            res, err = q.get(timeout=120)
+            if err is not None:
+                rid = err.get_response().id if hasattr(err, "get_response") else None
+                raise AssertionError(f"stream error (request {rid}): {err}")
+            resp = res.get_response()
+            got[resp.id].append(res)
+            if resp.parameters["triton_final_response"].bool_param:
+                open_.discard(resp.id)
+        return [got[str(i)] for i in range(len(requests))]
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def _ids(res):
+    return [] if res.get_output("output_ids") is None else res.as_numpy("output_ids").tolist()
+
+
+def test_http_unary_matches_python_api(triton, llm):
+    import tritonclient.http as th
+
+    c = th.InferenceServerClient(f"127.0.0.1:{triton.ports[0]}")
+    try:
+        assert c.is_server_ready() and c.is_model_ready("k3_unary") and c.is_model_ready("k3")
+        ref = llm.generate([3, 14, 15, 92], SamplingParams(max_tokens=10, temperature=0))[0]
+        r = c.infer("k3_unary", _inputs(th, input_ids=[3, 14, 15, 92], max_tokens=10, temperature=0.0))
+        assert r.as_numpy("output_ids").tolist() == ref.token_ids
+        assert r.as_numpy("finish_reason")[0].decode() == ref.finish_reason
+        ref = llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0))[0]
+        r = c.infer("k3_unary", _inputs(th, text_input="Hello world", max_tokens=8, temperature=0.0))
+        assert r.as_numpy("output_ids").tolist() == ref.token_ids
+        assert r.as_numpy("text_output")[0].decode() == ref.text
+    finally:
+        c.close()
+
+
+def test_grpc_streaming_matches_python_api(triton, llm):
+    prompts = ["Hello world", "The quick brown fox", "1 2 3"]
+    refs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    reqs = [dict(text_input=p, max_tokens=8, temperature=0.0, stream=True) for p in prompts]
+    reqs.append(dict(text_input=prompts[0], max_tokens=8, temperature=0.0, stream=False))
+    out = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", reqs)
+    for ref, resps in zip(refs, out[:3]):
+        assert [t for r in resps for t in _ids(r)] == ref.token_ids  # one token per response, none lost
+        assert len([r for r in resps if _ids(r)]) == 8
+        texts = [r.as_numpy("text_output")[0].decode() for r in resps if r.get_output("text_output") is not None]
+        assert "".join(texts) == ref.text
+        assert resps[-1].as_numpy("finish_reason")[0].decode() == "length"
+    (single,) = out[3]
+    assert _ids(single) == refs[0].token_ids
+
+
+def test_seed_and_stop_pass_through(triton, llm):
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=99)
+    ref = llm.generate("seeded", sp)[0]
+    text = llm.generate("Hello world", SamplingParams(max_tokens=16, temperature=0))[0].text
+    stop_ref = llm.generate("Hello world", SamplingParams(max_tokens=16, temperature=0, stop=(text[3:5],)))[0]
+    a, b = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [
+        dict(text_input="seeded", max_tokens=10, temperature=1.0, top_k=40, seed=99),
+        dict(text_input="Hello world", max_tokens=16, temperature=0.0, stop=[text[3:5]])])
+    assert _ids(a[0]) == ref.token_ids
+    assert _ids(b[0]) == stop_ref.token_ids and b[0].as_numpy("finish_reason")[0].decode() == "stop"
+
+
+def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    c = th.InferenceServerClient(f"127.0.0.1:{triton.ports[0]}")
+    try:
+        for values, words in [
+            (dict(input_ids=[1, 2], max_tokens=0), "max_tokens"),
+            (dict(input_ids=[1, 2], max_tokens=1000), "limit"),
+            (dict(input_ids=[1, 2], temperature=-1.0), "temperature"),
+            (dict(max_tokens=3), "exactly one"),
+            (dict(input_ids=[1, 10**6]), "vocabulary"),
+            (dict(input_ids=[1, 2], stream=True), "decoupled"),
+        ]:
+            with pytest.raises(InferenceServerException, match=words):
+                c.infer("k3_unary", _inputs(th, **values))
+        wrong = th.InferInput("max_tokens", [1], "FP32")
+        wrong.set_data_from_numpy(np.array([3.0], dtype=np.float32))
+        with pytest.raises(InferenceServerException, match="data-type"):
+            c.infer("k3_unary", _inputs(th, input_ids=[1]) + [wrong])
+        r = c.infer("k3_unary", _inputs(th, input_ids=[1, 2], max_tokens=2, temperature=0.0))
+        assert len(r.as_numpy("output_ids")) == 2
+    finally:
+        c.close()
+    with pytest.raises(AssertionError, match="max_tokens"):
+        _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(text_input="x", max_tokens=-2)])
