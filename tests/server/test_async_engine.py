@@ -1,0 +1,93 @@
+"""AsyncLLMEngine on its own: asyncio streaming equals LLM, cancellation frees pages and slot, seeds, rejections."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from k3runtime import SamplingParams
+from k3runtime.async_engine import AsyncLLMEngine, EngineDeadError
+
+
+@pytest.fixture(scope="module")
+def aengine(tiny_engine):
+    e = AsyncLLMEngine(tiny_engine)
+    yield e
+    e.shutdown()
+
+
+def _wait_free(e, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while (e.stats.pages_used or e.stats.slots_used or e.stats.num_running) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return e.stats
+
+
+def test_generate_equals_llm(aengine, llm):
+    prompts = [[1, 2, 3], [9, 8, 7, 6], [42]]
+    sp = SamplingParams(max_tokens=7, temperature=0)
+    refs = [o.token_ids for o in llm.generate(prompts, sp)]
+
+    async def one(p):
+        return [c.token_id async for c in aengine.generate(p, sp)]
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == refs
+
+
+def test_seed_passes_through(aengine, llm):
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=2024)
+
+    async def one():
+        return [c.token_id async for c in aengine.generate([5, 6, 7], sp)]
+
+    assert asyncio.run(one()) == asyncio.run(one()) == llm.generate([5, 6, 7], sp)[0].token_ids
+
+
+def test_cancel_frees_pages_and_slot(aengine):
+    sp = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+
+    async def main():
+        got = []
+
+        async def consume():
+            async for c in aengine.generate([1, 2, 3], sp):
+                got.append(c.token_id)
+
+        task = asyncio.create_task(consume())
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        assert aengine.stats.slots_used == 1 and aengine.stats.pages_used >= 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return got
+
+    assert len(asyncio.run(main())) >= 3
+    s = _wait_free(aengine)
+    assert (s.pages_used, s.slots_used, s.num_running, s.num_waiting) == (0, 0, 0, 0)
+    assert aengine.metrics.requests_finished.get("abort", 0) >= 1
+
+
+def test_rejections_raise_value_error(aengine):
+    async def first(ids, sp):
+        async for c in aengine.generate(ids, sp):
+            return c
+
+    with pytest.raises(ValueError, match="vocabulary"):
+        asyncio.run(first([10**7], SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="max_model_len|pages"):
+        asyncio.run(first([1] * 5000, SamplingParams(max_tokens=2)))
+    assert asyncio.run(first([1], SamplingParams(max_tokens=1, temperature=0))).finish_reason == "length"
+
+
+def test_shutdown_fails_pending_and_new_requests(tiny_engine):
+    e = AsyncLLMEngine(tiny_engine)
+    e.shutdown()
+    assert not e.is_alive
+    with pytest.raises(EngineDeadError):
+        e.submit([1], SamplingParams(), lambda ev: None)
