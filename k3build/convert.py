@@ -209,7 +209,8 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     Args:
         quantize: None keeps the source's expert format; "mxfp4" quantizes float experts; "none" writes
             float experts (MXFP4 sources are dequantized to BF16).
-        workers: processes moving tensors in parallel (each writes disjoint byte ranges).
+        workers: processes moving tensors in parallel (each writes disjoint byte ranges). They start from a
+            forkserver, so a script calling this with workers > 1 needs the `if __name__ == "__main__"` guard.
     Raises:
         ConvertError naming file, tensor and expectation; nothing is left at out_dir then.
     """
