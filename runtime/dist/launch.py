@@ -113,4 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the importable module, not this `__main__` copy: the engine registers its driver in the former.
+    from k3runtime.dist import launch
+
+    launch.main()

@@ -58,3 +58,17 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
+
+
+def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine, tmp_path):
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    args = ["generate", "--prompt", "Hello there", "--max-tokens", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, "-m", "k3runtime.cli", args[0], str(k3_tiny_engine), *args[1:]],
+                            env=env, capture_output=True, text=True, timeout=300)
+    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "-m", "k3runtime.dist.launch", str(engine), *args], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert single.returncode == 0 and multi.returncode == 0, multi.stderr[-3000:]
+    assert "-> 8 tokens (length)" in multi.stdout
+    assert multi.stdout == single.stdout
