@@ -11,6 +11,8 @@ import torch
 from k3plugins import registry
 from safetensors.torch import load_file
 
+from .dist import weight_store
+
 ENGINE_FORMAT_VERSION = 1
 KDA, MLA = "kda", "mla"
 
@@ -117,7 +119,9 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
         raise EngineError(f"{engine_dir}: no rank {rank} (world size {cfg['mapping']['world_size']})")
     rank_dir = engine_dir / f"rank{rank}"
     graph = onnx.load(rank_dir / "graph.onnx").graph
-    weights = load_file(rank_dir / "weights.safetensors", device=str(device))
+    # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk.
+    weights = weight_store.attach(engine_dir, rank, device=device) \
+        or load_file(rank_dir / "weights.safetensors", device=str(device))
     _check_weights(graph, weights, rank_dir)
     return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)
 
