@@ -78,7 +78,10 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     if distributed_weight_config or enable_deepep:
         click.echo(f"k3runtime serve: {engine} is a single-rank engine; --enable-deepep / --distributed-weight-config "
                    "were checked and have no effect on it", err=True)
+    app = create_app(ae, cfg)
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so stop the engine inside it.
+    app.router.on_shutdown.append(ae.shutdown)
     try:
-        uvicorn.run(create_app(ae, cfg), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
     finally:
         ae.shutdown()

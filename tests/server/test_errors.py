@@ -197,3 +197,40 @@ def test_distributed_weight_config_is_validated(tiny_engine, tmp_path):
     assert r.returncode != 0 and "w.json" in r.stderr and "JSON" in r.stderr
     r = _serve(str(tiny_engine), "--distributed-weight-config", str(tmp_path / "missing.json"))
     assert r.returncode != 0 and "does not exist" in r.stderr
+
+
+def test_serve_cli_starts_serves_and_stops_on_sigterm(tiny_engine):
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", str(port),
+                             "--model-name", MODEL, "--max-tokens-limit", "8", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=ok(), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert post_status(port, ok(max_tokens=9)) == 400  # --max-tokens-limit applies
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+        err = proc.stderr.read()
+    # uvicorn shuts down gracefully, then re-raises the signal (exit status -SIGTERM by design).
+    assert rc in (0, -signal.SIGTERM) and "Traceback" not in err, err
+
+
+def post_status(port, body) -> int:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code
