@@ -140,12 +140,12 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
-        sched = self._owner.get(request_id)
+        sched = self._owner.pop(request_id, None)
         if sched is not None:
             sched.abort(request_id)
 
     def finish(self, request_id: str, reason: str) -> None:
-        sched = self._owner.get(request_id)
+        sched = self._owner.pop(request_id, None)
         if sched is not None:
             sched.finish(request_id, reason)
 
