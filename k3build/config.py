@@ -179,6 +179,10 @@ class K3Config:
         """AttnRes: layer ℓ pushes the running sum as a block snapshot before its mixer (K3_SPEC §2.1)."""
         return self.attn_res_block_size is not None and layer % self.attn_res_block_size == 0
 
+    def snapshots_before(self, layer: int) -> int:
+        """Block snapshots taken by layers < `layer` (the AttnRes candidates a layer starts with)."""
+        return sum(self.takes_snapshot(i) for i in range(layer))
+
     # --- serialisation ---
     def to_dict(self) -> dict[str, Any]:
         """Our canonical JSON form (round-trips through `from_dict`)."""

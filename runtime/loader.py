@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 import torch
 from k3plugins import registry
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .dist import weight_store
@@ -118,10 +119,19 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     if str(rank) not in cfg["ranks"]:
         raise EngineError(f"{engine_dir}: no rank {rank} (world size {cfg['mapping']['world_size']})")
     rank_dir = engine_dir / f"rank{rank}"
-    graph = onnx.load(rank_dir / "graph.onnx").graph
+    for name in ("graph.onnx", "weights.safetensors"):
+        if not (rank_dir / name).is_file():
+            raise EngineError(f"{rank_dir / name}: missing; the engine is incomplete — rebuild it with `k3build build`")
+    try:
+        graph = onnx.load(rank_dir / "graph.onnx").graph
+    except Exception as e:  # protobuf DecodeError and friends
+        raise EngineError(f"{rank_dir}/graph.onnx: not a valid ONNX model ({e}); rebuild the engine") from None
     # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk.
-    weights = weight_store.attach(engine_dir, rank, device=device) \
-        or load_file(rank_dir / "weights.safetensors", device=str(device))
+    try:
+        weights = weight_store.attach(engine_dir, rank, device=device) \
+            or load_file(rank_dir / "weights.safetensors", device=str(device))
+    except SafetensorError as e:
+        raise EngineError(f"{rank_dir}/weights.safetensors: corrupt ({e}); rebuild the engine") from None
     _check_weights(graph, weights, rank_dir)
     return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)
 

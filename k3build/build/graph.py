@@ -56,7 +56,7 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
     capacity: most tokens one rank feeds a step (the expert exchange buffers of attention-DP are this big)."""
     b = _Builder(cfg, mapping, rank, act_dtype, capacity)
     layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
-    blocks = [f"blocks_in.{i}" for i in range(_snapshots_before(cfg, layers.start))]
+    blocks = [f"blocks_in.{i}" for i in range(cfg.snapshots_before(layers.start))]
     data_inputs = []
     if mapping.is_first_stage(rank):
         data_inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]))
@@ -99,10 +99,6 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
                               producer_name="k3build")
     onnx.checker.check_model(model)
     return model
-
-
-def _snapshots_before(cfg: K3Config, layer: int) -> int:
-    return sum(cfg.takes_snapshot(i) for i in range(layer))
 
 
 def _decoder_layer(b: _Builder, layer: int, p: str, blocks: list[str], cache_index: int) -> tuple[str, list[str]]:

@@ -55,6 +55,8 @@ def _layer(cfg: K3Config, mapping: Mapping, rank: int, layer: int, get: Get) -> 
     yield e + "post_norm", get(p + "post_attention_layernorm.weight")
     if cfg.attn_res_block_size is not None:
         for side, src in (("attn_res", "self_attention_res"), ("mlp_res", "mlp_res")):
+            if side == "attn_res" and not cfg.snapshots_before(layer):
+                continue  # no snapshot yet: the attn-side AttnRes is the identity (K3_SPEC §2.1), its weights unused
             yield e + side + ".proj", get(p + src + "_proj.weight").reshape(-1)
             yield e + side + ".norm", get(p + src + "_norm.weight")
     a = p + "self_attn."

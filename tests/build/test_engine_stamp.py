@@ -103,16 +103,11 @@ def test_weight_missing(engine):
     _refused(engine, "'lm_head'", "declared by graph.onnx is missing")
 
 
-@pytest.mark.xfail(strict=True, raises=(FileNotFoundError, AssertionError),
-                   reason="runtime/loader.py: load_rank does not check that graph.onnx/weights.safetensors exist "
-                          "(reported to the lead)")
 def test_missing_graph_file(engine):
     (engine / "rank0" / "graph.onnx").unlink()
     _refused(engine, "graph.onnx", "rebuild")
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/loader.py: a truncated weights.safetensors raises safetensors' "
-                                       "SafetensorError, not EngineError (reported to the lead)")
 def test_truncated_weights(engine):
     path = engine / "rank0" / "weights.safetensors"
     data = path.read_bytes()
