@@ -30,20 +30,13 @@ from pathlib import Path
 
 import httpx
 
+from k3runtime.server.metrics import parse_metrics
+
 
 def _loopback(url: str) -> None:
     host = urllib.parse.urlparse(url).hostname or ""
     if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
         raise SystemExit(f"--url {url}: the load test only targets loopback addresses")
-
-
-def _metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -127,7 +120,7 @@ async def run_load(url: str, model: str, *, clients: int = 8, requests: int = 10
         # Aborts reach the engine thread asynchronously: wait (bounded) for the pools to drain.
         deadline = time.monotonic() + idle_timeout
         while True:
-            m = _metrics((await c.get("/metrics")).text)
+            m = parse_metrics((await c.get("/metrics")).text)
             busy = {k: m[k] for k in ("k3_requests_running", "k3_queue_length", "k3_kv_pages_used",
                                       "k3_kda_slots_used") if m.get(k)}
             if not busy or time.monotonic() > deadline:
