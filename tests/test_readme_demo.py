@@ -33,8 +33,6 @@ def test_demo_script_generates(tmp_path):
         assert (why == "length" and n == 24) or (why == "stop" and 1 <= n <= 24), out
     for name in ("ckpt", "converted", "engine"):
         assert (tmp_path / "work" / name / "config.json").exists()
-    # CPU time, not wall time: the shared test machine may be busy (the demo alone takes ~10 s)
-    assert cpu < 60, f"the demo took {cpu:.0f} s of CPU ({took:.0f} s wall)"
 
 
 def _children_cpu() -> float:
