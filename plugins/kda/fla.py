@@ -16,11 +16,11 @@ import triton
 from k3plugins.kda.triton_decode import (conv_prefill_kernel, conv_state_kernel, conv_update_kernel,
                                          gated_norm_kernel, kda_decode_fused_kernel)
 
-DECODE_TACTICS = ("fused", "fla")
+DECODE_TACTICS = ("fla", "fused")  # first is the default; "fused" FAILS on the H200 (suspected conv-state race)
 
 
 def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, head_dim: int,
-             tactic: str = "fused") -> tuple[bool, str]:
+             tactic: str = "fla") -> tuple[bool, str]:
     if tactic not in DECODE_TACTICS:
         return False, f"unknown KDA tactic {tactic!r}; have {DECODE_TACTICS}"
     if not x.is_cuda:
@@ -39,7 +39,7 @@ def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Ten
 def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
-               lower_bound: float | None, eps: float, tactic: str = "fused") -> torch.Tensor:
+               lower_bound: float | None, eps: float, tactic: str = "fla") -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:

@@ -100,7 +100,7 @@ def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
 
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                          context_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
-                         block_h: int = 16, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                         block_h: int | None = None, num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """softmax(scale·(q_lat·c_latᵀ + q_pe·k_peᵀ)) · c_lat over each sequence's cached tokens.
 
     Args:
@@ -121,6 +121,9 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     if q_pe.shape != (B, H, D_PE):
         raise ValueError(f"mla_decode_attention: q_pe must be [{B}, {H}, {D_PE}], got {tuple(q_pe.shape)}")
     max_pages = page_table.shape[1]
+    if block_h is None:  # measured on H200: 64 heads x 8 warps for 96 heads, 16 x 4 for 16
+        block_h, num_warps = (64, num_warps or 8) if H >= 64 else (16, num_warps or 4)
+    num_warps = num_warps or 4
     splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h)
     pps = triton.cdiv(max_pages, splits)
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()

@@ -57,7 +57,7 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     z, ids, tw = make_tokens(1, gen)
     z, ids, tw = z[:37], ids[:37], tw[:37]
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
-    for name in ("decode", "decode_dq", "prefill", "prefill_dq"):
+    for name in ("decode", "decode_dq", "prefill", "prefill_ds"):
         out = mt.moe_experts(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ", tactic=name)
         emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     decode_sweep, prefill_sweep = {}, {}
