@@ -296,6 +296,24 @@ def _quant_from_hf(q: dict | None) -> QuantConfig:
     return QuantConfig("mxfp4", group_size=gs)
 
 
+def _dense_layers_from_hf(d: dict, n_layers: int) -> tuple[int, int]:
+    """(first_k_dense_replace, moe_layer_freq); transformers may write only `mlp_layer_types` for them."""
+    first, freq = d.get("first_k_dense_replace"), d.get("moe_layer_freq", 1)
+    kinds = d.get("mlp_layer_types")
+    if kinds is None:
+        return (1 if first is None else first), freq
+    if not isinstance(kinds, list) or len(kinds) != n_layers or any(k not in ("dense", "sparse") for k in kinds):
+        raise ConfigError(f"mlp_layer_types: expected {n_layers} entries of 'dense' or 'sparse', got {kinds!r}")
+    k = kinds.index("sparse") if "sparse" in kinds else n_layers
+    want = ["dense"] * k + ["sparse"] * (n_layers - k)
+    if kinds != want or freq != 1:
+        raise ConfigError(f"mlp_layer_types: only dense-first layouts (dense layers 0..k-1, then MoE) are supported, "
+                          f"got {kinds}")
+    if first is not None and first != k:
+        raise ConfigError(f"first_k_dense_replace: {first} disagrees with mlp_layer_types ({k} dense layers first)")
+    return k, freq
+
+
 def _from_hf(d: dict[str, Any]) -> K3Config:
     n_layers = _require(d, "num_hidden_layers")
     lac = d.get("linear_attn_config") or {}
@@ -315,6 +333,7 @@ def _from_hf(d: dict[str, Any]) -> K3Config:
         raise ConfigError("num_experts / num_experts_per_token: required")
     lower = lac.get("gate_lower_bound")
     is_k3 = "attn_res_block_size" in d or "routed_expert_hidden_size" in d
+    first_dense, moe_freq = _dense_layers_from_hf(d, n_layers)
     return K3Config(
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
@@ -345,8 +364,8 @@ def _from_hf(d: dict[str, Any]) -> K3Config:
         kda_gate_lower_bound=lower,
         routed_expert_hidden_size=d.get("routed_expert_hidden_size"),
         latent_moe_use_norm=d.get("latent_moe_use_norm", is_k3),
-        first_k_dense_replace=d.get("first_k_dense_replace", 1),
-        moe_layer_freq=d.get("moe_layer_freq", 1),
+        first_k_dense_replace=first_dense,
+        moe_layer_freq=moe_freq,
         moe_renormalize=d.get("moe_renormalize", d.get("norm_topk_prob", True)),
         routed_scaling_factor=d.get("routed_scaling_factor", 1.0),
         router_activation=d.get("moe_router_activation_func", "sigmoid"),
