@@ -95,7 +95,8 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     grid_c = triton.cdiv(3 * D, 1024)
     conv_prefill_kernel[(T, grid_c)](qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, qkv.stride(0),
                                      conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
-    conv_state_kernel[(N, grid_c)](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0), W=4, BC=1024)
+    conv_state_kernel[(N, grid_c)](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0), 3 * D, W=4,
+                                   BC=1024)
     q, k, v = (t.reshape(1, T, H, K) for t in y.split(D, dim=1))
     h0 = recurrent_pool[slot_ids.long()].float()                                 # [N, H, V, K]
     o, ht = chunk_kda(q, k, v, g_raw.reshape(1, T, H, K).to(q.dtype), b.float().reshape(1, T, H), scale=K ** -0.5,
@@ -116,8 +117,26 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
               o_norm_weight: torch.Tensor, o_weight: torch.Tensor, recurrent_pool: torch.Tensor,
               conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, num_heads: int,
               head_dim: int, lower_bound: float | None, eps: float) -> torch.Tensor:
-    """See reference.kda_mixer. A step with T == N tokens is taken as decode (the scheduler puts no empty
-    sequence in a step), which needs no device->host sync; any other step is a prefill."""
+    """See reference.kda_mixer; decode by the "fla" tactic."""
+    return _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
+                  recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, "fla")
+
+
+def kda_mixer_fused(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.Tensor,
+                    f_b_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    g_b_weight: torch.Tensor | None, o_norm_weight: torch.Tensor, o_weight: torch.Tensor,
+                    recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor,
+                    slot_ids: torch.Tensor, num_heads: int, head_dim: int, lower_bound: float | None,
+                    eps: float) -> torch.Tensor:
+    """See reference.kda_mixer; decode by the "fused" tactic (one Triton kernel)."""
+    return _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
+                  recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, "fused")
+
+
+def _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
+           recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, decode_tactic):
+    """A step with T == N tokens is taken as decode (the scheduler puts no empty sequence in a step), which
+    needs no device->host sync; any other step is a prefill."""
     T = x.shape[0]
     H, K = num_heads, head_dim
     D = H * K
@@ -129,7 +148,8 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     g_out = g_in if g_b_weight is None else g_in @ g_b_weight.T
     args = (qkv, g_raw, b, g_out.contiguous(), conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
     if T == slot_ids.shape[0]:
-        o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
+        o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps,
+                       tactic=decode_tactic)
     else:
         o = kda_prefill(*args, cu_seqlens, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
     return o @ o_weight.T

@@ -11,16 +11,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_step(x_ptr, w_ptr, pool_ptr, ch, W: tl.constexpr):
+def _conv_step(x_ptr, w_ptr, pool_ptr, ch, mask, W: tl.constexpr):
     """SiLU(Σ_i w[c, i]·window_i) for channels `ch` of one slot; shifts the raw input into the slot's state."""
-    x = tl.load(x_ptr + ch).to(tl.float32)
-    acc = x * tl.load(w_ptr + ch * W + (W - 1))
-    for i in tl.static_range(W - 1):
-        s = tl.load(pool_ptr + ch * (W - 1) + i).to(tl.float32)
-        acc += s * tl.load(w_ptr + ch * W + i)
-        if i > 0:
-            tl.store(pool_ptr + ch * (W - 1) + i - 1, s.to(pool_ptr.dtype.element_ty))
-    tl.store(pool_ptr + ch * (W - 1) + (W - 2), x.to(pool_ptr.dtype.element_ty))
+    tl.static_assert(W == 4, "written for K3's short conv of width 4 (3 inputs kept)")
+    x = tl.load(x_ptr + ch, mask=mask, other=0.0).to(tl.float32)
+    s0 = tl.load(pool_ptr + ch * 3, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(pool_ptr + ch * 3 + 1, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(pool_ptr + ch * 3 + 2, mask=mask, other=0.0).to(tl.float32)
+    acc = (s0 * tl.load(w_ptr + ch * 4, mask=mask, other=0.0) + s1 * tl.load(w_ptr + ch * 4 + 1, mask=mask, other=0.0)
+           + s2 * tl.load(w_ptr + ch * 4 + 2, mask=mask, other=0.0) + x * tl.load(w_ptr + ch * 4 + 3, mask=mask, other=0.0))
+    # a channel may be held by several threads: all must have read the old window before any shifts it
+    tl.debug_barrier()
+    dt = pool_ptr.dtype.element_ty
+    tl.store(pool_ptr + ch * 3, s1.to(dt), mask=mask)
+    tl.store(pool_ptr + ch * 3 + 1, s2.to(dt), mask=mask)
+    tl.store(pool_ptr + ch * 3 + 2, x.to(dt), mask=mask)
     return acc * tl.sigmoid(acc)
 
 
@@ -46,9 +51,10 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     ch = h * K + rk
     x_row = qkv_ptr + n * stride_qkv
     pool = conv_pool_ptr + slot * stride_cp
-    q = _conv_step(x_row, conv_w_ptr, pool, ch, W)
-    k = _conv_step(x_row, conv_w_ptr, pool, D + ch, W)
-    v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + ch, W)
+    full = rk < K
+    q = _conv_step(x_row, conv_w_ptr, pool, ch, full, W)
+    k = _conv_step(x_row, conv_w_ptr, pool, D + ch, full, W)
+    v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
     g = _gate(tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
@@ -71,9 +77,10 @@ def conv_update_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, y_ptr, stri
     """y[n, c] = SiLU(conv) for one token per sequence; the slot's conv state shifts in place."""
     n = tl.program_id(0)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = ch < C
     slot = tl.load(slot_ptr + n).to(tl.int64)
-    y = _conv_step(qkv_ptr + n * stride_qkv, conv_w_ptr, conv_pool_ptr + slot * stride_cp, ch, W)
-    tl.store(y_ptr + n * stride_y + ch, y.to(y_ptr.dtype.element_ty))
+    y = _conv_step(qkv_ptr + n * stride_qkv, conv_w_ptr, conv_pool_ptr + slot * stride_cp, ch, mask, W)
+    tl.store(y_ptr + n * stride_y + ch, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -97,30 +104,31 @@ def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, to
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     sid = tl.load(tok_seq_ptr + t)
     start = tl.load(cu_ptr + sid)
+    mask = ch < C
     pool = conv_pool_ptr + tl.load(slot_ptr + sid).to(tl.int64) * stride_cp
     acc = tl.zeros((BC,), dtype=tl.float32)
     for i in tl.static_range(W):
         src = t - (W - 1) + i
         if src >= start:
-            x = tl.load(qkv_ptr + src * stride_qkv + ch).to(tl.float32)
+            x = tl.load(qkv_ptr + src * stride_qkv + ch, mask=mask, other=0.0).to(tl.float32)
         else:
-            x = tl.load(pool + ch * (W - 1) + (src - start + W - 1)).to(tl.float32)
-        acc += x * tl.load(conv_w_ptr + ch * W + i)
-    tl.store(y_ptr + t * stride_y + ch, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty))
+            x = tl.load(pool + ch * (W - 1) + (src - start + W - 1), mask=mask, other=0.0).to(tl.float32)
+        acc += x * tl.load(conv_w_ptr + ch * W + i, mask=mask, other=0.0)
+    tl.store(y_ptr + t * stride_y + ch, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _raw_input(qkv_ptr, pool, ch, pos, start, stride_qkv, W: tl.constexpr):
+def _raw_input(qkv_ptr, pool, ch, mask, pos, start, stride_qkv, W: tl.constexpr):
     """Raw conv input of packed position pos: the chunk's token, or the slot's old state before start."""
     if pos >= start:
-        x = tl.load(qkv_ptr + pos * stride_qkv + ch)
+        x = tl.load(qkv_ptr + pos * stride_qkv + ch, mask=mask, other=0.0)
     else:
-        x = tl.load(pool + ch * (W - 1) + (pos - start + W - 1))
+        x = tl.load(pool + ch * (W - 1) + (pos - start + W - 1), mask=mask, other=0.0)
     return x.to(tl.float32)
 
 
 @triton.jit
-def conv_state_kernel(qkv_ptr, conv_pool_ptr, slot_ptr, cu_ptr, stride_qkv, stride_cp, W: tl.constexpr,
+def conv_state_kernel(qkv_ptr, conv_pool_ptr, slot_ptr, cu_ptr, stride_qkv, stride_cp, C, W: tl.constexpr,
                       BC: tl.constexpr):
     """After a prefill chunk: each slot keeps the last W-1 raw inputs (old state where the chunk is shorter)."""
     tl.static_assert(W == 4, "conv_state_kernel is written for K3's short conv of width 4")
@@ -128,12 +136,14 @@ def conv_state_kernel(qkv_ptr, conv_pool_ptr, slot_ptr, cu_ptr, stride_qkv, stri
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     start = tl.load(cu_ptr + n)
     end = tl.load(cu_ptr + n + 1)
+    mask = ch < C
     pool = conv_pool_ptr + tl.load(slot_ptr + n).to(tl.int64) * stride_cp
     # read every source before writing: sources in the old state sit at an index >= the one written
-    x0 = _raw_input(qkv_ptr, pool, ch, end - 3, start, stride_qkv, W)
-    x1 = _raw_input(qkv_ptr, pool, ch, end - 2, start, stride_qkv, W)
-    x2 = _raw_input(qkv_ptr, pool, ch, end - 1, start, stride_qkv, W)
+    x0 = _raw_input(qkv_ptr, pool, ch, mask, end - 3, start, stride_qkv, W)
+    x1 = _raw_input(qkv_ptr, pool, ch, mask, end - 2, start, stride_qkv, W)
+    x2 = _raw_input(qkv_ptr, pool, ch, mask, end - 1, start, stride_qkv, W)
+    tl.debug_barrier()
     dt = conv_pool_ptr.dtype.element_ty
-    tl.store(pool + ch * 3, x0.to(dt))
-    tl.store(pool + ch * 3 + 1, x1.to(dt))
-    tl.store(pool + ch * 3 + 2, x2.to(dt))
+    tl.store(pool + ch * 3, x0.to(dt), mask=mask)
+    tl.store(pool + ch * 3 + 1, x1.to(dt), mask=mask)
+    tl.store(pool + ch * 3 + 2, x2.to(dt), mask=mask)

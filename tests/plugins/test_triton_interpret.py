@@ -45,7 +45,7 @@ def _moe_case(moe, dtype, act):
     s13 = torch.randint(118, 128, (E, 2 * inter, dl // 32), dtype=torch.uint8, generator=g)
     w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
-    tactic = moe.MoETactic(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, dot_scaled=False)
+    tactic = moe.MoETactic(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, w4=True)
     out = moe.moe_experts(z, ids, w, w13, s13, w2, s2, expert_start=start, act=act, tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act=act)
     return {"rel": _rel(out, expect), "token0_zero": bool(torch.equal(out[0], torch.zeros(dl)))}
@@ -82,7 +82,7 @@ def _kda_decode_case(kd, lower_bound):
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
     slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
     outs = []
-    for fn in (kd.kda_mixer, kda_mixer):
+    for fn in (kd.kda_mixer_fused, kda_mixer):  # the "fla" tactic runs fla-core's kernel: GPU only
         a, b = rec.clone(), conv.clone()
         o = fn(x, *w, a, b, cu_seqlens=cu, slot_ids=slots, num_heads=H, head_dim=K, lower_bound=lower_bound,
                eps=1e-5)
@@ -95,16 +95,16 @@ def _kda_conv_prefill_case(kd):
     from k3plugins.kda.reference import short_conv
     from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_state_kernel
     g = torch.Generator().manual_seed(4)
-    lens, C, S = [2, 0, 7, 1], 64, 6
+    lens, C, S, BC = [2, 0, 7, 1], 96, 6, 64  # two channel blocks, the second half masked
     cu = torch.tensor([0] + lens).cumsum(0)
     T = int(cu[-1])
     x, w, pool = torch.randn(T, C, generator=g), torch.randn(C, 4, generator=g), torch.randn(S, C, 3, generator=g)
     slots = torch.tensor([5, 1, 3, 0], dtype=torch.int32)
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T), right=True).to(torch.int32)
     y, new = torch.empty(T, C), pool.clone()
-    conv_prefill_kernel[(T, 1)](x, w, new, slots, cu, tok_seq, y, x.stride(0), new.stride(0), y.stride(0), C, W=4,
-                                BC=C)
-    conv_state_kernel[(len(lens), 1)](x, new, slots, cu, x.stride(0), new.stride(0), W=4, BC=C)
+    conv_prefill_kernel[(T, 2)](x, w, new, slots, cu, tok_seq, y, x.stride(0), new.stride(0), y.stride(0), C, W=4,
+                                BC=BC)
+    conv_state_kernel[(len(lens), 2)](x, new, slots, cu, x.stride(0), new.stride(0), C, W=4, BC=BC)
     rels, same = [], True
     for n, sl in enumerate(slots.tolist()):
         s, e = int(cu[n]), int(cu[n + 1])
@@ -129,7 +129,7 @@ def _child() -> None:
             res[f"moe-{str(dtype)[6:]}-{act}"] = _moe_case(moe, dtype, act)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
-    s = torch.randint(100, 150, (2, 64, 8), dtype=torch.uint8, generator=g)
+    s = torch.randint(100, 129, (2, 64, 8), dtype=torch.uint8, generator=g)  # the W4 decode's exact range
     res["dequant"] = {"equal": bool(torch.equal(moe.dequantize(w, s, torch.float32), dequantize_mxfp4(w, s)))}
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
