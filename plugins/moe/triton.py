@@ -3,8 +3,9 @@
 Three launches after a sync-free sort of the (token, expert) pairs by local expert:
 gate/up GEMM with SiTU fused (h [P, I], activation dtype), down GEMM with the routing weight applied
 (y [P, Dl] fp32), and a deterministic per-token sum of its local pairs (no atomics). Weights are read in
-the build's MXFP4 layout, unchanged (prepare_weights is the identity). Tactics are block configs:
-"decode" (BM=16, swap-AB so the weights fill the MMA rows) and "prefill" (BM=128, BN=128).
+the build's MXFP4 layout, unchanged (prepare_weights is the identity; the W4 decode reads the same bytes
+as int32 words). Tactics are block configs and the operand path: "decode" (BM=16, swap-AB so the weights
+fill the MMA rows) and "prefill" (BM=128) with our W4 bit-level decode, "*_ds" with tl.dot_scaled.
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ class MoETactic:
     block_k: int   # K elements per step (multiple of 64)
     num_warps: int
     num_stages: int
-    dot_scaled: bool  # tl.dot_scaled (Triton's MX path) vs our in-register dequant + tl.dot
+    w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
 
 
 TACTICS = {
-    "decode": MoETactic(16, 64, 64, 4, 2, True),
-    "decode_dq": MoETactic(16, 64, 64, 8, 2, False),
-    "prefill": MoETactic(128, 128, 64, 8, 2, False),  # fastest measured at 128 tokens/expert (H200)
-    "prefill_ds": MoETactic(128, 128, 64, 8, 2, True),
+    "decode": MoETactic(16, 64, 128, 4, 3),
+    "decode_ds": MoETactic(16, 64, 128, 4, 3, w4=False),
+    "prefill": MoETactic(128, 128, 64, 8, 3),
+    "prefill_ds": MoETactic(128, 128, 64, 8, 3, w4=False),
 }
+# The W4 decode multiplies by 2^(s-1) in bf16: exact for E8M0 scale bytes up to this (|w| <= 12).
+W4_MAX_SCALE_BYTE = 128
 
 
 def prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
@@ -69,9 +72,24 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
             return False, f"{name}={k} must be a multiple of block_k={t.block_k}"
     if inter % t.block_n or dl % t.block_n:
         return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
-    if t.dot_scaled and z.dtype not in (torch.bfloat16, torch.float16):
-        return False, "tl.dot_scaled takes bf16/fp16 activations; use a *_dq tactic for fp32"
+    if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
+        return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
     return True, ""
+
+
+def w4_scales_ok(*scales: torch.Tensor) -> tuple[bool, str]:
+    """Whether the W4 tactics decode these scales exactly (checked once, by the builder, on the weights)."""
+    for s in scales:
+        top = int(s.max())
+        if top > W4_MAX_SCALE_BYTE:
+            return False, (f"an MXFP4 scale byte is {top} (2^{top - 127}); the W4 decode is exact up to "
+                           f"{W4_MAX_SCALE_BYTE}: use a *_ds tactic")
+    return True, ""
+
+
+def swap01(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with bits 0 and 1 of the last index swapped: the K order a W4 tile comes out in."""
+    return x.unflatten(-1, (-1, 2, 2)).transpose(-1, -2).flatten(-3)
 
 
 def _interpreting() -> bool:
@@ -131,6 +149,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         raise ValueError(f"moe_experts (triton): w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
                          f"z [M, {Dl}]")
     t = _tactic(tactic)
+    if t.w4:  # same bytes as int32 words; activations in the tile's K order (h comes out in it too)
+        w13, w2, z = w13.view(torch.int32), w2.view(torch.int32), swap01(z)
     z = z.contiguous()
     order, offsets, inv = sort_pairs(topk_ids, expert_start, E)
     P = order.numel()
@@ -141,24 +161,26 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_gate_up_kernel[(E, inter // t.block_n)](
         z, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
-        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, DOT_SCALED=t.dot_scaled,
+        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         num_warps=t.num_warps, num_stages=t.num_stages)
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
-        DOT_SCALED=t.dot_scaled, num_warps=t.num_warps, num_stages=t.num_stages)
+        W4=t.w4, num_warps=t.num_warps, num_stages=t.num_stages)
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)
     return out
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 [..., R, K/2] u8 + [..., R, K/32] u8 -> [..., R, K] `dtype` on the device (dequant-once tactic)."""
+    """MXFP4 [..., R, K/2] u8 + [..., R, K/32] u8 -> [..., R, K] `dtype` on the device (dequant-once tactic);
+    exact for scale bytes up to W4_MAX_SCALE_BYTE."""
     K = packed.shape[-1] * 2
     rows = packed.numel() // packed.shape[-1]
     if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 32 != K or K % 128 or rows % 32:
         raise ValueError(f"dequantize: packed {tuple(packed.shape)} / scale {tuple(scale.shape)} need K % 128 == 0, "
                          "rows % 32 == 0 and one scale per 32 elements")
     out = torch.empty(*packed.shape[:-1], K, dtype=dtype, device=packed.device)
-    mxfp4_dequant_kernel[(rows // 32, K // 128)](packed.contiguous(), scale.contiguous(), out, K=K, BR=32, BK=128)
+    mxfp4_dequant_kernel[(rows // 32, K // 128)](packed.contiguous().view(torch.int32), scale.contiguous(), out, K=K,
+                                                 BR=32, BK=128)
     return out

@@ -4,6 +4,15 @@ Weights stay in the build's layout (K3_SPEC.md §3): w13 [E, 2I, Dl/2] u8 (gate 
 w2 [E, Dl, I/2] u8, scales [E, rows, K/32] u8 E8M0. Each program owns (expert, BN weight rows) and walks
 that expert's tokens BM at a time, so the weights are the MMA's M side (swap-AB: decode has 1-8 tokens
 per expert, far below a tensor-core tile) and are read from HBM once per expert.
+
+Two ways to turn MXFP4 into MMA operands (constexpr W4):
+  W4=True  — our bit-level decode: the weights are read as int32 words of 8 codes and each pair of codes
+             becomes one bf16x2 register with a shift and a mask (E2M1 bits placed in the bf16 exponent and
+             mantissa, then one packed multiply by 2^(s-1)). About 4 instructions per weight against ~19 for
+             a float decode, which is what decides decode speed: at 1-8 tokens per expert the kernel is
+             bound by instruction issue, not by the MMA. The pairs come out with bits 0 and 1 of the K index
+             swapped (within every 8), so the activations are read in that order too (`swap01`).
+  W4=False — Triton's tl.dot_scaled (native MX MMA where the hardware has it, upcast elsewhere).
 """
 
 import triton
@@ -17,33 +26,67 @@ def _tanh(x):
 
 
 @triton.jit
-def _e2m1_value(code):
-    """int32 code 0..15 -> fp32 value; bit 3 sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}."""
-    m = code & 7
-    e = m >> 1
-    mt = (m & 1).to(tl.float32)
-    mag = tl.where(e == 0, mt * 0.5, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * mt))
-    return tl.where((code & 8) != 0, -mag, mag)
+def swap01(k):
+    """K order of a W4 tile: bits 0 and 1 of the index swapped (an involution, so also its inverse)."""
+    return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
 
 
 @triton.jit
-def _dequant(packed, scale, BN: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr):
-    """packed u8 [BN, BK/2] (low nibble = even k), scale u8 [BN, BK/32] -> [BN, BK] DTYPE."""
-    p = packed.to(tl.int32)
-    w = tl.reshape(tl.join(_e2m1_value(p & 15), _e2m1_value(p >> 4)), (BN, BK))
-    s = tl.exp2(scale.to(tl.float32) - 127.0)
-    w = tl.reshape(tl.reshape(w, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
-    return w.to(DTYPE)
-
-
-@triton.jit
-def _mx_dot(acc, w, s, xT, BN: tl.constexpr, BK: tl.constexpr, DOT_SCALED: tl.constexpr):
-    """acc [BN, BM] += W[BN, BK] @ xT[BK, BM], W as MXFP4 codes w [BN, BK/2] and scales s [BN, BK/32]."""
-    if DOT_SCALED:
-        # Triton's MX dot: native on MX hardware, upcast-in-registers elsewhere (Hopper, CDNA3)
-        acc = tl.dot_scaled(w, s, "e2m1", xT, None, "bf16" if xT.dtype == tl.bfloat16 else "fp16", acc)
+def _code_pair(w, SHIFT: tl.constexpr):
+    """Codes at bits [SHIFT, SHIFT+4) and [SHIFT+16, SHIFT+20) of uint32 w -> two E2M1 values as bf16 bit
+    patterns scaled by 2^-126 (magnitude bits land in the exponent/mantissa, the sign in bit 15)."""
+    if SHIFT <= 6:
+        mag = (w << (6 - SHIFT)) & 0x01C001C0
     else:
-        acc = tl.dot(_dequant(w, s, BN, BK, xT.dtype), xT, acc)
+        mag = (w >> (SHIFT - 6)) & 0x01C001C0
+    if SHIFT <= 12:
+        sign = (w << (12 - SHIFT)) & 0x80008000
+    else:
+        sign = (w >> (SHIFT - 12)) & 0x80008000
+    return mag | sign
+
+
+@triton.jit
+def _halves(p, BF16: tl.constexpr):
+    """uint32 holding two bf16 bit patterns -> (low, high) as bf16, or as fp32 (exact; for fp32/fp16
+    activations and for the interpreter, which has no bf16)."""
+    if BF16:
+        lo = (p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        lo = (p << 16).to(tl.float32, bitcast=True)
+        hi = (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _dequant_w4(w, s, BN: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr):
+    """w int32 [BN, BK/8] (8 codes each, byte b = codes 2b | 2b+1 << 4), s u8 [BN, BK/32] E8M0
+    -> [BN, BK] DTYPE in swap01 K order. Exact for scale bytes <= 128 (2^(s-1) must be finite in bf16)."""
+    BF16: tl.constexpr = DTYPE == tl.bfloat16
+    w = w.to(tl.uint32, bitcast=True)
+    # pair i holds codes (k, k+4) of the word's 8: i=0 -> (0, 4), 1 -> (1, 5), 2 -> (2, 6), 3 -> (3, 7)
+    a0, b0 = _halves(_code_pair(w, 0), BF16)
+    a1, b1 = _halves(_code_pair(w, 4), BF16)
+    a2, b2 = _halves(_code_pair(w, 8), BF16)
+    a3, b3 = _halves(_code_pair(w, 12), BF16)
+    # joined order within 8: 0 2 1 3 4 6 5 7 = swap01
+    x = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
+    x = tl.reshape(x, (BN, BK // 32, 32))
+    if BF16:
+        sc = ((s.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)   # 2^(s-1) undoes the 2^-126
+    else:
+        sc = tl.exp2(s.to(tl.float32) - 1.0)
+    return tl.reshape(x * sc[:, :, None], (BN, BK)).to(DTYPE)
+
+
+@triton.jit
+def _mx_dot(acc, w, s, xT, BN: tl.constexpr, BK: tl.constexpr, W4: tl.constexpr):
+    """acc [BN, BM] += W[BN, BK] @ xT[BK, BM]; W as int32 words (W4) or u8 codes, with scales [BN, BK/32]."""
+    if W4:
+        acc = tl.dot(_dequant_w4(w, s, BN, BK, xT.dtype), xT, acc)
+    else:
+        acc = tl.dot_scaled(w, s, "e2m1", xT, None, "bf16" if xT.dtype == tl.bfloat16 else "fp16", acc)
     return acc
 
 
@@ -51,19 +94,22 @@ def _mx_dot(acc, w, s, xT, BN: tl.constexpr, BK: tl.constexpr, DOT_SCALED: tl.co
 def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we, stride_wn,
                        stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       DOT_SCALED: tl.constexpr):
-    """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0)."""
+                       W4: tl.constexpr):
+    """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
+
+    W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
+    """
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
+    WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
     rk = tl.arange(0, BK)
-    rkk = tl.arange(0, BK // 2)
-    rks = tl.arange(0, BK // 32)
-    wg_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + rkk[None, :]
+    wg_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
     wu_ptrs = wg_ptrs + I * stride_wn
-    sg_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + rks[None, :]
+    sg_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
+    h_cols = swap01(offs_n) if W4 else offs_n
     m0 = start
     while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
         offs_p = m0 + tl.arange(0, BM)
@@ -72,27 +118,16 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
         z_ptrs = z_ptr + tok[None, :] * stride_zm + rk[:, None]
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        zT = tl.load(z_ptrs, mask=p_mask[None, :], other=0.0)                      # [BK, BM]
-        wg, sg = tl.load(wg_ptrs), tl.load(sg_ptrs)
-        wu, su = tl.load(wu_ptrs), tl.load(su_ptrs)
-        for k0 in range(BK, Dl + BK, BK):
-            # register prefetch of the next K step (clamped: the last one re-reads a cached tile) so
-            # its HBM reads are in flight during this step's dequant and MMA
-            # (multiple_of: without it the loads fall to 1 byte each, the alignment of kn // 2 being unknown)
-            kn = tl.multiple_of(tl.minimum(k0, Dl - BK), BK)
-            kw = tl.multiple_of(kn // 2, BK // 2)
-            ks = tl.multiple_of(kn // 32, BK // 32)
-            zT_n = tl.load(z_ptrs + kn, mask=p_mask[None, :], other=0.0)
-            wg_n, sg_n = tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks)
-            wu_n, su_n = tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks)
-            acc_g = _mx_dot(acc_g, wg, sg, zT, BN, BK, DOT_SCALED)
-            acc_u = _mx_dot(acc_u, wu, su, zT, BN, BK, DOT_SCALED)
-            zT, wg, sg, wu, su = zT_n, wg_n, sg_n, wu_n, su_n
+        for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
+            zT = tl.load(z_ptrs + k0, mask=p_mask[None, :], other=0.0)                 # [BK, BM]
+            kw = k0 // 8 if W4 else k0 // 2
+            acc_g = _mx_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), zT, BN, BK, W4)
+            acc_u = _mx_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), zT, BN, BK, W4)
         if ACT == 0:  # SiTU
             a = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
         else:  # SiLU-GLU
             a = acc_g * tl.sigmoid(acc_g) * acc_u
-        h_ptrs = h_ptr + offs_p[None, :] * stride_hm + offs_n[:, None]
+        h_ptrs = h_ptr + offs_p[None, :] * stride_hm + h_cols[:, None]
         tl.store(h_ptrs, a.to(h_ptr.dtype.element_ty), mask=p_mask[None, :])
         m0 += BM
 
@@ -100,14 +135,15 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
 @triton.jit
 def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I, stride_hm, stride_we,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, DOT_SCALED: tl.constexpr):
+                    BK: tl.constexpr, W4: tl.constexpr):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of expert program_id(0)."""
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
+    WK: tl.constexpr = BK // 8 if W4 else BK // 2
     rk = tl.arange(0, BK)
-    w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
     s_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     m0 = start
     while m0 < end:
@@ -115,15 +151,10 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         p_mask = offs_p < end
         h_ptrs = h_ptr + offs_p[None, :] * stride_hm + rk[:, None]
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        hT = tl.load(h_ptrs, mask=p_mask[None, :], other=0.0)                      # [BK, BM]
-        w, s = tl.load(w_ptrs), tl.load(s_ptrs)
-        for k0 in range(BK, I + BK, BK):
-            kn = tl.multiple_of(tl.minimum(k0, I - BK), BK)  # register prefetch, as in the gate/up kernel
-            hT_n = tl.load(h_ptrs + kn, mask=p_mask[None, :], other=0.0)
-            w_n = tl.load(w_ptrs + tl.multiple_of(kn // 2, BK // 2))
-            s_n = tl.load(s_ptrs + tl.multiple_of(kn // 32, BK // 32))
-            acc = _mx_dot(acc, w, s, hT, BN, BK, DOT_SCALED)
-            hT, w, s = hT_n, w_n, s_n
+        for k0 in range(0, I, BK):
+            hT = tl.load(h_ptrs + k0, mask=p_mask[None, :], other=0.0)                 # [BK, BM]
+            kw = k0 // 8 if W4 else k0 // 2
+            acc = _mx_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), hT, BN, BK, W4)
         pair = tl.load(sorted_ptr + offs_p, mask=p_mask, other=0)
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
         tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])
@@ -146,10 +177,11 @@ def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K:
 
 @triton.jit
 def mxfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    """out[r, k] = E2M1(w[r, k]) · 2^(s[r, k/32] − 127) for a [rows, K] matrix (rows % BR == 0)."""
+    """out[r, k] = E2M1(w[r, k]) · 2^(s[r, k/32] − 127) for a [rows, K] matrix (rows % BR == 0); w as int32
+    words, the result stored back in natural K order."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     k0 = tl.program_id(1) * BK
-    w = tl.load(w_ptr + offs_r[:, None] * (K // 2) + k0 // 2 + tl.arange(0, BK // 2)[None, :])
+    w = tl.load(w_ptr + offs_r[:, None] * (K // 8) + k0 // 8 + tl.arange(0, BK // 8)[None, :])
     s = tl.load(s_ptr + offs_r[:, None] * (K // 32) + k0 // 32 + tl.arange(0, BK // 32)[None, :])
-    out = _dequant(w, s, BR, BK, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_r[:, None] * K + k0 + tl.arange(0, BK)[None, :], out)
+    out = _dequant_w4(w, s, BR, BK, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_r[:, None] * K + k0 + swap01(tl.arange(0, BK))[None, :], out)
