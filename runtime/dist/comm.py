@@ -6,10 +6,24 @@ recomputes who owns what. Every rank creates every group in the same order, as t
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
 from ..executor import Communicator
+
+TIMEOUT_ENV = "K3_DIST_TIMEOUT_S"
+
+
+def collective_timeout() -> timedelta:
+    """How long any collective or hand-off may wait for a peer ($K3_DIST_TIMEOUT_S, default 60 s).
+
+    Every group gets it explicitly: `dist.new_group` does not inherit the default group's timeout (it falls
+    back to torch's 30 min), so a hung rank would otherwise stall the others for half an hour.
+    """
+    return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 60)))
 
 
 def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
@@ -22,7 +36,7 @@ def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
             if members in seen:
                 continue
             seen.append(members)
-            group = dist.new_group(list(members)) if len(members) > 1 else None
+            group = dist.new_group(list(members), timeout=collective_timeout()) if len(members) > 1 else None
             if rank in members:
                 mine[key.removesuffix("_group")] = group
     return mine
@@ -35,7 +49,7 @@ class ControlPlane:
     """
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=collective_timeout())
 
     def broadcast(self, obj=None):
         box = [obj]

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..loader import EngineError, read_engine_config
-from .comm import DistCommunicator
+from .comm import DistCommunicator, collective_timeout
 
 
 def init_from_env(device: str = "cpu") -> None:
@@ -29,7 +28,7 @@ def init_from_env(device: str = "cpu") -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("K3_DIST_TIMEOUT_S", 60))))
+    dist.init_process_group(backend, timeout=collective_timeout())
 
 
 def _communicator(config: dict, device: str) -> DistCommunicator:

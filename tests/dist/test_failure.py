@@ -1,4 +1,4 @@
-"""A rank killed mid-generation takes the job down, with a message naming it, within a bounded time."""
+"""A rank killed (or hung) mid-generation takes the job down within a bounded time; a killed one is named."""
 
 import json
 import os
@@ -16,15 +16,17 @@ from k3build.mapping import Mapping
 JOB = Path(__file__).with_name("dist_job.py")
 
 
-def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
+def _stop_a_rank_mid_generation(engine_root: Path, ckpt: Path, sig: int, timeout_s: int) -> tuple[int, float, str]:
+    """Start a 2-rank streaming job, send `sig` to rank 1 once tokens flow; returns (rc, seconds to exit, log)."""
+    engine = build_engine(ckpt, engine_root / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
                           max_num_tokens=512)
-    out = tmp_path / "progress"
+    out = engine_root / "progress"
     job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 4000, "options": {}, "mode": "stream"})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "30"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": str(timeout_s)}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(JOB), str(engine), str(out), job], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    victim = None
     try:
         deadline = time.monotonic() + 240
         while not (out.exists() and int(out.read_text() or 0) >= 3):
@@ -32,14 +34,33 @@ def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
             assert time.monotonic() < deadline, "generation never started"
             time.sleep(0.2)
         victim = int(Path(f"{out}.rank1.pid").read_text())
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-        log, _ = proc.communicate(timeout=90)
-        elapsed = time.monotonic() - killed_at
+        os.kill(victim, sig)
+        stopped_at = time.monotonic()
+        log, _ = proc.communicate(timeout=120)
+        return proc.returncode, time.monotonic() - stopped_at, log
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
+        if victim is not None and sig == signal.SIGSTOP:
+            try:
+                os.kill(victim, signal.SIGKILL)  # torchrun normally did; never leave a stopped process behind
+            except ProcessLookupError:
+                pass
+
+
+def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
+    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_tiny_ckpt, signal.SIGKILL, 30)
+    assert rc != 0
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
     # torchrun stops the survivors and names the rank that died first.
     assert re.search(r"Root Cause.*?rank\s*:\s*1 \(local_rank: 1\).*?SIGKILL", log, re.S), log[-3000:]
+
+
+def test_hung_rank_trips_the_collective_timeout(k3_tiny_ckpt, tmp_path):
+    # SIGSTOP: the rank's sockets stay open, so only the timeout can end the job. Every process group
+    # (TP/MoE groups, control plane) must carry K3_DIST_TIMEOUT_S, not torch's 30-minute default.
+    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_tiny_ckpt, signal.SIGSTOP, 10)
+    assert rc != 0
+    # timeout in the step (10 s) + timeout releasing the workers (10 s) + torchrun's grace before SIGKILL (30 s)
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
+    assert "Timed out waiting 10000ms" in log, log[-3000:]
