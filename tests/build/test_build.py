@@ -241,3 +241,22 @@ def test_inspect_refuses_a_non_engine(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     res = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert res.exit_code != 0 and "not a k3build engine config" in res.output
+
+
+def test_gfx942_target_stamps_and_is_refused_on_cpu(k3_tiny_engine, tmp_path):
+    from k3runtime.loader import EngineError, load_rank
+
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
+    out = tmp_path / "engine"
+    res = CliRunner().invoke(main, ["build", str(converted), str(out), "--target", "gfx942", "--max-seq-len", "256",
+                                    "--max-num-tokens", "256", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    cfg = _config(out)
+    assert cfg["stamp"]["target"] == cfg["build_config"]["target"] == "gfx942"
+    assert cfg["stamp"]["target_arch"] == "gfx942" and cfg["build_config"]["page_size"] == 64
+    for op, p in cfg["build_config"]["plugins"].items():
+        impl = registry.find(op, p["tactic"])
+        assert impl is not None and "gfx942" in impl.targets, (op, p)
+    _check_graph(_graph(out, 0))
+    with pytest.raises(EngineError, match=r"built for target 'gfx942'.*k3build build --target cpu"):
+        load_rank(out, 0, "cpu")
