@@ -96,12 +96,27 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
         dist.destroy_process_group()
 
 
+def _option(command: list[str], name: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` in a command line, else None."""
+    for i, arg in enumerate(command):
+        if arg == name and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2:
         raise SystemExit("usage: torchrun ... -m k3runtime.dist.launch ENGINE <k3runtime command> [args]")
     engine_dir, command = argv[0], argv[1:]
-    device = "cuda" if "--device" in command and command[command.index("--device") + 1].startswith("cuda") else "cpu"
+    device = "cuda" if (_option(command, "--device") or "cpu").startswith("cuda") else "cpu"
+    if weights := _option(command, "--distributed-weight-config"):
+        # Only rank 0 parses the command: every rank must attach from its node's store before it loads.
+        from .weight_store_client import ENV_CONFIG
+
+        os.environ[ENV_CONFIG] = os.path.abspath(weights)
     from ..cli import main as cli
 
     def drive():

@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import click
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
+def _read_weight_config(path: str):
+    """The parsed `--distributed-weight-config` (nodes -> socket, ranks); BadParameter names what is wrong."""
+    from ..dist.weight_store_client import WeightStoreConfig, WeightStoreError
 
-def _read_weight_config(path: str) -> dict:
-    p = Path(path)
     try:
-        data = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise click.BadParameter(f"{p}: expected a JSON (or .toml) object: {e}",
-                                 param_hint="--distributed-weight-config") from None
-    if not isinstance(data, dict):
-        raise click.BadParameter(f"{p}: expected a JSON object at the top level, got {type(data).__name__}",
-                                 param_hint="--distributed-weight-config")
-    return data
+        return WeightStoreConfig.load(Path(path).resolve())
+    except WeightStoreError as e:
+        raise click.BadParameter(str(e), param_hint="--distributed-weight-config") from None
 
 
 @click.command("serve")
@@ -40,22 +32,23 @@ def _read_weight_config(path: str) -> dict:
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None, help="Cap on max_tokens [max_seq_len].")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--num-pages", type=click.IntRange(min=1), default=None, help="KV pages [engine memory plan].")
-@click.option("--enable-deepep", is_flag=True, help="Use DeepEP for expert parallelism (needs deep_ep).")
+@click.option("--enable-deepep", is_flag=True,
+              help="Exchange experts with DeepEP: refuse to start unless deep_ep imports and its low-latency "
+                   "limits (top-k, hidden size; $K3_DEEPEP_CAPS = a JSON file of them) cover the model.")
 @click.option("--distributed-weight-config", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="JSON/TOML file describing where each rank's weights live (multi-rank launcher).")
+              help="JSON/TOML file: which node's `k3runtime weight-store` holds which ranks; ranks attach to it "
+                   "instead of reading disk (same as $K3_WEIGHT_STORE_CONFIG).")
 @click.option("--log-level", default="info", show_default=True)
 def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue, max_prompt_tokens,
               max_tokens_limit, device, num_pages, enable_deepep, distributed_weight_config, log_level):
     """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
-    if enable_deepep:
-        from .deepep import DeepEPUnavailable, require_deepep
-
-        try:
-            require_deepep()
-        except DeepEPUnavailable as e:
-            raise click.ClickException(str(e)) from None
     if distributed_weight_config:
+        from ..dist.weight_store_client import ENV_CONFIG
+
         _read_weight_config(distributed_weight_config)
+        # The loader attaches each rank's weights from its node's store (under torchrun, dist.launch exports
+        # the same variable on every rank before they load).
+        os.environ[ENV_CONFIG] = str(Path(distributed_weight_config).resolve())
     import uvicorn
 
     from ..async_engine import AsyncLLMEngine
@@ -65,7 +58,8 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     from .metrics import PrometheusMetrics
 
     try:
-        ae = AsyncLLMEngine(engine, EngineOptions(device=device, num_pages=num_pages), metrics=PrometheusMetrics())
+        ae = AsyncLLMEngine(engine, EngineOptions(device=device, num_pages=num_pages, enable_deepep=enable_deepep),
+                            metrics=PrometheusMetrics())
     except (EngineError, ValueError, NotImplementedError) as e:
         raise click.ClickException(str(e)) from None
     max_len = ae.engine.scheduler.config.max_model_len or 4096
@@ -75,9 +69,9 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
                            max_prompt_tokens=max_prompt_tokens or max_len - 1, max_tokens_limit=max_tokens_limit or max_len)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    if distributed_weight_config or enable_deepep:
-        click.echo(f"k3runtime serve: {engine} is a single-rank engine; --enable-deepep / --distributed-weight-config "
-                   "were checked and have no effect on it", err=True)
+    if enable_deepep and ae.engine.world_size == 1:
+        click.echo(f"k3runtime serve: {engine} is a single-rank engine; --enable-deepep was checked and has no "
+                   "effect on it (no expert exchange)", err=True)
     app = create_app(ae, cfg)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so stop the engine inside it.
     app.router.on_shutdown.append(ae.shutdown)
