@@ -2,7 +2,7 @@
 
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLMEngine", "SamplingParams"]
 
 
 def __getattr__(name):
@@ -11,4 +11,8 @@ def __getattr__(name):
         from .api import LLM
 
         return LLM
+    if name == "AsyncLLMEngine":  # asyncio generate / streaming / cancellation, for embedding in other servers
+        from .async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
     raise AttributeError(f"module 'k3runtime' has no attribute {name!r}")

@@ -35,8 +35,12 @@ from k3runtime.server.metrics import parse_metrics
 
 def _loopback(url: str) -> None:
     host = urllib.parse.urlparse(url).hostname or ""
-    if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
-        raise SystemExit(f"--url {url}: the load test only targets loopback addresses")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: not resolved, refused
+        loopback = False
+    if not loopback:
+        raise SystemExit(f"--url {url}: the load test only targets loopback addresses (127.0.0.0/8, ::1, localhost)")
 
 
 def _pct(xs: list[float], q: float) -> float:

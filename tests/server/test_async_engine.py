@@ -85,6 +85,12 @@ def test_rejections_raise_value_error(aengine):
     assert asyncio.run(first([1], SamplingParams(max_tokens=1, temperature=0))).finish_reason == "length"
 
 
+def test_exported_from_the_package():
+    import k3runtime
+
+    assert k3runtime.AsyncLLMEngine is AsyncLLMEngine and "AsyncLLMEngine" in k3runtime.__all__
+
+
 def test_shutdown_fails_pending_and_new_requests(tiny_engine):
     e = AsyncLLMEngine(tiny_engine)
     e.shutdown()

@@ -36,3 +36,5 @@ def test_small_load_run(server):
 def test_load_test_refuses_non_loopback():
     with pytest.raises(SystemExit, match="loopback"):
         asyncio.run(load_test.run_load("http://192.0.2.1:8000", "m", requests=1))
+    with pytest.raises(SystemExit, match="loopback"):
+        asyncio.run(load_test.run_load("http://example.com:8000", "m", requests=1))
