@@ -4,7 +4,8 @@ Same signature and semantics as `reference.kda_mixer`. Projections are torch GEM
 dtype. Decode tactics ("a step with as many tokens as sequences", every sequence one token):
   "fused" — one Triton program per (sequence, head) does conv update, norms, gates, the delta rule on the
             in-place slot state and the gated output norm (the state is read once and written once);
-  "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel.
+  "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
+  "split" — conv kernel, our recurrent kernel over [32, K] state slices (in place), norm kernel.
 Prefill: varlen conv kernel, fla-core chunk_kda from the gathered slot states, state scatter, norm kernel.
 """
 
@@ -14,13 +15,15 @@ import torch
 import triton
 
 from k3plugins.kda.triton_decode import (conv_prefill_kernel, conv_state_kernel, conv_update_kernel,
-                                         gated_norm_kernel, kda_decode_fused_kernel)
+                                         gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_vsplit_kernel)
 
-DECODE_TACTICS = ("fla", "fused")  # first is the default; "fused" FAILS on the H200 (suspected conv-state race)
+# first is the default: "split" passed every GPU test; "fla" failed them for N > 1 (it was given q/k/v as strided
+# views of one [N, 3D] buffer, which fused_recurrent_kda_fwd reads as contiguous) and is fixed but not yet re-run
+DECODE_TACTICS = ("split", "fla", "fused")
 
 
 def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, head_dim: int,
-             tactic: str = "fla") -> tuple[bool, str]:
+             tactic: str = DECODE_TACTICS[0]) -> tuple[bool, str]:
     if tactic not in DECODE_TACTICS:
         return False, f"unknown KDA tactic {tactic!r}; have {DECODE_TACTICS}"
     if not x.is_cuda:
@@ -36,10 +39,19 @@ def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Ten
     return True, ""
 
 
+def _gated_norm(o, g_out, o_norm_weight, out, H, K, eps):
+    """out [T, H·K] = RMSNorm(o per head) · sigmoid(g_out); returns out."""
+    T = o.shape[0]
+    bt = min(16, triton.next_power_of_2(T))
+    gated_norm_kernel[(triton.cdiv(T, bt), H)](o, g_out, o_norm_weight, out, T, o.stride(0), g_out.stride(0),
+                                               out.stride(0), float(eps), K=K, BT=bt)
+    return out
+
+
 def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
-               lower_bound: float | None, eps: float, tactic: str = "fla") -> torch.Tensor:
+               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0]) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
@@ -63,11 +75,20 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
             HAS_LOWER_BOUND=lower_bound is not None, num_warps=8)
         return out
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),
                                                        conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
-    q, k, v = (t.view(1, N, H, K) for t in y.split(D, dim=1))
+    if tactic == "split":
+        o = torch.empty(N, D, dtype=torch.float32, device=qkv.device)
+        bv = min(32, K)
+        kda_recurrent_vsplit_kernel[(N, H, K // bv)](
+            y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
+            recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb, H=H, K=K, BV=bv,
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=4)
+        return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    # fused_recurrent_kda_fwd takes no strides: each of q, k, v must be contiguous
+    q, k, v = (t.contiguous().view(1, N, H, K) for t in y.split(D, dim=1))
     cu = torch.arange(N + 1, dtype=torch.int64, device=qkv.device)
     o, _ = fused_recurrent_kda_fwd(q, k, v, g_raw.float().view(1, N, H, K), b.float().contiguous().view(1, N, H),
                                    A_log=A_log.float(), dt_bias=dt_bias.float(), initial_state=recurrent_pool,
@@ -75,9 +96,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                                    ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True,
                                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
     o = o.view(N, D)
-    gated_norm_kernel[(N, H)](o, g_out, o_norm_weight, out, o.stride(0), g_out.stride(0), out.stride(0), float(eps),
-                              K=K)
-    return out
+    return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
 
 
 def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool,
@@ -91,13 +110,13 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     slot_ids = slot_ids.to(torch.int32)
     cu = cu_seqlens.to(torch.int64)
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T, device=qkv.device), right=True).to(torch.int32)
-    y = torch.empty(T, 3 * D, dtype=qkv.dtype, device=qkv.device)
-    grid_c = triton.cdiv(3 * D, 1024)
-    conv_prefill_kernel[(T, grid_c)](qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, qkv.stride(0),
-                                     conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
-    conv_state_kernel[(N, grid_c)](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0), 3 * D, W=4,
-                                   BC=1024)
-    q, k, v = (t.reshape(1, T, H, K) for t in y.split(D, dim=1))
+    y = torch.empty(3, T, D, dtype=qkv.dtype, device=qkv.device)                # q, k, v each contiguous
+    conv_prefill_kernel[(triton.cdiv(T, 16), triton.cdiv(3 * D, 256))](
+        qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
+        BT=16, BC=256)
+    conv_state_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0),
+                                                     3 * D, W=4, BC=1024)
+    q, k, v = (t.view(1, T, H, K) for t in y)
     h0 = recurrent_pool[slot_ids.long()].float()                                 # [N, H, V, K]
     o, ht = chunk_kda(q, k, v, g_raw.reshape(1, T, H, K).to(q.dtype), b.float().reshape(1, T, H), scale=K ** -0.5,
                       initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -107,9 +126,7 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     recurrent_pool[slot_ids.long()] = ht.to(recurrent_pool.dtype)
     o = o.reshape(T, D)
     out = torch.empty(T, D, dtype=qkv.dtype, device=qkv.device)
-    gated_norm_kernel[(T, H)](o, g_out, o_norm_weight, out, o.stride(0), g_out.stride(0), out.stride(0), float(eps),
-                              K=K)
-    return out
+    return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
 
 
 def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.Tensor, f_b_weight: torch.Tensor,
@@ -117,7 +134,18 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
               o_norm_weight: torch.Tensor, o_weight: torch.Tensor, recurrent_pool: torch.Tensor,
               conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, num_heads: int,
               head_dim: int, lower_bound: float | None, eps: float) -> torch.Tensor:
-    """See reference.kda_mixer; decode by the "fla" tactic."""
+    """See reference.kda_mixer; decode by the "split" tactic (our recurrent kernel over state slices)."""
+    return _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
+                  recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, "split")
+
+
+def kda_mixer_fla(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.Tensor,
+                  f_b_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  g_b_weight: torch.Tensor | None, o_norm_weight: torch.Tensor, o_weight: torch.Tensor,
+                  recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor,
+                  slot_ids: torch.Tensor, num_heads: int, head_dim: int, lower_bound: float | None,
+                  eps: float) -> torch.Tensor:
+    """See reference.kda_mixer; decode by the "fla" tactic (fla-core's fused_recurrent)."""
     return _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
                   recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, "fla")
 

@@ -3,7 +3,9 @@
 `kda_decode_fused_kernel` does a whole decode step of one (sequence, head) in one program: short-conv
 update of the q/k/v channels, SiLU, q/k L2 norm, the K3 gate, sigmoid beta, the delta rule on the
 [V, K] state (read once, written once), and the gated output RMSNorm. `conv_update_kernel` and
-`gated_norm_kernel` are the same glue split around fla-core's fused_recurrent kernel (the "fla" tactic).
+`gated_norm_kernel` are the same glue split around a recurrent kernel: fla-core's fused_recurrent (the
+"fla" tactic) or `kda_recurrent_vsplit_kernel` (the "split" tactic), which gives each program a [BV, K]
+slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each.
 """
 
 import triton
@@ -72,6 +74,36 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
 
 
 @triton.jit
+def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
+                                stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound,
+                                H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    """One decode token of sequence program_id(0), head program_id(1), value rows [BV·pid(2), +BV):
+    o = Sᵀq after S ← diag(exp g)S; S += β k (v − Sᵀk)ᵀ, on the slot's state in place (y = conv output)."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    D = H * K
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    rk = tl.arange(0, K)
+    rv = vb * BV + tl.arange(0, BV)
+    row = y_ptr + n * stride_y + h * K
+    q = tl.load(row + rk)
+    k = tl.load(row + D + rk)
+    v = tl.load(row + 2 * D + rv)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    g = _gate(tl.load(graw_ptr + n * stride_graw + h * K + rk).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
+              tl.load(dt_bias_ptr + h * K + rk).to(tl.float32), lower_bound, HAS_LOWER_BOUND)
+    beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
+    p_s = state_ptr + slot * stride_st + h * K * K + rv[:, None] * K + rk[None, :]   # [BV, K] of [V, K]
+    S = tl.load(p_s).to(tl.float32) * tl.exp(g)[None, :]
+    u = (v - tl.sum(S * k[None, :], 1)) * beta
+    S += u[:, None] * k[None, :]
+    tl.store(p_s, S.to(state_ptr.dtype.element_ty))
+    tl.store(o_ptr + n * stride_o + h * K + rv, tl.sum(S * q[None, :], 1))
+
+
+@triton.jit
 def conv_update_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, y_ptr, stride_qkv, stride_cp, stride_y,
                        C, W: tl.constexpr, BC: tl.constexpr):
     """y[n, c] = SiLU(conv) for one token per sequence; the slot's conv state shifts in place."""
@@ -84,37 +116,44 @@ def conv_update_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, y_ptr, stri
 
 
 @triton.jit
-def gated_norm_kernel(o_ptr, gout_ptr, norm_w_ptr, out_ptr, stride_o, stride_gout, stride_out, eps,
-                      K: tl.constexpr):
-    """out[t, h] = RMSNorm(o[t, h]; w) · sigmoid(g_out[t, h]) per head of K values, fp32 math."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    ch = h * K + tl.arange(0, K)
-    o = tl.load(o_ptr + t * stride_o + ch).to(tl.float32)
-    o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * tl.load(norm_w_ptr + tl.arange(0, K)).to(tl.float32)
-    o = o * tl.sigmoid(tl.load(gout_ptr + t * stride_gout + ch).to(tl.float32))
-    tl.store(out_ptr + t * stride_out + ch, o.to(out_ptr.dtype.element_ty))
+def gated_norm_kernel(o_ptr, gout_ptr, norm_w_ptr, out_ptr, T, stride_o, stride_gout, stride_out, eps,
+                      K: tl.constexpr, BT: tl.constexpr):
+    """out[t, h] = RMSNorm(o[t, h]; w) · sigmoid(g_out[t, h]) per head of K values, fp32 math; BT tokens of
+    head program_id(1) per program (one [K] row a program leaves most of its threads idle)."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    ch = tl.program_id(1) * K + tl.arange(0, K)
+    m = (rt < T)[:, None]
+    o = tl.load(o_ptr + rt[:, None] * stride_o + ch[None, :], mask=m, other=0.0).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, 1) / K + eps)[:, None] * tl.load(norm_w_ptr + tl.arange(0, K)).to(tl.float32)[None, :]
+    o = o * tl.sigmoid(tl.load(gout_ptr + rt[:, None] * stride_gout + ch[None, :], mask=m, other=0.0).to(tl.float32))
+    tl.store(out_ptr + rt[:, None] * stride_out + ch[None, :], o.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, tok_seq_ptr, y_ptr, stride_qkv,
-                        stride_cp, stride_y, C, W: tl.constexpr, BC: tl.constexpr):
-    """y[t, c] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in before start."""
-    t = tl.program_id(0)
+def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, tok_seq_ptr, y_ptr, T, stride_qkv,
+                        stride_cp, C, D, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """y[c // D, t, c % D] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in
+    before each sequence's start. A [BT tokens, BC channels] tile a program (the weights read once per tile,
+    the W-1 earlier rows hit in cache); y is [3, T, D] so that q, k and v each come out contiguous."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
-    sid = tl.load(tok_seq_ptr + t)
-    start = tl.load(cu_ptr + sid)
-    mask = ch < C
-    pool = conv_pool_ptr + tl.load(slot_ptr + sid).to(tl.int64) * stride_cp
-    acc = tl.zeros((BC,), dtype=tl.float32)
+    t_ok = rt < T
+    c_ok = (ch < C)[None, :]
+    sid = tl.load(tok_seq_ptr + rt, mask=t_ok, other=0)
+    start = tl.load(cu_ptr + sid, mask=t_ok, other=0)
+    pool = conv_pool_ptr + tl.load(slot_ptr + sid, mask=t_ok, other=0).to(tl.int64) * stride_cp
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
     for i in tl.static_range(W):
-        src = t - (W - 1) + i
-        if src >= start:
-            x = tl.load(qkv_ptr + src * stride_qkv + ch, mask=mask, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(pool + ch * (W - 1) + (src - start + W - 1), mask=mask, other=0.0).to(tl.float32)
-        acc += x * tl.load(conv_w_ptr + ch * W + i, mask=mask, other=0.0)
-    tl.store(y_ptr + t * stride_y + ch, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=mask)
+        src = rt - (W - 1) + i
+        in_seq = (src >= start) & t_ok
+        in_pool = (src < start) & t_ok
+        x = tl.load(qkv_ptr + src.to(tl.int64)[:, None] * stride_qkv + ch[None, :], mask=in_seq[:, None] & c_ok,
+                    other=0.0).to(tl.float32)
+        x += tl.load(pool[:, None] + ch[None, :] * (W - 1) + (src - start + W - 1)[:, None],
+                     mask=in_pool[:, None] & c_ok, other=0.0).to(tl.float32)
+        acc += x * tl.load(conv_w_ptr + ch * W + i, mask=ch < C, other=0.0)[None, :]
+    out = y_ptr + (ch // D).to(tl.int64)[None, :] * T * D + rt.to(tl.int64)[:, None] * D + (ch % D)[None, :]
+    tl.store(out, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok)
 
 
 @triton.jit

@@ -31,10 +31,10 @@ class MoETactic:
     w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
 
 
-TACTICS = {
-    "decode": MoETactic(16, 64, 128, 4, 3),
-    "decode_ds": MoETactic(16, 64, 128, 4, 3, w4=False),
-    "prefill": MoETactic(128, 128, 64, 8, 3),
+TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
+    "decode": MoETactic(16, 64, 256, 4, 3),
+    "decode_ds": MoETactic(16, 128, 128, 8, 3, w4=False),
+    "prefill": MoETactic(128, 128, 128, 8, 3),
     "prefill_ds": MoETactic(128, 128, 64, 8, 3, w4=False),
 }
 # The W4 decode multiplies by 2^(s-1) in bf16: exact for E8M0 scale bytes up to this (|w| <= 12).

@@ -70,8 +70,12 @@ def test_dequantize_matches_codec():
     from k3plugins.moe.mxfp4 import dequantize_mxfp4
     g = torch.Generator(device="cuda").manual_seed(5)
     w = torch.randint(0, 256, (3, 64, 256), dtype=torch.uint8, device="cuda", generator=g)
-    s = torch.randint(100, 150, (3, 64, 16), dtype=torch.uint8, device="cuda", generator=g)
-    assert torch.equal(mt.dequantize(w, s, torch.float32), dequantize_mxfp4(w, s))
+    s = torch.randint(100, mt.W4_MAX_SCALE_BYTE + 1, (3, 64, 16), dtype=torch.uint8, device="cuda", generator=g)
+    s[0, 0] = mt.W4_MAX_SCALE_BYTE  # the top of the exact range, with all 16 codes below
+    w[0, 0, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)
+    ref = dequantize_mxfp4(w, s)
+    assert torch.equal(mt.dequantize(w, s, torch.float32), ref)
+    assert torch.equal(mt.dequantize(w, s, torch.bfloat16), ref.to(torch.bfloat16))
 
 
 def test_deterministic():

@@ -75,14 +75,15 @@ def _kda_layer(g, N, H, K, hid, S):
     return w, r(S, H, K, K, sc=0.1), r(S, 3 * D, 3), r(N, hid)
 
 
-def _kda_decode_case(kd, lower_bound):
+def _kda_decode_case(kd, lower_bound, tactic):
     from k3plugins.kda.reference import kda_mixer
     g = torch.Generator().manual_seed(3)
-    N, H, K, hid, S = 3, 2, 16, 32, 5
+    N, H, K, hid, S = 3, 2, 64, 32, 5  # K=64: the split tactic runs two value slices per head
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
     slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
     outs = []
-    for fn in (kd.kda_mixer_fused, kda_mixer):  # the "fla" tactic runs fla-core's kernel: GPU only
+    # the "fla" tactic runs fla-core's kernel: GPU only
+    for fn in ({"fused": kd.kda_mixer_fused, "split": kd.kda_mixer}[tactic], kda_mixer):
         a, b = rec.clone(), conv.clone()
         o = fn(x, *w, a, b, cu_seqlens=cu, slot_ids=slots, num_heads=H, head_dim=K, lower_bound=lower_bound,
                eps=1e-5)
@@ -92,6 +93,7 @@ def _kda_decode_case(kd, lower_bound):
 
 
 def _kda_conv_prefill_case(kd):
+    import triton
     from k3plugins.kda.reference import short_conv
     from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_state_kernel
     g = torch.Generator().manual_seed(4)
@@ -101,9 +103,11 @@ def _kda_conv_prefill_case(kd):
     x, w, pool = torch.randn(T, C, generator=g), torch.randn(C, 4, generator=g), torch.randn(S, C, 3, generator=g)
     slots = torch.tensor([5, 1, 3, 0], dtype=torch.int32)
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T), right=True).to(torch.int32)
-    y, new = torch.empty(T, C), pool.clone()
-    conv_prefill_kernel[(T, 2)](x, w, new, slots, cu, tok_seq, y, x.stride(0), new.stride(0), y.stride(0), C, W=4,
-                                BC=BC)
+    y3, new = torch.empty(3, T, C // 3), pool.clone()
+    # BT=4 < T=10: token tiles straddle sequence boundaries and the last is part-masked
+    conv_prefill_kernel[(triton.cdiv(T, 4), 2)](x, w, new, slots, cu, tok_seq, y3, T, x.stride(0), new.stride(0), C,
+                                                C // 3, W=4, BT=4, BC=BC)
+    y = y3.permute(1, 0, 2).reshape(T, C)
     conv_state_kernel[(len(lens), 2)](x, new, slots, cu, x.stride(0), new.stride(0), C, W=4, BC=BC)
     rels, same = [], True
     for n, sl in enumerate(slots.tolist()):
@@ -134,7 +138,8 @@ def _child() -> None:
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
     for lb in (-5.0, None):
-        res[f"kda-decode-{lb}"] = _kda_decode_case(kd, lb)
+        for tactic in ("fused", "split"):
+            res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     print("RESULTS " + json.dumps(res))
 
@@ -165,9 +170,10 @@ def test_mla_decode_interpreted(results, splits):
     assert results[f"mla-{splits}"]["rel"] < 1e-5
 
 
+@pytest.mark.parametrize("tactic", ["fused", "split"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
-def test_kda_fused_decode_interpreted(results, lower_bound):
-    r = results[f"kda-decode-{lower_bound}"]
+def test_kda_decode_interpreted(results, lower_bound, tactic):
+    r = results[f"kda-decode-{lower_bound}-{tactic}"]
     assert r["rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["conv_equal"], r
 
 

@@ -53,8 +53,10 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             t = time_ms(fn)
             rec[f"{tactic}_ms"] = round(t, 4)
             rec[f"{tactic}_frac_of_floor"] = round(floor_ms / t, 3)
-        rec["fused_vs_fla_rel_l2"] = rel_l2(outs["fused"], outs["fla"])
-        rec["fused_vs_fla_state_rel_l2"] = rel_l2(outs["fused_state"], outs["fla_state"])
+        base = kda_dev.DECODE_TACTICS[0]
+        for tactic in kda_dev.DECODE_TACTICS[1:]:
+            rec[f"{tactic}_vs_{base}_rel_l2"] = rel_l2(outs[tactic], outs[base])
+            rec[f"{tactic}_vs_{base}_state_rel_l2"] = rel_l2(outs[tactic + "_state"], outs[base + "_state"])
         emit(**rec)
         del args, pool, conv_pool
         torch.cuda.empty_cache()
@@ -77,3 +79,36 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
     t_ours = time_ms(ours, rep=10, graph=False)
     emit(bench="kda_prefill", T=T, H=H, chunk_kda_alone_ms=round(t_alone, 4), ours_ms=round(t_ours, 4),
          ours_x_alone=round(t_ours / t_alone, 3), tokens_per_s=round(T / t_ours * 1e3))
+    _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone)
+
+
+def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone):
+    """Each stage of kda_prefill timed alone, to find where the glue goes."""
+    import triton
+    from fla.ops.kda import chunk_kda
+    from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_state_kernel
+    T = qkv.shape[0]
+    y = torch.empty(3, T, D, dtype=qkv.dtype, device="cuda")
+    tok_seq = torch.zeros(T, dtype=torch.int32, device="cuda")
+    grid_c = triton.cdiv(3 * D, 1024)
+    stages = {
+        "conv_prefill": lambda: conv_prefill_kernel[(triton.cdiv(T, 16), triton.cdiv(3 * D, 256))](
+            qkv, conv_w, conv_pool, slots, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
+            BT=16, BC=256),
+        "conv_state": lambda: conv_state_kernel[(1, grid_c)](qkv, conv_pool.clone(), slots, cu, qkv.stride(0),
+                                                             conv_pool.stride(0), 3 * D, W=4, BC=1024),
+        "gate_to_bf16": lambda: g_raw.reshape(1, T, H, K).to(torch.bfloat16),
+        "norm": lambda: kda_dev._gated_norm(y[0], g_out, norm_w, torch.empty(T, D, dtype=torch.bfloat16, device="cuda"),
+                                            H, K, 1e-5),
+    }
+    q, k, v = (t.view(1, T, H, K) for t in y)
+    gr = g_raw.reshape(1, T, H, K).to(torch.bfloat16)
+    stages["chunk_kda_on_conv_output"] = lambda: chunk_kda(
+        q, k, v, gr, b.float().reshape(1, T, H), scale=K ** -0.5, initial_state=pool.float().clone(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=cu,
+        A_log=a_log.float(), dt_bias=dt_bias.float())
+    rec = dict(bench="kda_prefill_breakdown", T=T, chunk_kda_alone_ms=round(t_alone, 4))
+    for name, fn in stages.items():
+        rec[f"{name}_ms"] = round(time_ms(fn, rep=10, graph=False), 4)
+    emit(**rec)

@@ -57,18 +57,22 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     z, ids, tw = make_tokens(1, gen)
     z, ids, tw = z[:37], ids[:37], tw[:37]
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
-    for name in ("decode", "decode_dq", "prefill", "prefill_ds"):
+    for name in mt.TACTICS:
         out = mt.moe_experts(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ", tactic=name)
         emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     decode_sweep, prefill_sweep = {}, {}
     if sweep:
-        for bn, bk, nw, ds in ((64, 64, 4, True), (64, 64, 8, True), (64, 128, 8, True), (128, 64, 8, True),
-                               (128, 128, 8, True), (64, 128, 4, True), (64, 64, 8, False), (64, 128, 8, False),
-                               (128, 64, 8, False), (128, 128, 8, False), (64, 256, 8, False), (32, 128, 4, True)):
-            decode_sweep[f"d_bn{bn}_bk{bk}_w{nw}_{'ds' if ds else 'dq'}"] = mt.MoETactic(16, bn, bk, nw, 2, ds)
-        for bm, bn, bk, nw, ds in ((64, 128, 64, 8, True), (64, 128, 64, 8, False), (128, 128, 64, 8, True),
-                                   (128, 128, 64, 8, False), (64, 128, 128, 8, False), (128, 64, 128, 8, False)):
-            prefill_sweep[f"p_bm{bm}_bn{bn}_bk{bk}_w{nw}_{'ds' if ds else 'dq'}"] = mt.MoETactic(bm, bn, bk, nw, 2, ds)
+        for bn, bk, nw, st, w4 in ((64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 4, 3, True),
+                                   (128, 128, 8, 3, True), (64, 256, 4, 3, True), (64, 128, 8, 3, True),
+                                   (32, 128, 4, 4, True), (64, 64, 4, 4, True), (128, 64, 4, 4, True),
+                                   (64, 128, 4, 4, False), (128, 128, 8, 3, False)):
+            decode_sweep[f"d_bn{bn}_bk{bk}_w{nw}_s{st}_{'w4' if w4 else 'ds'}"] = mt.MoETactic(16, bn, bk, nw, st, w4)
+        for bm, bn, bk, nw, st, w4 in ((128, 128, 64, 8, 4, True), (128, 128, 128, 8, 3, True),
+                                       (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 3, True),
+                                       (64, 256, 64, 8, 3, True), (128, 64, 128, 4, 3, True),
+                                       (128, 128, 128, 8, 3, False)):
+            prefill_sweep[f"p_bm{bm}_bn{bn}_bk{bk}_w{nw}_s{st}_{'w4' if w4 else 'ds'}"] = mt.MoETactic(bm, bn, bk, nw,
+                                                                                                      st, w4)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER
