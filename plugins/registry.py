@@ -22,10 +22,16 @@ class Impl:
     entry: str  # "module:function"
     targets: tuple[str, ...] = ALL_TARGETS
     needs: str | None = None  # module that must import (e.g. "triton")
+    mxfp4_only: bool = False  # reads MXFP4 expert weights (an engine converted with float experts cannot use it)
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")  # engine activation dtypes it takes
 
-    def supports(self, target: str) -> tuple[bool, str]:
+    def supports(self, target: str, quantization: str = "mxfp4", dtype: str = "bf16") -> tuple[bool, str]:
         if target not in self.targets:
             return False, f"{self.op}/{self.tactic} does not run on {target}"
+        if self.mxfp4_only and quantization != "mxfp4":
+            return False, f"{self.op}/{self.tactic} reads MXFP4 experts; this checkpoint's experts are {quantization!r}"
+        if dtype not in self.dtypes:
+            return False, f"{self.op}/{self.tactic} takes {'/'.join(self.dtypes)} activations, not {dtype}"
         if self.needs:
             try:
                 importlib.import_module(self.needs)
@@ -39,6 +45,7 @@ class Impl:
 
 
 _REF = "reference"
+_GPU = ("sm90", "gfx942")
 IMPLS: list[Impl] = [
     Impl("Embedding", _REF, 1, "k3plugins.embed.reference:embedding"),
     Impl("LMHead", _REF, 1, "k3plugins.embed.reference:lm_head"),
@@ -50,6 +57,12 @@ IMPLS: list[Impl] = [
     Impl("MoEExperts", _REF, 1, "k3plugins.moe.reference:moe_experts"),
     Impl("KDA", _REF, 1, "k3plugins.kda.reference:kda_mixer"),
     Impl("MLA", _REF, 1, "k3plugins.mla.reference:mla_mixer"),
+    # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
+    Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
+    Impl("MoEExperts", "triton", 1, "k3plugins.moe.triton:moe_experts_w4", _GPU, "triton", mxfp4_only=True),
+    Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
+         dtypes=("bf16", "fp16")),
+    Impl("KDA", "fla", 1, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
 ]
 
 # Preferred tactic per target, best first; the first that `supports` the target wins.
@@ -60,7 +73,8 @@ def find(op: str, tactic: str) -> Impl | None:
     return next((i for i in IMPLS if i.op == op and i.tactic == tactic), None)
 
 
-def resolve(op: str, target: str, prefer: str | None = None) -> Impl:
+def resolve(op: str, target: str, prefer: str | None = None, quantization: str = "mxfp4",
+            dtype: str = "bf16") -> Impl:
     """The implementation the builder records for `op` on `target` (a forced `prefer` must be supported)."""
     candidates = [i for i in IMPLS if i.op == op]
     if not candidates:
@@ -70,7 +84,7 @@ def resolve(op: str, target: str, prefer: str | None = None) -> Impl:
     for tactic in order:
         for impl in candidates:
             if impl.tactic == tactic:
-                ok, why = impl.supports(target)
+                ok, why = impl.supports(target, quantization, dtype)
                 if ok:
                     return impl
                 reasons.append(why)

@@ -28,7 +28,7 @@ from .options import DTYPES, BuildOptions
 from .source import BuildError, read_converted
 from .st_writer import SafetensorsWriter
 from .staging import clean_stale, finish_staging_dir, make_staging_dir
-from .tactics import resolve_plugins, stamp_for
+from .tactics import check_w4_scales, resolve_plugins, stamp_for
 
 ENGINE_FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -55,7 +55,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
                          f"({cfg.max_position_embeddings}, {converted_dir}/config.json)")
     memory_plan = _memory_plan(cfg, mapping, options)
     try:
-        plugins, notes = resolve_plugins(options.target)
+        plugins, notes = resolve_plugins(options.target, quantization=cfg.quantization.method, dtype=options.dtype)
     except (KeyError, ValueError) as e:
         raise BuildError(f"--target {options.target}: {e}") from None
     for note in notes:
@@ -64,9 +64,12 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     clean_stale(engine_dir)
     tmp = make_staging_dir(engine_dir)
     try:
-        ranks = {}
+        ranks, max_scale = {}, []
         for rank in range(mapping.world_size):
-            ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress)
+            ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, max_scale)
+        for note in check_w4_scales(plugins, max(max_scale, default=None)):
+            notes.append(note)
+            (log or (lambda m: None))(note)
         for name in TOKENIZER_FILES:
             if (converted_dir / name).exists():
                 shutil.copy2(converted_dir / name, tmp / name)
@@ -96,7 +99,8 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
 
 
 def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path, out: Path, options: BuildOptions,
-                progress: bool) -> dict:
+                progress: bool, max_scale: list[int]) -> dict:
+    """Writes rank{rank}/ and returns its rank-table entry; appends the largest expert scale byte to max_scale."""
     rank_dir = out / f"rank{rank}"
     rank_dir.mkdir()
     writer = SafetensorsWriter(rank_dir / "weights.safetensors", metadata={"format": "k3engine", "rank": str(rank)})
@@ -116,6 +120,8 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
         try:
             for name, t in engine_tensors(cfg, mapping, rank, get, options.torch_dtype):
                 writer.add(name, t)
+                if name.endswith(("w13_scale", "w2_scale")):
+                    max_scale.append(int(t.max()))
                 last_name = name
                 shapes[name] = (tuple(t.shape), t.dtype)
                 layer = name.split(".", 1)[0]

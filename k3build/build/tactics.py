@@ -6,6 +6,7 @@ import importlib.metadata
 
 import torch
 from k3plugins import registry
+from k3plugins.moe.mxfp4 import W4_MAX_SCALE_BYTE
 
 from .. import __version__
 
@@ -15,7 +16,8 @@ PLUGIN_OPS = ("Embedding", "LMHead", "Linear", "RMSNorm", "AttnRes", "GatedMLP",
 TARGET_ARCH = {"cpu": "cpu", "sm90": "sm_90", "gfx942": "gfx942"}
 
 
-def resolve_plugins(target: str, overrides: dict[str, str] | None = None) -> tuple[dict[str, dict], list[str]]:
+def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quantization: str = "mxfp4",
+                    dtype: str = "bf16") -> tuple[dict[str, dict], list[str]]:
     """The plugin table {op: {version, tactic}} for `target`, and notes on preferred tactics passed over.
 
     A preferred tactic that cannot run here (e.g. a Triton kernel without the `triton` package) falls back to
@@ -25,21 +27,32 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None) -> tup
     overrides = overrides or {}
     table, notes = {}, []
     for op in PLUGIN_OPS:
-        impl = registry.resolve(op, target, overrides.get(op))
+        impl = registry.resolve(op, target, overrides.get(op), quantization, dtype)
         table[op] = {"version": impl.version, "tactic": impl.tactic}
         if op not in overrides:
-            notes += _passed_over(op, target, impl.tactic)
+            notes += _passed_over(op, target, impl.tactic, quantization, dtype)
     return table, notes
 
 
-def _passed_over(op: str, target: str, chosen: str) -> list[str]:
+def check_w4_scales(table: dict[str, dict], max_scale_byte: int | None) -> list[str]:
+    """The W4 MoE decode is exact for E8M0 scale bytes up to W4_MAX_SCALE_BYTE: past it, use the dot_scaled
+    tactic (edits `table`; returns the note saying so)."""
+    moe = table.get("MoEExperts")
+    if moe is None or moe["tactic"] != "triton" or max_scale_byte is None or max_scale_byte <= W4_MAX_SCALE_BYTE:
+        return []
+    moe["tactic"] = "triton_ds"
+    return [f"MoEExperts: using the 'triton_ds' tactic, not 'triton' (an expert scale byte is {max_scale_byte}; "
+            f"the W4 decode is exact up to {W4_MAX_SCALE_BYTE})"]
+
+
+def _passed_over(op: str, target: str, chosen: str, quantization: str, dtype: str) -> list[str]:
     notes = []
     for tactic in registry.PREFERENCE[target]:
         if tactic == chosen:
             break
         impl = registry.find(op, tactic)
         if impl is not None:
-            ok, why = impl.supports(target)
+            ok, why = impl.supports(target, quantization, dtype)
             if not ok:
                 notes.append(f"{op}: using the {chosen!r} tactic on {target}, not {tactic!r} ({why})")
     return notes

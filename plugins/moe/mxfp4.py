@@ -14,6 +14,8 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES)
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
+# The Triton W4 decode multiplies by 2^(s-1) in bf16: exact for scale bytes up to this (|w| <= 12).
+W4_MAX_SCALE_BYTE = 128
 
 
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:

@@ -10,11 +10,12 @@ fill the MMA rows) and "prefill" (BM=128) with our W4 bit-level decode, "*_ds" w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
+from k3plugins.moe.mxfp4 import W4_MAX_SCALE_BYTE  # noqa: F401 (re-exported for callers and tests)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel)
 
@@ -37,8 +38,8 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     "prefill": MoETactic(128, 128, 128, 8, 3),
     "prefill_ds": MoETactic(128, 128, 64, 8, 3, w4=False),
 }
-# The W4 decode multiplies by 2^(s-1) in bf16: exact for E8M0 scale bytes up to this (|w| <= 12).
-W4_MAX_SCALE_BYTE = 128
+# At or above this many tokens in a step the prefill block shape wins (H200 sweep: BENCHMARKS.md).
+PREFILL_MIN_TOKENS = 1024
 
 
 def prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
@@ -47,26 +48,34 @@ def prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor
     return {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
 
 
-def _tactic(tactic: str | MoETactic) -> MoETactic:
+def _tactic(tactic: str | MoETactic, dl: int, inter: int) -> MoETactic:
+    """A named tactic's blocks, halved where the expert dims (multiples of 32) are too small for them; an
+    explicit MoETactic is taken as given."""
     if isinstance(tactic, MoETactic):
         return tactic
     if tactic not in TACTICS:
         raise ValueError(f"unknown MoE tactic {tactic!r}; have {sorted(TACTICS)}")
-    return TACTICS[tactic]
+    t = TACTICS[tactic]
+    bk, bn = t.block_k, t.block_n
+    while bk > 32 and (dl % bk or inter % bk):
+        bk //= 2
+    while bn > 16 and (dl % bn or inter % bn):
+        bn //= 2
+    return replace(t, block_k=bk, block_n=bn)
 
 
 def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
              tactic: str | MoETactic = "decode") -> tuple[bool, str]:
     """Whether the Triton MoE runs these shapes/dtypes with `tactic`."""
-    try:
-        t = _tactic(tactic)
-    except ValueError as exc:
-        return False, str(exc)
     if not z.is_cuda and not _interpreting():
         return False, "Triton MoE needs a GPU tensor (or TRITON_INTERPRET=1)"
     if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
         return False, "Triton MoE reads MXFP4 (uint8) weights only"
     dl, inter = w13.shape[2] * 2, w2.shape[2] * 2
+    try:
+        t = _tactic(tactic, dl, inter)
+    except ValueError as exc:
+        return False, str(exc)
     for name, k in (("Dl", dl), ("I", inter)):
         if k % t.block_k:
             return False, f"{name}={k} must be a multiple of block_k={t.block_k}"
@@ -74,16 +83,6 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
-    return True, ""
-
-
-def w4_scales_ok(*scales: torch.Tensor) -> tuple[bool, str]:
-    """Whether the W4 tactics decode these scales exactly (checked once, by the builder, on the weights)."""
-    for s in scales:
-        top = int(s.max())
-        if top > W4_MAX_SCALE_BYTE:
-            return False, (f"an MXFP4 scale byte is {top} (2^{top - 127}); the W4 decode is exact up to "
-                           f"{W4_MAX_SCALE_BYTE}: use a *_ds tactic")
     return True, ""
 
 
@@ -148,7 +147,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if w2.shape != (E, Dl, inter // 2) or w13.shape[2] * 2 != Dl:
         raise ValueError(f"moe_experts (triton): w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match "
                          f"z [M, {Dl}]")
-    t = _tactic(tactic)
+    t = _tactic(tactic, Dl, inter)
     if t.w4:  # same bytes as int32 words; activations in the tile's K order (h comes out in it too)
         w13, w2, z = w13.view(torch.int32), w2.view(torch.int32), swap01(z)
     z = z.contiguous()
@@ -170,6 +169,25 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)
     return out
+
+
+def moe_experts_w4(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int, act: str,
+                   beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """The engine's "triton" tactic: reference.moe_experts' signature, block shape by step size (fixed per
+    captured batch bucket, so no per-call choice inside a CUDA graph)."""
+    tactic = "prefill" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode"
+    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
+                       beta=beta, linear_beta=linear_beta, tactic=tactic)
+
+
+def moe_experts_ds(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int, act: str,
+                   beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """The engine's "triton_ds" tactic (tl.dot_scaled: any scale byte; bf16/fp16 activations)."""
+    tactic = "prefill_ds" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_ds"
+    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
+                       beta=beta, linear_beta=linear_beta, tactic=tactic)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

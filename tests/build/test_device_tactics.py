@@ -1,0 +1,94 @@
+"""Which plugin implementations a build records for the GPU targets, and the checks behind the choice.
+
+The kernels themselves are compared with their references in tests/plugins (interpreter here, -m gpu on an
+H200); these tests pin the builder's decisions, which must hold on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from k3plugins import registry
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from k3build.build.tactics import resolve_plugins
+from k3build.cli import main
+
+pytest.importorskip("triton")
+pytest.importorskip("fla.ops.kda")
+
+DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla"}
+
+
+def _build(converted, out, target="sm90", dtype="bf16"):
+    res = CliRunner().invoke(main, ["build", str(converted), str(out), "--target", target, "--max-seq-len", "256",
+                                    "--max-num-tokens", "256", "--dtype", dtype, "--no-progress"])
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "config.json").read_text())["build_config"], res.output
+
+
+def test_sm90_build_records_the_device_kernels(k3_tiny_engine, tmp_path):
+    from k3runtime.loader import EngineError, load_rank
+
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
+    build, _ = _build(converted, tmp_path / "engine")
+    plugins = build["plugins"]
+    for op, p in plugins.items():
+        assert p["tactic"] == DEVICE_TACTICS.get(op, "reference"), (op, p)
+        assert "sm90" in registry.find(op, p["tactic"]).targets
+    assert build["plugin_notes"] == []
+    with pytest.raises(EngineError, match=r"built for target 'sm90'"):
+        load_rank(tmp_path / "engine", 0, "cpu")
+
+
+def test_large_expert_scale_moves_moe_to_dot_scaled(k3_tiny_engine, tmp_path):
+    """A scale byte above 128 (|w| > 12) is outside the W4 decode's exact range: the build says so and
+    records the tl.dot_scaled tactic instead."""
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
+    edited = tmp_path / "converted"
+    shutil.copytree(converted, edited)
+    with safe_open(edited / "rank0.safetensors", framework="pt") as f:
+        meta = f.metadata()  # the rank/mapping stamp the builder checks
+    tensors = load_file(edited / "rank0.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("weight_scale"))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = 131
+    save_file(tensors, edited / "rank0.safetensors", metadata=meta)
+    build, output = _build(edited, tmp_path / "engine")
+    assert build["plugins"]["MoEExperts"]["tactic"] == "triton_ds"
+    assert any("131" in n and "triton_ds" in n for n in build["plugin_notes"]), build["plugin_notes"]
+    assert "triton_ds" in output  # the user sees the note
+
+
+def test_float_experts_keep_the_reference_moe():
+    table, notes = resolve_plugins("sm90", quantization="none")
+    assert table["MoEExperts"]["tactic"] == "reference"
+    assert table["Router"]["tactic"] == "triton" and table["KDA"]["tactic"] == "fla"
+    assert any("MoEExperts" in n and "MXFP4" in n for n in notes), notes
+
+
+def test_fp32_engine_keeps_the_reference_router():
+    table, notes = resolve_plugins("sm90", dtype="fp32")
+    assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton"
+    assert any("Router" in n and "fp32" in n for n in notes), notes
+
+
+def test_gfx942_uses_portable_kernels_only():
+    table, _ = resolve_plugins("gfx942")
+    assert table["MoEExperts"]["tactic"] == "triton" and table["Router"]["tactic"] == "triton"
+    assert table["KDA"]["tactic"] == "reference"  # fla-core's chunk kernels are only registered for sm90
+
+
+def test_registry_entries_load_and_share_the_reference_signature():
+    import inspect
+
+    for impl in registry.IMPLS:
+        if impl.tactic == "reference":
+            continue
+        ref = registry.find(impl.op, "reference").load()
+        params = lambda f: [(p.name, p.kind) for p in inspect.signature(f).parameters.values()]
+        assert params(impl.load()) == params(ref), (impl.op, impl.tactic)
