@@ -6,7 +6,8 @@ dtype. Decode tactics ("a step with as many tokens as sequences", every sequence
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
   "split" — conv kernel, our recurrent kernel over [32, K] state slices (in place), norm kernel.
-Prefill: varlen conv kernel, fla-core chunk_kda from the gathered slot states, state scatter, norm kernel.
+Prefill: tiled varlen conv kernel (q, k, v out contiguous), fla-core chunk_kda from the gathered slot states,
+state scatter, norm kernel.
 """
 
 from __future__ import annotations
@@ -133,38 +134,11 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
               A_log: torch.Tensor, dt_bias: torch.Tensor, g_b_weight: torch.Tensor | None,
               o_norm_weight: torch.Tensor, o_weight: torch.Tensor, recurrent_pool: torch.Tensor,
               conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, num_heads: int,
-              head_dim: int, lower_bound: float | None, eps: float) -> torch.Tensor:
-    """See reference.kda_mixer; decode by the "split" tactic (our recurrent kernel over state slices)."""
-    return _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
-                  recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, "split")
-
-
-def kda_mixer_fla(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.Tensor,
-                  f_b_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                  g_b_weight: torch.Tensor | None, o_norm_weight: torch.Tensor, o_weight: torch.Tensor,
-                  recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor,
-                  slot_ids: torch.Tensor, num_heads: int, head_dim: int, lower_bound: float | None,
-                  eps: float) -> torch.Tensor:
-    """See reference.kda_mixer; decode by the "fla" tactic (fla-core's fused_recurrent)."""
-    return _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
-                  recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, "fla")
-
-
-def kda_mixer_fused(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.Tensor,
-                    f_b_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    g_b_weight: torch.Tensor | None, o_norm_weight: torch.Tensor, o_weight: torch.Tensor,
-                    recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor,
-                    slot_ids: torch.Tensor, num_heads: int, head_dim: int, lower_bound: float | None,
-                    eps: float) -> torch.Tensor:
-    """See reference.kda_mixer; decode by the "fused" tactic (one Triton kernel)."""
-    return _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
-                  recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, "fused")
-
-
-def _mixer(x, in_proj_weight, conv_weight, f_b_weight, A_log, dt_bias, g_b_weight, o_norm_weight, o_weight,
-           recurrent_pool, conv_pool, cu_seqlens, slot_ids, num_heads, head_dim, lower_bound, eps, decode_tactic):
-    """A step with T == N tokens is taken as decode (the scheduler puts no empty sequence in a step), which
-    needs no device->host sync; any other step is a prefill."""
+              head_dim: int, lower_bound: float | None, eps: float,
+              decode_tactic: str = DECODE_TACTICS[0]) -> torch.Tensor:
+    """See reference.kda_mixer (the engine calls it without decode_tactic: the default). A step with T == N
+    tokens is taken as decode (the scheduler puts no empty sequence in a step), which needs no device->host
+    sync; any other step is a prefill."""
     T = x.shape[0]
     H, K = num_heads, head_dim
     D = H * K

@@ -36,9 +36,6 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-MIXERS = {"split": kda_dev.kda_mixer, "fla": kda_dev.kda_mixer_fla, "fused": kda_dev.kda_mixer_fused}
-
-
 @pytest.mark.parametrize("tactic", kda_dev.DECODE_TACTICS)
 @pytest.mark.parametrize("lb", [-5.0, None], ids=["safe_gate", "softplus"])
 @pytest.mark.parametrize("N,H,K", [(1, 2, 128), (7, 4, 64), (33, 3, 128)])
@@ -49,7 +46,7 @@ def test_kda_decode(tactic, lb, N, H, K):
     cu = torch.arange(N + 1, device="cuda")
     wb = {k: (v.to(torch.bfloat16) if k in ("in_proj_weight", "f_b_weight", "o_weight", "g_b_weight") and v is not None
               else v) for k, v in w.items()}
-    out, rec, conv = _run(MIXERS[tactic], x, wb, pools, cu, slots, H, K, lb)
+    out, rec, conv = _run(kda_dev.kda_mixer, x, wb, pools, cu, slots, H, K, lb, decode_tactic=tactic)
     ref, rec_r, conv_r = _run(kda_ref, x, wb, pools, cu, slots, H, K, lb)
     assert _rel(out, ref) < 2e-2 and _rel(rec, rec_r) < 1e-2
     assert _rel(conv, conv_r) < 1e-2  # raw inputs, copied (bf16 GEMM rounding may differ by an ulp)

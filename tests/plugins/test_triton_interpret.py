@@ -6,6 +6,7 @@ reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter 
 first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
 run in one child process started with the variable set; each test reads its result.
 """
+import functools
 import json
 import os
 import subprocess
@@ -87,7 +88,7 @@ def _kda_decode_case(kd, lower_bound, tactic):
     slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
     outs = []
     # the "fla" tactic runs fla-core's kernel: GPU only
-    for fn in ({"fused": kd.kda_mixer_fused, "split": kd.kda_mixer}[tactic], kda_mixer):
+    for fn in (functools.partial(kd.kda_mixer, decode_tactic=tactic), kda_mixer):
         a, b = rec.clone(), conv.clone()
         o = fn(x, *w, a, b, cu_seqlens=cu, slot_ids=slots, num_heads=H, head_dim=K, lower_bound=lower_bound,
                eps=1e-5)
