@@ -26,7 +26,7 @@ _ACTS = {"situ": 0, "silu": 1}
 class MoETactic:
     block_m: int   # tokens per MMA tile (the MMA's N side)
     block_n: int   # weight rows per program
-    block_k: int   # K elements per step (multiple of 64)
+    block_k: int   # K elements per step (a power of two >= 32)
     num_warps: int
     num_stages: int
     w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
@@ -38,7 +38,8 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     "prefill": MoETactic(128, 128, 128, 8, 3),
     "prefill_ds": MoETactic(128, 128, 64, 8, 3, w4=False),
 }
-# At or above this many tokens in a step the prefill block shape wins (H200 sweep: BENCHMARKS.md).
+# Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
+# and its prefill point (M = 7168); the crossover itself has not been measured.
 PREFILL_MIN_TOKENS = 1024
 
 
