@@ -63,6 +63,7 @@ IMPLS: list[Impl] = [
     Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 1, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
+    Impl("MLA", "triton", 1, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
 ]
 
 # Preferred tactic per target, best first; the first that `supports` the target wins.

@@ -1,8 +1,12 @@
-"""Absorbed-MLA paged decode attention in Triton (split-K over the context, then a log-sum-exp merge).
+"""Absorbed-MLA paged attention in Triton (split-K over the context, then a log-sum-exp merge), and the MLA
+mixer built on it (the engine's "triton" tactic).
 
-Cache: kv_cache [num_pages, 64, 576] = [normed latent 512 | k_pe 64] per token (K3_SPEC.md §2.3). Each
-program owns one sequence, one block of heads and one slice of its pages, so every cached token is read
-from HBM once per head block (the head blocks of one slice are adjacent in the grid and share it in L2).
+Cache: kv_cache [num_pages, 64, 576] = [normed latent 512 | k_pe 64] per token (K3_SPEC.md §2.3; other
+power-of-two widths for small test models). Each program owns one query row, one block of heads and one
+slice of its pages, so every cached token is read from HBM once per head block (the head blocks of one
+slice are adjacent in the grid and share it in L2). Prefill rows are queries too: each new token attends
+to its sequence's cache up to its own position, so one kernel serves chunked prefill and decode, and the
+mixer needs no device->host sync.
 """
 
 from __future__ import annotations
@@ -11,13 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.norm.reference import rms_norm
+
 PAGE = 64
-D_LAT = 512
-D_PE = 64
 
 
 @triton.jit
-def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale, H,
+def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale, H,
                       stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_kv_page, stride_ob, stride_os, stride_oh,
                       stride_lb, stride_ls, PAGES_PER_SPLIT, BH: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr):
@@ -25,6 +29,7 @@ def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_
     split = tl.program_id(1)
     b = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
+    pt_row = pt_ptr + tl.load(qseq_ptr + b).to(tl.int64) * stride_pb  # the query's sequence
     first_page = split * PAGES_PER_SPLIT
     n_pages = tl.minimum(tl.cdiv(ctx, PAGE_SIZE) - first_page, PAGES_PER_SPLIT)
     offs_h = hb * BH + tl.arange(0, BH)
@@ -42,11 +47,14 @@ def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_
     l_i = tl.zeros((BH,), dtype=tl.float32)
     acc = tl.zeros((BH, DL), dtype=tl.float32)
     for i in range(0, n_pages):
-        page = tl.load(pt_ptr + b * stride_pb + first_page + i).to(tl.int64)
+        page = tl.load(pt_row + first_page + i).to(tl.int64)
         base = kv_ptr + page * stride_kv_page + rt[:, None] * (DL + DR)
         c = tl.load(base + rl[None, :])                                                  # [T, DL]
         cp = tl.load(base + DL + rr[None, :])                                            # [T, DR]
-        s = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(cp))                            # [BH, T]
+        if DR >= 16:
+            s = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(cp))                        # [BH, T]
+        else:  # an MMA needs K >= 16: small test models' rope parts are summed directly
+            s = tl.dot(q, tl.trans(c)) + tl.sum(qp[:, None, :].to(tl.float32) * cp[None, :, :].to(tl.float32), 2)
         t_ok = (first_page + i) * PAGE_SIZE + rt < ctx
         s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -88,25 +96,34 @@ def num_splits_for(batch: int, num_heads: int, max_pages: int, *, block_h: int =
     return splits
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
-    if kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (PAGE, D_LAT + D_PE):
-        return False, f"kv_cache must be [num_pages, {PAGE}, {D_LAT + D_PE}], got {tuple(kv_cache.shape)}"
-    if q_lat.shape[-1] != D_LAT:
-        return False, f"q_lat must end in {D_LAT}, got {tuple(q_lat.shape)}"
+    """K3 is [*, 64, 512 + 64]; any power-of-two latent (>= 16) and rope widths run."""
+    dl = q_lat.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[1] != PAGE or not kv_cache.shape[2] > dl:
+        return False, f"kv_cache must be [num_pages, {PAGE}, {dl} + rope], got {tuple(kv_cache.shape)}"
+    if not (_pow2(dl) and dl >= 16 and _pow2(kv_cache.shape[2] - dl)):
+        return False, f"latent {dl} (>= 16) and rope {kv_cache.shape[2] - dl} widths must be powers of two"
     if q_lat.dtype not in (torch.bfloat16, torch.float16, torch.float32) or kv_cache.dtype != q_lat.dtype:
         return False, f"q_lat/kv_cache dtypes {q_lat.dtype}/{kv_cache.dtype} must match (bf16, fp16 or fp32)"
     return True, ""
 
 
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
-                         context_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
-                         block_h: int | None = None, num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                         context_lens: torch.Tensor, *, scale: float, query_seq: torch.Tensor | None = None,
+                         num_splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+                         num_stages: int = 2) -> torch.Tensor:
     """softmax(scale·(q_lat·c_latᵀ + q_pe·k_peᵀ)) · c_lat over each sequence's cached tokens.
 
     Args:
         q_lat: [B, H, 512] absorbed queries; q_pe: [B, H, 64].
         kv_cache: [num_pages, 64, 576] paged latent cache.
-        page_table: int32 [B, max_pages]; context_lens: int32 [B] (>= 1).
+        page_table: int32 [N, max_pages]; context_lens: int32 [B] (>= 1), the tokens query b attends to.
+        query_seq: int32 [B], the page-table row of each query (default: row b; prefill rows of one sequence
+            share its row).
         scale: softmax scale (K3: 192^-0.5).
         num_splits: split-K factor (power of two); None picks one from the shapes (no device sync).
         block_h, num_warps, num_stages: the tactic (heads per program and its launch shape).
@@ -117,9 +134,10 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     ok, why = supports(q_lat, kv_cache)
     if not ok:
         raise ValueError(f"mla_decode_attention: {why}")
-    B, H, _ = q_lat.shape
-    if q_pe.shape != (B, H, D_PE):
-        raise ValueError(f"mla_decode_attention: q_pe must be [{B}, {H}, {D_PE}], got {tuple(q_pe.shape)}")
+    B, H, dl = q_lat.shape
+    dr = kv_cache.shape[2] - dl
+    if q_pe.shape != (B, H, dr):
+        raise ValueError(f"mla_decode_attention: q_pe must be [{B}, {H}, {dr}], got {tuple(q_pe.shape)}")
     max_pages = page_table.shape[1]
     if block_h is None:  # measured on H200: 64 heads x 8 warps for 96 heads, 16 x 4 for 16
         block_h, num_warps = (64, num_warps or 8) if H >= 64 else (16, num_warps or 4)
@@ -127,15 +145,48 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h)
     pps = triton.cdiv(max_pages, splits)
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
-    o_part = torch.empty(B, splits, H, D_LAT, dtype=torch.float32, device=q_lat.device)
+    if query_seq is None:
+        query_seq = torch.arange(B, dtype=torch.int32, device=q_lat.device)
+    o_part = torch.empty(B, splits, H, dl, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
     mla_decode_kernel[(triton.cdiv(H, block_h), splits, B)](
-        q_lat, q_pe, kv_cache, page_table, context_lens, o_part, lse, float(scale), H, q_lat.stride(0),
+        q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, float(scale), H, q_lat.stride(0),
         q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), kv_cache.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGES_PER_SPLIT=pps, BH=block_h, PAGE_SIZE=PAGE,
-        DL=D_LAT, DR=D_PE, num_warps=num_warps, num_stages=num_stages)
-    out = torch.empty(B, H, D_LAT, dtype=q_lat.dtype, device=q_lat.device)
+        DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty(B, H, dl, dtype=q_lat.dtype, device=q_lat.device)
     mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                              lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                             DL=D_LAT, num_warps=4)
+                             DL=dl, num_warps=4)
     return out
+
+
+def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight: torch.Tensor | None,
+              q_b_weight: torch.Tensor, kv_a_weight: torch.Tensor, kv_a_norm_weight: torch.Tensor,
+              w_uk: torch.Tensor, w_uv: torch.Tensor, g_weight: torch.Tensor | None, o_weight: torch.Tensor,
+              kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
+              page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+              v_head_dim: int, scale: float, latent_eps: float) -> torch.Tensor:
+    """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
+    page tables on the host; here every index is computed on the device)."""
+    T = x.shape[0]
+    H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    r = kv_a_norm_weight.shape[0]
+    q_src = x if q_a_weight is None else rms_norm(x @ q_a_weight.T, q_a_norm_weight, eps=latent_eps)
+    q = (q_src @ q_b_weight.T).view(T, H, nope + rope)
+    ckv = x @ kv_a_weight.T                                                         # [T, r + rope]
+    entries = torch.cat([rms_norm(ckv[:, :r], kv_a_norm_weight, eps=latent_eps), ckv[:, r:]], dim=-1)
+    # token t of sequence n sits at position context_lens[n] - (cu[n+1] - t)
+    cu = cu_seqlens.to(torch.int64)
+    tok = torch.arange(T, device=x.device)
+    seq = torch.searchsorted(cu[1:], tok, right=True)                              # [T]
+    pos = context_lens.to(torch.int64)[seq] - (cu[seq + 1] - tok)
+    kv_cache[page_table.to(torch.int64)[seq, pos // PAGE], pos % PAGE] = entries.to(kv_cache.dtype)
+    q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk.to(q.dtype))          # [T, H, r]
+    o_lat = mla_decode_attention(q_lat.to(kv_cache.dtype), q[..., nope:].to(kv_cache.dtype), kv_cache,
+                                 page_table.to(torch.int32), (pos + 1).to(torch.int32), scale=scale,
+                                 query_seq=seq.to(torch.int32))
+    o = torch.einsum("thr,hrv->thv", o_lat.to(x.dtype), w_uv.to(x.dtype)).reshape(T, H * vd)
+    if g_weight is not None:
+        o = o * torch.sigmoid(x @ g_weight.T)
+    return o @ o_weight.T

@@ -21,7 +21,7 @@ from k3build.cli import main
 pytest.importorskip("triton")
 pytest.importorskip("fla.ops.kda")
 
-DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla"}
+DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "triton"}
 
 
 def _build(converted, out, target="sm90", dtype="bf16"):
@@ -80,6 +80,7 @@ def test_fp32_engine_keeps_the_reference_router():
 def test_gfx942_uses_portable_kernels_only():
     table, _ = resolve_plugins("gfx942")
     assert table["MoEExperts"]["tactic"] == "triton" and table["Router"]["tactic"] == "triton"
+    assert table["MLA"]["tactic"] == "triton"
     assert table["KDA"]["tactic"] == "reference"  # fla-core's chunk kernels are only registered for sm90
 
 

@@ -72,6 +72,31 @@ def _mla_case(mla, splits):
     return {"rel": max(rels)}
 
 
+def _mla_mixer_case(mla):
+    """The Triton mixer vs the reference on one packed step: a prefill chunk continuing 70 cached tokens, a
+    first decode token, a fresh 3-token prefill; the caches must end equal too."""
+    from k3plugins.mla.reference import mla_mixer as ref
+    g = torch.Generator().manual_seed(5)
+    r_ = lambda *sh, sc=1.0: torch.randn(*sh, generator=g) * sc
+    H, nope, rope, r, vd, hid, ql = 3, 16, 8, 32, 16, 32, 24
+    w = (r_(ql, hid, sc=hid ** -0.5), 1 + 0.1 * r_(ql), r_(H * (nope + rope), ql, sc=ql ** -0.5),
+         r_(r + rope, hid, sc=hid ** -0.5), 1 + 0.1 * r_(r), r_(H, nope, r, sc=nope ** -0.5), r_(H, r, vd, sc=r ** -0.5),
+         r_(H * vd, hid, sc=hid ** -0.5), r_(hid, H * vd, sc=(H * vd) ** -0.5))
+    new, ctx = [5, 1, 3], [75, 1, 3]
+    cu = torch.tensor([0] + new).cumsum(0)
+    x = r_(int(cu[-1]), hid)
+    cache = r_(8, 64, r + rope)
+    pt = torch.tensor([[3, 6, -1], [1, -1, -1], [7, -1, -1]], dtype=torch.int32)
+    outs = []
+    for fn in (mla.mla_mixer, ref):
+        c = cache.clone()
+        o = fn(x, *w[:7], w[7], w[8], c, cu_seqlens=cu, context_lens=torch.tensor(ctx), page_table=pt, num_heads=H,
+               qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=vd, scale=(nope + rope) ** -0.5, latent_eps=1e-6)
+        outs.append((o, c))
+    (o1, c1), (o2, c2) = outs
+    return {"rel": _rel(o1, o2), "cache_rel": _rel(c1, c2)}
+
+
 def _kda_layer(g, N, H, K, hid, S):
     r = lambda *sh, sc=1.0: torch.randn(*sh, generator=g) * sc
     D = H * K
@@ -143,6 +168,7 @@ def _child() -> None:
     res["dequant"] = {"equal": bool(torch.equal(moe.dequantize(w, s, torch.float32), dequantize_mxfp4(w, s)))}
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
+    res["mla-mixer"] = _mla_mixer_case(mla)
     for lb in (-5.0, None):
         for tactic in ("fused", "split"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
@@ -179,6 +205,11 @@ def test_mxfp4_dequant_interpreted(results):
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_mla_decode_interpreted(results, splits):
     assert results[f"mla-{splits}"]["rel"] < 1e-5
+
+
+def test_mla_mixer_interpreted(results):
+    r = results["mla-mixer"]
+    assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
 @pytest.mark.parametrize("tactic", ["fused", "split"])
