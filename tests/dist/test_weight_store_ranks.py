@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 from engines import build_engine
+from liveness import wait_healthy
 
 from k3build.mapping import Mapping
 from k3runtime.dist.weight_store import shm_dir_for
@@ -67,16 +68,7 @@ def test_torchrun_serve_ranks_attach_from_the_store(k3_tiny_ckpt, tmp_path):
                                 "--model-name", "k3", "--log-level", "warning",
                                 "--distributed-weight-config", str(cfg)],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 180
-        while True:
-            assert job.poll() is None, job.communicate()[0][-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve under torchrun did not come up"
-            time.sleep(0.3)
+        wait_healthy(job, port, timeout=180, what="serve under torchrun")
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                        json={"model": "k3", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text

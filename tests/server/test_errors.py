@@ -11,6 +11,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from liveness import wait_healthy
 
 MODEL = "k3-tiny"
 
@@ -212,16 +213,7 @@ def test_serve_cli_starts_serves_and_stops_on_sigterm(tiny_engine):
                              "--model-name", MODEL, "--max-tokens-limit", "8", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, port, timeout=90)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=ok(), timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert post_status(port, ok(max_tokens=9)) == 400  # --max-tokens-limit applies

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from liveness import wait_healthy
 
 from k3runtime.dist.weight_store import shm_dir_for
 from k3runtime.dist.weight_store_client import WeightStoreError, store_status
@@ -42,19 +43,6 @@ def start_store(engine: Path, name: str) -> subprocess.Popen:
             pass
         assert time.monotonic() < deadline, "store not ready"
         time.sleep(0.05)
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "serve did not come up"
-        time.sleep(0.2)
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -1,0 +1,22 @@
+"""Waiting for a server process to answer /health (shared by the serve tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import httpx
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120, what: str = "serve") -> None:
+    """Return once http://127.0.0.1:port/health answers 200; fail if `proc` exits or `timeout` s pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not come up"
+        time.sleep(0.2)
