@@ -4,7 +4,8 @@
 
 Any k3runtime subcommand that opens an engine works after ENGINE. torchrun supplies RANK / WORLD_SIZE /
 MASTER_ADDR (multi-node included); a rank that dies makes torchrun stop the others and name it, and a rank
-that hangs trips the collective timeout (K3_DIST_TIMEOUT_S, default 60 s), so the job never hangs silently.
+that hangs trips the collective timeout (K3_DIST_TIMEOUT_S, default 60 s), and rank 0's error names it from
+its stale heartbeat (heartbeat.py), so the job never hangs silently.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..loader import EngineError, read_engine_config
+from . import heartbeat
 from .comm import DistCommunicator, collective_timeout
 
 
@@ -29,6 +31,7 @@ def init_from_env(device: str = "cpu") -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=collective_timeout())
+    heartbeat.start()
 
 
 def _communicator(config: dict, device: str) -> DistCommunicator:
@@ -85,13 +88,20 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
     """Call `driver_fn()` on rank 0 (it opens the engine), serve as a worker elsewhere; returns its result."""
     init_from_env(device)
     try:
-        if dist.get_rank() == 0:
-            try:
-                return driver_fn()
-            finally:
-                for comm in list(_live):
-                    release_workers(comm)
-        worker_loop(engine_dir, device)
+        try:
+            if dist.get_rank() == 0:
+                try:
+                    return driver_fn()
+                finally:
+                    for comm in list(_live):
+                        release_workers(comm)
+            worker_loop(engine_dir, device)
+        except Exception as e:
+            # name the rank that went silent, when that is why a collective timed out
+            why = heartbeat.explain_timeout(e, collective_timeout().total_seconds())
+            if why:
+                raise EngineError(why) from e
+            raise
     finally:
         dist.destroy_process_group()
 

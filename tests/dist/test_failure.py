@@ -1,4 +1,4 @@
-"""A rank killed (or hung) mid-generation takes the job down within a bounded time; a killed one is named."""
+"""A rank killed (or hung) mid-generation takes the job down within a bounded time, naming that rank."""
 
 import json
 import os
@@ -64,3 +64,5 @@ def test_hung_rank_trips_the_collective_timeout(k3_tiny_ckpt, tmp_path):
     # timeout in the step (10 s) + timeout releasing the workers (10 s) + torchrun's grace before SIGKILL (30 s)
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
     assert "Timed out waiting 10000ms" in log, log[-3000:]
+    # the driver's error names the silent rank from its stale heartbeat, not only its own timeout
+    assert re.search(r"rank 1 \(no heartbeat for \d+ s\) stopped responding", log), log[-3000:]

@@ -1,0 +1,71 @@
+"""Per-rank heartbeats in the job's store, so that a collective timeout can name the rank that went silent.
+
+A rank that dies is named by torchrun; a rank that hangs (stopped, stuck in a kernel, a lost node) only
+makes its peers' collectives time out, and they cannot tell who is missing. Every rank stamps the time into
+the store that torch.distributed was initialised with, from a daemon thread. A thread keeps beating while
+its rank waits inside a collective, and stops when the process stops. After a timeout, the ranks whose
+stamps are old are the silent ones.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+PERIOD_S = 1.0
+_KEY = "k3/heartbeat/{}"
+
+
+def _store():
+    # the store env:// initialisation made (torchrun's); private, but in every torch 2.x
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def start() -> None:
+    """Beat for this rank until the process ends (no-op without a store)."""
+    store, rank = _store(), dist.get_rank()
+    if store is None:
+        return
+
+    def beat():
+        while True:
+            try:
+                store.set(_KEY.format(rank), repr(time.time()))
+            except Exception:  # the store went away with the job: stop quietly
+                return
+            time.sleep(PERIOD_S)
+
+    threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True).start()
+
+
+def silent_ranks(older_than_s: float) -> list[tuple[int, float]]:
+    """(rank, seconds since its last beat) of every other rank silent for more than `older_than_s`."""
+    store, me = _store(), dist.get_rank()
+    if store is None:
+        return []
+    now, silent = time.time(), []
+    for rank in range(dist.get_world_size()):
+        key = _KEY.format(rank)
+        if rank == me or not store.check([key]):
+            continue
+        age = now - float(store.get(key).decode())
+        if age > older_than_s:
+            silent.append((rank, age))
+    return silent
+
+
+def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
+    """A message naming the silent ranks when `exc` is a collective timeout, else None."""
+    if "timed out" not in str(exc).lower():
+        return None
+    silent = silent_ranks(min(5.0, timeout_s / 2))
+    if not silent:
+        return None
+    names = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in silent)
+    return (f"a collective timed out after {timeout_s:.0f} s (K3_DIST_TIMEOUT_S): {names} stopped responding; "
+            "the others were alive and waiting for it")
