@@ -30,7 +30,18 @@ def init_from_env(device: str = "cpu") -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=collective_timeout())
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0:
+        dist.init_process_group(backend, timeout=collective_timeout())
+    else:
+        # After a torchrun restart the job's store still holds the first attempt's addresses, and a new rank
+        # would dial a peer that is gone: this attempt's keys get their own prefix.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent_store, timeout=collective_timeout())
+        dist.init_process_group(backend, store=dist.PrefixStore(f"k3/attempt{attempt}", store), rank=rank,
+                                world_size=world, timeout=collective_timeout())
     heartbeat.start()
 
 
