@@ -3,9 +3,9 @@
 Three launches after a sync-free sort of the (token, expert) pairs by local expert:
 gate/up GEMM with SiTU fused (h [P, I], activation dtype), down GEMM with the routing weight applied
 (y [P, Dl] fp32), and a deterministic per-token sum of its local pairs (no atomics). Weights are read in
-the build's MXFP4 layout, unchanged (prepare_weights is the identity; the W4 decode reads the same bytes
-as int32 words). Tactics are block configs and the operand path: "decode" (BM=16, swap-AB so the weights
-fill the MMA rows) and "prefill" (BM=128) with our W4 bit-level decode, "*_ds" with tl.dot_scaled.
+the build's MXFP4 layout, unchanged (the W4 decode reads the same bytes as int32 words). Tactics are block
+configs and the operand path: "decode" (BM=16, swap-AB so the weights fill the MMA rows) and "prefill"
+(BM=128) with our W4 bit-level decode, "*_ds" with tl.dot_scaled.
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
 # Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
 # and its prefill point (M = 7168); the crossover itself has not been measured.
 PREFILL_MIN_TOKENS = 1024
-
-
-def prepare_weights(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-                    w2_scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The layout this kernel reads is the build's MXFP4 layout itself: no transform."""
-    return {"w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale}
 
 
 def _tactic(tactic: str | MoETactic, dl: int, inter: int) -> MoETactic:
