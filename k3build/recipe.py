@@ -22,6 +22,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from .build.options import EXPERT_BACKENDS
 from .config import PRESETS, ConfigError, K3Config, preset
 from .mapping import Mapping, MappingError
 from .memory import GiB, PAGE_SIZE, MemoryPlan, plan_memory
@@ -29,7 +30,6 @@ from .memory import GiB, PAGE_SIZE, MemoryPlan, plan_memory
 TARGETS = ("cpu", "sm90", "gfx942")
 STATE_DTYPES = ("fp32", "bf16")
 KV_DTYPES = {"bf16": 2, "fp8": 1}
-EXPERT_BACKENDS = ("nccl", "deepep", "local")
 
 
 class RecipeError(ValueError):
@@ -99,7 +99,8 @@ class Recipe:
         b = self.build
         return {"target": b.target, "max_batch_size": b.max_batch_size, "max_num_tokens": b.max_num_tokens,
                 "max_seq_len": b.max_seq_len, "page_size": b.page_size, "kv_dtype": b.kv_dtype,
-                "state_dtype": b.state_dtype, "gpu_memory_gib": b.gpu_memory_gib}
+                "state_dtype": b.state_dtype, "gpu_memory_gib": b.gpu_memory_gib,
+                "expert_backend": self.runtime.expert_backend}
 
     def plan(self, cfg: K3Config | None = None) -> MemoryPlan:
         """The memory plan for this recipe (what `k3build plan --recipe` prints)."""

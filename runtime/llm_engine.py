@@ -82,11 +82,11 @@ class LLMEngine:
     def __init__(self, engine_dir, options: EngineOptions = EngineOptions()):
         from .loader import read_engine_config
 
-        config = read_engine_config(engine_dir)
-        if options.enable_deepep:
-            from .dist.deepep import check_deepep
+        from .dist.exchange import choose_backend
 
-            check_deepep(config["pretrained_config"])
+        config = read_engine_config(engine_dir)
+        # before any weight is read: a backend that cannot run (DeepEP missing or too small) fails here
+        self.expert_backend = choose_backend(config, options.enable_deepep)
         self.config, self.options = config, options
         mapping = config["mapping"]
         self.world_size = mapping["world_size"]

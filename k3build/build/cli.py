@@ -60,6 +60,8 @@ def _raise_interrupt(signum, frame):
 @click.option("--gpu-memory-gib", type=float, default=None, help="Per-rank memory budget the plan must fit.")
 @click.option("--overhead-gib", type=float, default=None,
               help="Held back from the budget for communicators and allocator slack [1.0].")
+@click.option("--expert-backend", type=click.Choice(["nccl", "deepep", "local"]), default=None,
+              help="Expert exchange the runtime starts with under attention-DP + EP [nccl].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine dir.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar per rank.")
 def build_cmd(converted, engine, recipe, overwrite, progress, **flags):

@@ -53,6 +53,9 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     if options.max_seq_len > cfg.max_position_embeddings:
         raise BuildError(f"--max-seq-len: {options.max_seq_len} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings}, {converted_dir}/config.json)")
+    if options.expert_backend == "local" and mapping.moe_ep_size > 1:
+        raise BuildError(f"--expert-backend local: {converted_dir} is split over moe_ep_size={mapping.moe_ep_size} "
+                         "ranks, whose experts must be exchanged; use nccl or deepep")
     memory_plan = _memory_plan(cfg, mapping, options)
     try:
         plugins, notes = resolve_plugins(options.target, quantization=cfg.quantization.method, dtype=options.dtype)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 TARGETS = ("cpu", "sm90", "gfx942")
+EXPERT_BACKENDS = ("nccl", "deepep", "local")  # runtime/dist/exchange.py; k3build.recipe checks the same names
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -22,6 +23,7 @@ class BuildOptions:
     state_dtype: str = "fp32"  # KDA recurrent state storage
     gpu_memory_gib: float | None = None  # memory plan budget per rank (None: no check)
     overhead_gib: float = 1.0  # held back from gpu_memory_gib by the plan (communicators, allocator slack)
+    expert_backend: str = "nccl"  # attention-DP expert exchange the runtime starts with
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -29,6 +31,10 @@ class BuildOptions:
         for name in ("dtype", "kv_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"--{name.replace('_', '-')}: expected one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"--expert-backend: expected one of {', '.join(EXPERT_BACKENDS)}, got {self.expert_backend!r}")
+        if self.expert_backend == "deepep" and self.target == "cpu":
+            raise ValueError("--expert-backend deepep: DeepEP runs on GPUs; pick --target sm90 or nccl")
         if self.state_dtype not in ("fp32", "bf16"):
             raise ValueError(f"--state-dtype: expected fp32 or bf16, got {self.state_dtype!r}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "page_size"):

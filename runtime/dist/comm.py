@@ -77,6 +77,7 @@ class DistCommunicator(Communicator):
         self.control = ControlPlane()
         # gloo has no bf16/fp16 reductions on every build: reduce those in fp32 (also more accurate).
         self.upcast = dist.get_backend() == "gloo"
+        self.exchange = None
 
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         y = x.float() if self.upcast and x.dtype != torch.float32 else x.contiguous()
@@ -90,26 +91,19 @@ class DistCommunicator(Communicator):
         dist.all_gather(parts, x, group=g)
         return torch.cat(parts, dim=axis)
 
-    def ep_gather(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, group: str, capacity: int):
-        """Attention-DP dispatch: every rank's tokens, each rank padded to `capacity` rows ([n*C, ...]).
+    def use_exchange(self, exchange) -> None:
+        """The expert exchange backend (runtime/dist/exchange.py), set once the runtime options are known."""
+        self.exchange = exchange
 
-        Fixed-size buffers keep the exchange free of host syncs; padded rows carry routing weight 0.
-        """
-        t = z.shape[0]
-        if t > capacity:
-            raise RuntimeError(f"expert exchange: {t} tokens exceed the engine's capacity of {capacity} per rank")
-        out = []
-        for x in (z, ids, weights):
-            padded = x.new_zeros((capacity, *x.shape[1:]))
-            padded[:t] = x
-            out.append(self.all_gather(padded, group, 0))
-        return tuple(out)
+    def ep_gather(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, group: str, capacity: int):
+        """Attention-DP dispatch: the rows this rank's experts must see, from every rank of the group."""
+        if z.shape[0] > capacity:
+            raise RuntimeError(f"expert exchange: {z.shape[0]} tokens exceed the engine's capacity of {capacity} per rank")
+        return self.exchange.dispatch(z, ids, weights, capacity)
 
     def ep_scatter(self, y: torch.Tensor, z: torch.Tensor, *, group: str, capacity: int) -> torch.Tensor:
-        """Attention-DP combine: sum every rank's expert partials [n*C, D] and keep this rank's rows."""
-        mine = y.new_empty((capacity, *y.shape[1:]))
-        dist.reduce_scatter_tensor(mine, y.contiguous(), group=self.groups[group])
-        return mine[:z.shape[0]]
+        """Attention-DP combine: this rank's tokens' sums of every rank's expert outputs."""
+        return self.exchange.combine(y, z.shape[0], capacity)
 
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
         dst = self.rank + self.tp_size  # same TP index, next stage

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..loader import EngineError, read_engine_config
 from . import heartbeat
 from .comm import DistCommunicator, collective_timeout
+from .exchange import choose_backend, make_exchange
 
 
 def init_from_env(device: str = "cpu") -> None:
@@ -61,8 +62,14 @@ def driver_comm(config: dict, device: str, options) -> DistCommunicator:
     """Rank 0: join the groups and hand every worker the runtime options (cache sizes must agree)."""
     comm = _communicator(config, device)
     comm.control.broadcast(options)
+    _attach_exchange(comm, config, options)
     _live.append(comm)
     return comm
+
+
+def _attach_exchange(comm: DistCommunicator, config: dict, options) -> None:
+    backend = choose_backend(config, options.enable_deepep)
+    comm.use_exchange(make_exchange(backend, config, comm.rank, comm.groups.get("moe"), upcast=comm.upcast))
 
 
 def release_workers(comm: DistCommunicator) -> None:
@@ -81,6 +88,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     comm = _communicator(config, device)
     rank = dist.get_rank()
     options = comm.control.broadcast()
+    _attach_exchange(comm, config, options)
     runner = open_rank(engine_dir, options, rank, comm)
     tp_rank, attention_dp = config["ranks"][str(rank)]["tp_rank"], config["mapping"]["attention_dp"]
     # Without attention-DP one rank of the last stage reports for its TP group; with it every rank has its own.

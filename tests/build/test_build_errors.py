@@ -125,12 +125,19 @@ def test_extra_rank_file(converted, tmp_path):
     (["--gpu-memory-gib", "-2"], ["--gpu-memory-gib", "-2"]),
     (["--gpu-memory-gib", "1", "--overhead-gib", "-1"], ["--overhead-gib", "-1"]),
     (["--max-seq-len", "100000"], ["--max-seq-len: 100000", "max_position_embeddings (4096"]),
+    (["--expert-backend", "deepep"], ["--expert-backend deepep: DeepEP runs on GPUs"]),
 ], ids=["target", "tokens<batch", "page-size-sm90", "neg-seq", "zero-batch", "neg-mem", "neg-overhead",
-     "seq>positions"])
+     "seq>positions", "deepep-on-cpu"])
 def test_bad_options(converted, tmp_path, args, words):
     out = tmp_path / "engine"
     # the last occurrence of an option wins, so these override FAST's
     _refused(_build(converted["tp1"], out, *args), out, *words)
+
+
+def test_local_exchange_needs_one_ep_rank(converted, tmp_path):
+    out = tmp_path / "engine"
+    _refused(_build(converted["tp2"], out, "--expert-backend", "local"), out, "--expert-backend local",
+             "moe_ep_size=2", "use nccl or deepep")
 
 
 def test_existing_engine_needs_overwrite(converted, tmp_path):
@@ -176,7 +183,7 @@ def test_recipe_supplies_the_options(converted, tmp_path):
     bc = b["build_config"]
     # from engines/tiny.toml; the flag wins over the recipe
     assert (bc["max_num_tokens"], bc["max_seq_len"], bc["kv_dtype"], bc["gpu_memory_gib"]) == (256, 1024, "bf16", 1.0625)
-    assert bc["max_batch_size"] == 4 and bc["overhead_gib"] == 1.0
+    assert bc["max_batch_size"] == 4 and bc["overhead_gib"] == 1.0 and bc["expert_backend"] == "local"
     assert b["memory_plan"]["budget"]["max_batch_size"] == 4
 
 

@@ -27,7 +27,7 @@ def main():
             return
         result = {"logits": llm.logits(job["prompts"][0]).tolist(),
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],
-                  "stats": llm.engine.stats}
+                  "stats": llm.engine.stats, "backend": llm.engine.expert_backend}
         out.write_text(json.dumps(result))
 
     run(engine, drive)
