@@ -35,6 +35,7 @@ class EngineOptions:
     num_host_pages: int = 0
     num_host_slots: int = 0
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (one rank on a GPU; ignored elsewhere)
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,14 @@ def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> R
     """Load `rank` of the engine with caches sized by `options` (or the engine's memory plan)."""
     engine = load_rank(engine_dir, rank, options.device)
     pages, slots = cache_sizes(engine.config, options)
-    spare = 1 if engine.config["mapping"]["attention_dp"] else 0  # dummy_step's page and slot
+    graphs = options.cuda_graphs and next(iter(engine.weights.values())).device.type == "cuda"
+    # dummy_step's page and slot (attention-DP), where captured decode steps' padding rows write (graphs)
+    spare = 1 if engine.config["mapping"]["attention_dp"] or graphs else 0
     cfg = cache_config(engine, num_pages=pages + spare, num_slots=slots + spare)
-    return RankRunner(engine, cfg, comm, num_host_pages=options.num_host_pages if options.preemption_mode == "swap" else 0,
-                      num_host_slots=options.num_host_slots if options.preemption_mode == "swap" else 0)
+    swap = options.preemption_mode == "swap"
+    return RankRunner(engine, cfg, comm, num_host_pages=options.num_host_pages if swap else 0,
+                      num_host_slots=options.num_host_slots if swap else 0,
+                      spare=(pages, slots) if spare else None, cuda_graphs=graphs)
 
 
 def sample_step(step: Step, logits: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,10 @@ def cache_config(engine: RankEngine, *, num_pages: int, num_slots: int) -> Cache
 
 class RankRunner:
     def __init__(self, engine: RankEngine, cache_cfg: CacheConfig, comm: Communicator | None = None, *,
-                 num_host_pages: int = 0, num_host_slots: int = 0):
+                 num_host_pages: int = 0, num_host_slots: int = 0, spare: tuple[int, int] | None = None,
+                 cuda_graphs: bool = False):
+        """spare: (page, slot) no request uses (padding rows of captured decode steps write there).
+        cuda_graphs: replay pure decode steps from CUDA graphs (one rank on a GPU, with a spare)."""
         self.engine, self.comm = engine, comm or Communicator()
         self.device = next(iter(engine.weights.values())).device
         self.cache = CacheTensors(cache_cfg, self.device)
@@ -62,6 +65,15 @@ class RankRunner:
         self.pp_size = engine.config["mapping"]["pp_size"]
         self.num_blocks_in = sum(1 for i in engine.graph.input if i.name.startswith("blocks_in."))
         self.act_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[engine.build["dtype"]]
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and engine.world_size == 1 and spare is not None:
+            from .cuda_graph import DecodeGraphs
+
+            build = engine.build
+            self.graphs = DecodeGraphs(self.executor, max_batch=build["max_batch_size"],
+                                       max_pages=-(-build["max_seq_len"] // build["page_size"]),
+                                       spare_page=spare[0], spare_slot=spare[1])
+            self.graphs.capture()
 
     def run(self, step: Step) -> torch.Tensor | None:
         """Apply the step's cache edits and run its tokens. Returns fp32 logits [M, V] on the last stage."""
@@ -70,6 +82,9 @@ class RankRunner:
                 raise RuntimeError("the step swaps requests but this rank has no host store (num_host_pages = 0)")
             self.host_store.apply(step.swap_out, step.swap_in)
         self.cache.zero_slots(list(step.reset_slot_ids))
+        if self.graphs is not None and _graphable(step, self.graphs):
+            return self.graphs.replay([(it.token_ids[0], it.slot_id, it.start_pos + 1, list(it.page_ids))
+                                       for it in step.items])
         logits = []
         for items in _micro_batches(step.items, self.pp_size):
             batch = self.batch(items, step.all_logits)
@@ -97,6 +112,12 @@ class RankRunner:
         return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
                          context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
                          page_table=tensor(table), logits_indices=tensor(rows))
+
+
+def _graphable(step: Step, graphs) -> bool:
+    """A pure decode step that fits a captured bucket."""
+    return (not step.all_logits and graphs.bucket(len(step.items)) is not None
+            and all(it.num_tokens == 1 and it.sample for it in step.items))
 
 
 def _micro_batches(items: tuple[ScheduledItem, ...], pp_size: int) -> list[tuple[ScheduledItem, ...]]:

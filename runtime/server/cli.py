@@ -38,9 +38,11 @@ def _read_weight_config(path: str):
 @click.option("--distributed-weight-config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON/TOML file: which node's `k3runtime weight-store` holds which ranks; ranks attach to it "
                    "instead of reading disk (same as $K3_WEIGHT_STORE_CONFIG).")
+@click.option("--enforce-eager", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs.")
 @click.option("--log-level", default="info", show_default=True)
 def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue, max_prompt_tokens,
-              max_tokens_limit, device, num_pages, enable_deepep, distributed_weight_config, log_level):
+              max_tokens_limit, device, num_pages, enable_deepep, distributed_weight_config, enforce_eager,
+              log_level):
     """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     if distributed_weight_config:
         from ..dist.weight_store_client import ENV_CONFIG
@@ -58,7 +60,8 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     from .metrics import PrometheusMetrics
 
     try:
-        ae = AsyncLLMEngine(engine, EngineOptions(device=device, num_pages=num_pages, enable_deepep=enable_deepep),
+        ae = AsyncLLMEngine(engine, EngineOptions(device=device, num_pages=num_pages, enable_deepep=enable_deepep,
+                                                   cuda_graphs=not enforce_eager),
                             metrics=PrometheusMetrics())
     except (EngineError, ValueError, NotImplementedError) as e:
         raise click.ClickException(str(e)) from None

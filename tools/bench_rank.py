@@ -1,0 +1,213 @@
+"""One real-size K3 rank decoding: step time against the sum of its floors (JSON lines).
+
+    python tools/bench_rank.py [--batches 32,64,128] [--context 8192]          # on an H200: TEP16 rank 0
+    python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
+
+The rank is what `k3build build` would write for the recipe's mapping (all 93 layers, 1/16 of attention and
+shared experts, 56 local experts in MXFP4), with synthetic weights made on the device instead of read from a
+checkpoint (the graph and layout passes are the builder's own). The expert exchange is looped back: the
+graph's all-reduces return their input, so the figure is the rank's compute and memory alone.
+
+Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of garbage KV: the timing does
+not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py); the eager
+step is timed too. Floors use the HBM bandwidth measured first in the same run:
+    weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
+             top-k routing touches in expectation (all of them: floor_all_experts_ms)
+    kv       N x CONTEXT x the MLA layers' latent bytes
+    state    the KDA recurrent states of N requests, read and written (conv states too)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
+
+import torch  # noqa: E402
+
+
+def synthetic_get(cfg, mapping, rank: int, device: torch.device, seed: int = 0):
+    """get(name) for k3build's layout pass: this rank's slice of each canonical tensor, random, on `device`."""
+    from k3build.schema import checkpoint_tensors
+
+    specs = checkpoint_tensors(cfg, "canonical")
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8}
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def get(name: str) -> torch.Tensor:
+        shape, dtype = specs[name]
+        shard = mapping.shard(name, rank, cfg)
+        shape = list(shape)
+        if shard.dim is not None:
+            shape[shard.dim] //= shard.parts
+        dt = dtypes[dtype]
+        if dt == torch.uint8:
+            if name.endswith("weight_scale"):  # E8M0 scales 2^-7..2^-4: values stay moderate
+                return torch.randint(120, 124, shape, dtype=torch.uint8, device=device, generator=gen)
+            return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            return torch.ones(shape, dtype=dt, device=device)
+        if name.endswith("e_score_correction_bias"):
+            return torch.zeros(shape, dtype=dt, device=device)
+        fan_in = shape[-1] if len(shape) > 1 else 1
+        return (torch.randn(shape, device=device, generator=gen) / fan_in ** 0.5).to(dt)
+
+    return get
+
+
+def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max_batch: int, max_seq_len: int):
+    """A RankEngine with the builder's graph and layout over synthetic weights (nothing written to disk)."""
+    from k3build.build import graph as graph_mod
+    from k3build.build.layout import engine_tensors
+    from k3build.build.tactics import resolve_plugins
+    from k3runtime.loader import ModelFacts, RankEngine
+
+    weights, shapes = {}, {}
+    for name, t in engine_tensors(cfg, mapping, rank, synthetic_get(cfg, mapping, rank, device), torch.bfloat16):
+        weights[name], shapes[name] = t, (tuple(t.shape), t.dtype)
+    plugins, _ = resolve_plugins(target, quantization=cfg.quantization.method, dtype="bf16")
+    graph = graph_mod.build_graph(cfg, mapping, rank, shapes, torch.bfloat16, capacity=max_batch).graph
+    layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
+    config = {
+        "pretrained_config": cfg.to_dict(), "mapping": mapping.to_dict(),
+        "build_config": {"plugins": plugins, "page_size": 64, "dtype": "bf16", "kv_dtype": "bf16",
+                         "state_dtype": "fp32", "max_batch_size": max_batch, "max_seq_len": max_seq_len,
+                         "max_num_tokens": max_batch},
+        "ranks": {str(rank): {"layers": [layers.start, layers.stop], "tp_rank": mapping.tp_rank(rank),
+                              "first_stage": mapping.is_first_stage(rank), "last_stage": mapping.is_last_stage(rank)}},
+    }
+    return RankEngine(None, rank, config, ModelFacts.from_pretrained_config(config["pretrained_config"]), graph,
+                      weights)
+
+
+def _median_ms(fn, reps: int, cuda: bool) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def floors(engine, cache, n: int, context: int, bw_bytes_per_ms: float) -> dict:
+    cfg = engine.config["pretrained_config"]
+    w = engine.weights
+    expert = sum(t.nbytes for k, t in w.items() if k.endswith((".w13", ".w2", ".w13_scale", ".w2_scale")))
+    embed = w["embed"].nbytes if "embed" in w else 0
+    other = sum(t.nbytes for t in w.values()) - expert - embed
+    embed_rows = n * w["embed"].shape[1] * w["embed"].element_size() if embed else 0
+    k, e = cfg["num_experts_per_token"], cfg["num_experts"]
+    touched = 1 - (1 - k / e) ** n  # share of local experts a uniform top-k routing of n tokens reaches
+    mla = cache.config.num_mla_layers * context * n * cache.config.mla_width * cache.mla_kv[0].element_size() \
+        if cache.config.num_mla_layers else 0
+    state = 2 * n * sum(s[0].nbytes + c[0].nbytes for s, c in zip(cache.kda_state, cache.kda_conv))
+    weights_touched = other + embed_rows + touched * expert
+    return {"weights_bytes": int(weights_touched), "kv_bytes": int(mla), "state_bytes": int(state),
+            "floor_ms": (weights_touched + mla + state) / bw_bytes_per_ms,
+            "floor_all_experts_ms": (other + embed_rows + expert + mla + state) / bw_bytes_per_ms,
+            "experts_touched_share": round(touched, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="k3")
+    ap.add_argument("--recipe", default=os.path.join(os.path.dirname(__file__), "..", "engines", "k3_h200_tep16.toml"),
+                    help="mapping to take rank 0 of (ignored with --tp)")
+    ap.add_argument("--tp", type=int, default=None, help="TEP mapping of this many ranks instead of the recipe's")
+    ap.add_argument("--batches", default="32,64,128")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--target", default="sm90")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+
+    from common import emit
+    from k3build.config import preset
+    from k3build.mapping import Mapping
+    from k3runtime.executor import Executor
+    from k3runtime.kv_cache import CacheTensors
+    from k3runtime.rank_runner import cache_config
+
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench_rank: --device cuda needs a CUDA GPU (or pass --device cpu --target cpu)")
+    device = torch.device(args.device)
+    cfg = preset(args.preset)
+    if args.tp:
+        mapping = Mapping(tp_size=args.tp)
+    else:
+        from k3build.recipe import load_recipe
+        mapping = load_recipe(args.recipe).mapping
+    batches = sorted(int(b) for b in args.batches.split(","))
+    if cuda:
+        from common import hbm_read_tbps
+        bw = hbm_read_tbps() * 1e12
+        torch.cuda.empty_cache()
+    else:
+        bw = float("nan")
+    emit(bench="rank_env", device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+         preset=args.preset, mapping=mapping.to_dict(), rank=0, hbm_read_tbps=round(bw / 1e12, 3))
+    t0 = time.perf_counter()
+    engine = make_rank(cfg, mapping, 0, target=args.target, device=device, max_batch=batches[-1],
+                       max_seq_len=args.context + 64)
+    emit(bench="rank_weights", gib=round(sum(t.nbytes for t in engine.weights.values()) / 2**30, 2),
+         made_s=round(time.perf_counter() - t0, 1))
+    pages_per_seq = -(-(args.context + 1) // 64)
+    while batches:
+        n_max = batches[-1]
+        try:
+            cache = CacheTensors(cache_config(engine, num_pages=n_max * pages_per_seq + 1, num_slots=n_max + 1),
+                                 device)
+            break
+        except torch.OutOfMemoryError as e:
+            emit(bench="rank_oom", batch=n_max, error=str(e).splitlines()[0])
+            batches.pop()
+            torch.cuda.empty_cache()
+    executor = Executor(engine, cache)
+    for n in batches:
+        rows = [(int(t), i, args.context, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)))
+                for i, t in enumerate(torch.randint(0, cfg.vocab_size, (n,)))]
+        spare = (n_max * pages_per_seq, n_max)
+        rec = dict(bench="rank_decode", batch=n, context=args.context)
+        if cuda:
+            from k3runtime.cuda_graph import DecodeGraphs
+            graphs = DecodeGraphs(executor, max_batch=n, max_pages=pages_per_seq, spare_page=spare[0],
+                                  spare_slot=spare[1], buckets=[n])
+            graphs.capture()
+            rec["step_ms"] = _median_ms(lambda: graphs.replay(rows), args.reps, cuda)
+            graphs._stage(rows)
+            batch = graphs._batch(n)
+            rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
+            del graphs
+        else:
+            from k3runtime.executor import StepBatch
+            tensor = lambda v: torch.tensor(v, dtype=torch.int64)
+            batch = StepBatch(input_ids=tensor([r[0] for r in rows]), cu_seqlens=torch.arange(n + 1),
+                              slot_ids=tensor([r[1] for r in rows]), context_lens=tensor([r[2] for r in rows]),
+                              page_table=tensor([r[3] for r in rows]), logits_indices=torch.arange(n))
+            rec["step_ms"] = rec["eager_ms"] = _median_ms(lambda: executor.run(batch), args.reps, cuda)
+        f = floors(engine, cache, n, args.context, bw / 1e3)
+        rec.update({k: round(v, 4) if isinstance(v, float) else v for k, v in f.items()})
+        rec["step_x_floor"] = round(rec["step_ms"] / f["floor_ms"], 3)
+        rec["tokens_per_s"] = round(n / rec["step_ms"] * 1e3, 1)
+        rec["step_ms"], rec["eager_ms"] = round(rec["step_ms"], 4), round(rec["eager_ms"], 4)
+        emit(**rec)
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
