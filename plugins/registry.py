@@ -64,10 +64,15 @@ IMPLS: list[Impl] = [
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 1, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
     Impl("MLA", "triton", 1, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
+    # GEMMs in the activation dtype (the references upcast weights to fp32 on every call)
+    Impl("Linear", "blas", 1, "k3plugins.embed.blas:linear", _GPU, dtypes=("bf16", "fp16")),
+    Impl("LMHead", "blas", 1, "k3plugins.embed.blas:lm_head", _GPU, dtypes=("bf16", "fp16")),
+    Impl("GatedMLP", "blas", 1, "k3plugins.mlp.blas:gated_mlp", _GPU, dtypes=("bf16", "fp16")),
 ]
 
 # Preferred tactic per target, best first; the first that `supports` the target wins.
-PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton", "fla", _REF), "gfx942": ("triton", _REF)}
+PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton", "fla", "blas", _REF),
+                                          "gfx942": ("triton", "blas", _REF)}
 
 
 def find(op: str, tactic: str) -> Impl | None:

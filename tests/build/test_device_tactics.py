@@ -21,7 +21,8 @@ from k3build.cli import main
 pytest.importorskip("triton")
 pytest.importorskip("fla.ops.kda")
 
-DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "triton"}
+DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "triton", "Linear": "blas",
+                  "LMHead": "blas", "GatedMLP": "blas"}
 
 
 def _build(converted, out, target="sm90", dtype="bf16"):
@@ -74,13 +75,14 @@ def test_float_experts_keep_the_reference_moe():
 def test_fp32_engine_keeps_the_reference_router():
     table, notes = resolve_plugins("sm90", dtype="fp32")
     assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton"
+    assert table["GatedMLP"]["tactic"] == "reference"  # fp32 activations: the reference GEMMs are the fp32 ones
     assert any("Router" in n and "fp32" in n for n in notes), notes
 
 
 def test_gfx942_uses_portable_kernels_only():
     table, _ = resolve_plugins("gfx942")
     assert table["MoEExperts"]["tactic"] == "triton" and table["Router"]["tactic"] == "triton"
-    assert table["MLA"]["tactic"] == "triton"
+    assert table["MLA"]["tactic"] == "triton" and table["Linear"]["tactic"] == "blas"
     assert table["KDA"]["tactic"] == "reference"  # fla-core's chunk kernels are only registered for sm90
 
 

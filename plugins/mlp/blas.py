@@ -1,0 +1,18 @@
+"""Gated MLP with its two GEMMs in the activation dtype (fp32 accumulation in the BLAS), the GLU in fp32.
+
+Same signature and semantics as reference.gated_mlp, without the reference's per-call fp32 copy of both
+weights (see plugins/embed/blas.py).
+"""
+
+import torch
+
+from k3plugins.mlp.reference import glu
+
+
+def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, *, act: str,
+              beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """down(act(gate x, up x)); x [M, D], gate_up_weight [2I, D] (gate rows first), down_weight [D, I]."""
+    inter = gate_up_weight.shape[0] // 2
+    h = x @ gate_up_weight.to(x.dtype).T                                        # [M, 2I]
+    a = glu(h[:, :inter], h[:, inter:], act=act, beta=beta, linear_beta=linear_beta)
+    return a @ down_weight.to(x.dtype).T
