@@ -145,15 +145,18 @@ def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, to
     sid = tl.load(tok_seq_ptr + rt, mask=t_ok, other=0)
     start = tl.load(cu_ptr + sid, mask=t_ok, other=0)
     pool = conv_pool_ptr + tl.load(slot_ptr + sid, mask=t_ok, other=0).to(tl.int64) * stride_cp
+    # Only tiles holding one of a sequence's first W-1 tokens read the slot state (most tiles skip it).
+    edge = tl.min(tl.where(t_ok, rt - start, W - 1)) < W - 1
     acc = tl.zeros((BT, BC), dtype=tl.float32)
     for i in tl.static_range(W):
         src = rt - (W - 1) + i
         in_seq = (src >= start) & t_ok
-        in_pool = (src < start) & t_ok
         x = tl.load(qkv_ptr + src.to(tl.int64)[:, None] * stride_qkv + ch[None, :], mask=in_seq[:, None] & c_ok,
                     other=0.0).to(tl.float32)
-        x += tl.load(pool[:, None] + ch[None, :] * (W - 1) + (src - start + W - 1)[:, None],
-                     mask=in_pool[:, None] & c_ok, other=0.0).to(tl.float32)
+        if edge:
+            in_pool = (src < start) & t_ok
+            x += tl.load(pool[:, None] + ch[None, :] * (W - 1) + (src - start + W - 1)[:, None],
+                         mask=in_pool[:, None] & c_ok, other=0.0).to(tl.float32)
         acc += x * tl.load(conv_w_ptr + ch * W + i, mask=ch < C, other=0.0)[None, :]
     col = (c0 - plane * D) + tl.arange(0, BC)
     out = y_ptr + plane.to(tl.int64) * T * D + rt.to(tl.int64)[:, None] * D + col[None, :]

@@ -127,14 +127,15 @@ def _kda_conv_prefill_case(kd):
     from k3plugins.kda.reference import short_conv
     from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_state_kernel
     g = torch.Generator().manual_seed(4)
-    lens, C, S, BC = [2, 0, 7, 1], 96, 6, 64  # conv_state: two channel blocks, the second half masked
+    lens, C, S, BC = [2, 0, 11, 1], 96, 6, 64  # conv_state: two channel blocks, the second half masked
     cu = torch.tensor([0] + lens).cumsum(0)
     T = int(cu[-1])
     x, w, pool = torch.randn(T, C, generator=g), torch.randn(C, 4, generator=g), torch.randn(S, C, 3, generator=g)
     slots = torch.tensor([5, 1, 3, 0], dtype=torch.int32)
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T), right=True).to(torch.int32)
     y3, new = torch.empty(3, T, C // 3), pool.clone()
-    # BT=4 < T=10: token tiles straddle sequence boundaries and the last is part-masked
+    # BT=4 < T=14: token tiles straddle sequence boundaries, [8, 12) lies past its start (no slot state read),
+    # the last is part-masked
     # conv_prefill: tiles of 16 channels (they must divide D = 32), two per plane
     conv_prefill_kernel[(triton.cdiv(T, 4), C // 16)](x, w, new, slots, cu, tok_seq, y3, T, x.stride(0),
                                                       new.stride(0), C, C // 3, W=4, BT=4, BC=16)

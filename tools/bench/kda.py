@@ -23,7 +23,6 @@ def _inputs(N: int, gen: torch.Generator, state_dtype=torch.float32):
 
 
 def bench_kda(bw_tbps: float, sweep: bool) -> None:
-    from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     gen = torch.Generator(device="cuda").manual_seed(2)
     for N in (8, 64, 256):
@@ -61,7 +60,13 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
         emit(**rec)
         del args, pool, conv_pool
         torch.cuda.empty_cache()
-    # prefill: one 8K sequence, glue included vs chunk_kda alone
+    bench_kda_prefill(bw_tbps, sweep)
+
+
+def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:
+    """Prefill of one 8K sequence, glue included, vs chunk_kda alone (and each glue stage alone)."""
+    from fla.ops.kda import chunk_kda
+    gen = torch.Generator(device="cuda").manual_seed(2)
     T = 8192
     args = _inputs(T, gen)
     qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, _ = args
