@@ -102,6 +102,21 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, device) -> None:
+    """Wrap every Router node: same kernels run, then fixed random distinct experts per token row (uniform
+    over all experts, so each rank's share of the pairs is balanced) replace its picks."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(max_tokens)]).to(device)
+    routers = [n for n in executor.nodes if n.fn.__name__ == "route"]
+    if not routers:
+        raise SystemExit("bench_rank: --routing uniform found no Router node to wrap")
+    for node in routers:
+        def balanced(*args, _route=node.fn, **kw):
+                _, weights = _route(*args, **kw)
+                return ids[:weights.shape[0]], weights
+            node.fn = balanced
+
+
 def _top_kernels(fn, top: int = 25) -> list:
     """[kernel name, ms per step, launches per step] of the kernels taking most GPU time in one step."""
     from torch.profiler import ProfilerActivity, profile
@@ -147,6 +162,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
+    ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
+                    help="uniform: the router runs but its picks are replaced by balanced random ones (what a "
+                         "trained K3 router with its bias approaches); model: the synthetic router's own picks "
+                         "(random weights route most tokens to the same experts)")
     args = ap.parse_args()
 
     from common import emit
@@ -174,7 +193,8 @@ def main() -> None:
     else:
         bw = float("nan")
     emit(bench="rank_env", device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-         preset=args.preset, mapping=mapping.to_dict(), rank=0, hbm_read_tbps=round(bw / 1e12, 3))
+         preset=args.preset, mapping=mapping.to_dict(), rank=0, routing=args.routing,
+         hbm_read_tbps=round(bw / 1e12, 3))
     t0 = time.perf_counter()
     engine = make_rank(cfg, mapping, 0, target=args.target, device=device, max_batch=batches[-1],
                        max_seq_len=args.context + 64)
@@ -194,6 +214,8 @@ def main() -> None:
             batches.pop()
             torch.cuda.empty_cache()
     executor = Executor(engine, cache)
+    if args.routing == "uniform":
+        _balance_routing(executor, cfg.num_experts, cfg.num_experts_per_token, batches[-1], device)
     for n in batches:
         rows = [(int(t), i, args.context, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)))
                 for i, t in enumerate(torch.randint(0, cfg.vocab_size, (n,)))]
