@@ -112,9 +112,9 @@ def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, de
         raise SystemExit("bench_rank: --routing uniform found no Router node to wrap")
     for node in routers:
         def balanced(*args, _route=node.fn, **kw):
-                _, weights = _route(*args, **kw)
-                return ids[:weights.shape[0]], weights
-            node.fn = balanced
+            _, weights = _route(*args, **kw)
+            return ids[:weights.shape[0]], weights
+        node.fn = balanced
 
 
 def _top_kernels(fn, top: int = 25) -> list:
