@@ -64,6 +64,9 @@ IMPLS: list[Impl] = [
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 1, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
     Impl("MLA", "triton", 1, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
+    # one launch each instead of the references' chains of elementwise kernels (interpreter-tested; not yet run on a GPU)
+    Impl("RMSNorm", "triton", 1, "k3plugins.norm.triton:rms_norm", _GPU, "triton"),
+    Impl("AttnRes", "triton", 1, "k3plugins.attn_res.triton:attn_res", _GPU, "triton"),
     # GEMMs in the activation dtype (the references upcast weights to fp32 on every call)
     Impl("Linear", "blas", 1, "k3plugins.embed.blas:linear", _GPU, dtypes=("bf16", "fp16")),
     Impl("LMHead", "blas", 1, "k3plugins.embed.blas:lm_head", _GPU, dtypes=("bf16", "fp16")),

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 pytest.importorskip("fla.ops.kda")
 
 DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "triton", "Linear": "blas",
-                  "LMHead": "blas", "GatedMLP": "blas"}
+                  "LMHead": "blas", "GatedMLP": "blas", "RMSNorm": "triton", "AttnRes": "triton"}
 
 
 def _build(converted, out, target="sm90", dtype="bf16"):
@@ -83,6 +83,7 @@ def test_gfx942_uses_portable_kernels_only():
     table, _ = resolve_plugins("gfx942")
     assert table["MoEExperts"]["tactic"] == "triton" and table["Router"]["tactic"] == "triton"
     assert table["MLA"]["tactic"] == "triton" and table["Linear"]["tactic"] == "blas"
+    assert table["RMSNorm"]["tactic"] == "triton" and table["AttnRes"]["tactic"] == "triton"
     assert table["KDA"]["tactic"] == "reference"  # fla-core's chunk kernels are only registered for sm90
 
 

@@ -9,9 +9,11 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from k3plugins.attn_res import triton as attn_res  # noqa: E402
 from k3plugins.kda import triton_decode as kd  # noqa: E402
 from k3plugins.mla import triton as mla  # noqa: E402
 from k3plugins.moe import triton_kernels as moe  # noqa: E402
+from k3plugins.norm import triton as norm  # noqa: E402
 from k3plugins.router import triton as router  # noqa: E402
 
 # (kernel, pointer element types by arg name, constexprs); other args: *_ptr -> *fp32, ints i32, listed floats fp32
@@ -52,6 +54,9 @@ SPECS = {
                          dict(W=4, BT=16, BC=256)),
     "kda_conv_state": (kd.conv_state_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                   cu_ptr="*i64"), dict(W=4, BC=1024)),
+    "rms_norm": (norm.rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"), dict(BD=8192)),
+    "attn_res": (attn_res.attn_res_kernel, dict(partial_ptr="*bf16", blocks_ptr="*bf16", proj_ptr="*bf16",
+                                                norm_w_ptr="*bf16", out_ptr="*bf16"), dict(BD=8192, BK=16)),
     "router_logits": (router.router_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16"), dict(BM=16, BE=32, BK=64)),
     "router_topk": (router.router_topk_kernel, dict(ids_ptr="*i64"),
                     dict(NUM_SPLITS=4, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True)),

@@ -153,6 +153,29 @@ def _kda_conv_prefill_case(kd):
     return {"rel": max(rels), "state_equal": same}
 
 
+def _norm_cases() -> dict:
+    """RMSNorm (rows of a 3-D input, fp16 rounding before the weight) and AttnRes (K = 0, 1, 5) vs references."""
+    from k3plugins.attn_res import reference as ar_ref
+    from k3plugins.attn_res import triton as ar
+    from k3plugins.norm import reference as norm_ref
+    from k3plugins.norm import triton as norm
+    g = torch.Generator().manual_seed(5)
+    res = {}
+    for dtype in (torch.float32, torch.float16):
+        name = str(dtype)[6:]
+        x, w = torch.randn(2, 5, 96, generator=g).to(dtype), (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+        got, want = norm.rms_norm(x, w, eps=1e-5), norm_ref.rms_norm(x, w, eps=1e-5)
+        res[f"rmsnorm-{name}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype,
+                                  "shape_ok": got.shape == want.shape}
+        for k in (0, 1, 5):
+            partial, blocks = torch.randn(7, 96, generator=g).to(dtype), torch.randn(k, 7, 96, generator=g).to(dtype)
+            proj, nw = torch.randn(96, generator=g), 1 + 0.1 * torch.randn(96, generator=g)
+            got, want = ar.attn_res(partial, blocks, proj, nw, eps=1e-6), ar_ref.attn_res(partial, blocks, proj, nw,
+                                                                                         eps=1e-6)
+            res[f"attnres-{name}-{k}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype}
+    return res
+
+
 def _child() -> None:
     _patch_interpreter()
     from k3plugins.kda import fla as kd
@@ -175,6 +198,7 @@ def _child() -> None:
         for tactic in ("fused", "split"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
+    res.update(_norm_cases())
     print("RESULTS " + json.dumps(res))
 
 
@@ -224,6 +248,19 @@ def test_kda_decode_interpreted(results, lower_bound, tactic):
 def test_kda_conv_prefill_interpreted(results):
     r = results["kda-conv-prefill"]
     assert r["rel"] < 1e-6 and r["state_equal"], r
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])  # fp16: rounding of the output
+def test_rms_norm_interpreted(results, dtype, tol):
+    r = results[f"rmsnorm-{dtype}"]
+    assert r["dtype_ok"] and r["shape_ok"] and r["rel"] < tol, r
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])
+def test_attn_res_interpreted(results, dtype, tol, k):
+    r = results[f"attnres-{dtype}-{k}"]
+    assert r["dtype_ok"] and r["rel"] < tol, r
 
 
 if __name__ == "__main__":
