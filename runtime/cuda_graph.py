@@ -44,7 +44,8 @@ class DecodeGraphs:
 
     def _stage(self, rows: list[tuple[int, int, int, list[int]]]) -> None:
         """rows: (token id, slot, context length, page ids) per sequence; the rest become padding."""
-        B = self.buckets[-1]
+        if len(rows) > self.buckets[-1]:
+            raise ValueError(f"{len(rows)} rows exceed the largest captured bucket {self.buckets[-1]}")
         cols, pages = self.host_cols, self.host_pages
         cols[0].zero_()
         cols[1].fill_(self.spare_slot)
@@ -54,8 +55,6 @@ class DecodeGraphs:
         for i, (tok, slot, ctx, page_ids) in enumerate(rows):
             cols[0, i], cols[1, i], cols[2, i] = tok, slot, ctx
             pages[i, :len(page_ids)] = torch.tensor(page_ids, dtype=torch.int64)
-            pages[i, len(page_ids):] = -1
-        assert len(rows) <= B
         self.cols.copy_(cols, non_blocking=True)
         self.pages.copy_(pages, non_blocking=True)
 

@@ -82,7 +82,7 @@ class NcclExchange:
 class DeepEPExchange:
     """DeepEP low-latency dispatch/combine; one Buffer per process, sized for `capacity` tokens per rank.
 
-    Not run here: DeepEP needs NVSHMEM-capable GPUs. tests/dist/fake_deep_ep holds a torch.distributed
+    Not run here: DeepEP needs NVSHMEM-capable GPUs. tests/dist/deep_ep_standin holds a torch.distributed
     stand-in with DeepEP's documented API and layouts, which checks this adapter's bookkeeping on gloo.
     """
 
