@@ -60,13 +60,15 @@ def conv_channel_block(D: int, most: int = 256) -> int:
 def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
-               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0]) -> torch.Tensor:
+               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0], block_v: int = 32,
+               num_warps: int = 4) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
         qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output; b: [N, H] beta logits;
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
+        block_v, num_warps: the split tactic's state slice ([block_v, K] a program) and launch width.
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -89,11 +91,11 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                                                        conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
     if tactic == "split":
         o = torch.empty(N, D, dtype=torch.float32, device=qkv.device)
-        bv = min(32, K)
+        bv = min(block_v, K)
         kda_recurrent_vsplit_kernel[(N, H, K // bv)](
             y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
             recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb, H=H, K=K, BV=bv,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=4)
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps)
         return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     # fused_recurrent_kda_fwd takes no strides: each of q, k, v must be contiguous
