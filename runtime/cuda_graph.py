@@ -24,7 +24,7 @@ def default_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, executor: Executor, *, max_batch: int, max_pages: int, spare_slot: int, spare_page: int,
                  buckets: list[int] | None = None):
-        self.executor, self.max_pages = executor, max_pages
+        self.executor = executor
         self.spare_slot, self.spare_page = spare_slot, spare_page
         self.buckets = sorted(buckets or default_buckets(max_batch))
         B = self.buckets[-1]

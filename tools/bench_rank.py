@@ -85,20 +85,16 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
 
 
 def _median_ms(fn, reps: int, cuda: bool) -> float:
+    """Median ms of fn: CUDA-event timed on a GPU (common.time_ms, no extra graph: fn may replay one), else wall."""
+    if cuda:
+        from common import time_ms
+        return time_ms(fn, rep=reps, graph=False, flush=False)
     fn()
     times = []
     for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 

@@ -26,6 +26,14 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 60)))
 
 
+def gather_cat(x: torch.Tensor, group, axis: int = 0) -> torch.Tensor:
+    """Every rank's x of the group, concatenated along `axis` in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=axis)
+
+
 def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
     """Process groups this rank belongs to, by graph group name ("tp", "moe")."""
     mine = {}
@@ -85,11 +93,7 @@ class DistCommunicator(Communicator):
         return y.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
-        g = self.groups[group]
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(g))]
-        dist.all_gather(parts, x, group=g)
-        return torch.cat(parts, dim=axis)
+        return gather_cat(x, self.groups[group], axis)
 
     def use_exchange(self, exchange) -> None:
         """The expert exchange backend (runtime/dist/exchange.py), set once the runtime options are known."""

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..loader import EngineError
+from .comm import gather_cat
 
 BACKENDS = ("local", "nccl", "deepep")
 
@@ -56,19 +57,13 @@ class NcclExchange:
     def __init__(self, group, upcast: bool):
         self.group, self.upcast = group, upcast
 
-    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts)
-
     def dispatch(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, capacity: int):
         t = z.shape[0]
         out = []
         for x in (z, ids, weights):
             padded = x.new_zeros((capacity, *x.shape[1:]))
             padded[:t] = x
-            out.append(self._all_gather(padded))
+            out.append(gather_cat(padded, self.group))
         return tuple(out)
 
     def combine(self, y: torch.Tensor, num_tokens: int, capacity: int) -> torch.Tensor:
