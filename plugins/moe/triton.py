@@ -30,6 +30,7 @@ class MoETactic:
     num_warps: int
     num_stages: int
     w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
+    strided: bool = False  # W4 on weights in `restride_mxfp4`'s layout (block_k 256); activations in natural order
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -37,7 +38,11 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     "decode_ds": MoETactic(16, 128, 128, 8, 3, w4=False),
     "prefill": MoETactic(128, 128, 128, 8, 3),
     "prefill_ds": MoETactic(128, 128, 64, 8, 3, w4=False),
+    # experimental, not timed on a GPU yet: need restride_mxfp4 weights (no engine records them)
+    "decode_s": MoETactic(16, 64, 256, 4, 3, strided=True),
+    "prefill_s": MoETactic(128, 128, 256, 8, 2, strided=True),
 }
+STRIDE_BLOCK_K = 256  # the K tile restride_mxfp4 lays out (a scale group per nibble sub-block of 32)
 # Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
 # and its prefill point (M = 7168); the crossover itself has not been measured.
 PREFILL_MIN_TOKENS = 1024
@@ -52,7 +57,7 @@ def _tactic(tactic: str | MoETactic, dl: int, inter: int) -> MoETactic:
         raise ValueError(f"unknown MoE tactic {tactic!r}; have {sorted(TACTICS)}")
     t = TACTICS[tactic]
     bk, bn = t.block_k, t.block_n
-    while bk > 32 and (dl % bk or inter % bk):
+    while bk > 32 and (dl % bk or inter % bk) and not t.strided:  # the strided layout fixes block_k
         bk //= 2
     while bn > 16 and (dl % bn or inter % bn):
         bn //= 2
@@ -76,6 +81,8 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
             return False, f"{name}={k} must be a multiple of block_k={t.block_k}"
     if inter % t.block_n or dl % t.block_n:
         return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
+    if t.strided and t.block_k != STRIDE_BLOCK_K:
+        return False, f"strided tactics read K tiles of {STRIDE_BLOCK_K}, got block_k={t.block_k}"
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
     return True, ""
@@ -123,7 +130,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         topk_ids: [M, k] int64 global expert ids; topk_weights: [M, k] fp32.
         w13: [E, 2I, Dl/2] u8; w13_scale: [E, 2I, Dl/32] u8; w2: [E, Dl, I/2] u8; w2_scale: [E, Dl, I/32] u8.
         expert_start: global id of local expert 0. act: "situ" | "silu".
-        tactic: a key of TACTICS (the builder records it).
+        tactic: a key of TACTICS (the builder records it). The "*_s" tactics read w13/w2 in
+            `restride_mxfp4`'s layout instead of the build's.
 
     Returns:
         [M, Dl] fp32.
@@ -144,7 +152,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                          f"z [M, {Dl}]")
     t = _tactic(tactic, Dl, inter)
     if t.w4:  # same bytes as int32 words; activations in the tile's K order (h comes out in it too)
-        w13, w2, z = w13.view(torch.int32), w2.view(torch.int32), swap01(z)
+        w13, w2 = w13.view(torch.int32), w2.view(torch.int32)
+        z = z if t.strided else swap01(z)
     z = z.contiguous()
     order, offsets, inv = sort_pairs(topk_ids, expert_start, E)
     P = order.numel()
@@ -155,12 +164,12 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_gate_up_kernel[(E, inter // t.block_n)](
         z, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
-        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
+        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=t.strided,
         num_warps=t.num_warps, num_stages=t.num_stages)
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
-        W4=t.w4, num_warps=t.num_warps, num_stages=t.num_stages)
+        W4=t.w4, STRIDED=t.strided, num_warps=t.num_warps, num_stages=t.num_stages)
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)
     return out
@@ -183,6 +192,18 @@ def moe_experts_ds(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     tactic = "prefill_ds" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_ds"
     return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
                        beta=beta, linear_beta=linear_beta, tactic=tactic)
+
+
+def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
+    """MXFP4 bytes [..., R, K/2] (byte b = codes 2b | 2b+1 << 4) -> the strided-nibble layout of the "*_s"
+    tactics: in each K tile of block_k, nibble q of 32-bit word j holds code q·(block_k/8) + j. Scales are
+    unchanged."""
+    K = packed.shape[-1] * 2
+    if K % block_k:
+        raise ValueError(f"restride_mxfp4: K={K} must be a multiple of block_k={block_k}")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)              # [..., R, K] natural order
+    tiles = codes.unflatten(-1, (K // block_k, 8, block_k // 8)).transpose(-1, -2).flatten(-3)
+    return (tiles[..., 0::2] | (tiles[..., 1::2] << 4)).contiguous()
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

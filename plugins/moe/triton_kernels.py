@@ -60,6 +60,17 @@ def _halves(p, BF16: tl.constexpr):
 
 
 @triton.jit
+def _scale(s, BF16: tl.constexpr):
+    """E8M0 bytes -> 2^(s-1), which undoes the decode's 2^-126, built from bits (exact; exp2 may not be): bf16, or
+    fp32 for the fp32 path."""
+    if BF16:
+        sc = ((s.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+    else:
+        sc = ((s.to(tl.uint32) + 126) << 23).to(tl.float32, bitcast=True)
+    return sc
+
+
+@triton.jit
 def _dequant_w4(w, s, BN: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr):
     """w int32 [BN, BK/8] (8 codes each, byte b = codes 2b | 2b+1 << 4), s u8 [BN, BK/32] E8M0
     -> [BN, BK] DTYPE in swap01 K order. Exact for scale bytes <= 128 (2^(s-1) must be finite in bf16)."""
@@ -73,11 +84,7 @@ def _dequant_w4(w, s, BN: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr):
     # joined order within 8: 0 2 1 3 4 6 5 7 = swap01
     x = tl.join(tl.join(tl.join(a0, b0), tl.join(a1, b1)), tl.join(tl.join(a2, b2), tl.join(a3, b3)))
     x = tl.reshape(x, (BN, BK // 32, 32))
-    if BF16:
-        sc = ((s.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)   # 2^(s-1) undoes the 2^-126
-    else:
-        sc = ((s.to(tl.uint32) + 126) << 23).to(tl.float32, bitcast=True)     # exactly 2^(s-1) (exp2 may not be)
-    return tl.reshape(x * sc[:, :, None], (BN, BK)).to(DTYPE)
+    return tl.reshape(x * _scale(s, BF16)[:, :, None], (BN, BK)).to(DTYPE)
 
 
 @triton.jit
@@ -91,25 +98,56 @@ def _mx_dot(acc, w, s, xT, BN: tl.constexpr, BK: tl.constexpr, W4: tl.constexpr)
 
 
 @triton.jit
+def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
+    """acc [BN, BM] += W[BN, 8·SUB] @ X[8·SUB, BM] for weights in the strided-nibble layout (`restride_mxfp4`):
+    nibble q of word j holds k = q·SUB + j, so nibbles (i, i+4) of the [BN, SUB] words decode to two contiguous
+    K sub-blocks, each fed to its own dot. No join/reshape of the decoded values: they need no shared-memory
+    round trip to reach the MMA operand layout. SUB == 32, so sub-block q has one scale, column q of s [BN, 8]
+    (loaded with the weights, so it is pipelined too)."""
+    BF16: tl.constexpr = DTYPE == tl.bfloat16
+    w = w.to(tl.uint32, bitcast=True)
+    # columns of s by the bits of q = 4a + 2b + c: split c, then b, then a (lo: a = 0, hi: a = 1)
+    s_c0, s_c1 = tl.split(tl.reshape(s, (BN, 2, 2, 2)))
+    s_c0b0, s_c0b1 = tl.split(s_c0)
+    s_c1b0, s_c1b1 = tl.split(s_c1)
+    for i in tl.static_range(4):
+        lo, hi = _halves(_code_pair(w, 4 * i), BF16)
+        if i == 0:
+            s_lo, s_hi = tl.split(s_c0b0)
+        elif i == 1:
+            s_lo, s_hi = tl.split(s_c1b0)
+        elif i == 2:
+            s_lo, s_hi = tl.split(s_c0b1)
+        else:
+            s_lo, s_hi = tl.split(s_c1b1)
+        x_lo = tl.load(xT_ptrs + (k0 + i * SUB), mask=x_mask, other=0.0)
+        x_hi = tl.load(xT_ptrs + (k0 + (i + 4) * SUB), mask=x_mask, other=0.0)
+        acc = tl.dot((lo * _scale(s_lo, BF16)[:, None]).to(DTYPE), x_lo, acc)
+        acc = tl.dot((hi * _scale(s_hi, BF16)[:, None]).to(DTYPE), x_hi, acc)
+    return acc
+
+
+@triton.jit
 def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we, stride_wn,
                        stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       W4: tl.constexpr):
+                       W4: tl.constexpr, STRIDED: tl.constexpr):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
+    STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout, z and h in natural order.
     """
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
-    rk = tl.arange(0, BK)
+    rk = tl.arange(0, BK // 8 if STRIDED else BK)  # activation rows a dot reads
     wg_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
     wu_ptrs = wg_ptrs + I * stride_wn
     sg_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
-    h_cols = swap01(offs_n) if W4 else offs_n
+    h_cols = swap01(offs_n) if W4 and not STRIDED else offs_n
     m0 = start
     while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
         offs_p = m0 + tl.arange(0, BM)
@@ -119,10 +157,16 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
-            zT = tl.load(z_ptrs + k0, mask=p_mask[None, :], other=0.0)                 # [BK, BM]
             kw = k0 // 8 if W4 else k0 // 2
-            acc_g = _mx_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), zT, BN, BK, W4)
-            acc_u = _mx_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), zT, BN, BK, W4)
+            if STRIDED:
+                acc_g = _strided_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), z_ptrs,
+                                     p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)
+                acc_u = _strided_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), z_ptrs,
+                                     p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)
+            else:
+                zT = tl.load(z_ptrs + k0, mask=p_mask[None, :], other=0.0)             # [BK, BM]
+                acc_g = _mx_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), zT, BN, BK, W4)
+                acc_u = _mx_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), zT, BN, BK, W4)
         if ACT == 0:  # SiTU
             a = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
         else:  # SiLU-GLU
@@ -135,14 +179,14 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
 @triton.jit
 def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I, stride_hm, stride_we,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, W4: tl.constexpr):
+                    BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of expert program_id(0)."""
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
-    rk = tl.arange(0, BK)
+    rk = tl.arange(0, BK // 8 if STRIDED else BK)
     w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
     s_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     m0 = start
@@ -152,9 +196,13 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         h_ptrs = h_ptr + offs_p[None, :] * stride_hm + rk[:, None]
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, I, BK):
-            hT = tl.load(h_ptrs + k0, mask=p_mask[None, :], other=0.0)                 # [BK, BM]
             kw = k0 // 8 if W4 else k0 // 2
-            acc = _mx_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), hT, BN, BK, W4)
+            if STRIDED:
+                acc = _strided_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), h_ptrs, p_mask[None, :],
+                                   k0, BN, BK // 8, h_ptr.dtype.element_ty)
+            else:
+                hT = tl.load(h_ptrs + k0, mask=p_mask[None, :], other=0.0)             # [BK, BM]
+                acc = _mx_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), hT, BN, BK, W4)
         pair = tl.load(sorted_ptr + offs_p, mask=p_mask, other=0)
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
         tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])

@@ -111,3 +111,20 @@ def test_moe_experts_rejects_bad_layout():
                     torch.zeros(1, 64, 4, dtype=torch.uint8), torch.zeros(1, 64, 1, dtype=torch.uint8),
                     expert_start=0, act="situ")
 
+
+
+def test_restride_mxfp4_puts_code_q_sub_plus_j_in_nibble_q_of_word_j():
+    pytest.importorskip("triton")
+    from k3plugins.moe.triton import restride_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 5, 512 // 2), dtype=torch.uint8, generator=g)  # K = 512: two tiles of 256
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
+    words = restride_mxfp4(packed).view(torch.int32)                                # [3, 5, 64] little-endian
+    for tile in range(2):
+        for j in (0, 7, 31):
+            word = int(words[1, 2, tile * 32 + j]) & 0xFFFFFFFF
+            got = [(word >> (4 * q)) & 0xF for q in range(8)]
+            assert got == [int(codes[1, 2, tile * 256 + q * 32 + j]) for q in range(8)]
+    with pytest.raises(ValueError, match="multiple of block_k=256"):
+        restride_mxfp4(packed[..., :64])

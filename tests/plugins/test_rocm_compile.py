@@ -17,7 +17,7 @@ from k3plugins.norm import triton as norm  # noqa: E402
 from k3plugins.router import triton as router  # noqa: E402
 
 # (kernel, pointer element types by arg name, constexprs); other args: *_ptr -> *fp32, ints i32, listed floats fp32
-_MOE = dict(TOP_K=16, ACT=0, BM=16, BN=64, BK=128)
+_MOE = dict(TOP_K=16, ACT=0, BM=16, BN=64, BK=128, STRIDED=False)
 SPECS = {
     "moe_gate_up_dot_scaled": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", h_ptr="*bf16",
                                                             sorted_ptr="*i32", offs_ptr="*i32"),
@@ -27,10 +27,15 @@ SPECS = {
                        dict(_MOE, W4=True)),
     "moe_down_dot_scaled": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", sorted_ptr="*i32",
                                                       offs_ptr="*i32"),
-                            dict(BM=16, BN=64, BK=128, W4=False)),
+                            dict(BM=16, BN=64, BK=128, W4=False, STRIDED=False)),
     "moe_down_w4": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
                                               offs_ptr="*i32"),
-                    dict(BM=16, BN=64, BK=128, W4=True)),
+                    dict(BM=16, BN=64, BK=128, W4=True, STRIDED=False)),
+    "moe_gate_up_strided": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
+                                                         sorted_ptr="*i32", offs_ptr="*i32"),
+                            dict(_MOE, BK=256, W4=True, STRIDED=True)),
+    "moe_down_strided": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
+                                                   offs_ptr="*i32"), dict(BM=16, BN=64, BK=256, W4=True, STRIDED=True)),
     "moe_combine": (moe.moe_combine_kernel, dict(inv_ptr="*i32"), dict(TOP_K=16, BD=512)),
     "mxfp4_dequant": (moe.mxfp4_dequant_kernel, dict(w_ptr="*i32", s_ptr="*u8", out_ptr="*bf16"),
                       dict(K=3584, BR=32, BK=128)),

@@ -56,6 +56,25 @@ def _moe_case(moe, dtype, act, entry=None):
     return {"rel": _rel(out, expect), "token0_zero": bool(torch.equal(out[0], torch.zeros(dl)))}
 
 
+def _moe_strided_case(moe, dtype):
+    """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256) vs the reference on the originals."""
+    from k3plugins.moe.reference import moe_experts as ref
+    g = torch.Generator().manual_seed(6)
+    M, k, E, start, dl, inter = 9, 2, 3, 1, 256, 256
+    z = torch.randn(M, dl, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(5, generator=g)[:k] for _ in range(M)])
+    w = torch.rand(M, k, generator=g)
+    w13 = torch.randint(0, 256, (E, 2 * inter, dl // 2), dtype=torch.uint8, generator=g)
+    s13 = torch.randint(118, 128, (E, 2 * inter, dl // 32), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
+    s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
+    tactic = moe.MoETactic(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=1, strided=True)
+    out = moe.moe_experts(z, ids, w, moe.restride_mxfp4(w13), s13, moe.restride_mxfp4(w2), s2, expert_start=start,
+                          act="situ", tactic=tactic)
+    expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
+    return {"rel": _rel(out, expect)}
+
+
 def _mla_case(mla, splits):
     g = torch.Generator().manual_seed(2)
     B, H, max_pages, num_pages = 3, 5, 4, 20
@@ -187,6 +206,8 @@ def _child() -> None:
         for act in ("situ", "silu"):
             res[f"moe-{str(dtype)[6:]}-{act}"] = _moe_case(moe, dtype, act)
     res["moe-entry"] = _moe_case(moe, torch.float32, "situ", entry=moe.moe_experts_w4)
+    for dtype in (torch.float32, torch.float16):
+        res[f"moe-strided-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
     s = torch.randint(100, 129, (2, 64, 8), dtype=torch.uint8, generator=g)  # the W4 decode's exact range
@@ -222,6 +243,11 @@ def test_moe_interpreted(results, dtype, tol, act):
 def test_moe_registry_entry_fits_small_experts(results):
     r = results["moe-entry"]
     assert r["token0_zero"] and r["rel"] < 1e-5, r
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 3e-3)])
+def test_moe_strided_layout_interpreted(results, dtype, tol):
+    assert results[f"moe-strided-{dtype}"]["rel"] < tol, results[f"moe-strided-{dtype}"]
 
 
 def test_mxfp4_dequant_interpreted(results):

@@ -53,12 +53,18 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     wbytes = sum(t.numel() for t in (w13, s13, w2, s2))
     floor_ms = wbytes / (bw_tbps * 1e12) * 1e3
     w13b, w2b = mt.dequantize(w13, s13), mt.dequantize(w2, s2)
+    restrided = mt.restride_mxfp4(w13), mt.restride_mxfp4(w2)  # what the "*_s" tactics read
+
+    def weights(tactic):
+        t = mt.TACTICS[tactic] if isinstance(tactic, str) else tactic
+        return restrided if t.strided else (w13, w2)
     # correctness first, on a small ragged batch incl. empty experts, against the torch reference
     z, ids, tw = make_tokens(1, gen)
     z, ids, tw = z[:37], ids[:37], tw[:37]
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
     for name in mt.TACTICS:
-        out = mt.moe_experts(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ", tactic=name)
+        a, b = weights(name)
+        out = mt.moe_experts(z, ids, tw, a, s13, b, s2, expert_start=E_START, act="situ", tactic=name)
         emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     decode_sweep, prefill_sweep = {}, {}
     if sweep:
@@ -67,12 +73,17 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
                                    (32, 128, 4, 4, True), (64, 64, 4, 4, True), (128, 64, 4, 4, True),
                                    (64, 128, 4, 4, False), (128, 128, 8, 3, False)):
             decode_sweep[f"d_bn{bn}_bk{bk}_w{nw}_s{st}_{'w4' if w4 else 'ds'}"] = mt.MoETactic(16, bn, bk, nw, st, w4)
+        for bn, nw, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 2)):
+            decode_sweep[f"d_bn{bn}_bk256_w{nw}_s{st}_strided"] = mt.MoETactic(16, bn, 256, nw, st, strided=True)
         for bm, bn, bk, nw, st, w4 in ((128, 128, 64, 8, 4, True), (128, 128, 128, 8, 3, True),
                                        (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 3, True),
                                        (64, 256, 64, 8, 3, True), (128, 64, 128, 4, 3, True),
                                        (128, 128, 128, 8, 3, False)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk{bk}_w{nw}_s{st}_{'w4' if w4 else 'ds'}"] = mt.MoETactic(bm, bn, bk, nw,
                                                                                                       st, w4)
+        for bm, bn, nw, st in ((128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3)):
+            prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_strided"] = mt.MoETactic(bm, bn, 256, nw, st,
+                                                                                        strided=True)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER
@@ -85,8 +96,9 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         best = None
         for name in names:
             try:
-                fn = lambda name=name: mt.moe_experts(z, ids, tw, w13, s13, w2, s2, expert_start=E_START,
-                                                      act="situ", tactic=tactics[name])
+                a, b = weights(tactics[name])
+                fn = lambda name=name, a=a, b=b: mt.moe_experts(z, ids, tw, a, s13, b, s2, expert_start=E_START,
+                                                                act="situ", tactic=tactics[name])
                 t = time_ms(fn)
             except Exception as exc:  # a config that does not compile is a result, not a crash
                 emit(bench="moe_config_failed", tactic=name, error=repr(exc)[:300])
