@@ -1,6 +1,7 @@
 """One real-size K3 rank decoding: step time against the sum of its floors (JSON lines).
 
     python tools/bench_rank.py [--batches 32,64,128] [--context 8192]          # on an H200: TEP16 rank 0
+    python tools/bench_rank.py --moe strided                                      # the experimental MoE tactics
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
 
 The rank is what `k3build build` would write for the recipe's mapping (all 93 layers, 1/16 of attention and
@@ -113,6 +114,25 @@ def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, de
         node.fn = balanced
 
 
+def _restride_experts(engine) -> None:
+    """Expert matrices to restride_mxfp4's layout, in place (before the caches take the memory)."""
+    from k3plugins.moe import triton as mt
+
+    for name in [n for n in engine.weights if n.endswith((".w13", ".w2"))]:
+        engine.weights[name] = mt.restride_mxfp4(engine.weights[name])
+
+
+def _bind_strided_moe(executor) -> None:
+    """MoE nodes run the strided tactics (decode_s below PREFILL_MIN_TOKENS tokens, prefill_s above)."""
+    from k3plugins.moe import triton as mt
+
+    def strided(z, *args, **kw):
+        return mt.moe_experts(z, *args, **kw, tactic="prefill_s" if z.shape[0] >= mt.PREFILL_MIN_TOKENS else "decode_s")
+    for node in executor.nodes:
+        if node.name.endswith("moe.experts"):
+            node.fn = strided
+
+
 def _top_kernels(fn, top: int = 25) -> list:
     """[kernel name, ms per step, launches per step] of the kernels taking most GPU time in one step."""
     from torch.profiler import ProfilerActivity, profile
@@ -158,6 +178,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
+    ap.add_argument("--moe", choices=("engine", "strided"), default="engine",
+                    help="engine: the MoE tactic the build records; strided: the experimental decode_s/prefill_s "
+                         "tactics, on expert weights restrided in place (restride_mxfp4)")
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the router runs but its picks are replaced by balanced random ones (what a "
                          "trained K3 router with its bias approaches); model: the synthetic router's own picks "
@@ -189,11 +212,13 @@ def main() -> None:
     else:
         bw = float("nan")
     emit(bench="rank_env", device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-         preset=args.preset, mapping=mapping.to_dict(), rank=0, routing=args.routing,
+         preset=args.preset, mapping=mapping.to_dict(), rank=0, routing=args.routing, moe=args.moe,
          hbm_read_tbps=round(bw / 1e12, 3))
     t0 = time.perf_counter()
     engine = make_rank(cfg, mapping, 0, target=args.target, device=device, max_batch=batches[-1],
                        max_seq_len=args.context + 64)
+    if args.moe == "strided":
+        _restride_experts(engine)
     if cuda:
         torch.cuda.empty_cache()  # the layout pass's per-expert temporaries
     emit(bench="rank_weights", gib=round(sum(t.nbytes for t in engine.weights.values()) / 2**30, 2),
@@ -210,6 +235,8 @@ def main() -> None:
             batches.pop()
             torch.cuda.empty_cache()
     executor = Executor(engine, cache)
+    if args.moe == "strided":
+        _bind_strided_moe(executor)
     if args.routing == "uniform":
         _balance_routing(executor, cfg.num_experts, cfg.num_experts_per_token, batches[-1], device)
     for n in batches:
