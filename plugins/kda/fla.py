@@ -125,7 +125,7 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     bc = conv_channel_block(D)
     conv_prefill_kernel[(triton.cdiv(T, 16), 3 * D // bc)](
         qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
-        BT=16, BC=bc)
+        BT=16, BC=bc, num_warps=8)  # 4 warps spill registers at BC=256 (sm_90 SASS); not yet timed
     conv_state_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0),
                                                      3 * D, W=4, BC=1024)
     q, k, v = (t.view(1, T, H, K) for t in y)

@@ -108,7 +108,7 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     stages = {
         "conv_prefill": lambda: conv_prefill_kernel[(triton.cdiv(T, 16), 3 * D // 256)](
             qkv, conv_w, conv_pool, slots, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
-            BT=16, BC=256),
+            BT=16, BC=256, num_warps=8),
         "conv_state": lambda: conv_state_kernel[(1, grid_c)](qkv, conv_pool.clone(), slots, cu, qkv.stride(0),
                                                              conv_pool.stride(0), 3 * D, W=4, BC=1024),
         "gate_to_bf16": lambda: g_raw.reshape(1, T, H, K).to(torch.bfloat16),
