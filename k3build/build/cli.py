@@ -12,7 +12,7 @@ import click
 from ..config import ConfigError
 from ..mapping import Mapping, MappingError
 from .engine import BuildError, build
-from .options import DTYPES, TARGETS, BuildOptions
+from .options import DTYPES, EXPERT_BACKENDS, TARGETS, BuildOptions
 
 
 def _recipe_build_options(recipe_path: str | None, converted: str) -> dict:
@@ -60,7 +60,7 @@ def _raise_interrupt(signum, frame):
 @click.option("--gpu-memory-gib", type=float, default=None, help="Per-rank memory budget the plan must fit.")
 @click.option("--overhead-gib", type=float, default=None,
               help="Held back from the budget for communicators and allocator slack [1.0].")
-@click.option("--expert-backend", type=click.Choice(["nccl", "deepep", "local"]), default=None,
+@click.option("--expert-backend", type=click.Choice(list(EXPERT_BACKENDS)), default=None,
               help="Expert exchange the runtime starts with under attention-DP + EP [nccl].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine dir.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar per rank.")
