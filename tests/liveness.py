@@ -1,11 +1,20 @@
-"""Waiting for a server process to answer /health (shared by the serve tests)."""
+"""Loopback helpers shared by the tests that start servers or process groups: a free port, and waiting for a
+server process to answer /health."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 
 import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120, what: str = "serve") -> None:

@@ -3,7 +3,6 @@
 running all the experts on one rank; the backend choice at start-up and its errors."""
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from liveness import free_port
 
 from k3plugins.moe.reference import moe_experts
 from k3runtime.dist.exchange import DeepEPExchange, NcclExchange, choose_backend
@@ -49,15 +49,9 @@ def _rank(rank: int, port: int, backend: str, out: str):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("backend", ["nccl", "deepep"])
 def test_exchange_equals_all_experts_on_one_rank(backend, tmp_path):
-    mp.spawn(_rank, args=(_free_port(), backend, str(tmp_path / "y")), nprocs=2)
+    mp.spawn(_rank, args=(free_port(), backend, str(tmp_path / "y")), nprocs=2)
     w13, w2, per_rank = _problem()
     for rank, (z, ids, w) in enumerate(per_rank):
         want = moe_experts(z, ids, w, w13, None, w2, None, expert_start=0, act="silu")

@@ -11,19 +11,11 @@ from pathlib import Path
 
 import httpx
 from engines import build_engine
-from liveness import wait_healthy
+from liveness import free_port, wait_healthy
 
 from k3build.mapping import Mapping
 from k3runtime.dist.weight_store import shm_dir_for
 from k3runtime.dist.weight_store_client import WeightStoreError, store_status
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mapping_pids(path: Path) -> set[int]:
@@ -69,7 +61,7 @@ def test_torchrun_serve_ranks_attach_from_the_store_and_restart(k3_tiny_ckpt, tm
             time.sleep(0.05)
         cfg = tmp_path / "weights.json"
         cfg.write_text(json.dumps({"nodes": {"*": {"socket": str(shm / "store.sock"), "ranks": "0-1"}}}))
-        port = _free_port()
+        port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "K3_WEIGHT_STORE_CONFIG"}
         env["OMP_NUM_THREADS"] = "1"
         # Only rank 0 runs `serve`; the launcher must hand the config to rank 1 too.

@@ -13,20 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from liveness import wait_healthy
+from liveness import free_port, wait_healthy
 
 from k3runtime.dist.weight_store import shm_dir_for
 from k3runtime.dist.weight_store_client import WeightStoreError, store_status
 
 MODEL = "k3-tiny"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_store(engine: Path, name: str) -> subprocess.Popen:
