@@ -22,5 +22,18 @@ def k3_tiny_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def k3_wide_experts_ckpt(tmp_path_factory) -> Path:
+    """The tiny K3 with expert dims of 256 (latent width and intermediate): what the strided MoE layout needs."""
+    import dataclasses
+
+    from k3build.config import preset
+    from k3build.synth import synth
+
+    out = tmp_path_factory.mktemp("k3wide") / "ckpt"
+    synth(out, dataclasses.replace(preset("tiny"), routed_expert_hidden_size=256, moe_intermediate_size=256), seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def k3_tiny_engine(k3_tiny_ckpt, tmp_path_factory) -> Path:
     return build_engine(k3_tiny_ckpt, tmp_path_factory.mktemp("k3tiny_engine") / "engine")

@@ -1,7 +1,7 @@
 """One real-size K3 rank decoding: step time against the sum of its floors (JSON lines).
 
     python tools/bench_rank.py [--batches 32,64,128] [--context 8192]          # on an H200: TEP16 rank 0
-    python tools/bench_rank.py --moe strided                                      # the experimental MoE tactics
+    python tools/bench_rank.py --moe-tactic triton                                # another MoE tactic than the build's
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
 
 The rank is what `k3build build` would write for the recipe's mapping (all 93 layers, 1/16 of attention and
@@ -31,6 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ben
 import torch  # noqa: E402
 
 
+SYNTHETIC_MAX_SCALE = 123  # the largest expert scale byte synthetic_get makes
+
+
 def synthetic_get(cfg, mapping, rank: int, device: torch.device, seed: int = 0):
     """get(name) for k3build's layout pass: this rank's slice of each canonical tensor, random, on `device`."""
     from k3build.schema import checkpoint_tensors
@@ -48,7 +51,8 @@ def synthetic_get(cfg, mapping, rank: int, device: torch.device, seed: int = 0):
         dt = dtypes[dtype]
         if dt == torch.uint8:
             if name.endswith("weight_scale"):  # E8M0 scales 2^-7..2^-4: values stay moderate
-                return torch.randint(120, 124, shape, dtype=torch.uint8, device=device, generator=gen)
+                return torch.randint(120, SYNTHETIC_MAX_SCALE + 1, shape, dtype=torch.uint8, device=device,
+                                     generator=gen)
             return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
         if name.endswith(("norm.weight", "layernorm.weight")):
             return torch.ones(shape, dtype=dt, device=device)
@@ -60,17 +64,21 @@ def synthetic_get(cfg, mapping, rank: int, device: torch.device, seed: int = 0):
     return get
 
 
-def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max_batch: int, max_seq_len: int):
-    """A RankEngine with the builder's graph and layout over synthetic weights (nothing written to disk)."""
+def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max_batch: int, max_seq_len: int,
+              moe_tactic: str | None = None):
+    """A RankEngine with the builder's tactics, graph and layout over synthetic weights (nothing written to disk)."""
     from k3build.build import graph as graph_mod
     from k3build.build.layout import engine_tensors
-    from k3build.build.tactics import resolve_plugins
+    from k3build.build.tactics import expert_layout, fit_moe_tactic, resolve_plugins
     from k3runtime.loader import ModelFacts, RankEngine
 
+    plugins, _ = resolve_plugins(target, overrides={"MoEExperts": moe_tactic} if moe_tactic else None,
+                                 quantization=cfg.quantization.method, dtype="bf16")
+    fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), SYNTHETIC_MAX_SCALE)
     weights, shapes = {}, {}
-    for name, t in engine_tensors(cfg, mapping, rank, synthetic_get(cfg, mapping, rank, device), torch.bfloat16):
+    for name, t in engine_tensors(cfg, mapping, rank, synthetic_get(cfg, mapping, rank, device), torch.bfloat16,
+                                  expert_layout=expert_layout(plugins)):
         weights[name], shapes[name] = t, (tuple(t.shape), t.dtype)
-    plugins, _ = resolve_plugins(target, quantization=cfg.quantization.method, dtype="bf16")
     graph = graph_mod.build_graph(cfg, mapping, rank, shapes, torch.bfloat16, capacity=max_batch).graph
     layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
     config = {
@@ -112,25 +120,6 @@ def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, de
             _, weights = _route(*args, **kw)
             return ids[:weights.shape[0]], weights
         node.fn = balanced
-
-
-def _restride_experts(engine) -> None:
-    """Expert matrices to restride_mxfp4's layout, in place (before the caches take the memory)."""
-    from k3plugins.moe import triton as mt
-
-    for name in [n for n in engine.weights if n.endswith((".w13", ".w2"))]:
-        engine.weights[name] = mt.restride_mxfp4(engine.weights[name])
-
-
-def _bind_strided_moe(executor) -> None:
-    """MoE nodes run the strided tactics (decode_s below PREFILL_MIN_TOKENS tokens, prefill_s above)."""
-    from k3plugins.moe import triton as mt
-
-    def strided(z, *args, **kw):
-        return mt.moe_experts(z, *args, **kw, tactic="prefill_s" if z.shape[0] >= mt.PREFILL_MIN_TOKENS else "decode_s")
-    for node in executor.nodes:
-        if node.name.endswith("moe.experts"):
-            node.fn = strided
 
 
 def _top_kernels(fn, top: int = 25) -> list:
@@ -178,9 +167,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
-    ap.add_argument("--moe", choices=("engine", "strided"), default="engine",
-                    help="engine: the MoE tactic the build records; strided: the experimental decode_s/prefill_s "
-                         "tactics, on expert weights restrided in place (restride_mxfp4)")
+    ap.add_argument("--moe-tactic", default=None,
+                    help="MoE tactic instead of the one the build records (e.g. triton: the W4 decode on the "
+                         "checkpoint's nibble order; triton_s: on the strided layout); the layout follows it")
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the router runs but its picks are replaced by balanced random ones (what a "
                          "trained K3 router with its bias approaches); model: the synthetic router's own picks "
@@ -212,17 +201,15 @@ def main() -> None:
     else:
         bw = float("nan")
     emit(bench="rank_env", device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-         preset=args.preset, mapping=mapping.to_dict(), rank=0, routing=args.routing, moe=args.moe,
+         preset=args.preset, mapping=mapping.to_dict(), rank=0, routing=args.routing,
          hbm_read_tbps=round(bw / 1e12, 3))
     t0 = time.perf_counter()
     engine = make_rank(cfg, mapping, 0, target=args.target, device=device, max_batch=batches[-1],
-                       max_seq_len=args.context + 64)
-    if args.moe == "strided":
-        _restride_experts(engine)
+                       max_seq_len=args.context + 64, moe_tactic=args.moe_tactic)
     if cuda:
         torch.cuda.empty_cache()  # the layout pass's per-expert temporaries
     emit(bench="rank_weights", gib=round(sum(t.nbytes for t in engine.weights.values()) / 2**30, 2),
-         made_s=round(time.perf_counter() - t0, 1))
+         made_s=round(time.perf_counter() - t0, 1), moe_tactic=engine.build["plugins"]["MoEExperts"]["tactic"])
     pages_per_seq = -(-(args.context + 1) // 64)
     while batches:
         n_max = batches[-1]
@@ -235,8 +222,6 @@ def main() -> None:
             batches.pop()
             torch.cuda.empty_cache()
     executor = Executor(engine, cache)
-    if args.moe == "strided":
-        _bind_strided_moe(executor)
     if args.routing == "uniform":
         _balance_routing(executor, cfg.num_experts, cfg.num_experts_per_token, batches[-1], device)
     for n in batches:

@@ -28,7 +28,7 @@ from .options import DTYPES, BuildOptions
 from .source import BuildError, read_converted
 from .st_writer import SafetensorsWriter
 from .staging import clean_stale, finish_staging_dir, make_staging_dir
-from .tactics import check_w4_scales, resolve_plugins, stamp_for
+from .tactics import W4_TACTICS, expert_layout, fit_moe_tactic, resolve_plugins, stamp_for
 
 ENGINE_FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -61,18 +61,19 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         plugins, notes = resolve_plugins(options.target, quantization=cfg.quantization.method, dtype=options.dtype)
     except (KeyError, ValueError) as e:
         raise BuildError(f"--target {options.target}: {e}") from None
+    if plugins.get("MoEExperts", {}).get("tactic") in W4_TACTICS:
+        max_scale = _max_expert_scale(converted_dir, mapping, progress)
+        notes += fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), max_scale)
     for note in notes:
         (log or (lambda m: None))(note)
+    layout = expert_layout(plugins)
     engine_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(engine_dir)
     tmp = make_staging_dir(engine_dir)
     try:
-        ranks, max_scale = {}, []
+        ranks = {}
         for rank in range(mapping.world_size):
-            ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, max_scale)
-        for note in check_w4_scales(plugins, max(max_scale, default=None)):
-            notes.append(note)
-            (log or (lambda m: None))(note)
+            ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, layout)
         for name in TOKENIZER_FILES:
             if (converted_dir / name).exists():
                 shutil.copy2(converted_dir / name, tmp / name)
@@ -102,8 +103,8 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
 
 
 def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path, out: Path, options: BuildOptions,
-                progress: bool, max_scale: list[int]) -> dict:
-    """Writes rank{rank}/ and returns its rank-table entry; appends the largest expert scale byte to max_scale."""
+                progress: bool, layout: str) -> dict:
+    """Writes rank{rank}/ (MXFP4 experts in `layout`, see tactics.expert_layout) and returns its rank-table entry."""
     rank_dir = out / f"rank{rank}"
     rank_dir.mkdir()
     writer = SafetensorsWriter(rank_dir / "weights.safetensors", metadata={"format": "k3engine", "rank": str(rank)})
@@ -121,10 +122,8 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
         bar = tqdm(total=len(layers), desc=f"build rank{rank}", unit="layer", disable=not progress)
         last_layer = last_name = None
         try:
-            for name, t in engine_tensors(cfg, mapping, rank, get, options.torch_dtype):
+            for name, t in engine_tensors(cfg, mapping, rank, get, options.torch_dtype, expert_layout=layout):
                 writer.add(name, t)
-                if name.endswith(("w13_scale", "w2_scale")):
-                    max_scale.append(int(t.max()))
                 last_name = name
                 shapes[name] = (tuple(t.shape), t.dtype)
                 layer = name.split(".", 1)[0]
@@ -154,6 +153,19 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
         "first_stage": mapping.is_first_stage(rank), "last_stage": mapping.is_last_stage(rank),
         "weight_bytes": (rank_dir / "weights.safetensors").stat().st_size,
     }
+
+
+def _max_expert_scale(converted_dir: Path, mapping: Mapping, progress: bool) -> int | None:
+    """The largest E8M0 scale byte of any routed expert in the converted checkpoint (None: no MXFP4 experts);
+    read before the layout pass because it decides the MoE tactic, and so the expert layout."""
+    best = None
+    for rank in tqdm(range(mapping.world_size), desc="scan expert scales", unit="rank", disable=not progress):
+        with safe_open(converted_dir / f"rank{rank}.safetensors", framework="pt") as src:
+            for name in src.keys():
+                if ".experts." in name and name.endswith("weight_scale"):
+                    m = int(src.get_tensor(name).max())
+                    best = m if best is None else max(best, m)
+    return best
 
 
 def _range(r: range) -> list[int]:

@@ -7,7 +7,7 @@ Passes, per layer:
   only the 576-wide latent cache.
 - Dense / shared MLPs: fuse gate and up rows into `gate_up` [2I, D].
 - MoE: stack the local experts into `w13` [E, 2I, K/2] (+ scales) and `w2` [E, D, I/2] (+ scales) — the
-  layout k3plugins.moe reads.
+  layout k3plugins.moe reads; the MXFP4 bytes in the checkpoint's nibble order, or restrided for triton_s.
 Tensor names in the engine are ours (`l{layer}.kda.in_proj`, …); the checkpoint's names stop here.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+from k3plugins.moe.mxfp4 import restride_mxfp4
 
 from ..config import KDA, K3Config
 from ..mapping import Mapping
@@ -26,6 +27,14 @@ _KEEP_FP32 = ("conv", "A_log", "dt_bias", "o_norm", "bias")
 Get = Callable[[str], torch.Tensor]
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# MXFP4 expert byte layouts by name (k3plugins.registry.Impl.expert_layout) -> the pass that writes them.
+EXPERT_LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"natural": _same, "strided": restride_mxfp4}
+
+
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.dtype == torch.uint8:
         return t.contiguous()
@@ -33,13 +42,16 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(torch.float32 if leaf in _KEEP_FP32 else dtype).contiguous()
 
 
-def engine_tensors(cfg: K3Config, mapping: Mapping, rank: int, get: Get,
-                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (engine name, tensor) for one rank, layer by layer (bounded memory)."""
+def engine_tensors(cfg: K3Config, mapping: Mapping, rank: int, get: Get, dtype: torch.dtype,
+                   expert_layout: str = "natural") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank, layer by layer (bounded memory). expert_layout: "natural" (the
+    checkpoint's MXFP4 bytes) or "strided" (restride_mxfp4's, what the triton_s MoE tactic reads)."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout: unknown {expert_layout!r}; expected one of {sorted(EXPERT_LAYOUTS)}")
     if mapping.is_first_stage(rank):
         yield "embed", _cast("embed", get("model.embed_tokens.weight"), dtype)
     for layer in mapping.rank_layers(rank, cfg.num_hidden_layers):
-        for name, t in _layer(cfg, mapping, rank, layer, get):
+        for name, t in _layer(cfg, mapping, rank, layer, get, expert_layout):
             yield name, _cast(name, t, dtype)
     if mapping.is_last_stage(rank):
         if cfg.attn_res_block_size is not None:
@@ -49,7 +61,8 @@ def engine_tensors(cfg: K3Config, mapping: Mapping, rank: int, get: Get,
         yield "lm_head", _cast("lm_head", get("lm_head.weight"), dtype)
 
 
-def _layer(cfg: K3Config, mapping: Mapping, rank: int, layer: int, get: Get) -> Iterator[tuple[str, torch.Tensor]]:
+def _layer(cfg: K3Config, mapping: Mapping, rank: int, layer: int, get: Get,
+           expert_layout: str) -> Iterator[tuple[str, torch.Tensor]]:
     p, e = f"model.layers.{layer}.", f"l{layer}."
     yield e + "input_norm", get(p + "input_layernorm.weight")
     yield e + "post_norm", get(p + "post_attention_layernorm.weight")
@@ -65,7 +78,7 @@ def _layer(cfg: K3Config, mapping: Mapping, rank: int, layer: int, get: Get) -> 
     else:
         yield from _mla(cfg, mapping, a, e + "mla.", get)
     if cfg.is_moe_layer(layer):
-        yield from _moe(cfg, mapping, rank, p + "block_sparse_moe.", e + "moe.", get)
+        yield from _moe(cfg, mapping, rank, p + "block_sparse_moe.", e + "moe.", get, EXPERT_LAYOUTS[expert_layout])
     else:
         yield e + "mlp.gate_up", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         yield e + "mlp.down", get(p + "mlp.down_proj.weight")
@@ -104,7 +117,8 @@ def _mla(cfg: K3Config, mapping: Mapping, a: str, e: str, get: Get):
     yield e + "o_proj", get(a + "o_proj.weight")
 
 
-def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get):
+def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get,
+         lay_out: Callable[[torch.Tensor], torch.Tensor]):
     yield e + "gate", get(m + "gate.weight")
     yield e + "bias", get(m + "gate.e_score_correction_bias")
     if cfg.is_latent_moe:
@@ -115,10 +129,11 @@ def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get):
     experts = mapping.local_experts(rank, cfg.num_experts)
     x = m + "experts.{}.{}."
     if cfg.quantization.method == "mxfp4":
-        for leaf, suffix in (("", "weight_packed"), ("_scale", "weight_scale")):
-            yield e + "w13" + leaf, torch.stack([torch.cat([get(x.format(i, "w1") + suffix), get(x.format(i, "w3") + suffix)])
-                                                 for i in experts])
-            yield e + "w2" + leaf, torch.stack([get(x.format(i, "w2") + suffix) for i in experts])
+        for leaf, suffix, f in (("", "weight_packed", lay_out), ("_scale", "weight_scale", _same)):
+            # one expert at a time through the layout (bounded memory), then stacked
+            yield e + "w13" + leaf, torch.stack([f(torch.cat([get(x.format(i, "w1") + suffix),
+                                                              get(x.format(i, "w3") + suffix)])) for i in experts])
+            yield e + "w2" + leaf, torch.stack([f(get(x.format(i, "w2") + suffix)) for i in experts])
     else:
         yield e + "w13", torch.stack([torch.cat([get(x.format(i, "w1") + "weight"), get(x.format(i, "w3") + "weight")])
                                       for i in experts])

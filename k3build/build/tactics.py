@@ -6,7 +6,7 @@ import importlib.metadata
 
 import torch
 from k3plugins import registry
-from k3plugins.moe.mxfp4 import W4_MAX_SCALE_BYTE
+from k3plugins.moe.mxfp4 import STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE
 
 from .. import __version__
 
@@ -34,15 +34,34 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
     return table, notes
 
 
-def check_w4_scales(table: dict[str, dict], max_scale_byte: int | None) -> list[str]:
-    """The W4 MoE decode is exact for E8M0 scale bytes up to W4_MAX_SCALE_BYTE: past it, use the dot_scaled
-    tactic (edits `table`; returns the note saying so)."""
+W4_TACTICS = ("triton_s", "triton")  # MoE tactics whose bit-level decode is exact up to W4_MAX_SCALE_BYTE only
+
+
+def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None) -> list[str]:
+    """Step the MoE tactic down to one that reads these experts exactly (edits `table`; returns notes saying why).
+
+    triton_s reads K tiles of STRIDE_BLOCK_K: both expert dims (input width, intermediate) must be multiples of
+    it, else triton. The W4 decodes are exact for E8M0 scale bytes up to W4_MAX_SCALE_BYTE: past it, triton_ds.
+    """
+    moe, notes = table.get("MoEExperts"), []
+    if moe is None:
+        return notes
+    if moe["tactic"] == "triton_s" and any(d % STRIDE_BLOCK_K for d in expert_dims):
+        moe["tactic"] = "triton"
+        notes.append(f"MoEExperts: using the 'triton' tactic, not 'triton_s' (expert dims {expert_dims} are not "
+                     f"multiples of its K tile {STRIDE_BLOCK_K})")
+    if moe["tactic"] in W4_TACTICS and max_scale_byte is not None and max_scale_byte > W4_MAX_SCALE_BYTE:
+        notes.append(f"MoEExperts: using the 'triton_ds' tactic, not {moe['tactic']!r} (an expert scale byte is "
+                     f"{max_scale_byte}; the W4 decode is exact up to {W4_MAX_SCALE_BYTE})")
+        moe["tactic"] = "triton_ds"
+    return notes
+
+
+def expert_layout(table: dict[str, dict]) -> str:
+    """How the build lays out the MXFP4 expert bytes: what the recorded MoE tactic reads."""
     moe = table.get("MoEExperts")
-    if moe is None or moe["tactic"] != "triton" or max_scale_byte is None or max_scale_byte <= W4_MAX_SCALE_BYTE:
-        return []
-    moe["tactic"] = "triton_ds"
-    return [f"MoEExperts: using the 'triton_ds' tactic, not 'triton' (an expert scale byte is {max_scale_byte}; "
-            f"the W4 decode is exact up to {W4_MAX_SCALE_BYTE})"]
+    impl = registry.find("MoEExperts", moe["tactic"]) if moe else None
+    return impl.expert_layout if impl else "natural"
 
 
 def _passed_over(op: str, target: str, chosen: str, quantization: str, dtype: str) -> list[str]:

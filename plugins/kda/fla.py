@@ -49,6 +49,11 @@ def _gated_norm(o, g_out, o_norm_weight, out, H, K, eps):
     return out
 
 
+# Conv prefill tile: [16 tokens, 256 channels] with 4 warps ran in 1.09 ms at T = 8192, H = 96 on the H200; 8 warps
+# (no register spills in the SASS) ran slower, 1.63 ms (BENCHMARKS.md, KDA).
+CONV_PREFILL_BT, CONV_PREFILL_WARPS = 16, 4
+
+
 def conv_channel_block(D: int, most: int = 256) -> int:
     """Channels per conv-prefill tile: the largest power of two <= most dividing D (tiles stay in one plane)."""
     bc = most
@@ -60,7 +65,7 @@ def conv_channel_block(D: int, most: int = 256) -> int:
 def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
-               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0], block_v: int = 32,
+               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0], block_v: int = 128,
                num_warps: int = 4) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
@@ -123,9 +128,9 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T, device=qkv.device), right=True).to(torch.int32)
     y = torch.empty(3, T, D, dtype=qkv.dtype, device=qkv.device)                # q, k, v each contiguous
     bc = conv_channel_block(D)
-    conv_prefill_kernel[(triton.cdiv(T, 16), 3 * D // bc)](
+    conv_prefill_kernel[(triton.cdiv(T, CONV_PREFILL_BT), 3 * D // bc)](
         qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
-        BT=16, BC=bc, num_warps=8)  # 4 warps spill registers at BC=256 (sm_90 SASS); not yet timed
+        BT=CONV_PREFILL_BT, BC=bc, num_warps=CONV_PREFILL_WARPS)
     conv_state_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0),
                                                      3 * D, W=4, BC=1024)
     q, k, v = (t.view(1, T, H, K) for t in y)

@@ -16,6 +16,8 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 # The Triton W4 decode multiplies by 2^(s-1) in bf16: exact for scale bytes up to this (|w| <= 12).
 W4_MAX_SCALE_BYTE = 128
+# The K tile of the strided-nibble layout (a scale group per nibble sub-block of 32).
+STRIDE_BLOCK_K = 256
 
 
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
@@ -59,3 +61,15 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     out = torch.ldexp(blocks, exps.unsqueeze(-1).to(torch.float32))
     out = torch.where((scale == E8M0_NAN).unsqueeze(-1), torch.nan, out)
     return out.flatten(-2).to(dtype)
+
+
+def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
+    """MXFP4 bytes [..., R, K/2] (byte b = codes 2b | 2b+1 << 4) -> the strided-nibble layout of the "*_s"
+    tactics: in each K tile of block_k, nibble q of 32-bit word j holds code q·(block_k/8) + j. Scales are
+    unchanged."""
+    K = packed.shape[-1] * 2
+    if K % block_k:
+        raise ValueError(f"restride_mxfp4: K={K} must be a multiple of block_k={block_k}")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)              # [..., R, K] natural order
+    tiles = codes.unflatten(-1, (K // block_k, 8, block_k // 8)).transpose(-1, -2).flatten(-3)
+    return (tiles[..., 0::2] | (tiles[..., 1::2] << 4)).contiguous()

@@ -5,7 +5,8 @@ gate/up GEMM with SiTU fused (h [P, I], activation dtype), down GEMM with the ro
 (y [P, Dl] fp32), and a deterministic per-token sum of its local pairs (no atomics). Weights are read in
 the build's MXFP4 layout, unchanged (the W4 decode reads the same bytes as int32 words). Tactics are block
 configs and the operand path: "decode" (BM=16, swap-AB so the weights fill the MMA rows) and "prefill"
-(BM=128) with our W4 bit-level decode, "*_ds" with tl.dot_scaled.
+(BM=128) with our W4 bit-level decode, "*_s" with the same decode on the strided-nibble layout, "*_ds" with
+tl.dot_scaled.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from k3plugins.moe.mxfp4 import W4_MAX_SCALE_BYTE  # noqa: F401 (re-exported for callers and tests)
+from k3plugins.moe.mxfp4 import STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, restride_mxfp4  # noqa: F401 (re-exported)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel)
 
@@ -38,11 +39,11 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     "decode_ds": MoETactic(16, 128, 128, 8, 3, w4=False),
     "prefill": MoETactic(128, 128, 128, 8, 3),
     "prefill_ds": MoETactic(128, 128, 64, 8, 3, w4=False),
-    # experimental, not timed on a GPU yet: need restride_mxfp4 weights (no engine records them)
+    # on weights in restride_mxfp4's layout (the "triton_s" engine tactic): 0.50 of the weight floor at 1-2
+    # tokens/expert against 0.37 for "decode", 297 TFLOP/s at 128 tokens/expert against 254 (BENCHMARKS.md)
     "decode_s": MoETactic(16, 64, 256, 4, 3, strided=True),
     "prefill_s": MoETactic(128, 128, 256, 8, 2, strided=True),
 }
-STRIDE_BLOCK_K = 256  # the K tile restride_mxfp4 lays out (a scale group per nibble sub-block of 32)
 # Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
 # and its prefill point (M = 7168); the crossover itself has not been measured.
 PREFILL_MIN_TOKENS = 1024
@@ -185,6 +186,16 @@ def moe_experts_w4(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                        beta=beta, linear_beta=linear_beta, tactic=tactic)
 
 
+def moe_experts_strided(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                        w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int,
+                        act: str, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """The engine's "triton_s" tactic: as moe_experts_w4, on expert weights the build wrote in restride_mxfp4's
+    layout (expert dims multiples of STRIDE_BLOCK_K)."""
+    tactic = "prefill_s" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_s"
+    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
+                       beta=beta, linear_beta=linear_beta, tactic=tactic)
+
+
 def moe_experts_ds(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int, act: str,
                    beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
@@ -192,18 +203,6 @@ def moe_experts_ds(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     tactic = "prefill_ds" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_ds"
     return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
                        beta=beta, linear_beta=linear_beta, tactic=tactic)
-
-
-def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
-    """MXFP4 bytes [..., R, K/2] (byte b = codes 2b | 2b+1 << 4) -> the strided-nibble layout of the "*_s"
-    tactics: in each K tile of block_k, nibble q of 32-bit word j holds code q·(block_k/8) + j. Scales are
-    unchanged."""
-    K = packed.shape[-1] * 2
-    if K % block_k:
-        raise ValueError(f"restride_mxfp4: K={K} must be a multiple of block_k={block_k}")
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)              # [..., R, K] natural order
-    tiles = codes.unflatten(-1, (K // block_k, 8, block_k // 8)).transpose(-1, -2).flatten(-3)
-    return (tiles[..., 0::2] | (tiles[..., 1::2] << 4)).contiguous()
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -200,7 +200,7 @@ def _cli(*args: str, block_triton: bool = False, slow: float = 0.0, **kw) -> sub
             + ("sys.modules['triton'] = None\n" if block_triton else "")  # `import triton` then raises ImportError
             + "import k3build.build.engine as eng\n"
             + "orig = eng.engine_tensors\n"
-            + f"def slow(*a):\n    for x in orig(*a):\n        time.sleep({slow})\n        yield x\n"
+            + f"def slow(*a, **kw):\n    for x in orig(*a, **kw):\n        time.sleep({slow})\n        yield x\n"
             + ("eng.engine_tensors = slow\n" if slow else "")
             + "from k3build.cli import main\nmain(sys.argv[1:])\n")
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

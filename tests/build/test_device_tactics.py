@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 from k3plugins import registry
 from safetensors import safe_open
@@ -41,7 +42,9 @@ def test_sm90_build_records_the_device_kernels(k3_tiny_engine, tmp_path):
     for op, p in plugins.items():
         assert p["tactic"] == DEVICE_TACTICS.get(op, "reference"), (op, p)
         assert "sm90" in registry.find(op, p["tactic"]).targets
-    assert build["plugin_notes"] == []
+    # the tiny experts (64 wide) are too narrow for the strided layout's K tile: the build says so
+    assert build["plugin_notes"] == ["MoEExperts: using the 'triton' tactic, not 'triton_s' (expert dims (64, 64) "
+                                     "are not multiples of its K tile 256)"]
     with pytest.raises(EngineError, match=r"built for target 'sm90'"):
         load_rank(tmp_path / "engine", 0, "cpu")
 
@@ -65,6 +68,40 @@ def test_large_expert_scale_moves_moe_to_dot_scaled(k3_tiny_engine, tmp_path):
     assert "triton_ds" in output  # the user sees the note
 
 
+def test_wide_experts_get_the_strided_layout(k3_wide_experts_ckpt, tmp_path):
+    """Expert dims that are multiples of 256: the sm90 build records triton_s and writes each expert's MXFP4
+    bytes restrided (the CPU build of the same checkpoint keeps the checkpoint's order); scales are unchanged."""
+    from engines import build_engine
+    from k3plugins.moe.mxfp4 import restride_mxfp4
+
+    opts = dict(dtype="bf16", kv_dtype="bf16")
+    cpu = build_engine(k3_wide_experts_ckpt, tmp_path / "cpu", **opts)
+    gpu = build_engine(k3_wide_experts_ckpt, tmp_path / "sm90", target="sm90", **opts)
+    build = json.loads((gpu / "config.json").read_text())["build_config"]
+    assert build["plugins"]["MoEExperts"]["tactic"] == "triton_s" and build["plugin_notes"] == []
+    natural = load_file(cpu / "rank0" / "weights.safetensors")
+    strided = load_file(gpu / "rank0" / "weights.safetensors")
+    experts = [n for n in natural if n.endswith((".moe.w13", ".moe.w2"))]
+    assert experts
+    for name in experts:
+        assert not torch.equal(strided[name], natural[name]), name
+        assert torch.equal(strided[name], restride_mxfp4(natural[name])), name
+        assert torch.equal(strided[name + "_scale"], natural[name + "_scale"]), name
+
+
+@pytest.mark.parametrize("dims,scale,want", [((256, 512), 128, "triton_s"), ((256, 96), 128, "triton"),
+                                             ((256, 512), 129, "triton_ds"), ((64, 64), 200, "triton_ds"),
+                                             ((256, 512), None, "triton_s")])
+def test_moe_tactic_steps_down_for_dims_and_scales(dims, scale, want):
+    from k3build.build.tactics import expert_layout, fit_moe_tactic
+
+    table, _ = resolve_plugins("sm90")
+    notes = fit_moe_tactic(table, dims, scale)
+    assert table["MoEExperts"]["tactic"] == want
+    assert len(notes) == (want != "triton_s") + (want == "triton_ds" and dims[1] % 256 != 0), notes
+    assert expert_layout(table) == ("strided" if want == "triton_s" else "natural")
+
+
 def test_float_experts_keep_the_reference_moe():
     table, notes = resolve_plugins("sm90", quantization="none")
     assert table["MoEExperts"]["tactic"] == "reference"
@@ -74,7 +111,7 @@ def test_float_experts_keep_the_reference_moe():
 
 def test_fp32_engine_keeps_the_reference_router():
     table, notes = resolve_plugins("sm90", dtype="fp32")
-    assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton"
+    assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton_s"
     assert table["GatedMLP"]["tactic"] == "reference"  # fp32 activations: the reference GEMMs are the fp32 ones
     assert any("Router" in n and "fp32" in n for n in notes), notes
 

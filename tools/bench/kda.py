@@ -93,11 +93,13 @@ def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:
     t_ours = time_ms(ours, rep=10, graph=False)
     emit(bench="kda_prefill", T=T, H=H, chunk_kda_alone_ms=round(t_alone, 4), ours_ms=round(t_ours, 4),
          ours_x_alone=round(t_ours / t_alone, 3), tokens_per_s=round(T / t_ours * 1e3))
-    _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone)
+    _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone,
+                       bw_tbps, sweep)
 
 
-def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone):
-    """Each stage of kda_prefill timed alone, to find where the glue goes."""
+def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone,
+                       bw_tbps, sweep):
+    """Each stage of kda_prefill timed alone, to find where the glue goes (with sweep: the conv's tile shapes)."""
     import triton
     from fla.ops.kda import chunk_kda
     from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_state_kernel
@@ -105,10 +107,14 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     y = torch.empty(3, T, D, dtype=qkv.dtype, device="cuda")
     tok_seq = torch.zeros(T, dtype=torch.int32, device="cuda")
     grid_c = triton.cdiv(3 * D, 1024)
-    stages = {
-        "conv_prefill": lambda: conv_prefill_kernel[(triton.cdiv(T, 16), 3 * D // 256)](
+
+    def conv(bt=kda_dev.CONV_PREFILL_BT, bc=kda_dev.conv_channel_block(D), nw=kda_dev.CONV_PREFILL_WARPS):
+        conv_prefill_kernel[(triton.cdiv(T, bt), 3 * D // bc)](
             qkv, conv_w, conv_pool, slots, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
-            BT=16, BC=256, num_warps=8),
+            BT=bt, BC=bc, num_warps=nw)
+
+    stages = {
+        "conv_prefill": conv,
         "conv_state": lambda: conv_state_kernel[(1, grid_c)](qkv, conv_pool.clone(), slots, cu, qkv.stride(0),
                                                              conv_pool.stride(0), 3 * D, W=4, BC=1024),
         "gate_to_bf16": lambda: g_raw.reshape(1, T, H, K).to(torch.bfloat16),
@@ -126,3 +132,11 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     for name, fn in stages.items():
         rec[f"{name}_ms"] = round(time_ms(fn, rep=10, graph=False), 4)
     emit(**rec)
+    if sweep:  # conv tiles: bytes moved (qkv read once, y written once) over the measured HBM speed
+        floor_ms = 2 * qkv.numel() * qkv.element_size() / (bw_tbps * 1e9)
+        for bt in (16, 32, 64):
+            for bc in (64, 128, 256):
+                for nw in (4, 8):
+                    t = time_ms(lambda: conv(bt, bc, nw), rep=10, graph=False)
+                    emit(bench="kda_conv_config", BT=bt, BC=bc, num_warps=nw, ms=round(t, 4),
+                         frac_of_floor=round(floor_ms / t, 3))
