@@ -49,12 +49,12 @@ def _gated_norm(o, g_out, o_norm_weight, out, H, K, eps):
     return out
 
 
-# Conv prefill tile: [16 tokens, 256 channels] with 4 warps ran in 1.09 ms at T = 8192, H = 96 on the H200; 8 warps
-# (no register spills in the SASS) ran slower, 1.63 ms (BENCHMARKS.md, KDA).
-CONV_PREFILL_BT, CONV_PREFILL_WARPS = 16, 4
+# Conv prefill tile: the fastest of the H200 sweep at T = 8192, H = 96 (BENCHMARKS.md, KDA): [32 tokens, 128
+# channels], 4 warps, 1.00 ms; [16, 256] took 1.13 ms, and 8 warps (no register spills in the SASS) were slower.
+CONV_PREFILL_BT, CONV_PREFILL_BC, CONV_PREFILL_WARPS = 32, 128, 4
 
 
-def conv_channel_block(D: int, most: int = 256) -> int:
+def conv_channel_block(D: int, most: int = CONV_PREFILL_BC) -> int:
     """Channels per conv-prefill tile: the largest power of two <= most dividing D (tiles stay in one plane)."""
     bc = most
     while D % bc:
