@@ -1,6 +1,6 @@
 """MXFP4 grouped MoE, W4A16, in Triton: same signature and semantics as `reference.moe_experts`.
 
-Three launches after a sync-free sort of the (token, expert) pairs by local expert:
+Three launches after a sync-free counting sort of the (token, expert) pairs by local expert (one launch):
 gate/up GEMM with SiTU fused (h [P, I], activation dtype), down GEMM with the routing weight applied
 (y [P, Dl] fp32), and a deterministic per-token sum of its local pairs (no atomics). Weights are read in
 the build's MXFP4 layout, unchanged (the W4 decode reads the same bytes as int32 words). Tactics are block
@@ -18,7 +18,7 @@ import triton
 
 from k3plugins.moe.mxfp4 import STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, restride_mxfp4  # noqa: F401 (re-exported)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
-                                            mxfp4_dequant_kernel)
+                                            mxfp4_dequant_kernel, sort_pairs_kernel)
 
 _ACTS = {"situ": 0, "silu": 1}
 
@@ -99,25 +99,22 @@ def _interpreting() -> bool:
     return type(moe_gate_up_kernel).__name__ == "InterpretedFunction"
 
 
-def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int):
-    """Pairs (token·k + j) sorted by local expert, with no device->host sync.
+def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 4096):
+    """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch.
 
     Returns:
-        order int32 [P] (pair ids, local experts' pairs first, grouped by expert), offsets int32 [E+1]
-        (expert e owns order[offsets[e]:offsets[e+1]]), inv int32 [P] (sorted position of each pair, -1 if
-        the expert is not local).
+        order int32 [P] (pair ids, local experts' pairs first, grouped by expert, in pair order within one),
+        offsets int32 [E+1] (expert e owns order[offsets[e]:offsets[e+1]]), inv int32 [P] (sorted position of
+        each pair, -1 if the expert is not local).
     """
-    flat = topk_ids.reshape(-1)
-    local = flat - expert_start
-    valid = (local >= 0) & (local < num_local)
-    key = torch.where(valid, local, num_local)
-    sorted_key, order = torch.sort(key, stable=True)
-    bounds = torch.arange(num_local + 1, device=flat.device, dtype=sorted_key.dtype)
-    offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=flat.device)
-    inv = torch.where(valid, inv, -1)
-    return order.to(torch.int32), offsets, inv.to(torch.int32)
+    flat = topk_ids.reshape(-1).contiguous()
+    P = flat.numel()
+    order = torch.empty(P, dtype=torch.int32, device=flat.device)
+    inv = torch.empty(P, dtype=torch.int32, device=flat.device)
+    offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
+    block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
+    sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block)
+    return order, offsets, inv
 
 
 def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,

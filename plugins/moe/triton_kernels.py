@@ -210,6 +210,31 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
 
 
 @triton.jit
+def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr):
+    """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
+    pairs of other ranks' experts, placed last with inv -1). Its start is the count of smaller keys, so the
+    programs need nothing from each other; within an expert, pairs keep their order (a prefix sum)."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    start = 0
+    for c0 in range(0, P, BLOCK):  # pass 1: how many pairs sort before expert e
+        p = c0 + offs
+        key = tl.load(ids_ptr + p, mask=p < P, other=0) - expert_start
+        key = tl.where((key >= 0) & (key < E), key, E)
+        start += tl.sum(((key < e) & (p < P)).to(tl.int32), axis=0)
+    tl.store(offs_ptr + e, start)  # program E stores offsets[E], the count of local pairs
+    for c0 in range(0, P, BLOCK):  # pass 2: place expert e's pairs
+        p = c0 + offs
+        key = tl.load(ids_ptr + p, mask=p < P, other=0) - expert_start
+        key = tl.where((key >= 0) & (key < E), key, E)
+        hit = (key == e) & (p < P)
+        pos = start + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(order_ptr + pos, p, mask=hit)
+        tl.store(inv_ptr + p, tl.where(e < E, pos, -1), mask=hit)
+        start += tl.sum(hit.to(tl.int32), axis=0)
+
+
+@triton.jit
 def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K: tl.constexpr, BD: tl.constexpr):
     """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic."""
     t = tl.program_id(0)

@@ -56,6 +56,27 @@ def _moe_case(moe, dtype, act, entry=None):
     return {"rel": _rel(out, expect), "token0_zero": bool(torch.equal(out[0], torch.zeros(dl)))}
 
 
+def _sort_pairs_case(moe):
+    """The counting sort against a stable torch sort: ragged experts, empty ones, pairs of other ranks' experts,
+    more pairs than one block (several chunks per program)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 40, (300, 4), generator=g)  # experts 10..29 are local: about half the pairs are not
+    ids[:, 0] = 12  # a crowded expert; experts 10 and 11 stay empty when their ids never come up
+    ids[ids == 10] = 3
+    order, offsets, inv = moe.sort_pairs(ids, 10, 20, max_block=256)
+    key = ids.reshape(-1) - 10
+    key = torch.where((key >= 0) & (key < 20), key, 20)
+    want = torch.sort(key, stable=True).indices
+    local = int((key < 20).sum())
+    want_inv = torch.empty_like(want)
+    want_inv[want] = torch.arange(want.numel())
+    want_inv = torch.where(key < 20, want_inv, -1)
+    return {"order": torch.equal(order[:local].long(), want[:local]),
+            "tail": sorted(order[local:].tolist()) == sorted(want[local:].tolist()),
+            "offsets": torch.equal(offsets.long(), torch.searchsorted(key.sort().values, torch.arange(21))),
+            "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0}
+
+
 def _moe_strided_case(moe, dtype):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256) vs the reference on the originals."""
     from k3plugins.moe.reference import moe_experts as ref
@@ -208,6 +229,7 @@ def _child() -> None:
     res["moe-entry"] = _moe_case(moe, torch.float32, "situ", entry=moe.moe_experts_w4)
     for dtype in (torch.float32, torch.float16):
         res[f"moe-strided-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype)
+    res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
     s = torch.randint(100, 129, (2, 64, 8), dtype=torch.uint8, generator=g)  # the W4 decode's exact range
@@ -248,6 +270,10 @@ def test_moe_registry_entry_fits_small_experts(results):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 3e-3)])
 def test_moe_strided_layout_interpreted(results, dtype, tol):
     assert results[f"moe-strided-{dtype}"]["rel"] < tol, results[f"moe-strided-{dtype}"]
+
+
+def test_sort_pairs_interpreted(results):
+    assert all(results["sort-pairs"].values()), results["sort-pairs"]
 
 
 def test_mxfp4_dequant_interpreted(results):
