@@ -110,8 +110,9 @@ class Executor:
                 out = b.fn(*args, self.caches.mla_kv[ci], cu_seqlens=batch.cu_seqlens,
                            context_lens=batch.context_lens, page_table=batch.page_table, **kw)
             elif b.kind == "attn_res":
-                # Graph order is (partial, proj, norm, *snapshots): the variadic inputs come last in ONNX.
-                out = b.fn(args[0], torch.stack(args[3:]), args[1], args[2], **b.attrs)
+                # Graph order is (partial, proj, norm, *snapshots): the variadic inputs come last in ONNX. The
+                # snapshots go as a list: the device kernel reads them in place (the reference stacks them).
+                out = b.fn(args[0], args[3:], args[1], args[2], **b.attrs)
             else:
                 out = b.fn(*args, **b.attrs)
             if len(b.outputs) == 1:

@@ -1,14 +1,16 @@
 """Attention Residuals: a per-token softmax over depth (K3_SPEC.md §2.1)."""
+from collections.abc import Sequence
+
 import torch
 
 
-def attn_res(partial: torch.Tensor, blocks: torch.Tensor, proj: torch.Tensor, norm_weight: torch.Tensor,
-             *, eps: float) -> torch.Tensor:
+def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
+             norm_weight: torch.Tensor, *, eps: float) -> torch.Tensor:
     """Mix the block snapshots and the running sum by a softmax over depth.
 
     Args:
         partial: [M, D] running sum of the current block (the last candidate).
-        blocks: [K, M, D] block snapshots, oldest first; K may be 0.
+        blocks: [K, M, D] block snapshots, oldest first, or a sequence of K [M, D] tensors; K may be 0.
         proj: [D] the checkpoint's [1, D] res_proj weight, flattened.
         norm_weight: [D] the res_norm weight.
         eps: RMS epsilon of the keys.
@@ -19,6 +21,8 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor, proj: torch.Tensor, no
     if partial.dim() != 2:
         raise ValueError(f"attn_res: partial must be [M, D], got {tuple(partial.shape)}")
     M, D = partial.shape
+    if not isinstance(blocks, torch.Tensor):
+        blocks = torch.stack(list(blocks)) if len(blocks) else partial.new_empty(0, M, D)
     if blocks.dim() != 3 or tuple(blocks.shape[1:]) != (M, D):
         raise ValueError(f"attn_res: blocks must be [K, {M}, {D}], got {tuple(blocks.shape)}")
     if proj.numel() != D or norm_weight.shape != (D,):

@@ -3,10 +3,13 @@
 A token a program: the score of each candidate (the K block snapshots, then the running sum) is
 (v · w⊙p) · rsqrt(mean(v²) + eps), which equals the reference's RMS-normed key times the query; the softmax over
 depth and the weighted sum follow in a second pass over the candidates (L2-resident by then). All math in fp32.
-The reference's concatenated [K+1, M, D] fp32 copy and its ten launches become one kernel.
+The reference's concatenated [K+1, M, D] fp32 copy and its ten launches become one kernel, and the snapshots are
+read where the graph left them (up to MAX_BLOCK_PTRS pointers), not stacked into a copy first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -18,9 +21,36 @@ def _score(v, q, D, eps):
     return tl.sum(v * q, 0) * tl.rsqrt(tl.sum(v * v, 0) / D + eps)
 
 
+MAX_BLOCK_PTRS = 8  # snapshots passed as separate pointers (K3 has at most 8); more are stacked first
+
+
 @triton.jit
-def attn_res_kernel(partial_ptr, blocks_ptr, proj_ptr, norm_w_ptr, out_ptr, K, D, stride_pm, stride_bk, stride_bm,
-                    stride_om, eps, BD: tl.constexpr, BK: tl.constexpr):
+def _block(i: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7, stride_bk, STACKED: tl.constexpr):
+    """Base pointer of snapshot i: b0 + i·stride_bk when the snapshots are one stacked tensor, else pointer i."""
+    if STACKED:
+        return b0 + i * stride_bk
+    elif i == 0:
+        return b0
+    elif i == 1:
+        return b1
+    elif i == 2:
+        return b2
+    elif i == 3:
+        return b3
+    elif i == 4:
+        return b4
+    elif i == 5:
+        return b5
+    elif i == 6:
+        return b6
+    else:
+        return b7
+
+
+@triton.jit
+def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr, norm_w_ptr, out_ptr, D, stride_pm,
+                    stride_bk, stride_bm, stride_om, eps, K: tl.constexpr, STACKED: tl.constexpr, BD: tl.constexpr,
+                    BK: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
@@ -30,37 +60,47 @@ def attn_res_kernel(partial_ptr, blocks_ptr, proj_ptr, norm_w_ptr, out_ptr, K, D
     s_partial = _score(p, q, D, eps)
     rk = tl.arange(0, BK)
     scores = tl.full((BK,), float("-inf"), tl.float32)
-    for i in range(K):
-        v = tl.load(blocks_ptr + i * stride_bk + m * stride_bm + offs, mask=mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(K):
+        v = tl.load(_block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED) + m * stride_bm + offs, mask=mask,
+                    other=0.0).to(tl.float32)
         scores = tl.where(rk == i, _score(v, q, D, eps), scores)
     top = tl.maximum(tl.max(scores, 0), s_partial)
     e = tl.exp(scores - top)  # exp(-inf) = 0 past K
     e_partial = tl.exp(s_partial - top)
     acc = e_partial * p
-    for i in range(K):
-        v = tl.load(blocks_ptr + i * stride_bk + m * stride_bm + offs, mask=mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(K):
+        v = tl.load(_block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED) + m * stride_bm + offs, mask=mask,
+                    other=0.0).to(tl.float32)
         acc += tl.sum(tl.where(rk == i, e, 0.0), 0) * v
     out = acc / (tl.sum(e, 0) + e_partial)
     tl.store(out_ptr + m * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def attn_res(partial: torch.Tensor, blocks: torch.Tensor, proj: torch.Tensor, norm_weight: torch.Tensor,
-             *, eps: float) -> torch.Tensor:
-    """See reference.attn_res. partial: [M, D]; blocks: [K, M, D]; proj, norm_weight: D values."""
-    if partial.dim() != 2 or blocks.dim() != 3 or tuple(blocks.shape[1:]) != tuple(partial.shape):
-        raise ValueError(f"attn_res (triton): partial [M, D] and blocks [K, M, D] expected, got "
-                         f"{tuple(partial.shape)} and {tuple(blocks.shape)}")
-    K = blocks.shape[0]
-    M, D = partial.shape
+def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
+             norm_weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """See reference.attn_res. partial: [M, D]; blocks: [K, M, D], or K tensors [M, D] (read where they are: the
+    executor's snapshots are never stacked into a copy); proj, norm_weight: D values."""
+    M, D = partial.shape if partial.dim() == 2 else (-1, -1)
+    if isinstance(blocks, torch.Tensor):
+        stacked = blocks.dim() == 3 and tuple(blocks.shape[1:]) == (M, D)
+        blocks = list(blocks) if stacked else [blocks]
+    if partial.dim() != 2 or any(tuple(b.shape) != (M, D) for b in blocks):
+        raise ValueError(f"attn_res (triton): partial [M, D] and blocks [K, M, D] (or K x [M, D]) expected, got "
+                         f"{tuple(partial.shape)} and {[tuple(b.shape) for b in blocks]}")
+    K = len(blocks)
     if proj.numel() != D or norm_weight.numel() != D:
         raise ValueError(f"attn_res (triton): proj and norm_weight must hold {D} values")
     if K == 0:
         return partial  # a softmax over one candidate is exactly 1
-    partial, blocks = partial.contiguous(), blocks.contiguous()
+    partial = partial.contiguous()
+    blocks = [b.contiguous() for b in blocks]
+    many = K > MAX_BLOCK_PTRS
+    ptrs = [torch.stack(blocks)] if many else blocks
+    ptrs = ptrs + [ptrs[0]] * (MAX_BLOCK_PTRS - len(ptrs))  # unused pointer slots
     out = torch.empty_like(partial)
     if M:
         bd = triton.next_power_of_2(D)
-        attn_res_kernel[(M,)](partial, blocks, proj.reshape(D).contiguous(), norm_weight.contiguous(), out, K, D,
-                              partial.stride(0), blocks.stride(0), blocks.stride(1), out.stride(0), float(eps),
-                              BD=bd, BK=triton.next_power_of_2(K), num_warps=min(16, max(1, bd // 512)))
+        attn_res_kernel[(M,)](partial, *ptrs, proj.reshape(D).contiguous(), norm_weight.contiguous(), out, D,
+                              partial.stride(0), M * D, D, out.stride(0), float(eps), K=K, STACKED=many, BD=bd,
+                              BK=triton.next_power_of_2(K), num_warps=min(16, max(1, bd // 512)))
     return out

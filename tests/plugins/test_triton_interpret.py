@@ -207,12 +207,15 @@ def _norm_cases() -> dict:
         got, want = norm.rms_norm(x, w, eps=1e-5), norm_ref.rms_norm(x, w, eps=1e-5)
         res[f"rmsnorm-{name}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype,
                                   "shape_ok": got.shape == want.shape}
-        for k in (0, 1, 5):
+        for k in (0, 1, 5, 8, 11):  # 11 > MAX_BLOCK_PTRS: the kernel reads them stacked
             partial, blocks = torch.randn(7, 96, generator=g).to(dtype), torch.randn(k, 7, 96, generator=g).to(dtype)
             proj, nw = torch.randn(96, generator=g), 1 + 0.1 * torch.randn(96, generator=g)
-            got, want = ar.attn_res(partial, blocks, proj, nw, eps=1e-6), ar_ref.attn_res(partial, blocks, proj, nw,
-                                                                                         eps=1e-6)
-            res[f"attnres-{name}-{k}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype}
+            want = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6)
+            got = ar.attn_res(partial, blocks, proj, nw, eps=1e-6)
+            # the executor's form: K separate tensors (each its own allocation), read in place
+            got_list = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6)
+            res[f"attnres-{name}-{k}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype,
+                                          "rel_list": _rel(got_list, want)}
     return res
 
 
@@ -308,11 +311,13 @@ def test_rms_norm_interpreted(results, dtype, tol):
     assert r["dtype_ok"] and r["shape_ok"] and r["rel"] < tol, r
 
 
-@pytest.mark.parametrize("k", [0, 1, 5])
+@pytest.mark.parametrize("k", [0, 1, 5, 8, 11])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])
 def test_attn_res_interpreted(results, dtype, tol, k):
+    """Snapshots stacked [K, M, D] or as K tensors read in place (the executor's form), up to the kernel's 8
+    pointers and past them."""
     r = results[f"attnres-{dtype}-{k}"]
-    assert r["dtype_ok"] and r["rel"] < tol, r
+    assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
 
 
 if __name__ == "__main__":
