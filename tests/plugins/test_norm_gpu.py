@@ -1,0 +1,58 @@
+"""Triton RMSNorm, AttnRes and the MoE pair sort vs their torch references on the GPU, in bf16 (pytest -m gpu)."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from k3plugins.attn_res import reference as ar_ref  # noqa: E402
+from k3plugins.attn_res import triton as ar  # noqa: E402
+from k3plugins.moe.triton import sort_pairs  # noqa: E402
+from k3plugins.norm import reference as norm_ref  # noqa: E402
+from k3plugins.norm import triton as norm  # noqa: E402
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("M,D", [(1, 7168), (300, 7168), (5, 96), (0, 512)])
+def test_rms_norm_matches_reference(M, D):
+    g = torch.Generator(device="cuda").manual_seed(M + D)
+    x = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
+    got, want = norm.rms_norm(x, w, eps=1e-6), norm_ref.rms_norm(x, w, eps=1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if M:
+        assert _rel(got, want) < 8e-3  # bf16 output rounding
+
+
+@pytest.mark.parametrize("K", [0, 1, 8, 11])
+@pytest.mark.parametrize("M,D", [(1, 7168), (128, 7168), (3, 96)])
+def test_attn_res_matches_reference(K, M, D):
+    """Snapshots as the executor passes them (K separate tensors, read in place; 11 are stacked) and stacked."""
+    g = torch.Generator(device="cuda").manual_seed(K * 1000 + M)
+    partial = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
+    blocks = [torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(K)]
+    proj, nw = torch.randn(D, device="cuda", generator=g) * D ** -0.5, torch.ones(D, device="cuda")
+    want = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6)
+    for form in (blocks, torch.stack(blocks) if K else torch.empty(0, M, D, device="cuda", dtype=torch.bfloat16)):
+        got = ar.attn_res(partial, form, proj, nw, eps=1e-6)
+        assert got.dtype == torch.bfloat16 and _rel(got, want) < 8e-3, (K, M, D)
+
+
+@pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (2048, 16, 56, 112), (7, 4, 3, 5)])
+def test_sort_pairs_matches_a_stable_sort(M, k, E, start):
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ids = torch.stack([torch.randperm(896, device="cuda", generator=g)[:k] for _ in range(M)]) % (E * 16)
+    order, offsets, inv = sort_pairs(ids, start, E)
+    key = ids.reshape(-1) - start
+    key = torch.where((key >= 0) & (key < E), key, E)
+    want = torch.sort(key, stable=True).indices
+    local = int((key < E).sum())
+    assert torch.equal(order[:local].long(), want[:local])
+    assert torch.equal(offsets.long(), torch.searchsorted(key.sort().values, torch.arange(E + 1, device="cuda")))
+    pos = torch.full_like(key, -1)
+    pos[want[:local]] = torch.arange(local, device="cuda")
+    assert torch.equal(inv.long(), pos)
