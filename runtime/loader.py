@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .dist import weight_store
+from .weight_reader import WeightFileError, read_weights
 
 ENGINE_FORMAT_VERSION = 1
 KDA, MLA = "kda", "mla"
@@ -126,11 +127,13 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
         graph = onnx.load(rank_dir / "graph.onnx").graph
     except Exception as e:  # protobuf DecodeError and friends
         raise EngineError(f"{rank_dir}/graph.onnx: not a valid ONNX model ({e}); rebuild the engine") from None
-    # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk.
+    # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk: on a
+    # GPU streamed through pinned buffers (weight_reader), on the CPU mapped (shared with the page cache).
     try:
-        weights = weight_store.attach(engine_dir, rank, device=device) \
-            or load_file(rank_dir / "weights.safetensors", device=str(device))
-    except SafetensorError as e:
+        weights = weight_store.attach(engine_dir, rank, device=device) or (
+            read_weights(rank_dir / "weights.safetensors", device) if device.type == "cuda"
+            else load_file(rank_dir / "weights.safetensors", device=str(device)))
+    except (SafetensorError, WeightFileError) as e:
         raise EngineError(f"{rank_dir}/weights.safetensors: corrupt ({e}); rebuild the engine") from None
     _check_weights(graph, weights, rank_dir)
     return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)

@@ -1,0 +1,139 @@
+"""Read a rank's weights.safetensors into device memory at disk / PCIe speed.
+
+safetensors' `load_file(device="cuda")` takes each tensor from the mmap on the host and copies it with a pageable
+H2D copy: the disk read and the PCIe copy take turns, and a pageable copy runs at a fraction of a pinned one.
+Here the file is read front to back in large chunks into two pinned host buffers, and while the GPU copies one
+chunk out of one buffer (asynchronously), the disk fills the other. The device tensors are allocated once, before
+any byte is read. The CPU path reads straight into the tensors (nothing staged).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
+
+
+class WeightFileError(ValueError):
+    """A weights file that is not a complete safetensors file; the message names the file and tensor."""
+
+
+def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], int]:
+    """{name: (dtype, shape, start, end)} with offsets into the data section, and where that section starts."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise WeightFileError(f"{path}: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise WeightFileError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WeightFileError(f"{path}: header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise WeightFileError(f"{path}: header is not a JSON object")
+    data_bytes, entries = size - 8 - n, {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = _DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise WeightFileError(f"{path}: tensor {name!r}: bad header entry {e!r} (dtype one of "
+                                  f"{sorted(_DTYPES)}, shape, data_offsets [start, end])") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - start != numel * dtype.itemsize or not 0 <= start <= end <= data_bytes:
+            raise WeightFileError(f"{path}: tensor {name!r}: data_offsets [{start}, {end}] do not hold "
+                                  f"{shape} {e['dtype']} inside the {data_bytes} data bytes (truncated file?)")
+        entries[name] = (dtype, shape, start, end)
+    spans = sorted((s, t, name) for name, (_, _, s, t) in entries.items())
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise WeightFileError(f"{path}: tensors {a!r} and {b!r} overlap in the data section")
+    return entries, 8 + n
+
+
+def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *, chunk_bytes: int = 64 << 20,
+                 staged: bool | None = None, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, on `device`, read sequentially once.
+
+    Args:
+        staged: go through two host buffers (pinned on a GPU, so the copies overlap the reads); default: on
+            GPUs only (on the CPU, reads land in the tensors directly).
+        chunk_bytes: size of each staging buffer.
+    Raises:
+        WeightFileError naming the file (and tensor) when the file is short, or its header wrong.
+    """
+    path, device = Path(path), torch.device(device)
+    entries, data_start = read_header(path)
+    tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, (dtype, shape, _, _) in entries.items()}
+    spans = sorted((s, t, name) for name, (_, _, s, t) in entries.items() if t > s)
+    staged = device.type != "cpu" if staged is None else staged
+    total = spans[-1][1] if spans else 0
+    with open(path, "rb", buffering=0) as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"load {path.name}",
+                                                  disable=not progress) as bar:
+        f.seek(data_start)
+        if staged:
+            _read_staged(f, path, spans, tensors, total, chunk_bytes, device, bar)
+        else:
+            pos = 0
+            for start, end, name in spans:
+                if start != pos:
+                    f.seek(data_start + start)
+                _read_into(f, _bytes(tensors[name]).numpy(), path, name)
+                pos = end
+                bar.update(end - start)
+    return tensors
+
+
+def _read_staged(f, path: Path, spans, tensors, total: int, chunk: int, device: torch.device, bar) -> None:
+    cuda = device.type == "cuda"
+    bufs = [torch.empty(min(chunk, total), dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    done = [None, None]  # the event after each buffer's last copies: the buffer is free again once it is reached
+    j = 0  # first span that may still overlap the chunk
+    for i, c0 in enumerate(range(0, total, chunk)):
+        c1 = min(c0 + chunk, total)
+        buf = bufs[i % 2]
+        if done[i % 2] is not None:
+            done[i % 2].synchronize()
+        while spans[j][1] <= c0:
+            j += 1
+        _read_into(f, buf[:c1 - c0].numpy(), path, spans[j][2])
+        k = j
+        while k < len(spans) and spans[k][0] < c1:
+            start, end, name = spans[k]
+            a, b = max(start, c0), min(end, c1)
+            _bytes(tensors[name])[a - start:b - start].copy_(buf[a - c0:b - c0], non_blocking=cuda)
+            k += 1
+        if cuda:
+            done[i % 2] = torch.cuda.Event()
+            done[i % 2].record(torch.cuda.current_stream(device))
+        bar.update(c1 - c0)
+    if cuda:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _read_into(f, out, path: Path, name: str) -> None:
+    view, got = memoryview(out).cast("B"), 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise WeightFileError(f"{path}: ends inside tensor {name!r} (truncated file?)")
+        got += n
