@@ -63,13 +63,31 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return out.flatten(-2).to(dtype)
 
 
+_LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
+_HIGH_NIBBLES = -0x0F0F0F0F0F0F0F10  # 0xF0F0F0F0F0F0F0F0 as an int64
+
+
 def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
     """MXFP4 bytes [..., R, K/2] (byte b = codes 2b | 2b+1 << 4) -> the strided-nibble layout of the "*_s"
     tactics: in each K tile of block_k, nibble q of 32-bit word j holds code q·(block_k/8) + j. Scales are
-    unchanged."""
+    unchanged.
+
+    Done on 64-bit words, not nibble by nibble (the build runs it over every expert byte of a rank). With S =
+    block_k/8, word j's byte p holds codes 2p·S + j and (2p+1)·S + j, which sit in the same nibble (low for
+    even j, high for odd j) of tile bytes p·S + j//2 and p·S + S/2 + j//2.
+    """
     K = packed.shape[-1] * 2
-    if K % block_k:
-        raise ValueError(f"restride_mxfp4: K={K} must be a multiple of block_k={block_k}")
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)              # [..., R, K] natural order
-    tiles = codes.unflatten(-1, (K // block_k, 8, block_k // 8)).transpose(-1, -2).flatten(-3)
-    return (tiles[..., 0::2] | (tiles[..., 1::2] << 4)).contiguous()
+    if K % block_k or block_k % 256:
+        raise ValueError(f"restride_mxfp4: K={K} must be a multiple of block_k={block_k}, itself a multiple of 256")
+    sub = block_k // 8
+    if packed.storage_offset() % 8 or not packed.is_contiguous():
+        packed = packed.clone(memory_format=torch.contiguous_format)
+    lead = packed.shape[:-1]
+    words = packed.view(torch.int64).reshape(*lead, K // block_k, 4, 2, sub // 16)  # tile bytes as [p, half, j//2]
+    x, y = words[..., 0, :], words[..., 1, :]
+    even = ((x & _LOW_NIBBLES) | ((y << 4) & _HIGH_NIBBLES)).view(torch.uint8)         # [..., p, j//2], j even
+    odd = (((x >> 4) & _LOW_NIBBLES) | (y & _HIGH_NIBBLES)).view(torch.uint8)           # j odd
+    out = torch.empty(*lead, K // block_k, sub // 2, 2, 4, dtype=torch.uint8, device=packed.device)  # [j//2, j%2, p]
+    out[..., 0, :] = even.transpose(-1, -2)
+    out[..., 1, :] = odd.transpose(-1, -2)
+    return out.reshape(packed.shape)

@@ -113,18 +113,23 @@ def test_moe_experts_rejects_bad_layout():
 
 
 
-def test_restride_mxfp4_puts_code_q_sub_plus_j_in_nibble_q_of_word_j():
-    pytest.importorskip("triton")
-    from k3plugins.moe.triton import restride_mxfp4
+@pytest.mark.parametrize("block_k", [256, 512])
+def test_restride_mxfp4_puts_code_q_sub_plus_j_in_nibble_q_of_word_j(block_k):
+    from k3plugins.moe.mxfp4 import restride_mxfp4
 
     g = torch.Generator().manual_seed(0)
-    packed = torch.randint(0, 256, (3, 5, 512 // 2), dtype=torch.uint8, generator=g)  # K = 512: two tiles of 256
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
-    words = restride_mxfp4(packed).view(torch.int32)                                # [3, 5, 64] little-endian
-    for tile in range(2):
-        for j in (0, 7, 31):
-            word = int(words[1, 2, tile * 32 + j]) & 0xFFFFFFFF
-            got = [(word >> (4 * q)) & 0xF for q in range(8)]
-            assert got == [int(codes[1, 2, tile * 256 + q * 32 + j]) for q in range(8)]
-    with pytest.raises(ValueError, match="multiple of block_k=256"):
-        restride_mxfp4(packed[..., :64])
+    K, sub = 1024, block_k // 8
+    packed = torch.randint(0, 256, (3, 5, K // 2), dtype=torch.uint8, generator=g)
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).long()        # [3, 5, K] natural order
+    words = restride_mxfp4(packed, block_k).view(torch.int32).long() & 0xFFFFFFFF  # little-endian words
+    got = torch.stack([(words >> (4 * q)) & 0xF for q in range(8)], -1)            # [3, 5, K/8, q]
+    j = torch.arange(K // 8)
+    want = torch.stack([codes[..., (j // sub) * block_k + q * sub + j % sub] for q in range(8)], -1)
+    assert torch.equal(got, want)
+    # a view at an odd byte offset (not 64-bit aligned) and a non-contiguous one give the same bytes
+    shifted = torch.cat([torch.zeros(3, 5, 1, dtype=torch.uint8), packed], -1)[..., 1:]
+    assert torch.equal(restride_mxfp4(shifted, block_k), restride_mxfp4(packed, block_k))
+    assert torch.equal(restride_mxfp4(packed.transpose(0, 1).contiguous().transpose(0, 1), block_k),
+                       restride_mxfp4(packed, block_k))
+    with pytest.raises(ValueError, match=f"multiple of block_k={block_k}"):
+        restride_mxfp4(packed[..., :64], block_k)
