@@ -48,9 +48,9 @@ def _block(i: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7, stride_bk, STACKED: 
 
 
 @triton.jit
-def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr, norm_w_ptr, out_ptr, D, stride_pm,
-                    stride_bk, stride_bm, stride_om, eps, K: tl.constexpr, STACKED: tl.constexpr, BD: tl.constexpr,
-                    BK: tl.constexpr):
+def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
+                    norm_w_ptr, out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
+                    STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
@@ -61,16 +61,16 @@ def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr,
     rk = tl.arange(0, BK)
     scores = tl.full((BK,), float("-inf"), tl.float32)
     for i in tl.static_range(K):
-        v = tl.load(_block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED) + m * stride_bm + offs, mask=mask,
-                    other=0.0).to(tl.float32)
+        base = _block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED)
+        v = tl.load(base + m * stride_bm + offs, mask=mask, other=0.0).to(tl.float32)
         scores = tl.where(rk == i, _score(v, q, D, eps), scores)
     top = tl.maximum(tl.max(scores, 0), s_partial)
     e = tl.exp(scores - top)  # exp(-inf) = 0 past K
     e_partial = tl.exp(s_partial - top)
     acc = e_partial * p
     for i in tl.static_range(K):
-        v = tl.load(_block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED) + m * stride_bm + offs, mask=mask,
-                    other=0.0).to(tl.float32)
+        base = _block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED)
+        v = tl.load(base + m * stride_bm + offs, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(tl.where(rk == i, e, 0.0), 0) * v
     out = acc / (tl.sum(e, 0) + e_partial)
     tl.store(out_ptr + m * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -9,3 +9,6 @@ for cache in "" "--warm"; do
   timeout ${LOAD_S:-150} python3 tools/bench_load.py --device cuda --gib 16 --repeat 3 $cache 2>&1 | grep '^{' \
     | tee -a $OUT/load.jsonl
 done
+# the wide-experts engine on the same GPU with strided bytes (triton_s) and natural ones (triton): they should agree
+# far more closely than either agrees with fp32 (batch8 cut this at 90 s before it printed)
+timeout ${DIAG_S:-200} python3 tools/device/diag_wide.py 2>&1 | grep -E '^\{|Error' | tee $OUT/diag_wide.jsonl

@@ -27,9 +27,9 @@ c = json.loads((nat / "config.json").read_text()); c["build_config"]["plugins"][
 def par(a, b):
     a, b = a.double().flatten(), b.double().flatten()
     return round((a @ b / (a.norm() * b.norm())).item(), 6), round(((a - b).norm() / b.norm()).item(), 5)
-E = LLM(exact)
+E, C = LLM(exact), LLM(cpu)
+S, N = LLM(gpu, device="cuda", cuda_graphs=False), LLM(nat, device="cuda", cuda_graphs=False)
 for ids in [[5, 17, 99, 3, 250, 7, 7, 41], list(range(2, 70))]:
-    want = E.logits(ids)
-    print(json.dumps({"len": len(ids), "cpu_bf16": par(LLM(cpu).logits(ids), want),
-                      "sm90_strided": par(LLM(gpu, device="cuda").logits(ids).cpu(), want),
-                      "sm90_natural": par(LLM(nat, device="cuda").logits(ids).cpu(), want)}), flush=True)
+    want, s, n = E.logits(ids), S.logits(ids).cpu(), N.logits(ids).cpu()
+    print(json.dumps({"len": len(ids), "cpu_bf16_vs_fp32": par(C.logits(ids), want), "strided_vs_fp32": par(s, want),
+                      "natural_vs_fp32": par(n, want), "strided_vs_natural": par(s, n)}), flush=True)
