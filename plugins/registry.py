@@ -24,7 +24,8 @@ class Impl:
     needs: str | None = None  # module that must import (e.g. "triton")
     mxfp4_only: bool = False  # reads MXFP4 expert weights (an engine converted with float experts cannot use it)
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")  # engine activation dtypes it takes
-    expert_layout: str = "natural"  # how the build lays out MXFP4 expert bytes for it ("strided": restride_mxfp4)
+    expert_layout: str = "natural"  # MXFP4 expert bytes as the build lays them out for it ("strided": restride_mxfp4,
+    # "paired": pair_mxfp4)
 
     def supports(self, target: str, quantization: str = "mxfp4", dtype: str = "bf16") -> tuple[bool, str]:
         if target not in self.targets:
@@ -63,6 +64,9 @@ IMPLS: list[Impl] = [
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,
          expert_layout="strided"),
     Impl("MoEExperts", "triton", 1, "k3plugins.moe.triton:moe_experts_w4", _GPU, "triton", mxfp4_only=True),
+    # experimental (fewer instructions in the sm_90 SASS, not yet timed): only by an explicit override, so no PREFERENCE
+    Impl("MoEExperts", "triton_p", 1, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
+         expert_layout="paired"),
     Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 1, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),

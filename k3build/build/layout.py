@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from k3plugins.moe.mxfp4 import restride_mxfp4
+from k3plugins.moe.mxfp4 import pair_mxfp4, restride_mxfp4
 
 from ..config import KDA, K3Config
 from ..mapping import Mapping
@@ -32,7 +32,8 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 # MXFP4 expert byte layouts by name (k3plugins.registry.Impl.expert_layout) -> the pass that writes them.
-EXPERT_LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"natural": _same, "strided": restride_mxfp4}
+EXPERT_LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"natural": _same, "strided": restride_mxfp4,
+                                                                     "paired": pair_mxfp4}
 
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

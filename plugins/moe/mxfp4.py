@@ -91,3 +91,16 @@ def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch
     out[..., 0, :] = even.transpose(-1, -2)
     out[..., 1, :] = odd.transpose(-1, -2)
     return out.reshape(packed.shape)
+
+
+def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
+    """MXFP4 bytes [..., R, K/2] -> the paired layout of the "*_p" tactics: in each K tile of 256, nibble i (i < 4)
+    of 32-bit word j holds code 64i + 2j and nibble i + 4 holds code 64i + 2j + 1, so that a decoded pair is two
+    neighbours along K (what the MMA's operand registers hold). Scales are unchanged."""
+    K = packed.shape[-1] * 2
+    if K % block_k or block_k != STRIDE_BLOCK_K:
+        raise ValueError(f"pair_mxfp4: K={K} must be a multiple of block_k={STRIDE_BLOCK_K}")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)        # [..., R, K] natural order
+    t = codes.unflatten(-1, (K // block_k, 4, 32, 2))                            # [tile, i, j, h]: code 64i + 2j + h
+    nib = t.permute(*range(t.dim() - 3), -2, -1, -3).flatten(-3)                 # [tile, j, h, i]: nibble 4h + i
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).reshape(packed.shape).contiguous()

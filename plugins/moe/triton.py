@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from k3plugins.moe.mxfp4 import STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, restride_mxfp4  # noqa: F401 (re-exported)
+from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401 (re-exported)
+                                  restride_mxfp4)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 
@@ -32,6 +33,7 @@ class MoETactic:
     num_stages: int
     w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
     strided: bool = False  # W4 on weights in `restride_mxfp4`'s layout (block_k 256); activations in natural order
+    paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -43,6 +45,10 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # tokens/expert against 0.37 for "decode", 297 TFLOP/s at 128 tokens/expert against 254 (BENCHMARKS.md)
     "decode_s": MoETactic(16, 64, 256, 4, 3, strided=True),
     "prefill_s": MoETactic(128, 128, 256, 8, 2, strided=True),
+    # experimental, not yet timed on a GPU: on pair_mxfp4's weights, 13-15 % fewer sm_90 instructions a weight
+    # than "*_s" in the main loops (no byte permutes to build the MMA operands)
+    "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True),
+    "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True),
 }
 # Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
 # and its prefill point (M = 7168); the crossover itself has not been measured.
@@ -129,7 +135,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13: [E, 2I, Dl/2] u8; w13_scale: [E, 2I, Dl/32] u8; w2: [E, Dl, I/2] u8; w2_scale: [E, Dl, I/32] u8.
         expert_start: global id of local expert 0. act: "situ" | "silu".
         tactic: a key of TACTICS (the builder records it). The "*_s" tactics read w13/w2 in
-            `restride_mxfp4`'s layout instead of the build's.
+            `restride_mxfp4`'s layout, the "*_p" ones in `pair_mxfp4`'s (see `lay_out`).
 
     Returns:
         [M, Dl] fp32.
@@ -159,15 +165,16 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     y = torch.empty(P, Dl, dtype=torch.float32, device=z.device)
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    layout = 2 if t.paired else int(t.strided)  # the kernels' STRIDED: checkpoint order, strided, paired
     moe_gate_up_kernel[(E, inter // t.block_n)](
         z, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
-        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=t.strided,
+        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=layout,
         num_warps=t.num_warps, num_stages=t.num_stages)
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
-        W4=t.w4, STRIDED=t.strided, num_warps=t.num_warps, num_stages=t.num_stages)
+        W4=t.w4, STRIDED=layout, num_warps=t.num_warps, num_stages=t.num_stages)
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)
     return out
@@ -191,6 +198,21 @@ def moe_experts_strided(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     tactic = "prefill_s" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_s"
     return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
                        beta=beta, linear_beta=linear_beta, tactic=tactic)
+
+
+def moe_experts_paired(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                       w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int,
+                       act: str, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """The "triton_p" tactic (experimental, chosen only by an explicit override): on pair_mxfp4's expert bytes."""
+    tactic = "prefill_p" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_p"
+    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
+                       beta=beta, linear_beta=linear_beta, tactic=tactic)
+
+
+def lay_out(tactic: str | MoETactic, packed: torch.Tensor) -> torch.Tensor:
+    """Expert bytes in the checkpoint's order -> the layout `tactic` reads."""
+    t = TACTICS[tactic] if isinstance(tactic, str) else tactic
+    return pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided else packed
 
 
 def moe_experts_ds(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,

@@ -128,6 +128,30 @@ def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.const
 
 
 @triton.jit
+def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr):
+    """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in the paired layout (`pair_mxfp4`): nibbles (i, i+4) of
+    word j hold K indices 64i + 2j and 64i + 2j + 1, so each decoded 32-bit pair is already two neighbours along K
+    of one sub-block: the register the MMA takes (no byte permutes to build operands, unlike _strided_dot). Sub-block
+    i (64 wide) takes the scales of columns 2i and 2i + 1 of s [BN, 8], for its words 0-15 and 16-31. Those columns
+    are taken out by masked row reductions: in the sm_90 SASS, splits or per-column loads instead put the scales in
+    a layout that costs a byte permute per operand register."""
+    BF16: tl.constexpr = DTYPE == tl.bfloat16
+    w = w.to(tl.uint32, bitcast=True)
+    s = s.to(tl.int32)
+    col = tl.arange(0, 8)[None, :]
+    r64 = tl.arange(0, 64)
+    for i in tl.static_range(4):
+        s_a = _scale(tl.max(tl.where(col == 2 * i, s, 0), 1), BF16)                      # [BN]: group 2i
+        s_b = _scale(tl.max(tl.where(col == 2 * i + 1, s, 0), 1), BF16)
+        sc64 = tl.reshape(tl.broadcast_to(tl.join(s_a, s_b)[:, :, None], (BN, 2, 32)), (BN, 64))
+        lo, hi = _halves(_code_pair(w, 4 * i), BF16)  # bf16, or fp32 for fp32/fp16 activations (as the scales)
+        vals = (tl.reshape(tl.join(lo, hi), (BN, 64)) * sc64).to(DTYPE)
+        x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0)
+        acc = tl.dot(vals, x, acc)
+    return acc
+
+
+@triton.jit
 def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we, stride_wn,
                        stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -135,14 +159,16 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
-    STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout, z and h in natural order.
+    STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout (2: `pair_mxfp4`'s), z and h in natural
+    order.
     """
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
-    rk = tl.arange(0, BK // 8 if STRIDED else BK)  # activation rows a dot reads
+    RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)  # activation rows a load adds itself
+    rk = tl.arange(0, RK)
     wg_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
     wu_ptrs = wg_ptrs + I * stride_wn
     sg_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
@@ -158,7 +184,12 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
             kw = k0 // 8 if W4 else k0 // 2
-            if STRIDED:
+            if STRIDED == 2:
+                acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), z_ptrs,
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
+                acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), z_ptrs,
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
+            elif STRIDED:
                 acc_g = _strided_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), z_ptrs,
                                      p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)
                 acc_u = _strided_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), z_ptrs,
@@ -186,7 +217,8 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
-    rk = tl.arange(0, BK // 8 if STRIDED else BK)
+    RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)
+    rk = tl.arange(0, RK)
     w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
     s_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     m0 = start
@@ -197,7 +229,10 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, I, BK):
             kw = k0 // 8 if W4 else k0 // 2
-            if STRIDED:
+            if STRIDED == 2:
+                acc = _paired_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), h_ptrs, p_mask[None, :], k0,
+                                  BN, h_ptr.dtype.element_ty)
+            elif STRIDED:
                 acc = _strided_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), h_ptrs, p_mask[None, :],
                                    k0, BN, BK // 8, h_ptr.dtype.element_ty)
             else:

@@ -133,3 +133,18 @@ def test_restride_mxfp4_puts_code_q_sub_plus_j_in_nibble_q_of_word_j(block_k):
                        restride_mxfp4(packed, block_k))
     with pytest.raises(ValueError, match=f"multiple of block_k={block_k}"):
         restride_mxfp4(packed[..., :64], block_k)
+
+
+def test_pair_mxfp4_puts_neighbours_along_k_in_nibbles_i_and_i_plus_4():
+    from k3plugins.moe.mxfp4 import pair_mxfp4
+
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (2, 3, 512 // 2), dtype=torch.uint8, generator=g)  # K = 512: two tiles
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).long()
+    words = pair_mxfp4(packed).view(torch.int32).long() & 0xFFFFFFFF
+    got = torch.stack([(words >> (4 * q)) & 0xF for q in range(8)], -1)                # [2, 3, 64 words, q]
+    j = torch.arange(64)
+    want = torch.stack([codes[..., (j // 32) * 256 + 64 * (q % 4) + 2 * (j % 32) + q // 4] for q in range(8)], -1)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="multiple of block_k=256"):
+        pair_mxfp4(packed[..., :64])

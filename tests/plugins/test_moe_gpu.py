@@ -43,8 +43,8 @@ def test_moe_matches_reference(case, tactic, act="situ"):
     ok, why = mt.supports(z, w13, w2, tactic=tactic)
     if not ok:
         pytest.skip(why)
-    # the "*_s" tactics read the strided-nibble layout: the reference keeps the originals
-    a, b = (mt.restride_mxfp4(w13), mt.restride_mxfp4(w2)) if mt.TACTICS[tactic].strided else (w13, w2)
+    # the "*_s" / "*_p" tactics read the strided / paired layouts: the reference keeps the originals
+    a, b = mt.lay_out(tactic, w13), mt.lay_out(tactic, w2)
     out = mt.moe_experts(z, ids, w, a, s13, b, s2, expert_start=start, act=act, tactic=tactic)
     ref = moe_ref(z, ids, w, w13, s13, w2, s2, expert_start=start, act=act)
     assert out.shape == ref.shape and out.dtype == torch.float32

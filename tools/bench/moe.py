@@ -53,11 +53,14 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     wbytes = sum(t.numel() for t in (w13, s13, w2, s2))
     floor_ms = wbytes / (bw_tbps * 1e12) * 1e3
     w13b, w2b = mt.dequantize(w13, s13), mt.dequantize(w2, s2)
-    restrided = mt.restride_mxfp4(w13), mt.restride_mxfp4(w2)  # what the "*_s" tactics read
+    laid_out = {}  # expert bytes by the layout a tactic reads (restrided for "*_s", paired for "*_p")
 
     def weights(tactic):
         t = mt.TACTICS[tactic] if isinstance(tactic, str) else tactic
-        return restrided if t.strided else (w13, w2)
+        key = (t.strided, t.paired)
+        if key not in laid_out:
+            laid_out[key] = mt.lay_out(t, w13), mt.lay_out(t, w2)
+        return laid_out[key]
     # correctness first, on a small ragged batch incl. empty experts, against the torch reference
     z, ids, tw = make_tokens(1, gen)
     z, ids, tw = z[:37], ids[:37], tw[:37]
@@ -75,6 +78,8 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
             decode_sweep[f"d_bn{bn}_bk{bk}_w{nw}_s{st}_{'w4' if w4 else 'ds'}"] = mt.MoETactic(16, bn, bk, nw, st, w4)
         for bn, nw, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 2)):
             decode_sweep[f"d_bn{bn}_bk256_w{nw}_s{st}_strided"] = mt.MoETactic(16, bn, 256, nw, st, strided=True)
+            decode_sweep[f"d_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(16, bn, 256, nw, st, strided=True,
+                                                                               paired=True)
         for bm, bn, bk, nw, st, w4 in ((128, 128, 64, 8, 4, True), (128, 128, 128, 8, 3, True),
                                        (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 3, True),
                                        (64, 256, 64, 8, 3, True), (128, 64, 128, 4, 3, True),
@@ -84,6 +89,8 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         for bm, bn, nw, st in ((128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_strided"] = mt.MoETactic(bm, bn, 256, nw, st,
                                                                                         strided=True)
+            prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(bm, bn, 256, nw, st,
+                                                                                       strided=True, paired=True)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER
