@@ -180,48 +180,34 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     return out
 
 
-def moe_experts_w4(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int, act: str,
-                   beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """The engine's "triton" tactic: reference.moe_experts' signature, block shape by step size (fixed per
-    captured batch bucket, so no per-call choice inside a CUDA graph)."""
-    tactic = "prefill" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode"
-    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
-                       beta=beta, linear_beta=linear_beta, tactic=tactic)
+def _by_step(decode: str, prefill: str, name: str, doc: str):
+    """An engine tactic with reference.moe_experts' signature: the `prefill` blocks for steps of at least
+    PREFILL_MIN_TOKENS tokens, else `decode` (fixed per captured batch bucket: no per-call choice inside a graph)."""
+    def run(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+            w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int, act: str,
+            beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+        return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start,
+                           act=act, beta=beta, linear_beta=linear_beta,
+                           tactic=prefill if z.shape[0] >= PREFILL_MIN_TOKENS else decode)
+    run.__name__, run.__qualname__, run.__doc__ = name, name, doc
+    return run
 
 
-def moe_experts_strided(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                        w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int,
-                        act: str, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """The engine's "triton_s" tactic: as moe_experts_w4, on expert weights the build wrote in restride_mxfp4's
-    layout (expert dims multiples of STRIDE_BLOCK_K)."""
-    tactic = "prefill_s" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_s"
-    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
-                       beta=beta, linear_beta=linear_beta, tactic=tactic)
-
-
-def moe_experts_paired(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                       w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int,
-                       act: str, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """The "triton_p" tactic (experimental, chosen only by an explicit override): on pair_mxfp4's expert bytes."""
-    tactic = "prefill_p" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_p"
-    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
-                       beta=beta, linear_beta=linear_beta, tactic=tactic)
+moe_experts_w4 = _by_step("decode", "prefill", "moe_experts_w4", "The engine's \"triton\" tactic.")
+moe_experts_strided = _by_step("decode_s", "prefill_s", "moe_experts_strided",
+                               "The engine's \"triton_s\" tactic: on expert bytes the build wrote in restride_mxfp4's "
+                               "layout (expert dims multiples of STRIDE_BLOCK_K).")
+moe_experts_paired = _by_step("decode_p", "prefill_p", "moe_experts_paired",
+                              "The \"triton_p\" tactic (experimental, chosen only by an explicit override): on "
+                              "pair_mxfp4's expert bytes.")
+moe_experts_ds = _by_step("decode_ds", "prefill_ds", "moe_experts_ds",
+                          "The engine's \"triton_ds\" tactic (tl.dot_scaled: any scale byte; bf16/fp16 activations).")
 
 
 def lay_out(tactic: str | MoETactic, packed: torch.Tensor) -> torch.Tensor:
     """Expert bytes in the checkpoint's order -> the layout `tactic` reads."""
     t = TACTICS[tactic] if isinstance(tactic, str) else tactic
     return pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided else packed
-
-
-def moe_experts_ds(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                   w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, *, expert_start: int, act: str,
-                   beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """The engine's "triton_ds" tactic (tl.dot_scaled: any scale byte; bf16/fp16 activations)."""
-    tactic = "prefill_ds" if z.shape[0] >= PREFILL_MIN_TOKENS else "decode_ds"
-    return moe_experts(z, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_start=expert_start, act=act,
-                       beta=beta, linear_beta=linear_beta, tactic=tactic)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
