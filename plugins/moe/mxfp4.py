@@ -96,11 +96,21 @@ def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch
 def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
     """MXFP4 bytes [..., R, K/2] -> the paired layout of the "*_p" tactics: in each K tile of 256, nibble i (i < 4)
     of 32-bit word j holds code 64i + 2j and nibble i + 4 holds code 64i + 2j + 1, so that a decoded pair is two
-    neighbours along K (what the MMA's operand registers hold). Scales are unchanged."""
+    neighbours along K (what the MMA's operand registers hold). Scales are unchanged.
+
+    On 64-bit words, as restride_mxfp4: tile byte 32i + j holds codes 64i + 2j (low) and 64i + 2j + 1 (high), so
+    word j's bytes are the low nibbles of rows i = 0, 1 and of rows 2, 3, then their high nibbles.
+    """
     K = packed.shape[-1] * 2
     if K % block_k or block_k != STRIDE_BLOCK_K:
         raise ValueError(f"pair_mxfp4: K={K} must be a multiple of block_k={STRIDE_BLOCK_K}")
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)        # [..., R, K] natural order
-    t = codes.unflatten(-1, (K // block_k, 4, 32, 2))                            # [tile, i, j, h]: code 64i + 2j + h
-    nib = t.permute(*range(t.dim() - 3), -2, -1, -3).flatten(-3)                 # [tile, j, h, i]: nibble 4h + i
-    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).reshape(packed.shape).contiguous()
+    if packed.storage_offset() % 8 or not packed.is_contiguous():
+        packed = packed.clone(memory_format=torch.contiguous_format)
+    lead = packed.shape[:-1]
+    rows = packed.view(torch.int64).reshape(*lead, K // block_k, 4, 4)                  # tile bytes as [i, j // 8]
+    out = torch.empty(*lead, K // block_k, 32, 4, dtype=torch.uint8, device=packed.device)  # [j, byte p of word j]
+    for p, (a, b) in enumerate(((0, 1), (2, 3))):
+        x, y = rows[..., a, :], rows[..., b, :]
+        out[..., p] = ((x & _LOW_NIBBLES) | ((y << 4) & _HIGH_NIBBLES)).view(torch.uint8)
+        out[..., p + 2] = (((x >> 4) & _LOW_NIBBLES) | (y & _HIGH_NIBBLES)).view(torch.uint8)
+    return out.reshape(packed.shape)

@@ -146,5 +146,7 @@ def test_pair_mxfp4_puts_neighbours_along_k_in_nibbles_i_and_i_plus_4():
     j = torch.arange(64)
     want = torch.stack([codes[..., (j // 32) * 256 + 64 * (q % 4) + 2 * (j % 32) + q // 4] for q in range(8)], -1)
     assert torch.equal(got, want)
+    shifted = torch.cat([torch.zeros(2, 3, 1, dtype=torch.uint8), packed], -1)[..., 1:]  # unaligned, non-contiguous
+    assert torch.equal(pair_mxfp4(shifted), pair_mxfp4(packed))
     with pytest.raises(ValueError, match="multiple of block_k=256"):
         pair_mxfp4(packed[..., :64])
