@@ -7,7 +7,8 @@ Passes, per layer:
   only the 576-wide latent cache.
 - Dense / shared MLPs: fuse gate and up rows into `gate_up` [2I, D].
 - MoE: stack the local experts into `w13` [E, 2I, K/2] (+ scales) and `w2` [E, D, I/2] (+ scales) — the
-  layout k3plugins.moe reads; the MXFP4 bytes in the checkpoint's nibble order, or restrided for triton_s.
+  layout k3plugins.moe reads; the MXFP4 bytes in the checkpoint's nibble order, or relaid for the tactic that
+  reads them (EXPERT_LAYOUTS).
 Tensor names in the engine are ours (`l{layer}.kda.in_proj`, …); the checkpoint's names stop here.
 """
 
@@ -45,8 +46,8 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def engine_tensors(cfg: K3Config, mapping: Mapping, rank: int, get: Get, dtype: torch.dtype,
                    expert_layout: str = "natural") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (engine name, tensor) for one rank, layer by layer (bounded memory). expert_layout: "natural" (the
-    checkpoint's MXFP4 bytes) or "strided" (restride_mxfp4's, what the triton_s MoE tactic reads)."""
+    """Yield (engine name, tensor) for one rank, layer by layer (bounded memory). expert_layout: a key of
+    EXPERT_LAYOUTS, the MXFP4 expert byte order the recorded MoE tactic reads (tactics.expert_layout)."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout: unknown {expert_layout!r}; expected one of {sorted(EXPERT_LAYOUTS)}")
     if mapping.is_first_stage(rank):

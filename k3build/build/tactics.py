@@ -35,20 +35,19 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
 
 
 W4_TACTICS = ("triton_s", "triton_p", "triton")  # MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
-TILED_TACTICS = ("triton_s", "triton_p")  # MoE tactics reading K tiles of STRIDE_BLOCK_K
 
 
 def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None) -> list[str]:
     """Step the MoE tactic down to one that reads these experts exactly (edits `table`; returns notes saying why).
 
-    triton_s (and triton_p) read K tiles of STRIDE_BLOCK_K: both expert dims (input width, intermediate) must be
-    multiples of it, else triton. The W4 decodes are exact for E8M0 scale bytes up to W4_MAX_SCALE_BYTE: past it,
+    Tactics reading a relaid expert layout (triton_s, triton_p) read K tiles of STRIDE_BLOCK_K: both expert dims
+    (input width, intermediate) must be multiples of it, else triton. The W4 decodes are exact for E8M0 scale bytes up to W4_MAX_SCALE_BYTE: past it,
     triton_ds.
     """
     moe, notes = table.get("MoEExperts"), []
     if moe is None:
         return notes
-    if moe["tactic"] in TILED_TACTICS and any(d % STRIDE_BLOCK_K for d in expert_dims):
+    if expert_layout(table) != "natural" and any(d % STRIDE_BLOCK_K for d in expert_dims):
         notes.append(f"MoEExperts: using the 'triton' tactic, not {moe['tactic']!r} (expert dims {expert_dims} are "
                      f"not multiples of its K tile {STRIDE_BLOCK_K})")
         moe["tactic"] = "triton"
