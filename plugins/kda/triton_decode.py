@@ -164,6 +164,45 @@ def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, to
 
 
 @triton.jit
+def conv_prefill_rows_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, tok_seq_ptr, y_ptr, T, stride_qkv,
+                             stride_cp, C, D, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """conv_prefill_kernel's result, BT tokens of BC channels a program walked row by row: the last W-1 inputs stay
+    in registers, so each input row is read once (the tiled kernel reads it W times, mostly from cache). The window
+    is read from memory only at the tile's first row and at a sequence's first W-1 tokens (where the slot state
+    stands in). Experimental: not yet timed against the tiled kernel."""
+    tl.static_assert(W == 4, "conv_prefill_rows_kernel is written for K3's short conv of width 4")
+    t0 = tl.program_id(0) * BT
+    c0 = tl.program_id(1) * BC
+    ch = c0 + tl.arange(0, BC)
+    c_ok = ch < C
+    plane = c0 // D
+    out = y_ptr + plane.to(tl.int64) * T * D + (c0 - plane * D) + tl.arange(0, BC)
+    w0 = tl.load(conv_w_ptr + ch * W, mask=c_ok, other=0.0)
+    w1 = tl.load(conv_w_ptr + ch * W + 1, mask=c_ok, other=0.0)
+    w2 = tl.load(conv_w_ptr + ch * W + 2, mask=c_ok, other=0.0)
+    w3 = tl.load(conv_w_ptr + ch * W + 3, mask=c_ok, other=0.0)
+    x1 = tl.zeros((BC,), dtype=tl.float32)  # inputs at t-1, t-2, t-3
+    x2 = tl.zeros((BC,), dtype=tl.float32)
+    x3 = tl.zeros((BC,), dtype=tl.float32)
+    for r in range(0, BT):
+        t = t0 + r
+        if t < T:
+            sid = tl.load(tok_seq_ptr + t)
+            start = tl.load(cu_ptr + sid)
+            x0 = tl.load(qkv_ptr + t.to(tl.int64) * stride_qkv + ch, mask=c_ok, other=0.0).to(tl.float32)
+            if (r == 0) | (t - start < W - 1):
+                pool = conv_pool_ptr + tl.load(slot_ptr + sid).to(tl.int64) * stride_cp
+                x1 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 1, start, stride_qkv, W)
+                x2 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 2, start, stride_qkv, W)
+                x3 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 3, start, stride_qkv, W)
+            acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
+            tl.store(out + t.to(tl.int64) * D, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=c_ok)
+            x3 = x2
+            x2 = x1
+            x1 = x0
+
+
+@triton.jit
 def _raw_input(qkv_ptr, pool, ch, mask, pos, start, stride_qkv, W: tl.constexpr):
     """Raw conv input of packed position pos: the chunk's token, or the slot's old state before start."""
     if pos >= start:

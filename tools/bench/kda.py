@@ -102,7 +102,7 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     """Each stage of kda_prefill timed alone, to find where the glue goes (with sweep: the conv's tile shapes)."""
     import triton
     from fla.ops.kda import chunk_kda
-    from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_state_kernel
+    from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_prefill_rows_kernel, conv_state_kernel
     T = qkv.shape[0]
     y = torch.empty(3, T, D, dtype=qkv.dtype, device="cuda")
     tok_seq = torch.zeros(T, dtype=torch.int32, device="cuda")
@@ -139,4 +139,13 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
                 for nw in (4, 8):
                     t = time_ms(lambda: conv(bt, bc, nw), rep=10, graph=False)
                     emit(bench="kda_conv_config", BT=bt, BC=bc, num_warps=nw, ms=round(t, 4),
+                         frac_of_floor=round(floor_ms / t, 3))
+        # the row-walking variant (each input row read once; experimental)
+        for bt in (32, 64, 128):
+            for bc in (128, 256, 512):
+                for nw in (1, 2, 4):
+                    t = time_ms(lambda: conv_prefill_rows_kernel[(triton.cdiv(T, bt), 3 * D // bc)](
+                        qkv, conv_w, conv_pool, slots, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D,
+                        D, W=4, BT=bt, BC=bc, num_warps=nw), rep=10, graph=False)
+                    emit(bench="kda_conv_rows_config", BT=bt, BC=bc, num_warps=nw, ms=round(t, 4),
                          frac_of_floor=round(floor_ms / t, 3))
