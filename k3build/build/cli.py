@@ -40,6 +40,13 @@ def _mapping_str(m: Mapping) -> str:
     return ", ".join(f"{k}={v}" for k, v in m.to_dict().items())
 
 
+def _tactics(values: tuple[str, ...]) -> tuple[tuple[str, str], ...] | None:
+    for v in values:
+        if v.count("=") != 1 or not all(v.split("=")):
+            raise click.BadParameter(f"expected OP=TACTIC (e.g. MoEExperts=triton), got {v!r}", param_hint="--tactic")
+    return tuple(tuple(v.split("=")) for v in values) or None
+
+
 def _raise_interrupt(signum, frame):
     # SIGTERM unwinds like Ctrl-C, so the staging dir is removed on the way out.
     raise KeyboardInterrupt
@@ -62,6 +69,8 @@ def _raise_interrupt(signum, frame):
               help="Held back from the budget for communicators and allocator slack [1.0].")
 @click.option("--expert-backend", type=click.Choice(list(EXPERT_BACKENDS)), default=None,
               help="Expert exchange the runtime starts with under attention-DP + EP [nccl].")
+@click.option("--tactic", "tactics", multiple=True, metavar="OP=TACTIC", callback=lambda ctx, p, v: _tactics(v),
+              help="Force a plugin tactic (repeatable), e.g. MoEExperts=triton_p; `k3build inspect` lists the ops.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine dir.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar per rank.")
 def build_cmd(converted, engine, recipe, overwrite, progress, **flags):

@@ -28,7 +28,7 @@ from .options import DTYPES, BuildOptions
 from .source import BuildError, read_converted
 from .st_writer import SafetensorsWriter
 from .staging import clean_stale, finish_staging_dir, make_staging_dir
-from .tactics import W4_TACTICS, expert_layout, fit_moe_tactic, resolve_plugins, stamp_for
+from .tactics import PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, resolve_plugins, stamp_for
 
 ENGINE_FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -57,13 +57,22 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         raise BuildError(f"--expert-backend local: {converted_dir} is split over moe_ep_size={mapping.moe_ep_size} "
                          "ranks, whose experts must be exchanged; use nccl or deepep")
     memory_plan = _memory_plan(cfg, mapping, options)
+    forced = dict(options.tactics)
+    for op in set(forced) - set(PLUGIN_OPS):
+        raise BuildError(f"--tactic {op}={forced[op]}: {op!r} is not a plugin op; they are {', '.join(PLUGIN_OPS)}")
     try:
-        plugins, notes = resolve_plugins(options.target, quantization=cfg.quantization.method, dtype=options.dtype)
+        plugins, notes = resolve_plugins(options.target, forced, quantization=cfg.quantization.method,
+                                         dtype=options.dtype)
     except (KeyError, ValueError) as e:
-        raise BuildError(f"--target {options.target}: {e}") from None
+        flag = "--tactic " + " ".join(f"{k}={v}" for k, v in forced.items()) if forced else f"--target {options.target}"
+        raise BuildError(f"{flag}: {e}") from None
     if plugins.get("MoEExperts", {}).get("tactic") in W4_TACTICS:
         max_scale = _max_expert_scale(converted_dir, mapping, progress)
-        notes += fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), max_scale)
+        fit = fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), max_scale)
+        if fit and "MoEExperts" in forced:  # a tactic the user asked for is refused, not silently replaced
+            raise BuildError(f"--tactic MoEExperts={forced['MoEExperts']}: cannot read this checkpoint's experts: "
+                             + "; ".join(fit))
+        notes += fit
     for note in notes:
         (log or (lambda m: None))(note)
     layout = expert_layout(plugins)

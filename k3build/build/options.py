@@ -24,6 +24,7 @@ class BuildOptions:
     gpu_memory_gib: float | None = None  # memory plan budget per rank (None: no check)
     overhead_gib: float = 1.0  # held back from gpu_memory_gib by the plan (communicators, allocator slack)
     expert_backend: str = "nccl"  # attention-DP expert exchange the runtime starts with
+    tactics: tuple[tuple[str, str], ...] = ()  # (plugin op, tactic) the user forces, instead of the target's preference
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -48,6 +49,9 @@ class BuildOptions:
         if self.page_size != 64 and self.target != "cpu":
             raise ValueError(f"--page-size: {self.page_size} on target {self.target}, but its MLA kernels need "
                              "pages of 64 tokens")
+        for pair in self.tactics:
+            if len(pair) != 2 or not all(isinstance(x, str) and x for x in pair):
+                raise ValueError(f"--tactic: expected OP=TACTIC, got {pair!r}")
         if self.max_num_tokens < self.max_batch_size:
             raise ValueError(f"--max-num-tokens ({self.max_num_tokens}) must be >= --max-batch-size ({self.max_batch_size}): every running request decodes one token a step")
 

@@ -41,8 +41,8 @@ def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_sca
     """Step the MoE tactic down to one that reads these experts exactly (edits `table`; returns notes saying why).
 
     Tactics reading a relaid expert layout (triton_s, triton_p) read K tiles of STRIDE_BLOCK_K: both expert dims
-    (input width, intermediate) must be multiples of it, else triton. The W4 decodes are exact for E8M0 scale bytes up to W4_MAX_SCALE_BYTE: past it,
-    triton_ds.
+    (input width, intermediate) must be multiples of it, else triton. The W4 decodes are exact for E8M0 scale
+    bytes up to W4_MAX_SCALE_BYTE: past it, triton_ds.
     """
     moe, notes = table.get("MoEExperts"), []
     if moe is None:

@@ -138,3 +138,37 @@ def test_registry_entries_load_and_share_the_reference_signature():
         for extra in dev[len(ref):]:
             assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty, \
                 (impl.op, impl.tactic, extra.name)
+
+
+def test_forced_tactics_are_recorded_or_refused(k3_tiny_engine, k3_wide_experts_ckpt, tmp_path):
+    """--tactic OP=TACTIC overrides the target's preference; a forced MoE tactic that cannot read the experts is
+    an error naming it (not a silent step down), and so are an unknown op and a malformed flag."""
+    from engines import build_engine
+    from k3plugins.moe.mxfp4 import pair_mxfp4
+
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
+    runner = CliRunner()
+    common = ["--target", "sm90", "--max-seq-len", "256", "--max-num-tokens", "256", "--no-progress"]
+    res = runner.invoke(main, ["build", str(converted), str(tmp_path / "ds"), *common,
+                               "--tactic", "MoEExperts=triton_ds"])
+    assert res.exit_code == 0, res.output
+    build = json.loads((tmp_path / "ds" / "config.json").read_text())["build_config"]
+    assert build["plugins"]["MoEExperts"]["tactic"] == "triton_ds" and build["plugin_notes"] == []
+    for flag, words in (("MoEExperts=triton_p", ["--tactic MoEExperts=triton_p", "(64, 64)", "256"]),
+                        ("Bogus=triton", ["--tactic Bogus=triton", "not a plugin op"]),
+                        ("MoEExperts=nope", ["--tactic MoEExperts=nope", "nope"]),
+                        ("MoEExperts", ["--tactic", "OP=TACTIC"])):
+        out = tmp_path / flag.replace("=", "_")
+        res = runner.invoke(main, ["build", str(converted), str(out), *common, "--tactic", flag])
+        assert res.exit_code != 0 and all(w in res.output for w in words), (flag, res.output)
+        assert not out.exists()
+    # the experimental paired layout, forced on experts wide enough for it
+    opts = dict(dtype="bf16", kv_dtype="bf16")
+    natural = load_file(build_engine(k3_wide_experts_ckpt, tmp_path / "cpu", **opts) / "rank0" / "weights.safetensors")
+    paired = build_engine(k3_wide_experts_ckpt, tmp_path / "paired", target="sm90",
+                          tactics=(("MoEExperts", "triton_p"),), **opts)
+    assert json.loads((paired / "config.json").read_text())["build_config"]["plugins"]["MoEExperts"]["tactic"] \
+        == "triton_p"
+    got = load_file(paired / "rank0" / "weights.safetensors")
+    for name in [n for n in natural if n.endswith((".moe.w13", ".moe.w2"))]:
+        assert torch.equal(got[name], pair_mxfp4(natural[name])), name

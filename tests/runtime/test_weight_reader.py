@@ -50,7 +50,8 @@ def test_reads_a_built_engine_rank(k3_tiny_engine):
 def test_truncated_file_is_refused_naming_the_tensor(st_file):
     size = st_file.stat().st_size
     st_file.write_bytes(st_file.read_bytes()[:size - 100])
-    with pytest.raises(WeightFileError, match=r"weights\.safetensors: tensor '.*': data_offsets .*\(truncated file\?\)"):
+    with pytest.raises(WeightFileError,
+                       match=r"weights\.safetensors: tensor '.*': data_offsets .*\(truncated file\?\)"):
         read_weights(st_file)
 
 
