@@ -36,6 +36,7 @@ class EngineOptions:
     num_host_slots: int = 0
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (one rank on a GPU; ignored elsewhere)
+    load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def dummy_step(config: dict, options: EngineOptions) -> Step:
 
 def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> RankRunner:
     """Load `rank` of the engine with caches sized by `options` (or the engine's memory plan)."""
-    engine = load_rank(engine_dir, rank, options.device)
+    engine = load_rank(engine_dir, rank, options.device, progress=options.load_progress)
     pages, slots = cache_sizes(engine.config, options)
     graphs = options.cuda_graphs and next(iter(engine.weights.values())).device.type == "cuda"
     # dummy_step's page and slot (attention-DP), where captured decode steps' padding rows write (graphs)

@@ -113,7 +113,8 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
                               f"rebuild with `k3build build --target {here if here in ('cpu', 'sm90', 'gfx942') else '<target>'}`")
 
 
-def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu") -> RankEngine:
+def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu",
+              progress: bool = False) -> RankEngine:
     engine_dir, device = Path(engine_dir), torch.device(device)
     cfg = read_engine_config(engine_dir)
     check_stamp(cfg, engine_dir / "config.json", device)
@@ -131,7 +132,7 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     # GPU streamed through pinned buffers (weight_reader), on the CPU mapped (shared with the page cache).
     try:
         weights = weight_store.attach(engine_dir, rank, device=device) or (
-            read_weights(rank_dir / "weights.safetensors", device) if device.type == "cuda"
+            read_weights(rank_dir / "weights.safetensors", device, progress=progress) if device.type == "cuda"
             else load_file(rank_dir / "weights.safetensors", device=str(device)))
     except (SafetensorError, WeightFileError) as e:
         raise EngineError(f"{rank_dir}/weights.safetensors: corrupt ({e}); rebuild the engine") from None

@@ -83,8 +83,8 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     spans = sorted((s, t, name) for name, (_, _, s, t) in entries.items() if t > s)
     staged = device.type != "cpu" if staged is None else staged
     total = spans[-1][1] if spans else 0
-    with open(path, "rb", buffering=0) as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"load {path.name}",
-                                                  disable=not progress) as bar:
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {path.parent.name}", disable=not progress)
+    with open(path, "rb", buffering=0) as f, bar:
         f.seek(data_start)
         if staged:
             _read_staged(f, path, spans, tensors, total, chunk_bytes, device, bar)

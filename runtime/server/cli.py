@@ -61,7 +61,7 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
 
     try:
         ae = AsyncLLMEngine(engine, EngineOptions(device=device, num_pages=num_pages, enable_deepep=enable_deepep,
-                                                   cuda_graphs=not enforce_eager),
+                                                   cuda_graphs=not enforce_eager, load_progress=True),
                             metrics=PrometheusMetrics())
     except (EngineError, ValueError, NotImplementedError) as e:
         raise click.ClickException(str(e)) from None

@@ -41,10 +41,11 @@ def test_reads_what_safetensors_reads(st_file, chunk, staged):
         assert torch.equal(got[name], t), name
 
 
-def test_reads_a_built_engine_rank(k3_tiny_engine):
+def test_reads_a_built_engine_rank(k3_tiny_engine, capsys):
     path = k3_tiny_engine / "rank0" / "weights.safetensors"
-    want, got = load_file(path), read_weights(path, "cpu", chunk_bytes=1 << 16, staged=True)
+    want, got = load_file(path), read_weights(path, "cpu", chunk_bytes=1 << 16, staged=True, progress=True)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert "load rank0" in capsys.readouterr().err  # the progress bar names the rank it reads
 
 
 def test_truncated_file_is_refused_naming_the_tensor(st_file):
