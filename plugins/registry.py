@@ -64,9 +64,12 @@ IMPLS: list[Impl] = [
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,
          expert_layout="strided"),
     Impl("MoEExperts", "triton", 1, "k3plugins.moe.triton:moe_experts_w4", _GPU, "triton", mxfp4_only=True),
-    # experimental (fewer instructions in the sm_90 SASS, not yet timed): only by an explicit override, so no PREFERENCE
+    # experimental, not yet timed (paired: fewer sm_90 instructions; f8: FP8 tensor cores for prefill): only when
+    # forced (`k3build build --tactic`), so in no PREFERENCE
     Impl("MoEExperts", "triton_p", 1, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
          expert_layout="paired"),
+    Impl("MoEExperts", "triton_f8", 1, "k3plugins.moe.triton:moe_experts_fp8", _GPU, "triton", mxfp4_only=True,
+         dtypes=("bf16", "fp16"), expert_layout="strided"),
     Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 1, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),

@@ -34,7 +34,7 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
     return table, notes
 
 
-W4_TACTICS = ("triton_s", "triton_p", "triton")  # MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
+W4_TACTICS = ("triton_s", "triton_p", "triton_f8", "triton")  # MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
 
 
 def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None) -> list[str]:

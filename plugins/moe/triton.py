@@ -15,9 +15,11 @@ from dataclasses import dataclass, replace
 
 import torch
 import triton
+import triton.language as tl
 
 from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401 (re-exported)
                                   restride_mxfp4)
+from k3plugins.moe.triton_fp8 import moe_gate_up_fp8_kernel
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 
@@ -34,6 +36,7 @@ class MoETactic:
     w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
     strided: bool = False  # W4 on weights in `restride_mxfp4`'s layout (block_k 256); activations in natural order
     paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
+    fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (triton_fp8.py)
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -49,6 +52,9 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # than "*_s" in the main loops (no byte permutes to build the MMA operands)
     "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True),
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True),
+    # experimental, compiled but not yet run: FP8 activations for the gate/up GEMM (strided weights); BN 64, as
+    # BN 128 spills registers in the sm_90 SASS
+    "prefill_f8": MoETactic(128, 64, 256, 8, 2, strided=True, fp8=True),
 }
 # Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
 # and its prefill point (M = 7168); the crossover itself has not been measured.
@@ -92,6 +98,8 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         return False, f"strided tactics read K tiles of {STRIDE_BLOCK_K}, got block_k={t.block_k}"
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
+    if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
+        return False, "the FP8 tactic needs bf16/fp16 activations on a GPU (the interpreter's fp8 is not exact)"
     return True, ""
 
 
@@ -103,6 +111,17 @@ def swap01(x: torch.Tensor) -> torch.Tensor:
 def _interpreting() -> bool:
     # decided when the kernels were decorated (TRITON_INTERPRET=1 at import), not by the variable now
     return type(moe_gate_up_kernel).__name__ == "InterpretedFunction"
+
+
+# the e4m3 a backend's FP8 MMA takes -> (Triton dtype, largest finite value)
+_F8 = {torch.float8_e4m3fn: (tl.float8e4nv, 448.0), torch.float8_e4m3fnuz: (tl.float8e4b8, 240.0)}
+
+
+def quantize_e4m3(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z [M, D] -> (e4m3 [M, D], fp32 per-token scales [M]) with z ≈ q · scale: e4m3fn on CUDA, e4m3fnuz on ROCm."""
+    f8 = torch.float8_e4m3fnuz if torch.version.hip else torch.float8_e4m3fn
+    scale = z.float().abs().amax(1).clamp_min(1e-30) / _F8[f8][1]
+    return (z.float() / scale[:, None]).to(f8).contiguous(), scale.contiguous()
 
 
 def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 4096):
@@ -166,11 +185,19 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     layout = 2 if t.paired else int(t.strided)  # the kernels' STRIDED: checkpoint order, strided, paired
-    moe_gate_up_kernel[(E, inter // t.block_n)](
-        z, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
-        w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
-        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=layout,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+    if t.fp8:
+        zq, zs = quantize_e4m3(z)
+        moe_gate_up_fp8_kernel[(E, inter // t.block_n)](
+            zq, zs, w13, w13_scale, h, order, offsets, Dl, inter, zq.stride(0), w13.stride(0), w13.stride(1),
+            w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta), TOP_K=top_k,
+            ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, F8=_F8[zq.dtype][0], num_warps=t.num_warps,
+            num_stages=t.num_stages)
+    else:
+        moe_gate_up_kernel[(E, inter // t.block_n)](
+            z, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
+            w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
+            TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=layout,
+            num_warps=t.num_warps, num_stages=t.num_stages)
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
@@ -200,6 +227,9 @@ moe_experts_strided = _by_step("decode_s", "prefill_s", "moe_experts_strided",
 moe_experts_paired = _by_step("decode_p", "prefill_p", "moe_experts_paired",
                               "The \"triton_p\" tactic (experimental, chosen only by an explicit override): on "
                               "pair_mxfp4's expert bytes.")
+moe_experts_fp8 = _by_step("decode_s", "prefill_f8", "moe_experts_fp8",
+                           "The \"triton_f8\" tactic (experimental, only when forced): triton_s for decode steps, FP8 "
+                           "activations in the gate/up GEMM for prefill steps.")
 moe_experts_ds = _by_step("decode_ds", "prefill_ds", "moe_experts_ds",
                           "The engine's \"triton_ds\" tactic (tl.dot_scaled: any scale byte; bf16/fp16 activations).")
 

@@ -6,12 +6,14 @@ A kernel that does not compile fails its case with the compiler's message, namin
 import pytest
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from k3plugins.attn_res import triton as attn_res  # noqa: E402
 from k3plugins.kda import triton_decode as kd  # noqa: E402
 from k3plugins.mla import triton as mla  # noqa: E402
+from k3plugins.moe import triton_fp8 as moe_fp8  # noqa: E402
 from k3plugins.moe import triton_kernels as moe  # noqa: E402
 from k3plugins.norm import triton as norm  # noqa: E402
 from k3plugins.router import triton as router  # noqa: E402
@@ -41,6 +43,9 @@ SPECS = {
                            dict(_MOE, BK=256, W4=True, STRIDED=2)),
     "moe_down_paired": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
                                                   offs_ptr="*i32"), dict(BM=16, BN=64, BK=256, W4=True, STRIDED=2)),
+    "moe_gate_up_fp8": (moe_fp8.moe_gate_up_fp8_kernel, dict(z_ptr="*F8", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
+                                                             sorted_ptr="*i32", offs_ptr="*i32"),
+                        dict(TOP_K=16, ACT=0, BM=128, BN=128, F8="F8")),
     "moe_combine": (moe.moe_combine_kernel, dict(inv_ptr="*i32"), dict(TOP_K=16, BD=512)),
     "mxfp4_dequant": (moe.mxfp4_dequant_kernel, dict(w_ptr="*i32", s_ptr="*u8", out_ptr="*bf16"),
                       dict(K=3584, BR=32, BK=128)),
@@ -84,8 +89,15 @@ _FLOATS = {"beta", "linear_beta", "sm_scale", "scale", "lower_bound", "eps", "sc
 TARGETS = {"gfx942": GPUTarget("hip", "gfx942", 64), "sm90": GPUTarget("cuda", 90, 32)}
 
 
-def _source(name):
+# each target's own e4m3 ("F8" in a spec): e4m3fn on sm_90, e4m3fnuz on gfx942 (what MI300's FP8 MMA takes)
+NATIVE_F8 = {"sm90": ("fp8e4nv", tl.float8e4nv), "gfx942": ("fp8e4b8", tl.float8e4b8)}
+
+
+def _source(name, target="sm90"):
     fn, ptrs, consts = SPECS[name]
+    f8_name, f8 = NATIVE_F8[target]
+    ptrs = {k: v.replace("F8", f8_name) for k, v in ptrs.items()}
+    consts = {k: f8 if v == "F8" else v for k, v in consts.items()}
     sig = {}
     for arg in fn.arg_names:
         if arg in consts:
@@ -112,7 +124,7 @@ def test_kernel_compiles(name, target):
     if not _has_backend(tgt.backend):
         pytest.skip(f"this Triton ({triton.__version__}) has no {tgt.backend} backend")
     try:
-        compiled = triton.compile(_source(name), target=tgt, options={"num_warps": 4, "num_stages": 2})
+        compiled = triton.compile(_source(name, target), target=tgt, options={"num_warps": 4, "num_stages": 2})
     except Exception as exc:  # report which kernel, for which target, and the compiler's own words
         pytest.fail(f"{name} does not compile for {target}: {type(exc).__name__}: {str(exc)[:2000]}")
     binary = "hsaco" if tgt.backend == "hip" else "cubin"

@@ -91,6 +91,9 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
                                                                                         strided=True)
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(bm, bn, 256, nw, st,
                                                                                        strided=True, paired=True)
+        for bm, bn, nw, st in ((128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 128, 4, 3)):
+            prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_fp8"] = mt.MoETactic(bm, bn, 256, nw, st, strided=True,
+                                                                                    fp8=True)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER

@@ -1,4 +1,4 @@
-# Tenth device batch (prepared for the next session, after batch9): the experimental paired MoE layout. Its GPU
+# Tenth device batch (prepared for the next session, after batch9): the experimental paired MoE layout and FP8 prefill. GPU
 # tests, the MoE sweep (paired next to strided), then one real-size rank with the build's tactic and with triton_p.
 source tools/device/env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
