@@ -1,5 +1,5 @@
-# Tenth device batch (prepared for the next session, after batch9): the experimental paired MoE layout and FP8 prefill. GPU
-# tests, the MoE sweep (paired next to strided), then one real-size rank with the build's tactic and with triton_p.
+# Tenth device batch (prepared for the next session, after batch9): the experimental paired layout and FP8
+# prefill. GPU tests, the MoE sweep (both next to strided), then the rank with the build's tactic and triton_p.
 source tools/device/env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout ${TEST_S:-120} python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py -p no:cacheprovider --tb=short 2>&1 \
