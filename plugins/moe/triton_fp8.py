@@ -11,52 +11,16 @@ The down GEMM stays W4A16 (`moe_down_kernel`): it is a third of the FLOPs and wo
 import triton
 import triton.language as tl
 
-from k3plugins.moe.triton_kernels import _tanh
-
-
-@triton.jit
-def _code_pair_f16(w, SHIFT: tl.constexpr):
-    """Codes at bits [SHIFT, SHIFT+4) and [SHIFT+16, SHIFT+20) of uint32 w -> two fp16 bit patterns of code ×
-    2^-14 (magnitude bits into the exponent's low bits and the mantissa's top bit; code 1 lands as a subnormal)."""
-    if SHIFT <= 9:
-        mag = (w << (9 - SHIFT)) & 0x0E000E00
-    else:
-        mag = (w >> (SHIFT - 9)) & 0x0E000E00
-    if SHIFT <= 12:
-        sign = (w << (12 - SHIFT)) & 0x80008000
-    else:
-        sign = (w >> (SHIFT - 12)) & 0x80008000
-    return mag | sign
+from k3plugins.moe.triton_kernels import _strided_dot, _tanh
 
 
 @triton.jit
 def _fp8_dot(acc, w, s, s_row, zT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.constexpr, F8: tl.constexpr):
     """acc [BN, BM] += W[BN, 8·SUB] @ Z[8·SUB, BM] in F8, weights in the strided layout: sub-block q of the tile
-    (nibble q of each word) is code × 2^(s[:, q] − s_row) in F8 (via fp16: × 2^(d + 14), d clamped at −28). The
-    scale columns are split out as in _strided_dot."""
-    w = w.to(tl.uint32, bitcast=True)
+    (nibble q of each word) is code × 2^(s[:, q] − s_row) in F8, via fp16 (× 2^(d + 14), d clamped at −28)."""
     d = tl.maximum(s.to(tl.int32) - s_row[:, None], -28)                                  # [BN, 8], <= 0
     mult = ((d + 29) << 10).to(tl.uint16).to(tl.float16, bitcast=True)                   # 2^(d + 14)
-    m_c0, m_c1 = tl.split(tl.reshape(mult, (BN, 2, 2, 2)))
-    m_c0b0, m_c0b1 = tl.split(m_c0)
-    m_c1b0, m_c1b1 = tl.split(m_c1)
-    for i in tl.static_range(4):
-        p = _code_pair_f16(w, 4 * i)
-        lo = (p & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (p >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        if i == 0:
-            m_lo, m_hi = tl.split(m_c0b0)
-        elif i == 1:
-            m_lo, m_hi = tl.split(m_c1b0)
-        elif i == 2:
-            m_lo, m_hi = tl.split(m_c0b1)
-        else:
-            m_lo, m_hi = tl.split(m_c1b1)
-        x_lo = tl.load(zT_ptrs + (k0 + i * SUB), mask=x_mask, other=0.0)
-        x_hi = tl.load(zT_ptrs + (k0 + (i + 4) * SUB), mask=x_mask, other=0.0)
-        acc = tl.dot((lo * m_lo[:, None]).to(F8), x_lo, acc)
-        acc = tl.dot((hi * m_hi[:, None]).to(F8), x_hi, acc)
-    return acc
+    return _strided_dot(acc, w, mult, zT_ptrs, x_mask, k0, BN, SUB, F8, True)
 
 
 @triton.jit

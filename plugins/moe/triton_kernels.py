@@ -32,13 +32,15 @@ def swap01(k):
 
 
 @triton.jit
-def _code_pair(w, SHIFT: tl.constexpr):
-    """Codes at bits [SHIFT, SHIFT+4) and [SHIFT+16, SHIFT+20) of uint32 w -> two E2M1 values as bf16 bit
-    patterns scaled by 2^-126 (magnitude bits land in the exponent/mantissa, the sign in bit 15)."""
-    if SHIFT <= 6:
-        mag = (w << (6 - SHIFT)) & 0x01C001C0
+def _code_pair(w, SHIFT: tl.constexpr, MAG: tl.constexpr = 6):
+    """Codes at bits [SHIFT, SHIFT+4) and [SHIFT+16, SHIFT+20) of uint32 w -> two E2M1 values as 16-bit float bit
+    patterns: the magnitude bits land at MAG..MAG+2 (the exponent's low bits and the mantissa's top bit), the sign
+    in bit 15. MAG 6: bf16 values scaled by 2^-126; MAG 9: fp16 values scaled by 2^-14."""
+    MASK: tl.constexpr = 0x70007 << MAG
+    if SHIFT <= MAG:
+        mag = (w << (MAG - SHIFT)) & MASK
     else:
-        mag = (w >> (SHIFT - 6)) & 0x01C001C0
+        mag = (w >> (SHIFT - MAG)) & MASK
     if SHIFT <= 12:
         sign = (w << (12 - SHIFT)) & 0x80008000
     else:
@@ -98,12 +100,14 @@ def _mx_dot(acc, w, s, xT, BN: tl.constexpr, BK: tl.constexpr, W4: tl.constexpr)
 
 
 @triton.jit
-def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
+def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr,
+                 F16: tl.constexpr = False):
     """acc [BN, BM] += W[BN, 8·SUB] @ X[8·SUB, BM] for weights in the strided-nibble layout (`restride_mxfp4`):
     nibble q of word j holds k = q·SUB + j, so nibbles (i, i+4) of the [BN, SUB] words decode to two contiguous
     K sub-blocks, each fed to its own dot. No join/reshape of the decoded values: they need no shared-memory
     round trip to reach the MMA operand layout. SUB == 32, so sub-block q has one scale, column q of s [BN, 8]
-    (loaded with the weights, so it is pipelined too)."""
+    (loaded with the weights, so it is pipelined too). F16 (the FP8 tactic): decode to fp16, s is the [BN, 8] fp16
+    multiplier of each sub-block, and the products are cast to DTYPE (e4m3)."""
     BF16: tl.constexpr = DTYPE == tl.bfloat16
     w = w.to(tl.uint32, bitcast=True)
     # columns of s by the bits of q = 4a + 2b + c: split c, then b, then a (lo: a = 0, hi: a = 1)
@@ -111,7 +115,12 @@ def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.const
     s_c0b0, s_c0b1 = tl.split(s_c0)
     s_c1b0, s_c1b1 = tl.split(s_c1)
     for i in tl.static_range(4):
-        lo, hi = _halves(_code_pair(w, 4 * i), BF16)
+        if F16:
+            p = _code_pair(w, 4 * i, 9)
+            lo = (p & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (p >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        else:
+            lo, hi = _halves(_code_pair(w, 4 * i), BF16)
         if i == 0:
             s_lo, s_hi = tl.split(s_c0b0)
         elif i == 1:
@@ -122,8 +131,11 @@ def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.const
             s_lo, s_hi = tl.split(s_c1b1)
         x_lo = tl.load(xT_ptrs + (k0 + i * SUB), mask=x_mask, other=0.0)
         x_hi = tl.load(xT_ptrs + (k0 + (i + 4) * SUB), mask=x_mask, other=0.0)
-        acc = tl.dot((lo * _scale(s_lo, BF16)[:, None]).to(DTYPE), x_lo, acc)
-        acc = tl.dot((hi * _scale(s_hi, BF16)[:, None]).to(DTYPE), x_hi, acc)
+        if not F16:
+            s_lo = _scale(s_lo, BF16)
+            s_hi = _scale(s_hi, BF16)
+        acc = tl.dot((lo * s_lo[:, None]).to(DTYPE), x_lo, acc)
+        acc = tl.dot((hi * s_hi[:, None]).to(DTYPE), x_hi, acc)
     return acc
 
 
