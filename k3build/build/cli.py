@@ -71,6 +71,9 @@ def _raise_interrupt(signum, frame):
               help="Expert exchange the runtime starts with under attention-DP + EP [nccl].")
 @click.option("--tactic", "tactics", multiple=True, metavar="OP=TACTIC", callback=lambda ctx, p, v: _tactics(v),
               help="Force a plugin tactic (repeatable), e.g. MoEExperts=triton_p; `k3build inspect` lists the ops.")
+@click.option("--tune", is_flag=True, default=None,
+              help="Measure tactic choices on this machine's GPU (FP8 prefill, taken where its drift is within the "
+                   "parity bar).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine dir.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar per rank.")
 def build_cmd(converted, engine, recipe, overwrite, progress, **flags):

@@ -56,6 +56,9 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     if options.expert_backend == "local" and mapping.moe_ep_size > 1:
         raise BuildError(f"--expert-backend local: {converted_dir} is split over moe_ep_size={mapping.moe_ep_size} "
                          "ranks, whose experts must be exchanged; use nccl or deepep")
+    if options.tune and not torch.cuda.is_available():
+        raise BuildError("--tune: measures tactics on this machine's GPU, and torch sees none; build without --tune "
+                         "or on a machine with the target GPU")
     memory_plan = _memory_plan(cfg, mapping, options)
     forced = dict(options.tactics)
     for op in set(forced) - set(PLUGIN_OPS):
@@ -80,9 +83,13 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     clean_stale(engine_dir)
     tmp = make_staging_dir(engine_dir)
     try:
-        ranks = {}
+        ranks, tuning = {}, {}
         for rank in range(mapping.world_size):
             ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, layout)
+        if options.tune and plugins.get("MoEExperts", {}).get("tactic") == "triton_s" and "MoEExperts" not in forced:
+            note, tuning = _tune_fp8(cfg, tmp / "rank0" / "weights.safetensors", plugins)
+            notes.append(note)
+            (log or (lambda m: None))(note)
         for name in TOKENIZER_FILES:
             if (converted_dir / name).exists():
                 shutil.copy2(converted_dir / name, tmp / name)
@@ -90,7 +97,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             "version": ENGINE_FORMAT_VERSION,
             "pretrained_config": cfg.to_dict(),
             "mapping": mapping.to_dict(),
-            "build_config": {**options.to_dict(), "plugins": plugins, "plugin_notes": notes},
+            "build_config": {**options.to_dict(), "plugins": plugins, "plugin_notes": notes, "tuning": tuning},
             "stamp": stamp_for(options.target),
             "ranks": ranks,
             "memory_plan": memory_plan,
@@ -162,6 +169,24 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
         "first_stage": mapping.is_first_stage(rank), "last_stage": mapping.is_last_stage(rank),
         "weight_bytes": (rank_dir / "weights.safetensors").stat().st_size,
     }
+
+
+def _tune_fp8(cfg: K3Config, rank_weights: Path, plugins: dict) -> tuple[str, dict]:
+    """Switch MoEExperts to triton_f8 (same expert layout as triton_s) if its drift on rank 0's first MoE layer is
+    within the parity bar; returns the note and the measured figures."""
+    from .tune import first_moe_layer, fp8_drift, fp8_within_bar
+
+    layer = first_moe_layer(rank_weights)
+    if layer is None:
+        return "MoEExperts: --tune found no MoE layer on rank 0; keeping triton_s", {}
+    rel, cos = fp8_drift(*layer, cfg)
+    ok = fp8_within_bar(rel, cos)
+    if ok:
+        plugins["MoEExperts"]["tactic"] = "triton_f8"
+    verdict = "using triton_f8 for prefill" if ok else "keeping triton_s"
+    return (f"MoEExperts: FP8 prefill drift vs W4A16 on rank 0's first MoE layer: rel-L2 {rel:.3g}, cosine "
+            f"{cos:.5f} ({'within' if ok else 'outside'} the parity bar); {verdict}"), {"moe_fp8_rel": rel,
+                                                                                    "moe_fp8_cos": cos}
 
 
 def _max_expert_scale(converted_dir: Path, mapping: Mapping, progress: bool) -> int | None:

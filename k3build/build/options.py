@@ -25,6 +25,7 @@ class BuildOptions:
     overhead_gib: float = 1.0  # held back from gpu_memory_gib by the plan (communicators, allocator slack)
     expert_backend: str = "nccl"  # attention-DP expert exchange the runtime starts with
     tactics: tuple[tuple[str, str], ...] = ()  # (plugin op, tactic) the user forces, instead of the target's preference
+    tune: bool = False  # measure tactic choices on this machine's GPU (build/tune.py)
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -49,6 +50,8 @@ class BuildOptions:
         if self.page_size != 64 and self.target != "cpu":
             raise ValueError(f"--page-size: {self.page_size} on target {self.target}, but its MLA kernels need "
                              "pages of 64 tokens")
+        if self.tune and self.target == "cpu":
+            raise ValueError("--tune: measures GPU tactics; pick a GPU --target (sm90)")
         for pair in self.tactics:
             if len(pair) != 2 or not all(isinstance(x, str) and x for x in pair):
                 raise ValueError(f"--tactic: expected OP=TACTIC, got {pair!r}")

@@ -172,3 +172,20 @@ def test_forced_tactics_are_recorded_or_refused(k3_tiny_engine, k3_wide_experts_
     got = load_file(paired / "rank0" / "weights.safetensors")
     for name in [n for n in natural if n.endswith((".moe.w13", ".moe.w2"))]:
         assert torch.equal(got[name], pair_mxfp4(natural[name])), name
+
+
+def test_tune_needs_the_gpu_it_measures_on(k3_tiny_engine, tmp_path):
+    """--tune measures the FP8 tactic's drift on the build machine's GPU: without one (this machine) or for a CPU
+    target it is refused up front, and nothing is written. (tests/model/test_gpu_engine.py runs it on a GPU.)"""
+    from k3build.build.tune import fp8_within_bar
+
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
+    for target, words in (("sm90", ["--tune", "GPU", "torch sees none"]), ("cpu", ["--tune", "GPU --target"])):
+        out = tmp_path / target
+        res = CliRunner().invoke(main, ["build", str(converted), str(out), "--target", target, "--tune",
+                                        "--no-progress"])
+        if target == "sm90" and torch.cuda.is_available():
+            continue
+        assert res.exit_code != 0 and all(w in res.output for w in words), res.output
+        assert not out.exists()
+    assert fp8_within_bar(0.02, 0.9995) and not fp8_within_bar(0.04, 0.9995) and not fp8_within_bar(0.02, 0.998)

@@ -82,6 +82,24 @@ def test_strided_moe_engine_matches_fp32(k3_wide_experts_ckpt, tmp_path):
             (len(ids), cos, rel, cpu_cos, cpu_rel)
 
 
+def test_tune_takes_fp8_only_within_the_bar(k3_wide_experts_ckpt, tmp_path):
+    """--tune measures the FP8 prefill tactic against W4A16 on the built experts and records triton_f8 exactly when
+    the drift is within the parity bar (else triton_s), saying so in a note; the engine then loads and runs."""
+    import json
+
+    from k3build.build.tune import fp8_within_bar
+    eng = build_engine(k3_wide_experts_ckpt, tmp_path / "tuned", target="sm90", dtype="bf16", kv_dtype="bf16",
+                       tune=True)
+    build = json.loads((eng / "config.json").read_text())["build_config"]
+    rel, cos = build["tuning"]["moe_fp8_rel"], build["tuning"]["moe_fp8_cos"]
+    assert 0 < rel < 1 and cos > 0.9, build["tuning"]
+    want = "triton_f8" if fp8_within_bar(rel, cos) else "triton_s"
+    assert build["plugins"]["MoEExperts"]["tactic"] == want
+    assert any("FP8 prefill drift" in n for n in build["plugin_notes"])
+    out = LLM(eng, device="cuda").generate([PROMPTS[1]], SamplingParams(max_tokens=2, temperature=0))
+    assert len(out[0].token_ids) >= 1
+
+
 def test_cuda_graph_decode_matches_eager(engines):
     """Three prompts decode in the bucket of 4 (one padding row on the spare slot and page): the same greedy
     tokens as eager steps, and the replayed graphs were used."""
