@@ -12,8 +12,8 @@ if [[ $PARTS == *moe* ]]; then
   timeout ${MOE_S:-250} python3 tools/bench_plugins.py --sweep --only moe 2>&1 | tee $OUT/moe.jsonl | grep -v '"moe_tactic"'
 fi
 if [[ $PARTS == *rank* ]]; then
-  for moe in engine strided; do
-    timeout ${RANK_S:-200} python3 tools/bench_rank.py --batches 32,128 --reps 3 --moe $moe 2>&1 | grep '^{' \
+  for moe in triton triton_s; do  # run as --moe engine / --moe strided before --moe-tactic replaced that flag
+    timeout ${RANK_S:-200} python3 tools/bench_rank.py --batches 32,128 --reps 3 --moe-tactic $moe 2>&1 | grep '^{' \
       | tee $OUT/rank_$moe.jsonl
   done
 fi
