@@ -19,7 +19,6 @@ import triton.language as tl
 
 from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401 (re-exported)
                                   restride_mxfp4)
-from k3plugins.moe.triton_fp8 import moe_gate_up_fp8_kernel
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 
@@ -36,7 +35,7 @@ class MoETactic:
     w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
     strided: bool = False  # W4 on weights in `restride_mxfp4`'s layout (block_k 256); activations in natural order
     paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
-    fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (triton_fp8.py)
+    fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -185,19 +184,15 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     layout = 2 if t.paired else int(t.strided)  # the kernels' STRIDED: checkpoint order, strided, paired
+    zs, f8 = z, None  # token scales and F8 dtype: the FP8 path's only (unused pointer otherwise)
     if t.fp8:
-        zq, zs = quantize_e4m3(z)
-        moe_gate_up_fp8_kernel[(E, inter // t.block_n)](
-            zq, zs, w13, w13_scale, h, order, offsets, Dl, inter, zq.stride(0), w13.stride(0), w13.stride(1),
-            w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta), TOP_K=top_k,
-            ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, F8=_F8[zq.dtype][0], num_warps=t.num_warps,
-            num_stages=t.num_stages)
-    else:
-        moe_gate_up_kernel[(E, inter // t.block_n)](
-            z, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
-            w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
-            TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=layout,
-            num_warps=t.num_warps, num_stages=t.num_stages)
+        z, zs = quantize_e4m3(z)
+        f8 = _F8[z.dtype][0]
+    moe_gate_up_kernel[(E, inter // t.block_n)](
+        z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
+        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=3 if t.fp8 else layout, F8=f8,
+        num_warps=t.num_warps, num_stages=t.num_stages)
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,

@@ -164,15 +164,37 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
 
 
 @triton.jit
-def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we, stride_wn,
-                       stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
+def _fp8_dot(acc, w, s, s_row, zT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.constexpr, F8: tl.constexpr):
+    """acc [BN, BM] += W[BN, 8·SUB] @ Z[8·SUB, BM] in F8, weights in the strided layout: sub-block q of the tile
+    (nibble q of each word) is code × 2^(s[:, q] − s_row) in F8, via fp16 (× 2^(d + 14), d clamped at −28)."""
+    d = tl.maximum(s.to(tl.int32) - s_row[:, None], -28)                                  # [BN, 8], <= 0
+    mult = ((d + 29) << 10).to(tl.uint16).to(tl.float16, bitcast=True)                   # 2^(d + 14)
+    return _strided_dot(acc, w, mult, zT_ptrs, x_mask, k0, BN, SUB, F8, True)
+
+
+@triton.jit
+def _row_exponent(s_ptrs, Dl, BN: tl.constexpr, BK: tl.constexpr):
+    """Each weight row's largest E8M0 scale byte over all of K (int32 [BN]): the FP8 path's reference exponent."""
+    best = tl.zeros((BN,), dtype=tl.int32)
+    for k0 in range(0, Dl, BK):
+        best = tl.maximum(best, tl.max(tl.load(s_ptrs + k0 // 32).to(tl.int32), 1))
+    return best
+
+
+@triton.jit
+def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we,
+                       stride_wn, stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       W4: tl.constexpr, STRIDED: tl.constexpr):
+                       W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
     STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout (2: `pair_mxfp4`'s), z and h in natural
-    order.
+    order. STRIDED 3 (experimental FP8 prefill): `restride_mxfp4`'s layout, z in F8 with per-token scales zs
+    (`quantize_e4m3`), the weights decoded to F8 against each row's largest scale (_fp8_dot): code ×
+    2^(s_group − s_row) is exact in e4m3 while s_group − s_row ≥ −8 and rounds past that, the drift this path
+    trades for FP8 tensor cores. The row and token scales multiply the accumulators once, after the K loop.
+    zs_ptr and F8 are unused otherwise.
     """
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -186,6 +208,9 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
     sg_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
     h_cols = swap01(offs_n) if W4 and not STRIDED else offs_n
+    if STRIDED == 3:
+        sg_row = _row_exponent(sg_ptrs, Dl, BN, BK)
+        su_row = _row_exponent(su_ptrs, Dl, BN, BK)
     m0 = start
     while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
         offs_p = m0 + tl.arange(0, BM)
@@ -196,7 +221,12 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
             kw = k0 // 8 if W4 else k0 // 2
-            if STRIDED == 2:
+            if STRIDED == 3:
+                acc_g = _fp8_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), sg_row, z_ptrs,
+                                 p_mask[None, :], k0, BN, BK // 8, F8)
+                acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), su_row, z_ptrs,
+                                 p_mask[None, :], k0, BN, BK // 8, F8)
+            elif STRIDED == 2:
                 acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), z_ptrs,
                                     p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
                 acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), z_ptrs,
@@ -210,6 +240,10 @@ def moe_gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, 
                 zT = tl.load(z_ptrs + k0, mask=p_mask[None, :], other=0.0)             # [BK, BM]
                 acc_g = _mx_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), zT, BN, BK, W4)
                 acc_u = _mx_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), zT, BN, BK, W4)
+        if STRIDED == 3:  # 2^(s_row - 127) from bits, times the token's scale
+            zs = tl.load(zs_ptr + tok, mask=p_mask, other=0.0)[None, :]
+            acc_g = acc_g * (sg_row << 23).to(tl.float32, bitcast=True)[:, None] * zs
+            acc_u = acc_u * (su_row << 23).to(tl.float32, bitcast=True)[:, None] * zs
         if ACT == 0:  # SiTU
             a = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
         else:  # SiLU-GLU

@@ -13,13 +13,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from k3plugins.attn_res import triton as attn_res  # noqa: E402
 from k3plugins.kda import triton_decode as kd  # noqa: E402
 from k3plugins.mla import triton as mla  # noqa: E402
-from k3plugins.moe import triton_fp8 as moe_fp8  # noqa: E402
 from k3plugins.moe import triton_kernels as moe  # noqa: E402
 from k3plugins.norm import triton as norm  # noqa: E402
 from k3plugins.router import triton as router  # noqa: E402
 
 # (kernel, pointer element types by arg name, constexprs); other args: *_ptr -> *fp32, ints i32, listed floats fp32
-_MOE = dict(TOP_K=16, ACT=0, BM=16, BN=64, BK=128, STRIDED=False)
+_MOE = dict(TOP_K=16, ACT=0, BM=16, BN=64, BK=128, STRIDED=False, F8=None)
 SPECS = {
     "moe_gate_up_dot_scaled": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", h_ptr="*bf16",
                                                             sorted_ptr="*i32", offs_ptr="*i32"),
@@ -43,9 +42,9 @@ SPECS = {
                            dict(_MOE, BK=256, W4=True, STRIDED=2)),
     "moe_down_paired": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
                                                   offs_ptr="*i32"), dict(BM=16, BN=64, BK=256, W4=True, STRIDED=2)),
-    "moe_gate_up_fp8": (moe_fp8.moe_gate_up_fp8_kernel, dict(z_ptr="*F8", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
-                                                             sorted_ptr="*i32", offs_ptr="*i32"),
-                        dict(TOP_K=16, ACT=0, BM=128, BN=128, F8="F8")),
+    "moe_gate_up_fp8": (moe.moe_gate_up_kernel, dict(z_ptr="*F8", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
+                                                     sorted_ptr="*i32", offs_ptr="*i32"),
+                        dict(_MOE, BM=128, BN=64, BK=256, W4=True, STRIDED=3, F8="F8")),
     "moe_combine": (moe.moe_combine_kernel, dict(inv_ptr="*i32"), dict(TOP_K=16, BD=512)),
     "mxfp4_dequant": (moe.mxfp4_dequant_kernel, dict(w_ptr="*i32", s_ptr="*u8", out_ptr="*bf16"),
                       dict(K=3584, BR=32, BK=128)),
