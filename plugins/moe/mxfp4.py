@@ -67,6 +67,21 @@ _LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
 _HIGH_NIBBLES = -0x0F0F0F0F0F0F0F10  # 0xF0F0F0F0F0F0F0F0 as an int64
 
 
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """packed's bytes as int64 words (cloned first where its memory is not 8-byte aligned and contiguous)."""
+    if packed.storage_offset() % 8 or not packed.is_contiguous():
+        packed = packed.clone(memory_format=torch.contiguous_format)
+    return packed.view(torch.int64)
+
+
+def _merge_nibbles(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytewise over int64 words: (low nibble of x | low nibble of y << 4, high nibble of x | high nibble of y << 4)
+    as uint8 bytes."""
+    low = (x & _LOW_NIBBLES) | ((y << 4) & _HIGH_NIBBLES)
+    high = ((x >> 4) & _LOW_NIBBLES) | (y & _HIGH_NIBBLES)
+    return low.view(torch.uint8), high.view(torch.uint8)
+
+
 def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
     """MXFP4 bytes [..., R, K/2] (byte b = codes 2b | 2b+1 << 4) -> the strided-nibble layout of the "*_s"
     tactics: in each K tile of block_k, nibble q of 32-bit word j holds code q·(block_k/8) + j. Scales are
@@ -80,13 +95,9 @@ def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch
     if K % block_k or block_k % 256:
         raise ValueError(f"restride_mxfp4: K={K} must be a multiple of block_k={block_k}, itself a multiple of 256")
     sub = block_k // 8
-    if packed.storage_offset() % 8 or not packed.is_contiguous():
-        packed = packed.clone(memory_format=torch.contiguous_format)
     lead = packed.shape[:-1]
-    words = packed.view(torch.int64).reshape(*lead, K // block_k, 4, 2, sub // 16)  # tile bytes as [p, half, j//2]
-    x, y = words[..., 0, :], words[..., 1, :]
-    even = ((x & _LOW_NIBBLES) | ((y << 4) & _HIGH_NIBBLES)).view(torch.uint8)         # [..., p, j//2], j even
-    odd = (((x >> 4) & _LOW_NIBBLES) | (y & _HIGH_NIBBLES)).view(torch.uint8)           # j odd
+    words = _words(packed).reshape(*lead, K // block_k, 4, 2, sub // 16)              # tile bytes as [p, half, j//2]
+    even, odd = _merge_nibbles(words[..., 0, :], words[..., 1, :])                     # [..., p, j//2], j even / odd
     out = torch.empty(*lead, K // block_k, sub // 2, 2, 4, dtype=torch.uint8, device=packed.device)  # [j//2, j%2, p]
     out[..., 0, :] = even.transpose(-1, -2)
     out[..., 1, :] = odd.transpose(-1, -2)
@@ -104,13 +115,9 @@ def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Ten
     K = packed.shape[-1] * 2
     if K % block_k or block_k != STRIDE_BLOCK_K:
         raise ValueError(f"pair_mxfp4: K={K} must be a multiple of block_k={STRIDE_BLOCK_K}")
-    if packed.storage_offset() % 8 or not packed.is_contiguous():
-        packed = packed.clone(memory_format=torch.contiguous_format)
     lead = packed.shape[:-1]
-    rows = packed.view(torch.int64).reshape(*lead, K // block_k, 4, 4)                  # tile bytes as [i, j // 8]
+    rows = _words(packed).reshape(*lead, K // block_k, 4, 4)                           # tile bytes as [i, j // 8]
     out = torch.empty(*lead, K // block_k, 32, 4, dtype=torch.uint8, device=packed.device)  # [j, byte p of word j]
     for p, (a, b) in enumerate(((0, 1), (2, 3))):
-        x, y = rows[..., a, :], rows[..., b, :]
-        out[..., p] = ((x & _LOW_NIBBLES) | ((y << 4) & _HIGH_NIBBLES)).view(torch.uint8)
-        out[..., p + 2] = (((x >> 4) & _LOW_NIBBLES) | (y & _HIGH_NIBBLES)).view(torch.uint8)
+        out[..., p], out[..., p + 2] = _merge_nibbles(rows[..., a, :], rows[..., b, :])
     return out.reshape(packed.shape)
