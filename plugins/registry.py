@@ -61,13 +61,13 @@ IMPLS: list[Impl] = [
     Impl("MLA", _REF, 1, "k3plugins.mla.reference:mla_mixer"),
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
+    Impl("MoEExperts", "triton_p", 1, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
+         expert_layout="paired"),
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,
          expert_layout="strided"),
     Impl("MoEExperts", "triton", 1, "k3plugins.moe.triton:moe_experts_w4", _GPU, "triton", mxfp4_only=True),
-    # experimental, not yet timed (paired: fewer sm_90 instructions; f8: FP8 tensor cores for prefill): only when
-    # forced (`k3build build --tactic`), so in no PREFERENCE
-    Impl("MoEExperts", "triton_p", 1, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
-         expert_layout="paired"),
+    # FP8 activations for prefill: within the parity bar only on some checkpoints, and slower than W4A16 on the
+    # H200 as written (BENCHMARKS.md), so in no PREFERENCE: forced (`k3build build --tactic`) or taken by --tune
     Impl("MoEExperts", "triton_f8", 1, "k3plugins.moe.triton:moe_experts_fp8", _GPU, "triton", mxfp4_only=True,
          dtypes=("bf16", "fp16"), expert_layout="strided"),
     Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
@@ -83,9 +83,10 @@ IMPLS: list[Impl] = [
     Impl("GatedMLP", "blas", 1, "k3plugins.mlp.blas:gated_mlp", _GPU, dtypes=("bf16", "fp16")),
 ]
 
-# Preferred tactic per target, best first; the first that `supports` the target wins. triton_s is measured faster
-# on the H200 only; the builder steps down from it where the expert dims or scales do not allow it (tactics.py).
-PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton_s", "triton", "fla", "blas", _REF),
+# Preferred tactic per target, best first; the first that `supports` the target wins. triton_p (paired expert
+# bytes) measured fastest on the H200, ahead of triton_s and triton (BENCHMARKS.md); the builder steps down from
+# it where the expert dims or scales do not allow it (tactics.py).
+PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton_p", "triton", "fla", "blas", _REF),
                                           "gfx942": ("triton", "blas", _REF)}
 
 

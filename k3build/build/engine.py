@@ -30,6 +30,9 @@ from .st_writer import SafetensorsWriter
 from .staging import clean_stale, finish_staging_dir, make_staging_dir
 from .tactics import PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, resolve_plugins, stamp_for
 
+# W4A16 MoE tactics that --tune may replace with triton_f8 -> their prefill kernel tactic
+RELAID_W4 = {"triton_p": "prefill_p", "triton_s": "prefill_s"}
+
 ENGINE_FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
@@ -76,6 +79,10 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             raise BuildError(f"--tactic MoEExperts={forced['MoEExperts']}: cannot read this checkpoint's experts: "
                              + "; ".join(fit))
         notes += fit
+    tuning = {}
+    if options.tune and plugins.get("MoEExperts", {}).get("tactic") in RELAID_W4 and "MoEExperts" not in forced:
+        note, tuning = _tune_fp8(cfg, mapping, converted_dir, plugins, options.torch_dtype)
+        notes.append(note)
     for note in notes:
         (log or (lambda m: None))(note)
     layout = expert_layout(plugins)
@@ -83,13 +90,9 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     clean_stale(engine_dir)
     tmp = make_staging_dir(engine_dir)
     try:
-        ranks, tuning = {}, {}
+        ranks = {}
         for rank in range(mapping.world_size):
             ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, layout)
-        if options.tune and plugins.get("MoEExperts", {}).get("tactic") == "triton_s" and "MoEExperts" not in forced:
-            note, tuning = _tune_fp8(cfg, tmp / "rank0" / "weights.safetensors", plugins)
-            notes.append(note)
-            (log or (lambda m: None))(note)
         for name in TOKENIZER_FILES:
             if (converted_dir / name).exists():
                 shutil.copy2(converted_dir / name, tmp / name)
@@ -171,22 +174,24 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
     }
 
 
-def _tune_fp8(cfg: K3Config, rank_weights: Path, plugins: dict) -> tuple[str, dict]:
-    """Switch MoEExperts to triton_f8 (same expert layout as triton_s) if its drift on rank 0's first MoE layer is
-    within the parity bar; returns the note and the measured figures."""
-    from .tune import first_moe_layer, fp8_drift, fp8_within_bar
+def _tune_fp8(cfg: K3Config, mapping: Mapping, converted_dir: Path, plugins: dict,
+              dtype: torch.dtype) -> tuple[str, dict]:
+    """Switch MoEExperts to triton_f8 if, on rank 0's first MoE layer, its prefill is within the parity bar of the
+    recorded W4A16 tactic and faster (tune.py); returns the note and the measured figures."""
+    from .tune import first_moe_layer, fp8_trial, fp8_wins
 
-    layer = first_moe_layer(rank_weights)
+    base = plugins["MoEExperts"]["tactic"]
+    layer = first_moe_layer(cfg, mapping, converted_dir, dtype)
     if layer is None:
-        return "MoEExperts: --tune found no MoE layer on rank 0; keeping triton_s", {}
-    rel, cos = fp8_drift(*layer, cfg)
-    ok = fp8_within_bar(rel, cos)
+        return f"MoEExperts: --tune found no MoE layer on rank 0; keeping {base}", {}
+    trial = fp8_trial(*layer, cfg, RELAID_W4[base])
+    ok = fp8_wins(trial)
     if ok:
         plugins["MoEExperts"]["tactic"] = "triton_f8"
-    verdict = "using triton_f8 for prefill" if ok else "keeping triton_s"
-    return (f"MoEExperts: FP8 prefill drift vs W4A16 on rank 0's first MoE layer: rel-L2 {rel:.3g}, cosine "
-            f"{cos:.5f} ({'within' if ok else 'outside'} the parity bar); {verdict}"), {"moe_fp8_rel": rel,
-                                                                                    "moe_fp8_cos": cos}
+    return (f"MoEExperts: FP8 prefill on rank 0's first MoE layer against {base}: rel-L2 "
+            f"{trial['moe_fp8_rel']:.3g}, cosine {trial['moe_fp8_cos']:.5f} (parity bar: rel-L2 < 3e-2, cosine > "
+            f"0.999), {trial['moe_fp8_prefill_ms']:.3f} ms against {trial['moe_w4a16_prefill_ms']:.3f} ms; "
+            f"{'using triton_f8' if ok else 'keeping ' + base}"), trial
 
 
 def _max_expert_scale(converted_dir: Path, mapping: Mapping, progress: bool) -> int | None:

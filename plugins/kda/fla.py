@@ -6,7 +6,7 @@ dtype. Decode tactics ("a step with as many tokens as sequences", every sequence
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
   "split" — conv kernel, our recurrent kernel over [32, K] state slices (in place), norm kernel.
-Prefill: tiled varlen conv kernel (q, k, v out contiguous), fla-core chunk_kda from the gathered slot states,
+Prefill: row-walking varlen conv kernel (q, k, v out contiguous), fla-core chunk_kda from the gathered slot states,
 state scatter, norm kernel.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from k3plugins.kda.triton_decode import (conv_prefill_kernel, conv_state_kernel, conv_update_kernel,
+from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_kernel, conv_update_kernel,
                                          gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_vsplit_kernel)
 
 # first is the default: "split" passed every GPU test; "fla" failed them for N > 1 (it was given q/k/v as strided
@@ -49,9 +49,10 @@ def _gated_norm(o, g_out, o_norm_weight, out, H, K, eps):
     return out
 
 
-# Conv prefill tile: the fastest of the H200 sweep at T = 8192, H = 96 (BENCHMARKS.md, KDA): [32 tokens, 128
-# channels], 4 warps, 1.00 ms; [16, 256] took 1.13 ms, and 8 warps (no register spills in the SASS) were slower.
-CONV_PREFILL_BT, CONV_PREFILL_BC, CONV_PREFILL_WARPS = 32, 128, 4
+# Conv prefill: the row-walking kernel (each input row read once) on [64 tokens, 256 channels] with 2 warps, the
+# fastest of the H200 sweep at T = 8192, H = 96 (BENCHMARKS.md, KDA): 0.448 ms, where the best tile of the tiled
+# kernel (which reads each row 4 times, mostly from cache) took 1.04 ms.
+CONV_PREFILL_BT, CONV_PREFILL_BC, CONV_PREFILL_WARPS = 64, 256, 2
 
 
 def conv_channel_block(D: int, most: int = CONV_PREFILL_BC) -> int:
@@ -128,7 +129,7 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T, device=qkv.device), right=True).to(torch.int32)
     y = torch.empty(3, T, D, dtype=qkv.dtype, device=qkv.device)                # q, k, v each contiguous
     bc = conv_channel_block(D)
-    conv_prefill_kernel[(triton.cdiv(T, CONV_PREFILL_BT), 3 * D // bc)](
+    conv_prefill_rows_kernel[(triton.cdiv(T, CONV_PREFILL_BT), 3 * D // bc)](
         qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
         BT=CONV_PREFILL_BT, BC=bc, num_warps=CONV_PREFILL_WARPS)
     conv_state_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0),

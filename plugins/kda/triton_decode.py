@@ -130,46 +130,13 @@ def gated_norm_kernel(o_ptr, gout_ptr, norm_w_ptr, out_ptr, T, stride_o, stride_
 
 
 @triton.jit
-def conv_prefill_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, tok_seq_ptr, y_ptr, T, stride_qkv,
-                        stride_cp, C, D, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """y[c // D, t, c % D] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in
-    before each sequence's start. A [BT tokens, BC channels] tile a program (the weights read once per tile,
-    the W-1 earlier rows hit in cache); y is [3, T, D] so that q, k and v each come out contiguous. BC divides
-    D, so a tile lies in one plane and its stores are provably contiguous (vectorized, not per element)."""
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    c0 = tl.program_id(1) * BC
-    ch = c0 + tl.arange(0, BC)
-    plane = c0 // D
-    t_ok = rt < T
-    c_ok = (ch < C)[None, :]
-    sid = tl.load(tok_seq_ptr + rt, mask=t_ok, other=0)
-    start = tl.load(cu_ptr + sid, mask=t_ok, other=0)
-    pool = conv_pool_ptr + tl.load(slot_ptr + sid, mask=t_ok, other=0).to(tl.int64) * stride_cp
-    # Only tiles holding one of a sequence's first W-1 tokens read the slot state (most tiles skip it).
-    edge = tl.min(tl.where(t_ok, rt - start, W - 1)) < W - 1
-    acc = tl.zeros((BT, BC), dtype=tl.float32)
-    for i in tl.static_range(W):
-        src = rt - (W - 1) + i
-        in_seq = (src >= start) & t_ok
-        x = tl.load(qkv_ptr + src.to(tl.int64)[:, None] * stride_qkv + ch[None, :], mask=in_seq[:, None] & c_ok,
-                    other=0.0).to(tl.float32)
-        if edge:
-            in_pool = (src < start) & t_ok
-            x += tl.load(pool[:, None] + ch[None, :] * (W - 1) + (src - start + W - 1)[:, None],
-                         mask=in_pool[:, None] & c_ok, other=0.0).to(tl.float32)
-        acc += x * tl.load(conv_w_ptr + ch * W + i, mask=ch < C, other=0.0)[None, :]
-    col = (c0 - plane * D) + tl.arange(0, BC)
-    out = y_ptr + plane.to(tl.int64) * T * D + rt.to(tl.int64)[:, None] * D + col[None, :]
-    tl.store(out, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok)
-
-
-@triton.jit
 def conv_prefill_rows_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, tok_seq_ptr, y_ptr, T, stride_qkv,
                              stride_cp, C, D, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """conv_prefill_kernel's result, BT tokens of BC channels a program walked row by row: the last W-1 inputs stay
-    in registers, so each input row is read once (the tiled kernel reads it W times, mostly from cache). The window
-    is read from memory only at the tile's first row and at a sequence's first W-1 tokens (where the slot state
-    stands in). Experimental: not yet timed against the tiled kernel."""
+    """y[c // D, t, c % D] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in
+    before each sequence's start. A program walks BT tokens of BC channels row by row: the last W-1 inputs stay in
+    registers, so each input row is read once; the window is read from memory only at the tile's first row and at
+    a sequence's first W-1 tokens. y is [3, T, D] so that q, k and v each come out contiguous; BC divides D, so a
+    tile lies in one plane and its stores are contiguous."""
     tl.static_assert(W == 4, "conv_prefill_rows_kernel is written for K3's short conv of width 4")
     t0 = tl.program_id(0) * BT
     c0 = tl.program_id(1) * BC

@@ -47,13 +47,15 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # tokens/expert against 0.37 for "decode", 297 TFLOP/s at 128 tokens/expert against 254 (BENCHMARKS.md)
     "decode_s": MoETactic(16, 64, 256, 4, 3, strided=True),
     "prefill_s": MoETactic(128, 128, 256, 8, 2, strided=True),
-    # experimental, not yet timed on a GPU: on pair_mxfp4's weights, 13-15 % fewer sm_90 instructions a weight
-    # than "*_s" in the main loops (no byte permutes to build the MMA operands)
+    # on pair_mxfp4's weights (the "triton_p" engine tactic, the sm90 default): no byte permutes to build the MMA
+    # operands; 0.59-0.62 of the weight floor at 1-8 tokens/expert against 0.52-0.56 for "*_s" in the same run,
+    # 289 TFLOP/s at 128 tokens/expert against 272 (BENCHMARKS.md)
     "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True),
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True),
-    # experimental, compiled but not yet run: FP8 activations for the gate/up GEMM (strided weights); BN 64, as
-    # BN 128 spills registers in the sm_90 SASS
-    "prefill_f8": MoETactic(128, 64, 256, 8, 2, strided=True, fp8=True),
+    # FP8 activations for the gate/up GEMM (strided weights); BN 64, as BN 128 spills registers in the sm_90 SASS.
+    # On the H200, the best of its sweep: 231 TFLOP/s at 128 tokens/expert (1.25x slower than "prefill_p"; 8 warps
+    # took 3.84 ms), rel-L2 0.041 against W4A16 on random activations
+    "prefill_f8": MoETactic(128, 64, 256, 4, 3, strided=True, fp8=True),
 }
 # Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
 # and its prefill point (M = 7168); the crossover itself has not been measured.
@@ -220,10 +222,10 @@ moe_experts_strided = _by_step("decode_s", "prefill_s", "moe_experts_strided",
                                "The engine's \"triton_s\" tactic: on expert bytes the build wrote in restride_mxfp4's "
                                "layout (expert dims multiples of STRIDE_BLOCK_K).")
 moe_experts_paired = _by_step("decode_p", "prefill_p", "moe_experts_paired",
-                              "The \"triton_p\" tactic (experimental, chosen only by an explicit override): on "
-                              "pair_mxfp4's expert bytes.")
+                              "The engine's \"triton_p\" tactic (the sm90 default): on expert bytes the build wrote "
+                              "in pair_mxfp4's layout (expert dims multiples of STRIDE_BLOCK_K).")
 moe_experts_fp8 = _by_step("decode_s", "prefill_f8", "moe_experts_fp8",
-                           "The \"triton_f8\" tactic (experimental, only when forced): triton_s for decode steps, FP8 "
+                           "The \"triton_f8\" tactic (forced, or taken by --tune): triton_s for decode steps, FP8 "
                            "activations in the gate/up GEMM for prefill steps.")
 moe_experts_ds = _by_step("decode_ds", "prefill_ds", "moe_experts_ds",
                           "The engine's \"triton_ds\" tactic (tl.dot_scaled: any scale byte; bf16/fp16 activations).")

@@ -42,8 +42,8 @@ def test_sm90_build_records_the_device_kernels(k3_tiny_engine, tmp_path):
     for op, p in plugins.items():
         assert p["tactic"] == DEVICE_TACTICS.get(op, "reference"), (op, p)
         assert "sm90" in registry.find(op, p["tactic"]).targets
-    # the tiny experts (64 wide) are too narrow for the strided layout's K tile: the build says so
-    assert build["plugin_notes"] == ["MoEExperts: using the 'triton' tactic, not 'triton_s' (expert dims (64, 64) "
+    # the tiny experts (64 wide) are too narrow for the paired layout's K tile: the build says so
+    assert build["plugin_notes"] == ["MoEExperts: using the 'triton' tactic, not 'triton_p' (expert dims (64, 64) "
                                      "are not multiples of its K tile 256)"]
     with pytest.raises(EngineError, match=r"built for target 'sm90'"):
         load_rank(tmp_path / "engine", 0, "cpu")
@@ -68,38 +68,41 @@ def test_large_expert_scale_moves_moe_to_dot_scaled(k3_tiny_engine, tmp_path):
     assert "triton_ds" in output  # the user sees the note
 
 
-def test_wide_experts_get_the_strided_layout(k3_wide_experts_ckpt, tmp_path):
-    """Expert dims that are multiples of 256: the sm90 build records triton_s and writes each expert's MXFP4
-    bytes restrided (the CPU build of the same checkpoint keeps the checkpoint's order); scales are unchanged."""
+@pytest.mark.parametrize("forced,relay", [(None, "pair_mxfp4"), ("triton_s", "restride_mxfp4")])
+def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, forced, relay):
+    """Expert dims that are multiples of 256: the sm90 build records triton_p (or the forced triton_s) and writes
+    each expert's MXFP4 bytes in the layout it reads (the CPU build of the same checkpoint keeps the checkpoint's
+    order); scales are unchanged."""
     from engines import build_engine
-    from k3plugins.moe.mxfp4 import restride_mxfp4
+    from k3plugins.moe import mxfp4
 
     opts = dict(dtype="bf16", kv_dtype="bf16")
     cpu = build_engine(k3_wide_experts_ckpt, tmp_path / "cpu", **opts)
-    gpu = build_engine(k3_wide_experts_ckpt, tmp_path / "sm90", target="sm90", **opts)
+    tactics = (("MoEExperts", forced),) if forced else ()
+    gpu = build_engine(k3_wide_experts_ckpt, tmp_path / "sm90", target="sm90", tactics=tactics, **opts)
     build = json.loads((gpu / "config.json").read_text())["build_config"]
-    assert build["plugins"]["MoEExperts"]["tactic"] == "triton_s" and build["plugin_notes"] == []
+    assert build["plugins"]["MoEExperts"]["tactic"] == (forced or "triton_p") and build["plugin_notes"] == []
     natural = load_file(cpu / "rank0" / "weights.safetensors")
-    strided = load_file(gpu / "rank0" / "weights.safetensors")
+    relaid = load_file(gpu / "rank0" / "weights.safetensors")
     experts = [n for n in natural if n.endswith((".moe.w13", ".moe.w2"))]
     assert experts
     for name in experts:
-        assert not torch.equal(strided[name], natural[name]), name
-        assert torch.equal(strided[name], restride_mxfp4(natural[name])), name
-        assert torch.equal(strided[name + "_scale"], natural[name + "_scale"]), name
+        assert not torch.equal(relaid[name], natural[name]), name
+        assert torch.equal(relaid[name], getattr(mxfp4, relay)(natural[name])), name
+        assert torch.equal(relaid[name + "_scale"], natural[name + "_scale"]), name
 
 
-@pytest.mark.parametrize("dims,scale,want", [((256, 512), 128, "triton_s"), ((256, 96), 128, "triton"),
+@pytest.mark.parametrize("dims,scale,want", [((256, 512), 128, "triton_p"), ((256, 96), 128, "triton"),
                                              ((256, 512), 129, "triton_ds"), ((64, 64), 200, "triton_ds"),
-                                             ((256, 512), None, "triton_s")])
+                                             ((256, 512), None, "triton_p")])
 def test_moe_tactic_steps_down_for_dims_and_scales(dims, scale, want):
     from k3build.build.tactics import expert_layout, fit_moe_tactic
 
     table, _ = resolve_plugins("sm90")
     notes = fit_moe_tactic(table, dims, scale)
     assert table["MoEExperts"]["tactic"] == want
-    assert len(notes) == (want != "triton_s") + (want == "triton_ds" and dims[1] % 256 != 0), notes
-    assert expert_layout(table) == ("strided" if want == "triton_s" else "natural")
+    assert len(notes) == (want != "triton_p") + (want == "triton_ds" and dims[1] % 256 != 0), notes
+    assert expert_layout(table) == ("paired" if want == "triton_p" else "natural")
 
 
 def test_float_experts_keep_the_reference_moe():
@@ -111,7 +114,7 @@ def test_float_experts_keep_the_reference_moe():
 
 def test_fp32_engine_keeps_the_reference_router():
     table, notes = resolve_plugins("sm90", dtype="fp32")
-    assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton_s"
+    assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton_p"
     assert table["GatedMLP"]["tactic"] == "reference"  # fp32 activations: the reference GEMMs are the fp32 ones
     assert any("Router" in n and "fp32" in n for n in notes), notes
 
@@ -140,12 +143,9 @@ def test_registry_entries_load_and_share_the_reference_signature():
                 (impl.op, impl.tactic, extra.name)
 
 
-def test_forced_tactics_are_recorded_or_refused(k3_tiny_engine, k3_wide_experts_ckpt, tmp_path):
+def test_forced_tactics_are_recorded_or_refused(k3_tiny_engine, tmp_path):
     """--tactic OP=TACTIC overrides the target's preference; a forced MoE tactic that cannot read the experts is
     an error naming it (not a silent step down), and so are an unknown op and a malformed flag."""
-    from engines import build_engine
-    from k3plugins.moe.mxfp4 import pair_mxfp4
-
     converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
     runner = CliRunner()
     common = ["--target", "sm90", "--max-seq-len", "256", "--max-num-tokens", "256", "--no-progress"]
@@ -162,22 +162,12 @@ def test_forced_tactics_are_recorded_or_refused(k3_tiny_engine, k3_wide_experts_
         res = runner.invoke(main, ["build", str(converted), str(out), *common, "--tactic", flag])
         assert res.exit_code != 0 and all(w in res.output for w in words), (flag, res.output)
         assert not out.exists()
-    # the experimental paired layout, forced on experts wide enough for it
-    opts = dict(dtype="bf16", kv_dtype="bf16")
-    natural = load_file(build_engine(k3_wide_experts_ckpt, tmp_path / "cpu", **opts) / "rank0" / "weights.safetensors")
-    paired = build_engine(k3_wide_experts_ckpt, tmp_path / "paired", target="sm90",
-                          tactics=(("MoEExperts", "triton_p"),), **opts)
-    assert json.loads((paired / "config.json").read_text())["build_config"]["plugins"]["MoEExperts"]["tactic"] \
-        == "triton_p"
-    got = load_file(paired / "rank0" / "weights.safetensors")
-    for name in [n for n in natural if n.endswith((".moe.w13", ".moe.w2"))]:
-        assert torch.equal(got[name], pair_mxfp4(natural[name])), name
 
 
 def test_tune_needs_the_gpu_it_measures_on(k3_tiny_engine, tmp_path):
-    """--tune measures the FP8 tactic's drift on the build machine's GPU: without one (this machine) or for a CPU
+    """--tune measures the FP8 tactic's drift and speed on the build machine's GPU: without one (this machine) or for a CPU
     target it is refused up front, and nothing is written. (tests/model/test_gpu_engine.py runs it on a GPU.)"""
-    from k3build.build.tune import fp8_within_bar
+    from k3build.build.tune import fp8_wins, fp8_within_bar
 
     converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
     for target, words in (("sm90", ["--tune", "GPU", "torch sees none"]), ("cpu", ["--tune", "GPU --target"])):
@@ -189,3 +179,5 @@ def test_tune_needs_the_gpu_it_measures_on(k3_tiny_engine, tmp_path):
         assert res.exit_code != 0 and all(w in res.output for w in words), res.output
         assert not out.exists()
     assert fp8_within_bar(0.02, 0.9995) and not fp8_within_bar(0.04, 0.9995) and not fp8_within_bar(0.02, 0.998)
+    trial = dict(moe_fp8_rel=0.02, moe_fp8_cos=0.9995, moe_fp8_prefill_ms=1.0, moe_w4a16_prefill_ms=1.5)
+    assert fp8_wins(trial) and not fp8_wins({**trial, "moe_fp8_prefill_ms": 2.0})  # within the bar but slower

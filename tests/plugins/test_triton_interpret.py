@@ -167,7 +167,7 @@ def _kda_decode_case(kd, lower_bound, tactic):
 def _kda_conv_prefill_case(kd):
     import triton
     from k3plugins.kda.reference import short_conv
-    from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_prefill_rows_kernel, conv_state_kernel
+    from k3plugins.kda.triton_decode import conv_prefill_rows_kernel, conv_state_kernel
     g = torch.Generator().manual_seed(4)
     lens, C, S, BC = [2, 0, 11, 1], 96, 6, 64  # conv_state: two channel blocks, the second half masked
     cu = torch.tensor([0] + lens).cumsum(0)
@@ -176,17 +176,12 @@ def _kda_conv_prefill_case(kd):
     slots = torch.tensor([5, 1, 3, 0], dtype=torch.int32)
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T), right=True).to(torch.int32)
     y3, new = torch.empty(3, T, C // 3), pool.clone()
-    # BT=4 < T=14: token tiles straddle sequence boundaries, [8, 12) lies past its start (no slot state read),
-    # the last is part-masked
-    # conv_prefill: tiles of 16 channels (they must divide D = 32), two per plane
-    conv_prefill_kernel[(triton.cdiv(T, 4), C // 16)](x, w, new, slots, cu, tok_seq, y3, T, x.stride(0),
-                                                      new.stride(0), C, C // 3, W=4, BT=4, BC=16)
-    y = y3.permute(1, 0, 2).reshape(T, C)
-    # the row-walking variant, same tiles: BT=4 rows straddle the boundaries too, the first rows reload the window
-    y3_rows = torch.empty(3, T, C // 3)
-    conv_prefill_rows_kernel[(triton.cdiv(T, 4), C // 16)](x, w, new, slots, cu, tok_seq, y3_rows, T, x.stride(0),
+    # BT=4 < T=14: row blocks straddle sequence boundaries (their first rows reload the window), [8, 12) lies
+    # past its start (no slot state read), the last is part-masked; tiles of 16 channels (they must divide
+    # D = 32), two per plane
+    conv_prefill_rows_kernel[(triton.cdiv(T, 4), C // 16)](x, w, new, slots, cu, tok_seq, y3, T, x.stride(0),
                                                            new.stride(0), C, C // 3, W=4, BT=4, BC=16)
-    rows_equal = bool(torch.allclose(y3_rows, y3, rtol=1e-6, atol=1e-6))
+    y = y3.permute(1, 0, 2).reshape(T, C)
     conv_state_kernel[(len(lens), 2)](x, new, slots, cu, x.stride(0), new.stride(0), C, W=4, BC=BC)
     rels, same = [], True
     for n, sl in enumerate(slots.tolist()):
@@ -197,7 +192,7 @@ def _kda_conv_prefill_case(kd):
         ref_y, ref_state = short_conv(x[s:e], w, pool[sl])
         rels.append(_rel(y[s:e], ref_y))
         same &= bool(torch.allclose(new[sl], ref_state))
-    return {"rel": max(rels), "state_equal": same, "rows_equal": rows_equal}
+    return {"rel": max(rels), "state_equal": same}
 
 
 def _norm_cases() -> dict:
@@ -311,7 +306,7 @@ def test_kda_decode_interpreted(results, lower_bound, tactic):
 
 def test_kda_conv_prefill_interpreted(results):
     r = results["kda-conv-prefill"]
-    assert r["rel"] < 1e-6 and r["state_equal"] and r["rows_equal"], r
+    assert r["rel"] < 1e-6 and r["state_equal"], r
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])  # fp16: rounding of the output

@@ -13,8 +13,8 @@ D = H * K
 
 def _inputs(N: int, gen: torch.Generator, state_dtype=torch.float32):
     r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=gen) * sc
-    qkv = r(N, 3 * D).to(torch.bfloat16)
-    g_raw, b, g_out = r(N, D), r(N, H), r(N, D)
+    # the projections' outputs in the activation dtype, as the engine hands them over
+    qkv, g_raw, b, g_out = (r(N, n).to(torch.bfloat16) for n in (3 * D, D, H, D))
     conv_w, a_log, dt_bias, norm_w = r(3 * D, 4, sc=0.5), r(H, sc=0.5), r(D, sc=0.5), 1 + 0.1 * r(K)
     pool = r(N, H, K, K, sc=0.05).to(state_dtype)
     conv_pool = r(N, 3 * D, 3).to(torch.bfloat16)
@@ -33,7 +33,7 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
         # fla-core's kernel alone, in place by index (its inputs already made)
         q, k, v = (torch.randn(1, N, H, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
         cu = torch.arange(N + 1, device="cuda")
-        gr, bb = g_raw.view(1, N, H, K), b.view(1, N, H)
+        gr, bb = g_raw.float().view(1, N, H, K), b.float().view(1, N, H)  # as fla-core takes them
         alone = lambda: fused_recurrent_kda_fwd(q, k, v, gr, bb, A_log=a_log, dt_bias=dt_bias, initial_state=pool,
                                                 scale=K ** -0.5, inplace_final_state=True, state_v_first=True,
                                                 cu_seqlens=cu, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
@@ -82,7 +82,7 @@ def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:
     conv_pool = conv_pool[:1].contiguous()
     cu = torch.tensor([0, T], device="cuda")
     q, k, v = (torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
-    gr, bb = g_raw.view(1, T, H, K).to(torch.bfloat16), b.view(1, T, H)
+    gr, bb = g_raw.view(1, T, H, K), b.float().view(1, T, H)
     alone = lambda: chunk_kda(q, k, v, gr, bb, scale=K ** -0.5, initial_state=pool.clone(), output_final_state=True,
                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                               safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=cu, A_log=a_log,
@@ -102,14 +102,14 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     """Each stage of kda_prefill timed alone, to find where the glue goes (with sweep: the conv's tile shapes)."""
     import triton
     from fla.ops.kda import chunk_kda
-    from k3plugins.kda.triton_decode import conv_prefill_kernel, conv_prefill_rows_kernel, conv_state_kernel
+    from k3plugins.kda.triton_decode import conv_prefill_rows_kernel, conv_state_kernel
     T = qkv.shape[0]
     y = torch.empty(3, T, D, dtype=qkv.dtype, device="cuda")
     tok_seq = torch.zeros(T, dtype=torch.int32, device="cuda")
     grid_c = triton.cdiv(3 * D, 1024)
 
     def conv(bt=kda_dev.CONV_PREFILL_BT, bc=kda_dev.conv_channel_block(D), nw=kda_dev.CONV_PREFILL_WARPS):
-        conv_prefill_kernel[(triton.cdiv(T, bt), 3 * D // bc)](
+        conv_prefill_rows_kernel[(triton.cdiv(T, bt), 3 * D // bc)](
             qkv, conv_w, conv_pool, slots, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
             BT=bt, BC=bc, num_warps=nw)
 
@@ -117,12 +117,11 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
         "conv_prefill": conv,
         "conv_state": lambda: conv_state_kernel[(1, grid_c)](qkv, conv_pool.clone(), slots, cu, qkv.stride(0),
                                                              conv_pool.stride(0), 3 * D, W=4, BC=1024),
-        "gate_to_bf16": lambda: g_raw.reshape(1, T, H, K).to(torch.bfloat16),
         "norm": lambda: kda_dev._gated_norm(y[0], g_out, norm_w, torch.empty(T, D, dtype=torch.bfloat16, device="cuda"),
                                             H, K, 1e-5),
     }
     q, k, v = (t.view(1, T, H, K) for t in y)
-    gr = g_raw.reshape(1, T, H, K).to(torch.bfloat16)
+    gr = g_raw.reshape(1, T, H, K)
     stages["chunk_kda_on_conv_output"] = lambda: chunk_kda(
         q, k, v, gr, b.float().reshape(1, T, H), scale=K ** -0.5, initial_state=pool.float().clone(),
         output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
@@ -134,18 +133,9 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     emit(**rec)
     if sweep:  # conv tiles: bytes moved (qkv read once, y written once) over the measured HBM speed
         floor_ms = 2 * qkv.numel() * qkv.element_size() / (bw_tbps * 1e9)
-        for bt in (16, 32, 64):
-            for bc in (64, 128, 256):
-                for nw in (4, 8):
-                    t = time_ms(lambda: conv(bt, bc, nw), rep=10, graph=False)
-                    emit(bench="kda_conv_config", BT=bt, BC=bc, num_warps=nw, ms=round(t, 4),
-                         frac_of_floor=round(floor_ms / t, 3))
-        # the row-walking variant (each input row read once; experimental)
         for bt in (32, 64, 128):
             for bc in (128, 256, 512):
                 for nw in (1, 2, 4):
-                    t = time_ms(lambda: conv_prefill_rows_kernel[(triton.cdiv(T, bt), 3 * D // bc)](
-                        qkv, conv_w, conv_pool, slots, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D,
-                        D, W=4, BT=bt, BC=bc, num_warps=nw), rep=10, graph=False)
-                    emit(bench="kda_conv_rows_config", BT=bt, BC=bc, num_warps=nw, ms=round(t, 4),
+                    t = time_ms(lambda: conv(bt, bc, nw), rep=10, graph=False)
+                    emit(bench="kda_conv_config", BT=bt, BC=bc, num_warps=nw, ms=round(t, 4),
                          frac_of_floor=round(floor_ms / t, 3))
