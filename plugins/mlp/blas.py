@@ -1,12 +1,12 @@
 """Gated MLP with its two GEMMs in the activation dtype (fp32 accumulation in the BLAS), the GLU in fp32.
 
 Same signature and semantics as reference.gated_mlp, without the reference's per-call fp32 copy of both
-weights (see plugins/embed/blas.py).
+weights (see plugins/embed/blas.py). On a GPU the GLU is one Triton launch (mlp/triton.py).
 """
 
 import torch
 
-from k3plugins.mlp.reference import glu
+from k3plugins.mlp import reference
 
 
 def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, *, act: str,
@@ -14,5 +14,9 @@ def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
     """down(act(gate x, up x)); x [M, D], gate_up_weight [2I, D] (gate rows first), down_weight [D, I]."""
     inter = gate_up_weight.shape[0] // 2
     h = x @ gate_up_weight.to(x.dtype).T                                        # [M, 2I]
-    a = glu(h[:, :inter], h[:, inter:], act=act, beta=beta, linear_beta=linear_beta)
+    if h.is_cuda:
+        from k3plugins.mlp.triton import glu
+        a = glu(h, act=act, beta=beta, linear_beta=linear_beta)
+    else:
+        a = reference.glu(h[:, :inter], h[:, inter:], act=act, beta=beta, linear_beta=linear_beta)
     return a @ down_weight.to(x.dtype).T

@@ -17,12 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.mlp.triton import ACT_IDS
 from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401 (re-exported)
                                   restride_mxfp4)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
-
-_ACTS = {"situ": 0, "silu": 1}
 
 
 @dataclass(frozen=True)
@@ -160,8 +159,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     Returns:
         [M, Dl] fp32.
     """
-    if act not in _ACTS:
-        raise ValueError(f"moe_experts: unknown act {act!r}; expected one of {sorted(_ACTS)}")
+    if act not in ACT_IDS:
+        raise ValueError(f"moe_experts: unknown act {act!r}; expected one of {sorted(ACT_IDS)}")
     if w13_scale is None or w2_scale is None:
         raise ValueError("moe_experts (triton): MXFP4 scales are required")
     ok, why = supports(z, w13, w2, tactic=tactic)
@@ -193,7 +192,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_gate_up_kernel[(E, inter // t.block_n)](
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
-        TOP_K=top_k, ACT=_ACTS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=3 if t.fp8 else layout, F8=f8,
+        TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=3 if t.fp8 else layout, F8=f8,
         num_warps=t.num_warps, num_stages=t.num_stages)
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),

@@ -18,11 +18,7 @@ Two ways to turn MXFP4 into MMA operands (constexpr W4):
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tanh(x):
-    # no portable tl.tanh: tanh(x) = 2·sigmoid(2x) − 1
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+from k3plugins.mlp.triton import glu_act
 
 
 @triton.jit
@@ -244,10 +240,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
             zs = tl.load(zs_ptr + tok, mask=p_mask, other=0.0)[None, :]
             acc_g = acc_g * (sg_row << 23).to(tl.float32, bitcast=True)[:, None] * zs
             acc_u = acc_u * (su_row << 23).to(tl.float32, bitcast=True)[:, None] * zs
-        if ACT == 0:  # SiTU
-            a = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (linear_beta * _tanh(acc_u / linear_beta))
-        else:  # SiLU-GLU
-            a = acc_g * tl.sigmoid(acc_g) * acc_u
+        a = glu_act(acc_g, acc_u, beta, linear_beta, ACT)
         h_ptrs = h_ptr + offs_p[None, :] * stride_hm + h_cols[:, None]
         tl.store(h_ptrs, a.to(h_ptr.dtype.element_ty), mask=p_mask[None, :])
         m0 += BM

@@ -1,4 +1,5 @@
-"""Triton RMSNorm, AttnRes and the MoE pair sort vs their torch references on the GPU, in bf16 (pytest -m gpu)."""
+"""Triton RMSNorm, AttnRes, the MLP GLU and the MoE pair sort vs their torch references on the GPU, in bf16
+(pytest -m gpu)."""
 import pytest
 import torch
 
@@ -8,6 +9,8 @@ if not torch.cuda.is_available():
 
 from k3plugins.attn_res import reference as ar_ref  # noqa: E402
 from k3plugins.attn_res import triton as ar  # noqa: E402
+from k3plugins.mlp import reference as mlp_ref  # noqa: E402
+from k3plugins.mlp import triton as mlp  # noqa: E402
 from k3plugins.moe.triton import sort_pairs  # noqa: E402
 from k3plugins.norm import reference as norm_ref  # noqa: E402
 from k3plugins.norm import triton as norm  # noqa: E402
@@ -23,6 +26,18 @@ def test_rms_norm_matches_reference(M, D):
     x = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
     got, want = norm.rms_norm(x, w, eps=1e-6), norm_ref.rms_norm(x, w, eps=1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if M:
+        assert _rel(got, want) < 8e-3  # bf16 output rounding
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("M,inter", [(1, 3072), (128, 192), (7, 100), (0, 64)])
+def test_glu_matches_reference(M, inter, act):
+    g = torch.Generator(device="cuda").manual_seed(M + inter)
+    h = (torch.randn(M, 2 * inter, device="cuda", generator=g) * 8).to(torch.bfloat16)
+    got = mlp.glu(h, act=act, beta=4.0, linear_beta=25.0)
+    want = mlp_ref.glu(h[:, :inter], h[:, inter:], act=act, beta=4.0, linear_beta=25.0)
     assert got.dtype == want.dtype and got.shape == want.shape
     if M:
         assert _rel(got, want) < 8e-3  # bf16 output rounding

@@ -1,7 +1,8 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
 
 Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it),
-the MLA split-K decode, the fused KDA decode step and the KDA prefill conv kernels, each against its torch
+the MLA split-K decode, the fused KDA decode step, the KDA prefill conv kernels, the norms and the GLU, each
+against its torch
 reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter must be on before the
 first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
 run in one child process started with the variable set; each test reads its result.
@@ -221,6 +222,25 @@ def _norm_cases() -> dict:
     return res
 
 
+def _glu_cases() -> dict:
+    """The GLU kernel against reference.glu: both activations, a width that is not a power of two (masked
+    columns), a strided input (h a column slice of a wider buffer) and no rows."""
+    from k3plugins.mlp import reference as mlp_ref
+    from k3plugins.mlp import triton as mlp
+    g = torch.Generator().manual_seed(6)
+    res = {}
+    for dtype in (torch.float32, torch.float16):
+        for act in ("situ", "silu"):
+            wide = (torch.randn(5, 2 * 48 + 8, generator=g) * 8).to(dtype)
+            h = wide[:, :96]                                                   # row stride 104, not 96
+            got = mlp.glu(h, act=act, beta=4.0, linear_beta=25.0)
+            want = mlp_ref.glu(h[:, :48], h[:, 48:], act=act, beta=4.0, linear_beta=25.0)
+            empty = mlp.glu(h[:0], act=act, beta=4.0, linear_beta=25.0)
+            res[f"glu-{str(dtype)[6:]}-{act}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype,
+                                                  "empty_ok": tuple(empty.shape) == (0, 48)}
+    return res
+
+
 def _child() -> None:
     _patch_interpreter()
     from k3plugins.kda import fla as kd
@@ -248,6 +268,7 @@ def _child() -> None:
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res.update(_norm_cases())
+    res.update(_glu_cases())
     print("RESULTS " + json.dumps(res))
 
 
@@ -322,6 +343,13 @@ def test_attn_res_interpreted(results, dtype, tol, k):
     pointers and past them."""
     r = results[f"attnres-{dtype}-{k}"]
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])
+def test_glu_interpreted(results, dtype, tol, act):
+    r = results[f"glu-{dtype}-{act}"]
+    assert r["dtype_ok"] and r["empty_ok"] and r["rel"] < tol, r
 
 
 if __name__ == "__main__":

@@ -30,11 +30,13 @@ def st_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("chunk,staged", [(64 << 20, False), (64 << 20, True), (1000, True), (7, True)])
-def test_reads_what_safetensors_reads(st_file, chunk, staged):
-    """Staged with 7-byte chunks: every tensor is split over many chunks and many chunks hold several tensors."""
+@pytest.mark.parametrize("chunk,staged,min_part", [(64 << 20, False, 4 << 20), (64 << 20, True, 4 << 20),
+                                                   (1000, True, 4 << 20), (1000, True, 300), (7, True, 1)])
+def test_reads_what_safetensors_reads(st_file, chunk, staged, min_part):
+    """Staged with 7-byte chunks: every tensor is split over many chunks and many chunks hold several tensors;
+    with small parts, each chunk is read by several threads (3 parts of 333 bytes, 7 parts of 1 byte)."""
     want = load_file(st_file)
-    got = read_weights(st_file, "cpu", chunk_bytes=chunk, staged=staged)
+    got = read_weights(st_file, "cpu", chunk_bytes=chunk, staged=staged, readers=8, min_part=min_part)
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
