@@ -2,8 +2,8 @@
 
 Two launches: fp32 logits x·Wᵀ from bf16 operands (tensor cores, fp32 accumulation), split over experts and
 K so a decode batch still spreads over the GPU, written as per-split partials; then per token the partials
-summed in a fixed order (deterministic), sigmoid, bias for selection, top-k by repeated argmax, weights
-from the unbiased scores, renormalised and scaled.
+summed in a fixed order (deterministic), sigmoid, bias for selection, top-k by one partial bitonic sort,
+weights from the unbiased scores, renormalised and scaled.
 """
 
 from __future__ import annotations
@@ -38,41 +38,48 @@ def router_logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, stride_xm, stride_we, 
 
 
 @triton.jit
+def _summed_logits(part_ptr, m, offs, mask, stride_ps, stride_pm, NUM_SPLITS: tl.constexpr):
+    """Token m's logits at `offs`: its per-split partials summed in split order (deterministic)."""
+    logits = tl.zeros(offs.shape, dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        logits += tl.load(part_ptr + s * stride_ps + m * stride_pm + offs, mask=mask, other=0.0)
+    return logits
+
+
+@triton.jit
 def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pm, scaling, NUM_SPLITS: tl.constexpr,
                        TOP_K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """One token a program: the TOP_K largest biased scores by one partial bitonic sort (tl.topk) of int64 keys
+    (the score's bits made order-preserving, then the index inverted so the lowest index wins a tie, as a
+    stable sort picks); the weights are the unbiased scores of those experts."""
     m = tl.program_id(0)
     offs_e = tl.arange(0, BE)
     e_mask = offs_e < E
-    logits = tl.zeros((BE,), dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        logits += tl.load(part_ptr + s * stride_ps + m * stride_pm + offs_e, mask=e_mask, other=0.0)
-    scores = tl.sigmoid(logits)
-    choice = scores
+    choice = tl.sigmoid(_summed_logits(part_ptr, m, offs_e, e_mask, stride_ps, stride_pm, NUM_SPLITS))
     if HAS_BIAS:
-        choice = scores + tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
-    choice = tl.where(e_mask, choice, float("-inf"))
+        choice += tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+    bits = tl.where(e_mask, choice, float("-inf")).to(tl.int32, bitcast=True)
+    key = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) << 32) | (BE - 1 - offs_e).to(tl.int64)
+    ids = (BE - 1) - (tl.topk(key, TOP_K) & 0xFFFFFFFF).to(tl.int32)
     rk = tl.arange(0, TOP_K)
-    ids = tl.zeros((TOP_K,), dtype=tl.int64)
-    wts = tl.zeros((TOP_K,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(choice, 0)
-        # lowest index among ties, as a stable sort would pick
-        idx = tl.min(tl.where(choice == best, offs_e, BE), 0)
-        ids = tl.where(rk == j, idx.to(tl.int64), ids)
-        wts = tl.where(rk == j, tl.sum(tl.where(offs_e == idx, scores, 0.0), 0), wts)
-        choice = tl.where(offs_e == idx, float("-inf"), choice)
+    wts = tl.sigmoid(_summed_logits(part_ptr, m, ids, rk < TOP_K, stride_ps, stride_pm, NUM_SPLITS))
     if RENORM:
         wts = wts / (tl.sum(wts, 0) + 1e-20)
-    tl.store(ids_ptr + m * TOP_K + rk, ids)
+    tl.store(ids_ptr + m * TOP_K + rk, ids.to(tl.int64))
     tl.store(wts_ptr + m * TOP_K + rk, wts * scaling)
 
 
 def supports(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int, num_expert_group: int = 1,
              topk_group: int = 1) -> tuple[bool, str]:
-    if num_expert_group != 1 or topk_group != 1:
-        return False, "the Triton router implements trivial groups only (K3: 1/1)"
     if not x.is_cuda:
         return False, "the Triton router needs CUDA tensors"
+    return _fits(x, gate_weight, top_k, num_expert_group, topk_group)
+
+
+def _fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, str]:
+    """What the kernels need of the inputs, wherever they run (a GPU, or Triton's interpreter in the tests)."""
+    if num_expert_group != 1 or topk_group != 1:
+        return False, "the Triton router implements trivial groups only (K3: 1/1)"
     if top_k & (top_k - 1) or top_k > gate_weight.shape[0]:
         return False, f"top_k={top_k} must be a power of two <= {gate_weight.shape[0]}"
     if x.dtype not in (torch.bfloat16, torch.float16) or gate_weight.dtype != x.dtype:
@@ -81,21 +88,21 @@ def supports(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int, num_expe
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int,
-          renormalize: bool, scaling_factor: float, num_expert_group: int = 1,
-          topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+          renormalize: bool, scaling_factor: float, num_expert_group: int = 1, topk_group: int = 1,
+          blocks: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference.route. x: [M, D]; gate_weight: [E, D]; correction_bias: [E] or None.
+    blocks: the logits kernel's (BM, BE, BK, K splits) instead of the defaults (for tools/bench/router.py's sweep).
 
     Returns:
         (topk_ids int64 [M, top_k], topk_weights fp32 [M, top_k]), ids in descending biased score.
     """
-    ok, why = supports(x, gate_weight, top_k=top_k, num_expert_group=num_expert_group, topk_group=topk_group)
+    ok, why = _fits(x, gate_weight, top_k, num_expert_group, topk_group)
     if not ok:
         raise ValueError(f"route (triton): {why}")
     M, D = x.shape
     E = gate_weight.shape[0]
     x = x.contiguous()
-    BM, BE, BK = 16 if M <= 16 else 64, 32, 64
-    splits = 4 if M <= 256 else 1
+    BM, BE, BK, splits = blocks or (16 if M <= 16 else 64, 32, 64, 4 if M <= 256 else 1)
     k_per_split = triton.cdiv(triton.cdiv(D, splits), BK) * BK
     part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(M, BM), triton.cdiv(E, BE), splits)](

@@ -1,8 +1,8 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
 
 Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it),
-the MLA split-K decode, the fused KDA decode step, the KDA prefill conv kernels, the norms and the GLU, each
-against its torch
+the MLA split-K decode, the fused KDA decode step, the KDA prefill conv kernels, the norms, the GLU and the
+router, each against its torch
 reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter must be on before the
 first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
 run in one child process started with the variable set; each test reads its result.
@@ -241,6 +241,32 @@ def _glu_cases() -> dict:
     return res
 
 
+def _router_cases() -> dict:
+    """The fused router (logits split over K, top-k by tl.topk on packed keys) against the reference: fp16, E not
+    a power of two, ragged M, with and without bias and renormalisation, and a forced tie (two experts with the
+    same gate row and bias: picked together or not at all)."""
+    from k3plugins.router import reference as ref
+    from k3plugins.router import triton as router
+    g = torch.Generator().manual_seed(7)
+    res = {}
+    for M, E, k, bias, renorm in ((5, 96, 8, True, True), (17, 64, 4, False, False), (1, 40, 16, True, True)):
+        x = torch.randn(M, 256, generator=g).to(torch.float16)
+        w = (torch.randn(E, 256, generator=g) * 256 ** -0.5).to(torch.float16)
+        w[E - 1] = w[3]                                                       # experts 3 and E-1 always tie
+        b = torch.randn(E, generator=g) * 0.1 if bias else None
+        if bias:
+            b[E - 1] = b[3]
+        kw = dict(top_k=k, renormalize=renorm, scaling_factor=2.5)
+        ids, wts = router.route(x, w, b, **kw)
+        ids_r, wts_r = ref.route(x, w, b, **kw)
+        # the picks as sets (torch.topk orders ties as it likes), each weight with its expert
+        (ids, o), (ids_r, o_r) = ids.sort(1), ids_r.sort(1)
+        res[f"router-{M}-{E}-{k}"] = {"ids_equal": bool(torch.equal(ids, ids_r)),
+                                       "rel": _rel(wts.gather(1, o), wts_r.gather(1, o_r)),
+                                       "tie_picked_together": bool(((ids == 3).any(1) == (ids == E - 1).any(1)).all())}
+    return res
+
+
 def _child() -> None:
     _patch_interpreter()
     from k3plugins.kda import fla as kd
@@ -269,6 +295,7 @@ def _child() -> None:
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res.update(_norm_cases())
     res.update(_glu_cases())
+    res.update(_router_cases())
     print("RESULTS " + json.dumps(res))
 
 
@@ -343,6 +370,12 @@ def test_attn_res_interpreted(results, dtype, tol, k):
     pointers and past them."""
     r = results[f"attnres-{dtype}-{k}"]
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
+
+
+@pytest.mark.parametrize("case", ["5-96-8", "17-64-4", "1-40-16"])
+def test_router_interpreted(results, case):
+    r = results[f"router-{case}"]
+    assert r["ids_equal"] and r["tie_picked_together"] and r["rel"] < 1e-5, r
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])

@@ -26,3 +26,9 @@ def bench_router(bw_tbps: float, sweep: bool) -> None:
         emit(bench="router", M=M, E=E, D=D, floor_ms=round(floor_ms, 4), triton_ms=round(t, 4),
              torch_ref_ms=round(t_ref, 4), speedup_vs_torch=round(t_ref / t, 2), frac_of_floor=round(floor_ms / t, 3),
              rows_matching_ref=round((ids == ids_r).all(1).float().mean().item(), 4))
+        if sweep and M <= 256:  # the logits kernel's blocks: more programs for small M, fewer partials to sum
+            for blocks in ((16, 32, 64, 4), (16, 16, 128, 8), (16, 32, 128, 8), (16, 16, 64, 16), (32, 32, 64, 8),
+                           (64, 32, 64, 4), (16, 64, 64, 8)):
+                t_b = time_ms(lambda: route(x, w, bias, **kw, blocks=blocks))
+                emit(bench="router_config", M=M, BM=blocks[0], BE=blocks[1], BK=blocks[2], splits=blocks[3],
+                     ms=round(t_b, 4), frac_of_floor=round(floor_ms / t_b, 3))
