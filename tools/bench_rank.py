@@ -3,6 +3,7 @@
     python tools/bench_rank.py [--batches 32,64,128] [--context 8192]          # on an H200: TEP16 rank 0
     python tools/bench_rank.py --moe-tactic triton                                # another MoE tactic than the build's
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
+    python tools/bench_rank.py --gemms                                            # its dense GEMMs alone (GPU)
 
 The rank is what `k3build build` would write for the recipe's mapping (all 93 layers, 1/16 of attention and
 shared experts, 56 local experts in MXFP4), with synthetic weights made on the device instead of read from a
@@ -93,6 +94,48 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
                       weights)
 
 
+# weights a decode step multiplies as x @ wᵀ with one row of x per request (the router's gate has its own kernel)
+GEMM_WEIGHTS = ("in_proj", "f_b", "o_proj", "gate_up", "down", "down_proj", "up_proj", "q_a", "q_b", "kv_a", "g",
+                "lm_head")
+GEMM_BLOCKS = ((32, 256, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3))
+
+
+def bench_gemms(weights: dict, batches: list[int], bw: float, emit) -> None:
+    """Every dense GEMM of one decode step, by weight shape: torch (cuBLAS) against skinny_linear at each of
+    GEMM_BLOCKS (splits chosen for the GPU) and the weight-bytes floor; then the step's totals."""
+    from common import time_ms
+    from k3plugins.embed.skinny_gemm import MAX_M, GemmBlocks, skinny_linear
+
+    shapes: dict[tuple[int, int], list] = {}
+    for name, w in weights.items():
+        if w.dim() == 2 and w.dtype == torch.bfloat16 and name.rsplit(".", 1)[-1] in GEMM_WEIGHTS:
+            shapes.setdefault(tuple(w.shape), [w, 0])[1] += 1
+    for n in [b for b in batches if b <= MAX_M]:
+        total = dict(torch_ms=0.0, default_ms=0.0, best_ms=0.0, floor_ms=0.0)
+        for (N, K), (w, count) in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[1][1]):
+            x = torch.randn(n, K, device=w.device).to(w.dtype)
+            want = x.float() @ w.float().T
+            t_torch = time_ms(lambda: x @ w.T)
+            runs = {}
+            for bn, bk, nw, st in GEMM_BLOCKS:
+                blocks = GemmBlocks(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
+                got = skinny_linear(x, w, blocks)
+                rel = ((got.float() - want).norm() / want.norm()).item()
+                runs[f"bn{bn}_bk{bk}_w{nw}_s{st}"] = (time_ms(lambda: skinny_linear(x, w, blocks)), rel)
+            best = min(runs, key=lambda k: runs[k][0])
+            floor = w.nbytes / bw * 1e3
+            emit(bench="rank_gemm", batch=n, N=N, K=K, count=count, floor_ms=round(floor, 4),
+                 torch_ms=round(t_torch, 4), default_ms=round(runs[next(iter(runs))][0], 4),
+                 best=best, best_ms=round(runs[best][0], 4), max_rel_l2=max(r for _, r in runs.values()),
+                 torch_frac_of_floor=round(floor / t_torch, 3), best_frac_of_floor=round(floor / runs[best][0], 3))
+            for key, t in (("torch_ms", t_torch), ("default_ms", runs[next(iter(runs))][0]),
+                           ("best_ms", runs[best][0]), ("floor_ms", floor)):
+                total[key] += count * t
+        emit(bench="rank_gemms", batch=n, **{k: round(v, 3) for k, v in total.items()},
+             torch_x_floor=round(total["torch_ms"] / total["floor_ms"], 3),
+             best_x_floor=round(total["best_ms"] / total["floor_ms"], 3))
+
+
 def _median_ms(fn, reps: int, cuda: bool) -> float:
     """Median ms of fn: CUDA-event timed on a GPU (common.time_ms, no extra graph: fn may replay one), else wall."""
     if cuda:
@@ -167,6 +210,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
+    ap.add_argument("--gemms", action="store_true",
+                    help="instead of decoding: time the rank's dense GEMMs at each batch size, torch against the "
+                         "experimental skinny Triton GEMM (plugins/embed/skinny_gemm.py) and the weight floor")
     ap.add_argument("--moe-tactic", default=None,
                     help="MoE tactic instead of the one the build records (e.g. triton: the W4 decode on the "
                          "checkpoint's nibble order; triton_s: on the strided layout); the layout follows it")
@@ -210,6 +256,11 @@ def main() -> None:
         torch.cuda.empty_cache()  # the layout pass's per-expert temporaries
     emit(bench="rank_weights", gib=round(sum(t.nbytes for t in engine.weights.values()) / 2**30, 2),
          made_s=round(time.perf_counter() - t0, 1), moe_tactic=engine.build["plugins"]["MoEExperts"]["tactic"])
+    if args.gemms:
+        if not cuda:
+            raise SystemExit("bench_rank: --gemms needs a CUDA GPU")
+        bench_gemms(engine.weights, batches, bw, emit)
+        return
     pages_per_seq = -(-(args.context + 1) // 64)
     while batches:
         n_max = batches[-1]

@@ -1,8 +1,8 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
 
 Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it),
-the MLA split-K decode, the fused KDA decode step, the KDA prefill conv kernels, the norms, the GLU and the
-router, each against its torch
+the MLA split-K decode, the fused KDA decode step, the KDA prefill conv kernels, the norms, the GLU, the router
+and the skinny GEMM, each against its torch
 reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter must be on before the
 first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
 run in one child process started with the variable set; each test reads its result.
@@ -267,6 +267,22 @@ def _router_cases() -> dict:
     return res
 
 
+def _skinny_gemm_cases() -> dict:
+    """The weight-stationary GEMM against x @ wᵀ: row counts from 1 to MAX_M, N and K not multiples of the blocks,
+    one split (stored straight) and several (partials summed), a strided x."""
+    from k3plugins.embed.skinny_gemm import GemmBlocks, skinny_linear
+    g = torch.Generator().manual_seed(8)
+    res = {}
+    for dtype in (torch.float32, torch.float16):
+        for M, N, K, splits in ((1, 40, 200, 1), (5, 72, 300, 3), (33, 50, 128, 0), (64, 16, 96, 2)):
+            x = torch.randn(M, K + 8, generator=g).to(dtype)[:, :K]               # row stride K + 8
+            w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+            got = skinny_linear(x, w, GemmBlocks(block_n=16, block_k=64, splits=splits), sms=4)
+            want = x.float() @ w.float().T
+            res[f"skinny-{str(dtype)[6:]}-{M}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == dtype}
+    return res
+
+
 def _child() -> None:
     _patch_interpreter()
     from k3plugins.kda import fla as kd
@@ -296,6 +312,7 @@ def _child() -> None:
     res.update(_norm_cases())
     res.update(_glu_cases())
     res.update(_router_cases())
+    res.update(_skinny_gemm_cases())
     print("RESULTS " + json.dumps(res))
 
 
@@ -370,6 +387,13 @@ def test_attn_res_interpreted(results, dtype, tol, k):
     pointers and past them."""
     r = results[f"attnres-{dtype}-{k}"]
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
+
+
+@pytest.mark.parametrize("M", [1, 5, 33, 64])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])  # fp16: rounding of the output
+def test_skinny_gemm_interpreted(results, dtype, tol, M):
+    r = results[f"skinny-{dtype}-{M}"]
+    assert r["dtype_ok"] and r["rel"] < tol, r
 
 
 @pytest.mark.parametrize("case", ["5-96-8", "17-64-4", "1-40-16"])

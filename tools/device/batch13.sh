@@ -1,6 +1,6 @@
-# Thirteenth device batch (prepared for the next session): the first GPU run of the Triton GLU (GatedMLP) and of
-# the tl.topk router, the threaded weight reader, then what they change in the rank. Under 600 s; each part has
-# its own limit. (The whole `pytest -m gpu tests/plugins tests/runtime` collection overran 260 s in batch11: the
+# Thirteenth device batch (prepared for the next session): the first GPU run of the Triton GLU (GatedMLP), the
+# tl.topk router and the skinny GEMM, the router block sweep, the threaded weight reader, and the rank's dense
+# GEMMs (cuBLAS against the skinny GEMM). Then batch14 (the rank). Under 600 s; each part has its own limit. (The whole `pytest -m gpu tests/plugins tests/runtime` collection overran 260 s in batch11: the
 # test files are listed instead.)
 source tools/device/env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
@@ -14,7 +14,5 @@ for cache in "" "--warm"; do
   timeout ${LOAD_S:-80} python3 tools/bench_load.py --device cuda --gib 8 --repeat 3 $cache 2>&1 | grep '^{' \
     | tee -a $OUT/load.jsonl
 done
-timeout ${RANK_S:-150} python3 tools/bench_rank.py --batches 32,64,128 --reps 3 2>&1 | grep '^{' \
-  | tee $OUT/rank.jsonl
-timeout ${PROF_S:-60} python3 tools/bench_rank.py --batches 32 --reps 3 --profile 2>&1 | grep rank_profile \
-  > $OUT/profile.jsonl
+timeout ${GEMM_S:-120} python3 tools/bench_rank.py --gemms --batches 32,64 2>&1 | grep '^{' | tee $OUT/gemms.jsonl \
+  | grep -v '"rank_gemm"'
