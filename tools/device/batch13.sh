@@ -1,7 +1,7 @@
 # Thirteenth device batch (prepared for the next session): the first GPU run of the Triton GLU (GatedMLP), the
 # tl.topk router and the skinny GEMM, the router block sweep, the threaded weight reader, and the rank's dense
-# GEMMs (cuBLAS against the skinny GEMM). Then batch14 (the rank). Under 600 s; each part has its own limit. (The whole `pytest -m gpu tests/plugins tests/runtime` collection overran 260 s in batch11: the
-# test files are listed instead.)
+# GEMMs (cuBLAS against the skinny GEMM). Then batch14 (the rank). Under 600 s; each part has its own limit.
+# (One `pytest -m gpu tests/plugins tests/runtime ...` call overran 260 s in batch11: the files are listed.)
 source tools/device/env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout ${TEST_S:-170} python3 -m pytest -q -m gpu tests/plugins/test_norm_gpu.py tests/plugins/test_router_gpu.py \
