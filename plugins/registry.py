@@ -61,7 +61,7 @@ IMPLS: list[Impl] = [
     Impl("MLA", _REF, 1, "k3plugins.mla.reference:mla_mixer"),
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
-    Impl("MoEExperts", "triton_p", 1, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
+    Impl("MoEExperts", "triton_p", 2, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
          expert_layout="paired"),
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,
          expert_layout="strided"),

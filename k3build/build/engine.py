@@ -28,7 +28,8 @@ from .options import DTYPES, BuildOptions
 from .source import BuildError, read_converted
 from .st_writer import SafetensorsWriter
 from .staging import clean_stale, finish_staging_dir, make_staging_dir
-from .tactics import PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, resolve_plugins, stamp_for
+from .tactics import (PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, record_tactic, resolve_plugins,
+                      stamp_for)
 
 # W4A16 MoE tactics that --tune may replace with triton_f8 -> their prefill kernel tactic
 RELAID_W4 = {"triton_p": "prefill_p", "triton_s": "prefill_s"}
@@ -187,7 +188,7 @@ def _tune_fp8(cfg: K3Config, mapping: Mapping, converted_dir: Path, plugins: dic
     trial = fp8_trial(*layer, cfg, RELAID_W4[base])
     ok = fp8_wins(trial)
     if ok:
-        plugins["MoEExperts"]["tactic"] = "triton_f8"
+        record_tactic(plugins["MoEExperts"], "MoEExperts", "triton_f8")
     return (f"MoEExperts: FP8 prefill on rank 0's first MoE layer against {base}: rel-L2 "
             f"{trial['moe_fp8_rel']:.3g}, cosine {trial['moe_fp8_cos']:.5f} (parity bar: rel-L2 < 3e-2, cosine > "
             f"0.999), {trial['moe_fp8_prefill_ms']:.3f} ms against {trial['moe_w4a16_prefill_ms']:.3f} ms; "

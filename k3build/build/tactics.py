@@ -50,12 +50,17 @@ def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_sca
     if expert_layout(table) != "natural" and any(d % STRIDE_BLOCK_K for d in expert_dims):
         notes.append(f"MoEExperts: using the 'triton' tactic, not {moe['tactic']!r} (expert dims {expert_dims} are "
                      f"not multiples of its K tile {STRIDE_BLOCK_K})")
-        moe["tactic"] = "triton"
+        record_tactic(moe, "MoEExperts", "triton")
     if moe["tactic"] in W4_TACTICS and max_scale_byte is not None and max_scale_byte > W4_MAX_SCALE_BYTE:
         notes.append(f"MoEExperts: using the 'triton_ds' tactic, not {moe['tactic']!r} (an expert scale byte is "
                      f"{max_scale_byte}; the W4 decode is exact up to {W4_MAX_SCALE_BYTE})")
-        moe["tactic"] = "triton_ds"
+        record_tactic(moe, "MoEExperts", "triton_ds")
     return notes
+
+
+def record_tactic(entry: dict, op: str, tactic: str) -> None:
+    """Point a plugin-table entry at another tactic, with that implementation's version."""
+    entry.update(tactic=tactic, version=registry.find(op, tactic).version)
 
 
 def expert_layout(table: dict[str, dict]) -> str:

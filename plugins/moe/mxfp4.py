@@ -104,13 +104,45 @@ def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch
     return out.reshape(packed.shape)
 
 
-def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
-    """MXFP4 bytes [..., R, K/2] -> the paired layout of the "*_p" tactics: in each K tile of 256, nibble i (i < 4)
-    of 32-bit word j holds code 64i + 2j and nibble i + 4 holds code 64i + 2j + 1, so that a decoded pair is two
-    neighbours along K (what the MMA's operand registers hold). Scales are unchanged.
+# Where pair_mxfp4 puts each pair's bits inside a 32-bit word. Decoding pair i (codes 64i + 2j, 64i + 2j + 1 of
+# the tile, for word j) to two bf16 bit patterns scaled by 2^-126 (the W4 decode's MAG 6 placement) is
+#     rotr(w, PAIR_MAG_ROT[i]) & 0x01C001C0  |  rotr(w, PAIR_SIGN_ROT[i]) & 0x80008000
+# Five distinct rotations and six masks a word (pairs 1 and 2 share one rotation for both masks), against seven
+# shifts and eight masks for nibbles in order: the fewest of any bit placement (a search over all of them).
+PAIR_MAG_ROT = (0, 3, 6, 9)
+PAIR_SIGN_ROT = (4, 3, 6, 5)
 
-    On 64-bit words, as restride_mxfp4: tile byte 32i + j holds codes 64i + 2j (low) and 64i + 2j + 1 (high), so
-    word j's bytes are the low nibbles of rows i = 0, 1 and of rows 2, 3, then their high nibbles.
+
+def _pair_bit_luts() -> torch.Tensor:
+    """[4, 256] int32: the bits of byte b of a nibble-paired word (nibble i: pair i's low code, nibble i + 4 its
+    high code), moved to where the decode reads them; a word is the OR of its 4 bytes' entries."""
+    dest = {}
+    for i in range(4):
+        for h in range(2):
+            for t in range(4):
+                rot, at = (PAIR_MAG_ROT[i], 6 + t) if t < 3 else (PAIR_SIGN_ROT[i], 15)
+                dest[16 * h + 4 * i + t] = (at + 16 * h + rot) % 32
+    assert sorted(dest.values()) == list(range(32))                                # a permutation of the bits
+    luts = [[0] * 256 for _ in range(4)]
+    for b in range(4):
+        for v in range(256):
+            word = sum(1 << dest[8 * b + bit] for bit in range(8) if v >> bit & 1)
+            luts[b][v] = word - (1 << 32) if word >> 31 else word
+    return torch.tensor(luts, dtype=torch.int32)
+
+
+_PAIR_LUTS = _pair_bit_luts()
+
+
+def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
+    """MXFP4 bytes [..., R, K/2] -> the paired layout of the "*_p" tactics: in each K tile of 256, 32-bit word j
+    holds, as pair i < 4, codes 64i + 2j and 64i + 2j + 1, so that a decoded pair is two neighbours along K (what
+    the MMA's operand registers hold); the pair's bits sit where PAIR_MAG_ROT / PAIR_SIGN_ROT read them. Scales
+    are unchanged.
+
+    Two steps. On 64-bit words, as restride_mxfp4: tile byte 32i + j holds codes 64i + 2j (low) and 64i + 2j + 1
+    (high), so word j's bytes are the low nibbles of rows i = 0, 1 and of rows 2, 3, then their high nibbles.
+    Then each word's bits are permuted, a byte at a time through _PAIR_LUTS.
     """
     K = packed.shape[-1] * 2
     if K % block_k or block_k != STRIDE_BLOCK_K:
@@ -120,4 +152,8 @@ def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Ten
     out = torch.empty(*lead, K // block_k, 32, 4, dtype=torch.uint8, device=packed.device)  # [j, byte p of word j]
     for p, (a, b) in enumerate(((0, 1), (2, 3))):
         out[..., p], out[..., p + 2] = _merge_nibbles(rows[..., a, :], rows[..., b, :])
-    return out.reshape(packed.shape)
+    luts = _PAIR_LUTS.to(packed.device)
+    words = luts[0][out[..., 0].long()]
+    for p in range(1, 4):
+        words |= luts[p][out[..., p].long()]
+    return words.view(torch.uint8).reshape(packed.shape)

@@ -136,9 +136,34 @@ def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.const
 
 
 @triton.jit
+def _rotr(w, D: tl.constexpr):
+    """uint32 w rotated right by D bits (one funnel shift)."""
+    if D == 0:
+        return w
+    return (w >> D) | (w << (32 - D))
+
+
+@triton.jit
+def _paired_codes(w, I: tl.constexpr):
+    """Pair I of each word in pair_mxfp4's layout as two bf16 bit patterns (values × 2^-126, as _code_pair's MAG
+    6): the rotations of mxfp4.PAIR_MAG_ROT / PAIR_SIGN_ROT, one shared by both masks for pairs 1 and 2."""
+    MAG: tl.constexpr = 0x01C001C0
+    SIGN: tl.constexpr = 0x80008000
+    if I == 0:
+        p = (w & MAG) | (_rotr(w, 4) & SIGN)
+    elif I == 1:
+        p = _rotr(w, 3) & (MAG | SIGN)
+    elif I == 2:
+        p = _rotr(w, 6) & (MAG | SIGN)
+    else:
+        p = (_rotr(w, 9) & MAG) | (_rotr(w, 5) & SIGN)
+    return p
+
+
+@triton.jit
 def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr):
-    """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in the paired layout (`pair_mxfp4`): nibbles (i, i+4) of
-    word j hold K indices 64i + 2j and 64i + 2j + 1, so each decoded 32-bit pair is already two neighbours along K
+    """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in the paired layout (`pair_mxfp4`): pair i of word j
+    holds K indices 64i + 2j and 64i + 2j + 1, so each decoded 32-bit pair is already two neighbours along K
     of one sub-block: the register the MMA takes (no byte permutes to build operands, unlike _strided_dot). Sub-block
     i (64 wide) takes the scales of columns 2i and 2i + 1 of s [BN, 8], for its words 0-15 and 16-31. Those columns
     are taken out by masked row reductions: in the sm_90 SASS, splits or per-column loads instead put the scales in
@@ -152,7 +177,7 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
         s_a = _scale(tl.max(tl.where(col == 2 * i, s, 0), 1), BF16)                      # [BN]: group 2i
         s_b = _scale(tl.max(tl.where(col == 2 * i + 1, s, 0), 1), BF16)
         sc64 = tl.reshape(tl.broadcast_to(tl.join(s_a, s_b)[:, :, None], (BN, 2, 32)), (BN, 64))
-        lo, hi = _halves(_code_pair(w, 4 * i), BF16)  # bf16, or fp32 for fp32/fp16 activations (as the scales)
+        lo, hi = _halves(_paired_codes(w, i), BF16)  # bf16, or fp32 for fp32/fp16 activations (as the scales)
         vals = (tl.reshape(tl.join(lo, hi), (BN, 64)) * sc64).to(DTYPE)
         x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0)
         acc = tl.dot(vals, x, acc)

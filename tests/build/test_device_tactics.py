@@ -101,6 +101,7 @@ def test_moe_tactic_steps_down_for_dims_and_scales(dims, scale, want):
     table, _ = resolve_plugins("sm90")
     notes = fit_moe_tactic(table, dims, scale)
     assert table["MoEExperts"]["tactic"] == want
+    assert table["MoEExperts"]["version"] == registry.find("MoEExperts", want).version  # what the loader checks
     assert len(notes) == (want != "triton_p") + (want == "triton_ds" and dims[1] % 256 != 0), notes
     assert expert_layout(table) == ("paired" if want == "triton_p" else "natural")
 

@@ -135,17 +135,22 @@ def test_restride_mxfp4_puts_code_q_sub_plus_j_in_nibble_q_of_word_j(block_k):
         restride_mxfp4(packed[..., :64], block_k)
 
 
-def test_pair_mxfp4_puts_neighbours_along_k_in_nibbles_i_and_i_plus_4():
-    from k3plugins.moe.mxfp4 import pair_mxfp4
+def test_pair_mxfp4_puts_neighbours_along_k_where_the_decode_reads_them():
+    """Word j's pair i (read as the kernel does: rotate right, mask the magnitude at bits 6-8 / 22-24 and the sign
+    at bit 15 / 31) holds codes 64i + 2j (low half) and 64i + 2j + 1 (high half) of its K tile."""
+    from k3plugins.moe.mxfp4 import PAIR_MAG_ROT, PAIR_SIGN_ROT, pair_mxfp4
 
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (2, 3, 512 // 2), dtype=torch.uint8, generator=g)  # K = 512: two tiles
     codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).long()
     words = pair_mxfp4(packed).view(torch.int32).long() & 0xFFFFFFFF
-    got = torch.stack([(words >> (4 * q)) & 0xF for q in range(8)], -1)                # [2, 3, 64 words, q]
+    rotr = lambda w, d: ((w >> d) | (w << (32 - d))) & 0xFFFFFFFF  # noqa: E731
     j = torch.arange(64)
-    want = torch.stack([codes[..., (j // 32) * 256 + 64 * (q % 4) + 2 * (j % 32) + q // 4] for q in range(8)], -1)
-    assert torch.equal(got, want)
+    for i in range(4):
+        mag, sign = rotr(words, PAIR_MAG_ROT[i]), rotr(words, PAIR_SIGN_ROT[i])
+        for h in range(2):
+            got = ((mag >> (6 + 16 * h)) & 7) | (((sign >> (15 + 16 * h)) & 1) << 3)  # [2, 3, 64 words]
+            assert torch.equal(got, codes[..., (j // 32) * 256 + 64 * i + 2 * (j % 32) + h]), (i, h)
     shifted = torch.cat([torch.zeros(2, 3, 1, dtype=torch.uint8), packed], -1)[..., 1:]  # unaligned, non-contiguous
     assert torch.equal(pair_mxfp4(shifted), pair_mxfp4(packed))
     with pytest.raises(ValueError, match="multiple of block_k=256"):

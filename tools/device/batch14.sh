@@ -1,7 +1,9 @@
 # Fourteenth device batch (right after batch13): the rank at 32/64/128 requests with the GLU and top-k changes,
-# and one profiled eager step at 32. Under 300 s.
+# one profiled eager step at 32, and the MoE bench (the paired layout v2: rotations). Under 500 s.
 source tools/device/env.sh
 timeout ${RANK_S:-150} python3 tools/bench_rank.py --batches 32,64,128 --reps 3 2>&1 | grep '^{' \
   | tee $OUT/rank.jsonl
 timeout ${PROF_S:-60} python3 tools/bench_rank.py --batches 32 --reps 3 --profile 2>&1 | grep rank_profile \
   > $OUT/profile.jsonl
+timeout ${MOE_S:-200} python3 tools/bench_plugins.py --only moe 2>&1 | grep '^{' | tee $OUT/moe.jsonl \
+  | grep -v '"moe_tactic"'
