@@ -5,7 +5,8 @@ update of the q/k/v channels, SiLU, q/k L2 norm, the K3 gate, sigmoid beta, the 
 [V, K] state (read once, written once), and the gated output RMSNorm. `conv_update_kernel` and
 `gated_norm_kernel` are the same glue split around a recurrent kernel: fla-core's fused_recurrent (the
 "fla" tactic) or `kda_recurrent_vsplit_kernel` (the "split" tactic), which gives each program a [BV, K]
-slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each.
+slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each
+(`kda_recurrent_persistent_kernel`, the experimental "persistent" tactic: the same slices, prefetched).
 """
 
 import triton
@@ -74,16 +75,20 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
 
 
 @triton.jit
-def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
-                                stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound,
-                                H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
-    """One decode token of sequence program_id(0), head program_id(1), value rows [BV·pid(2), +BV):
-    o = Sᵀq after S ← diag(exp g)S; S += β k (v − Sᵀk)ᵀ, on the slot's state in place (y = conv output)."""
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    D = H * K
+def _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K: tl.constexpr, BV: tl.constexpr):
+    """Pointers [BV, K] to value rows [BV·vb, +BV) of head h's [V, K] state in sequence n's slot (V-first)."""
     slot = tl.load(slot_ptr + n).to(tl.int64)
+    rv = vb * BV + tl.arange(0, BV)
+    return state_ptr + slot * stride_st + h * K * K + rv[:, None] * K + tl.arange(0, K)[None, :]
+
+
+@triton.jit
+def _update_slice(S, p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y, stride_graw,
+                  stride_b, stride_o, scale, lower_bound, H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                  HAS_LOWER_BOUND: tl.constexpr):
+    """One decode token of sequence n, head h on its state slice S (as loaded from p_s, value rows [BV·vb, +BV)):
+    o = Sᵀq after S ← diag(exp g)S; S += β k (v − Sᵀk)ᵀ; S is stored back to p_s (y = conv output)."""
+    D = H * K
     rk = tl.arange(0, K)
     rv = vb * BV + tl.arange(0, BV)
     row = y_ptr + n * stride_y + h * K
@@ -95,12 +100,43 @@ def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, 
     g = _gate(tl.load(graw_ptr + n * stride_graw + h * K + rk).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
               tl.load(dt_bias_ptr + h * K + rk).to(tl.float32), lower_bound, HAS_LOWER_BOUND)
     beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
-    p_s = state_ptr + slot * stride_st + h * K * K + rv[:, None] * K + rk[None, :]   # [BV, K] of [V, K]
-    S = tl.load(p_s).to(tl.float32) * tl.exp(g)[None, :]
+    S = S.to(tl.float32) * tl.exp(g)[None, :]
     u = (v - tl.sum(S * k[None, :], 1)) * beta
     S += u[:, None] * k[None, :]
-    tl.store(p_s, S.to(state_ptr.dtype.element_ty))
+    tl.store(p_s, S.to(p_s.dtype.element_ty))
     tl.store(o_ptr + n * stride_o + h * K + rv, tl.sum(S * q[None, :], 1))
+
+
+@triton.jit
+def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
+                                stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound,
+                                H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    """_update_slice of sequence program_id(0), head program_id(1), value slice program_id(2), in place."""
+    n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    p_s = _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K, BV)
+    _update_slice(tl.load(p_s), p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y,
+                  stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
+
+
+@triton.jit
+def kda_recurrent_persistent_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
+                                    stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound, tiles,
+                                    H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                                    HAS_LOWER_BOUND: tl.constexpr):
+    """The split tactic's slices (`tiles` of them, sequence-major) walked by a fixed grid of programs, each
+    loading its next slice's state before it updates the current one, so the SM keeps reading while it computes
+    and writes (a split program loads, computes and stores in turn). Experimental, not yet timed."""
+    VB: tl.constexpr = K // BV
+    t = tl.program_id(0)
+    p_s = _state_slice(state_ptr, slot_ptr, stride_st, t // (VB * H), (t // VB) % H, t % VB, K, BV)
+    S = tl.load(p_s)
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        nxt = tl.minimum(t + tl.num_programs(0), tiles - 1)  # past the end: a slice re-read, never used
+        p_next = _state_slice(state_ptr, slot_ptr, stride_st, nxt // (VB * H), (nxt // VB) % H, nxt % VB, K, BV)
+        S_next = tl.load(p_next)
+        _update_slice(S, p_s, t // (VB * H), (t // VB) % H, t % VB, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr,
+                      o_ptr, stride_y, stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
+        S, p_s = S_next, p_next
 
 
 @triton.jit

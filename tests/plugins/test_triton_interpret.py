@@ -151,7 +151,7 @@ def _kda_layer(g, N, H, K, hid, S):
 def _kda_decode_case(kd, lower_bound, tactic):
     from k3plugins.kda.reference import kda_mixer
     g = torch.Generator().manual_seed(3)
-    N, H, K, hid, S = 3, 2, 64, 32, 5  # K=64: the split tactic runs two value slices per head
+    N, H, K, hid, S = 3, 2, 64, 32, 5  # persistent: 6 slices walked by 2 programs (the interpreter's 1 SM, ×2)
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
     slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
     outs = []
@@ -306,7 +306,7 @@ def _child() -> None:
         res[f"mla-{splits}"] = _mla_case(mla, splits)
     res["mla-mixer"] = _mla_mixer_case(mla)
     for lb in (-5.0, None):
-        for tactic in ("fused", "split"):
+        for tactic in ("fused", "split", "persistent"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res.update(_norm_cases())
@@ -362,7 +362,7 @@ def test_mla_mixer_interpreted(results):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("tactic", ["fused", "split"])
+@pytest.mark.parametrize("tactic", ["fused", "split", "persistent"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
 def test_kda_decode_interpreted(results, lower_bound, tactic):
     r = results[f"kda-decode-{lower_bound}-{tactic}"]

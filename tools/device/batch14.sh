@@ -1,5 +1,6 @@
 # Fourteenth device batch (right after batch13): the rank at 32/64/128 requests with the GLU and top-k changes,
-# one profiled eager step at 32, and the MoE bench (the paired layout v2: rotations). Under 500 s.
+# one profiled eager step at 32, the MoE bench (the paired layout v2: rotations) and the KDA sweep (with the
+# persistent decode). Under 600 s.
 source tools/device/env.sh
 timeout ${RANK_S:-150} python3 tools/bench_rank.py --batches 32,64,128 --reps 3 2>&1 | grep '^{' \
   | tee $OUT/rank.jsonl
@@ -7,3 +8,5 @@ timeout ${PROF_S:-60} python3 tools/bench_rank.py --batches 32 --reps 3 --profil
   > $OUT/profile.jsonl
 timeout ${MOE_S:-200} python3 tools/bench_plugins.py --only moe 2>&1 | grep '^{' | tee $OUT/moe.jsonl \
   | grep -v '"moe_tactic"'
+timeout ${KDA_S:-140} python3 tools/bench_plugins.py --sweep --only kda 2>&1 | grep '^{' | tee $OUT/kda.jsonl \
+  | grep -v '_config"'
