@@ -5,7 +5,7 @@ bound by their weight bytes, and cuBLAS ran them at about 0.58 of that floor (`b
 against 4.2 ms), a fifth of it in split-K reduce kernels. Here each program streams BN weight rows over a K range
 once and multiplies them by all the tokens (the weights are the MMA's M side, as in the MoE decode kernel);
 when N alone gives too few programs the K range is split, and a second launch sums the fp32 partials in split
-order (deterministic). tools/bench_plugins.py --only gemm measures it against torch on the rank's shapes.
+order (deterministic). `tools/bench_rank.py --gemms` measures it against torch on a real-size rank's shapes.
 """
 
 from __future__ import annotations

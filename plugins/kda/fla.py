@@ -5,7 +5,8 @@ dtype. Decode tactics ("a step with as many tokens as sequences", every sequence
   "fused" — one Triton program per (sequence, head) does conv update, norms, gates, the delta rule on the
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
-  "split" — conv kernel, our recurrent kernel over [32, K] state slices (in place), norm kernel.
+  "split" — conv kernel, our recurrent kernel over [BLOCK_V, K] state slices (in place), norm kernel;
+  "persistent" — as split, the slices walked by a fixed grid that loads each next slice ahead (experimental).
 Prefill: row-walking varlen conv kernel (q, k, v out contiguous), fla-core chunk_kda from the gathered slot states,
 state scatter, norm kernel.
 """
