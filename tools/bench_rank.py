@@ -4,6 +4,7 @@
     python tools/bench_rank.py --moe-tactic triton                                # another MoE tactic than the build's
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
     python tools/bench_rank.py --gemms                                            # its dense GEMMs alone (GPU)
+    python tools/bench_rank.py --skinny                                           # with the skinny Triton GEMM
 
 The rank is what `k3build build` would write for the recipe's mapping (all 93 layers, 1/16 of attention and
 shared experts, 56 local experts in MXFP4), with synthetic weights made on the device instead of read from a
@@ -210,6 +211,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
+    ap.add_argument("--skinny", action="store_true",
+                    help="run every plugin's dense GEMM of <= 64 rows through the experimental skinny Triton GEMM "
+                         "(k3plugins.embed.dense.use_skinny) instead of torch's matmul")
     ap.add_argument("--gemms", action="store_true",
                     help="instead of decoding: time the rank's dense GEMMs at each batch size, torch against the "
                          "experimental skinny Triton GEMM (plugins/embed/skinny_gemm.py) and the weight floor")
@@ -246,9 +250,12 @@ def main() -> None:
         torch.cuda.empty_cache()
     else:
         bw = float("nan")
+    if args.skinny:
+        from k3plugins.embed.dense import use_skinny
+        use_skinny()
     emit(bench="rank_env", device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
          preset=args.preset, mapping=mapping.to_dict(), rank=0, routing=args.routing,
-         hbm_read_tbps=round(bw / 1e12, 3))
+         hbm_read_tbps=round(bw / 1e12, 3), dense_gemm="skinny" if args.skinny else "torch")
     t0 = time.perf_counter()
     engine = make_rank(cfg, mapping, 0, target=args.target, device=device, max_batch=batches[-1],
                        max_seq_len=args.context + 64, moe_tactic=args.moe_tactic)

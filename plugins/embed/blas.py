@@ -6,12 +6,14 @@ fp32 SIMT GEMM, which a real-size rank measured at about a quarter of its decode
 
 import torch
 
+from k3plugins.embed.dense import dense
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K], weight [N, K] -> [T, N] in x.dtype."""
-    return x @ weight.to(x.dtype).T
+    return dense(x, weight.to(x.dtype))
 
 
 def lm_head(h: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """h [T, D], weight [V_local, D], indices [N] (rows of h to score) -> fp32 logits [N, V_local]."""
-    return (h.index_select(0, indices) @ weight.to(h.dtype).T).float()
+    return dense(h.index_select(0, indices), weight.to(h.dtype)).float()

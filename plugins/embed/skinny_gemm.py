@@ -1,11 +1,12 @@
-"""x @ wᵀ for decode-sized x (M <= 64 rows) in Triton, weight-stationary: experimental, not wired into the engine.
+"""x @ wᵀ for decode-sized x (M <= 64 rows) in Triton, weight-stationary: experimental, off by default.
 
 At 32 tokens a real-size rank's dense GEMMs (KDA/MLA projections, latent MoE projections, shared experts) are
 bound by their weight bytes, and cuBLAS ran them at about 0.58 of that floor (`bench_rank --profile`: 7.3 ms
 against 4.2 ms), a fifth of it in split-K reduce kernels. Here each program streams BN weight rows over a K range
 once and multiplies them by all the tokens (the weights are the MMA's M side, as in the MoE decode kernel);
 when N alone gives too few programs the K range is split, and a second launch sums the fp32 partials in split
-order (deterministic). `tools/bench_rank.py --gemms` measures it against torch on a real-size rank's shapes.
+order (deterministic). `tools/bench_rank.py --gemms` measures it against torch on a real-size rank's shapes;
+`bench_rank.py --skinny` runs the whole rank with it (embed/dense.py).
 """
 
 from __future__ import annotations
@@ -99,3 +100,4 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, blocks: GemmBlocks = Ge
         split_sum_kernel[(triton.cdiv(M * N, block),)](part, out, M, N, part.stride(0), out.stride(0),
                                                        SPLITS=splits, BLOCK=block)
     return out
+

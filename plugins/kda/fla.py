@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from k3plugins.embed.dense import dense
 from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_kernel, conv_update_kernel,
                                          gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_persistent_kernel,
                                          kda_recurrent_vsplit_kernel)
@@ -174,15 +175,15 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     H, K = num_heads, head_dim
     D = H * K
     G = D if g_b_weight is None else K
-    proj = x @ in_proj_weight.T                                                 # [T, 3D + K + H + G]
+    proj = dense(x, in_proj_weight)                                             # [T, 3D + K + H + G]
     qkv = proj[:, :3 * D]
     f_a, b, g_in = proj[:, 3 * D:].split([K, H, G], dim=-1)
-    g_raw = f_a @ f_b_weight.T                                                  # [T, D]
-    g_out = g_in if g_b_weight is None else g_in @ g_b_weight.T
+    g_raw = dense(f_a, f_b_weight)                                              # [T, D]
+    g_out = g_in if g_b_weight is None else dense(g_in, g_b_weight)
     args = (qkv, g_raw, b, g_out.contiguous(), conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
     if T == slot_ids.shape[0]:
         o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps,
                        tactic=decode_tactic)
     else:
         o = kda_prefill(*args, cu_seqlens, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
-    return o @ o_weight.T
+    return dense(o, o_weight)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.embed.dense import dense
 from k3plugins.norm.reference import rms_norm
 
 PAGE = 64
@@ -172,9 +173,9 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
-    q_src = x if q_a_weight is None else rms_norm(x @ q_a_weight.T, q_a_norm_weight, eps=latent_eps)
-    q = (q_src @ q_b_weight.T).view(T, H, nope + rope)
-    ckv = x @ kv_a_weight.T                                                         # [T, r + rope]
+    q_src = x if q_a_weight is None else rms_norm(dense(x, q_a_weight), q_a_norm_weight, eps=latent_eps)
+    q = dense(q_src, q_b_weight).view(T, H, nope + rope)
+    ckv = dense(x, kv_a_weight)                                                     # [T, r + rope]
     entries = torch.cat([rms_norm(ckv[:, :r], kv_a_norm_weight, eps=latent_eps), ckv[:, r:]], dim=-1)
     # token t of sequence n sits at position context_lens[n] - (cu[n+1] - t)
     cu = cu_seqlens.to(torch.int64)
@@ -188,5 +189,5 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
                                  query_seq=seq.to(torch.int32))
     o = torch.einsum("thr,hrv->thv", o_lat.to(x.dtype), w_uv.to(x.dtype)).reshape(T, H * vd)
     if g_weight is not None:
-        o = o * torch.sigmoid(x @ g_weight.T)
-    return o @ o_weight.T
+        o = o * torch.sigmoid(dense(x, g_weight))
+    return dense(o, o_weight)

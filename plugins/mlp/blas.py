@@ -6,6 +6,7 @@ weights (see plugins/embed/blas.py). On a GPU the GLU is one Triton launch (mlp/
 
 import torch
 
+from k3plugins.embed.dense import dense
 from k3plugins.mlp import reference
 
 
@@ -13,10 +14,10 @@ def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.
               beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
     """down(act(gate x, up x)); x [M, D], gate_up_weight [2I, D] (gate rows first), down_weight [D, I]."""
     inter = gate_up_weight.shape[0] // 2
-    h = x @ gate_up_weight.to(x.dtype).T                                        # [M, 2I]
+    h = dense(x, gate_up_weight.to(x.dtype))                                    # [M, 2I]
     if h.is_cuda:
         from k3plugins.mlp.triton import glu
         a = glu(h, act=act, beta=beta, linear_beta=linear_beta)
     else:
         a = reference.glu(h[:, :inter], h[:, inter:], act=act, beta=beta, linear_beta=linear_beta)
-    return a @ down_weight.to(x.dtype).T
+    return dense(a, down_weight.to(x.dtype))

@@ -56,6 +56,24 @@ def test_skinny_gemm_matches_torch(M, N, K, blocks):
         assert _rel(got, x.float() @ w.float().T) < 8e-3  # bf16 output rounding
 
 
+def test_dense_takes_the_skinny_gemm_only_when_switched_on():
+    """embed.dense: torch's matmul by default; after use_skinny(), the skinny GEMM for at most MAX_M rows (same
+    result within bf16 rounding), torch's again past them."""
+    from k3plugins.embed import blas, dense
+    from k3plugins.embed.skinny_gemm import MAX_M
+    g = torch.Generator(device="cuda").manual_seed(9)
+    w = (torch.randn(300, 512, device="cuda", generator=g) * 512 ** -0.5).to(torch.bfloat16)
+    for M in (4, MAX_M + 1):
+        x = torch.randn(M, 512, device="cuda", generator=g).to(torch.bfloat16)
+        want = x.float() @ w.float().T
+        try:
+            dense.use_skinny()
+            got = blas.linear(x, w)
+        finally:
+            dense.use_skinny(False)
+        assert _rel(got, want) < 8e-3 and _rel(blas.linear(x, w), want) < 8e-3
+
+
 @pytest.mark.parametrize("K", [0, 1, 8, 11])
 @pytest.mark.parametrize("M,D", [(1, 7168), (128, 7168), (3, 96)])
 def test_attn_res_matches_reference(K, M, D):
