@@ -5,7 +5,8 @@
     python tools/sass_loops.py kda_recurrent_persistent --set BV=64 --dump /tmp/k.sass
 
 Triton compiles the kernel for sm_90 (its bundled ptxas) and cuobjdump disassembles it. For each loop (a backward
-branch) it prints the instruction count and the opcode histogram, plus the spill instructions of the whole kernel.
+branch) it prints the instruction count and the opcode histogram, after the kernel's registers a thread and spill
+instructions.
 Divide a loop's count by the weights a thread handles per iteration to get instructions a weight: the figure
 BENCHMARKS.md uses to predict the MoE decode kernels' speed, since they are bound by instruction issue.
 """
@@ -74,12 +75,15 @@ def main() -> None:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
     if args.dump:
         with open(args.dump, "w") as out:
             out.write(sass)
     spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
     print(json.dumps({"kernel": args.kernel, "constexprs": {k: str(v) for k, v in consts.items()},
-                      "num_warps": args.warps, "num_stages": args.stages, "spill_instructions": spills}))
+                      "num_warps": args.warps, "num_stages": args.stages, "registers": int(regs.group(1)) if regs else None,
+                      "spill_instructions": spills}))
     for loop in loops(sass):
         print(json.dumps(loop))
 

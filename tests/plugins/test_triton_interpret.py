@@ -78,9 +78,9 @@ def _sort_pairs_case(moe):
             "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0}
 
 
-def _moe_strided_case(moe, dtype, paired=False):
+def _moe_strided_case(moe, dtype, paired=False, down_block_n=0):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
-    pair_mxfp4's) vs the reference on the originals."""
+    pair_mxfp4's) vs the reference on the originals; down_block_n: the down kernel's own rows per program."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 256, 256
@@ -92,7 +92,7 @@ def _moe_strided_case(moe, dtype, paired=False):
     w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
     tactic = moe.MoETactic(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=1, strided=True,
-                           paired=paired)
+                           paired=paired, down_block_n=down_block_n)
     out = moe.moe_experts(z, ids, w, moe.lay_out(tactic, w13), s13, moe.lay_out(tactic, w2), s2, expert_start=start,
                           act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
@@ -297,6 +297,7 @@ def _child() -> None:
     for dtype in (torch.float32, torch.float16):
         res[f"moe-strided-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype)
         res[f"moe-paired-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype, paired=True)
+    res["moe-paired-down64"] = _moe_strided_case(moe, torch.float32, paired=True, down_block_n=64)
     res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
@@ -342,6 +343,10 @@ def test_moe_registry_entry_fits_small_experts(results):
 @pytest.mark.parametrize("layout", ["strided", "paired"])
 def test_moe_strided_layout_interpreted(results, dtype, tol, layout):
     assert results[f"moe-{layout}-{dtype}"]["rel"] < tol, results[f"moe-{layout}-{dtype}"]
+
+
+def test_moe_down_kernel_takes_its_own_block_interpreted(results):
+    assert results["moe-paired-down64"]["rel"] < 1e-5, results["moe-paired-down64"]
 
 
 def test_sort_pairs_interpreted(results):
