@@ -165,17 +165,20 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
     """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in the paired layout (`pair_mxfp4`): pair i of word j
     holds K indices 64i + 2j and 64i + 2j + 1, so each decoded 32-bit pair is already two neighbours along K
     of one sub-block: the register the MMA takes (no byte permutes to build operands, unlike _strided_dot). Sub-block
-    i (64 wide) takes the scales of columns 2i and 2i + 1 of s [BN, 8], for its words 0-15 and 16-31. Those columns
-    are taken out by masked row reductions: in the sm_90 SASS, splits or per-column loads instead put the scales in
-    a layout that costs a byte permute per operand register."""
+    i (64 wide) takes the scales of columns 2i and 2i + 1 of s [BN, 8], for its words 0-15 and 16-31. They are
+    packed two a column ([BN, 4]) and taken out by masked row reductions: in the sm_90 SASS, per-column loads or a
+    split per sub-block instead put the scales in a layout that costs a byte permute per operand register, and
+    packing halves the reductions (2.99 instructions a weight in the gate/up loop, against 3.04 unpacked)."""
     BF16: tl.constexpr = DTYPE == tl.bfloat16
     w = w.to(tl.uint32, bitcast=True)
-    s = s.to(tl.int32)
-    col = tl.arange(0, 8)[None, :]
+    s_even, s_odd = tl.split(tl.reshape(s, (BN, 4, 2)))
+    s2 = s_even.to(tl.int32) | (s_odd.to(tl.int32) << 8)                                 # [BN, 4]: 2i | 2i+1 << 8
+    col = tl.arange(0, 4)[None, :]
     r64 = tl.arange(0, 64)
     for i in tl.static_range(4):
-        s_a = _scale(tl.max(tl.where(col == 2 * i, s, 0), 1), BF16)                      # [BN]: group 2i
-        s_b = _scale(tl.max(tl.where(col == 2 * i + 1, s, 0), 1), BF16)
+        both = tl.max(tl.where(col == i, s2, 0), 1)                                      # [BN]
+        s_a = _scale(both & 0xFF, BF16)                                                  # group 2i
+        s_b = _scale(both >> 8, BF16)                                                    # group 2i + 1
         sc64 = tl.reshape(tl.broadcast_to(tl.join(s_a, s_b)[:, :, None], (BN, 2, 32)), (BN, 64))
         lo, hi = _halves(_paired_codes(w, i), BF16)  # bf16, or fp32 for fp32/fp16 activations (as the scales)
         vals = (tl.reshape(tl.join(lo, hi), (BN, 64)) * sc64).to(DTYPE)
