@@ -92,19 +92,15 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     total = spans[-1][1] if spans else 0
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {path.parent.name}", disable=not progress)
     with open(path, "rb", buffering=0) as f, bar:
-        f.seek(data_start)
         if staged:
             readers = max(1, readers)
             with ThreadPoolExecutor(readers, thread_name_prefix="weight-reader") as pool:
                 read = partial(_pread_parts, pool, readers, min_part, f.fileno(), data_start, path)
                 _read_staged(read, spans, tensors, total, chunk_bytes, device, bar)
         else:
-            pos = 0
             for start, end, name in spans:
-                if start != pos:
-                    f.seek(data_start + start)
-                _read_into(f, _bytes(tensors[name]).numpy(), path, name)
-                pos = end
+                _pread(f.fileno(), memoryview(_bytes(tensors[name]).numpy()).cast("B"), data_start + start, path,
+                       name)
                 bar.update(end - start)
     return tensors
 
@@ -154,18 +150,10 @@ def _pread_parts(pool: ThreadPoolExecutor, readers: int, min_part: int, fd: int,
 
 
 def _pread(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
+    """Fill `view` from file offset `offset` (a positioned read: no shared file position between threads)."""
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
-        if not n:
-            raise WeightFileError(f"{path}: ends inside tensor {name!r} (truncated file?)")
-        got += n
-
-
-def _read_into(f, out, path: Path, name: str) -> None:
-    view, got = memoryview(out).cast("B"), 0
-    while got < len(view):
-        n = f.readinto(view[got:])
         if not n:
             raise WeightFileError(f"{path}: ends inside tensor {name!r} (truncated file?)")
         got += n

@@ -98,6 +98,7 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
 # weights a decode step multiplies as x @ wᵀ with one row of x per request (the router's gate has its own kernel)
 GEMM_WEIGHTS = ("in_proj", "f_b", "o_proj", "gate_up", "down", "down_proj", "up_proj", "q_a", "q_b", "kv_a", "g",
                 "lm_head")
+# (BN, BK, warps, stages) of skinny_linear to time; the first is GemmBlocks()'s default
 GEMM_BLOCKS = ((32, 256, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3))
 
 
@@ -123,13 +124,15 @@ def bench_gemms(weights: dict, batches: list[int], bw: float, emit) -> None:
                 got = skinny_linear(x, w, blocks)
                 rel = ((got.float() - want).norm() / want.norm()).item()
                 runs[f"bn{bn}_bk{bk}_w{nw}_s{st}"] = (time_ms(lambda: skinny_linear(x, w, blocks)), rel)
+            d = GemmBlocks()
+            default = runs[f"bn{d.block_n}_bk{d.block_k}_w{d.num_warps}_s{d.num_stages}"][0]
             best = min(runs, key=lambda k: runs[k][0])
             floor = w.nbytes / bw * 1e3
             emit(bench="rank_gemm", batch=n, N=N, K=K, count=count, floor_ms=round(floor, 4),
-                 torch_ms=round(t_torch, 4), default_ms=round(runs[next(iter(runs))][0], 4),
+                 torch_ms=round(t_torch, 4), default_ms=round(default, 4),
                  best=best, best_ms=round(runs[best][0], 4), max_rel_l2=max(r for _, r in runs.values()),
                  torch_frac_of_floor=round(floor / t_torch, 3), best_frac_of_floor=round(floor / runs[best][0], 3))
-            for key, t in (("torch_ms", t_torch), ("default_ms", runs[next(iter(runs))][0]),
+            for key, t in (("torch_ms", t_torch), ("default_ms", default),
                            ("best_ms", runs[best][0]), ("floor_ms", floor)):
                 total[key] += count * t
         emit(bench="rank_gemms", batch=n, **{k: round(v, 3) for k, v in total.items()},
