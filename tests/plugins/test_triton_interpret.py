@@ -1,11 +1,11 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
 
 Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it),
-the MLA split-K decode, the fused KDA decode step, the KDA prefill conv kernels, the norms, the GLU, the router
-and the skinny GEMM, each against its torch
-reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter must be on before the
-first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
-run in one child process started with the variable set; each test reads its result.
+the MLA split-K decode, the KDA decode steps, the KDA prefill conv kernels, the norms, the GLU, the router and
+the skinny GEMM, each against its torch reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The
+interpreter must be on before the first `import triton` of a process (triton.language's own @jit helpers are
+decorated then), so the checks run in one child process started with the variable set; each test reads its
+result.
 """
 import functools
 import json
