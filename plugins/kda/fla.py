@@ -180,7 +180,9 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     f_a, b, g_in = proj[:, 3 * D:].split([K, H, G], dim=-1)
     g_raw = dense(f_a, f_b_weight)                                              # [T, D]
     g_out = g_in if g_b_weight is None else dense(g_in, g_b_weight)
-    args = (qkv, g_raw, b, g_out.contiguous(), conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
+    # g_out stays a strided view of proj: every kernel that reads it takes its row stride (a copy was a launch a
+    # layer)
+    args = (qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
     if T == slot_ids.shape[0]:
         o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps,
                        tactic=decode_tactic)
