@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import onnx
 import torch
 from k3plugins import registry
+from k3plugins.step_scope import step_scope
 from onnx import helper
 
 from .loader import _ONNX_TO_TORCH, RankEngine
@@ -93,6 +94,10 @@ class Executor:
     @torch.inference_mode()
     def run(self, batch: StepBatch, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Run the graph for one step. Returns the graph outputs (logits [M, V] fp32 on the last stage)."""
+        with step_scope():  # the plugins derive the batch's index tensors once, not once a layer
+            return self._run(batch, extra)
+
+    def _run(self, batch: StepBatch, extra: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         env = dict(self.weights)
         env.update({"input_ids": batch.input_ids, "logits_indices": batch.logits_indices, **(extra or {})})
         env[""] = None

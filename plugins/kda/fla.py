@@ -20,6 +20,7 @@ from k3plugins.embed.dense import dense
 from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_kernel, conv_update_kernel,
                                          gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_persistent_kernel,
                                          kda_recurrent_vsplit_kernel)
+from k3plugins.step_scope import per_step
 
 # first is the default: "split" is the fastest measured (BENCHMARKS.md); "persistent" (split's slices walked by a
 # fixed grid, the next state prefetched) is experimental, not yet timed
@@ -90,7 +91,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     N = qkv.shape[0]
     H, K = num_heads, head_dim
     D = H * K
-    slot_ids = slot_ids.to(torch.int32)
+    slot_ids = per_step("kda_slots", (slot_ids,), lambda s: s.to(torch.int32))
     out = torch.empty(N, D, dtype=qkv.dtype, device=qkv.device)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     if tactic == "fused":
@@ -131,6 +132,13 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
 
 
+def _prefill_index(slot_ids: torch.Tensor, cu_seqlens: torch.Tensor, T: int):
+    """int32 slots, int64 offsets and each token's sequence (int32): the same for every KDA layer of a step."""
+    cu = cu_seqlens.to(torch.int64)
+    tok_seq = torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True).to(torch.int32)
+    return slot_ids.to(torch.int32), cu, tok_seq
+
+
 def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool,
                 cu_seqlens, slot_ids, *, num_heads, head_dim, lower_bound, eps):
     """Packed prefill chunks (any lengths) via chunk_kda, continuing from and updating each slot."""
@@ -139,9 +147,8 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     N = slot_ids.shape[0]
     H, K = num_heads, head_dim
     D = H * K
-    slot_ids = slot_ids.to(torch.int32)
-    cu = cu_seqlens.to(torch.int64)
-    tok_seq = torch.searchsorted(cu[1:], torch.arange(T, device=qkv.device), right=True).to(torch.int32)
+    slot_ids, cu, tok_seq = per_step("kda_prefill_index", (slot_ids, cu_seqlens),
+                                     lambda *src: _prefill_index(*src, T))
     y = torch.empty(3, T, D, dtype=qkv.dtype, device=qkv.device)                # q, k, v each contiguous
     bc = conv_channel_block(D)
     conv_prefill_rows_kernel[(triton.cdiv(T, CONV_PREFILL_BT), 3 * D // bc)](

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from k3plugins.embed.dense import dense
 from k3plugins.norm.reference import rms_norm
+from k3plugins.step_scope import per_step
 
 PAGE = 64
 
@@ -162,6 +163,18 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     return out
 
 
+def _token_index(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, page_table: torch.Tensor, T: int):
+    """For a step's T tokens: the cache page and row each writes, the page table, the attended length and the
+    sequence of each token as the decode kernel takes them (the same for every MLA layer of the step)."""
+    # token t of sequence n sits at position context_lens[n] - (cu[n+1] - t)
+    cu = cu_seqlens.to(torch.int64)
+    tok = torch.arange(T, device=cu.device)
+    seq = torch.searchsorted(cu[1:], tok, right=True)                              # [T]
+    pos = context_lens.to(torch.int64)[seq] - (cu[seq + 1] - tok)
+    return (page_table.to(torch.int64)[seq, pos // PAGE], pos % PAGE, page_table.to(torch.int32),
+            (pos + 1).to(torch.int32), seq.to(torch.int32))
+
+
 def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight: torch.Tensor | None,
               q_b_weight: torch.Tensor, kv_a_weight: torch.Tensor, kv_a_norm_weight: torch.Tensor,
               w_uk: torch.Tensor, w_uv: torch.Tensor, g_weight: torch.Tensor | None, o_weight: torch.Tensor,
@@ -177,16 +190,12 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
     q = dense(q_src, q_b_weight).view(T, H, nope + rope)
     ckv = dense(x, kv_a_weight)                                                     # [T, r + rope]
     entries = torch.cat([rms_norm(ckv[:, :r], kv_a_norm_weight, eps=latent_eps), ckv[:, r:]], dim=-1)
-    # token t of sequence n sits at position context_lens[n] - (cu[n+1] - t)
-    cu = cu_seqlens.to(torch.int64)
-    tok = torch.arange(T, device=x.device)
-    seq = torch.searchsorted(cu[1:], tok, right=True)                              # [T]
-    pos = context_lens.to(torch.int64)[seq] - (cu[seq + 1] - tok)
-    kv_cache[page_table.to(torch.int64)[seq, pos // PAGE], pos % PAGE] = entries.to(kv_cache.dtype)
+    page, row, pages32, lens32, seq32 = per_step("mla_index", (cu_seqlens, context_lens, page_table),
+                                                 lambda *src: _token_index(*src, T))
+    kv_cache[page, row] = entries.to(kv_cache.dtype)
     q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk.to(q.dtype))          # [T, H, r]
-    o_lat = mla_decode_attention(q_lat.to(kv_cache.dtype), q[..., nope:].to(kv_cache.dtype), kv_cache,
-                                 page_table.to(torch.int32), (pos + 1).to(torch.int32), scale=scale,
-                                 query_seq=seq.to(torch.int32))
+    o_lat = mla_decode_attention(q_lat.to(kv_cache.dtype), q[..., nope:].to(kv_cache.dtype), kv_cache, pages32,
+                                 lens32, scale=scale, query_seq=seq32)
     o = torch.einsum("thr,hrv->thv", o_lat.to(x.dtype), w_uv.to(x.dtype)).reshape(T, H * vd)
     if g_weight is not None:
         o = o * torch.sigmoid(dense(x, g_weight))
