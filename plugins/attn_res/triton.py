@@ -76,10 +76,80 @@ def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr,
     tl.store(out_ptr + m * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _candidate(i: tl.constexpr, K: tl.constexpr, partial_ptr, b0, b1, b2, b3, b4, b5, b6, b7, m, stride_pm,
+               stride_bk, stride_bm, offs, mask, STACKED: tl.constexpr):
+    """Candidate i's values at `offs` of token m in fp32: snapshot i, or the running sum for i == K."""
+    if i == K:
+        row = partial_ptr + m * stride_pm
+    else:
+        row = _block(i, b0, b1, b2, b3, b4, b5, b6, b7, stride_bk, STACKED) + m * stride_bm
+    return tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def attn_res_partials_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
+                             norm_w_ptr, part_ptr, D, stride_pm, stride_bk, stride_bm, K: tl.constexpr,
+                             STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr):
+    """Split over D, first pass: for token program_id(0) and chunk program_id(1) of CH values, each candidate's
+    v·(w⊙p) and v·v over the chunk, to part [M, chunks, 2, BK]. One warp a chunk: warp reductions, no barrier."""
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CH + tl.arange(0, CH)
+    mask = offs < D
+    q = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * \
+        tl.load(proj_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rk = tl.arange(0, BK)
+    dots = tl.zeros((BK,), tl.float32)
+    squares = tl.zeros((BK,), tl.float32)
+    for i in tl.static_range(K + 1):
+        v = _candidate(i, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m,
+                       stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
+        dots = tl.where(rk == i, tl.sum(v * q, 0), dots)
+        squares = tl.where(rk == i, tl.sum(v * v, 0), squares)
+    out = part_ptr + (m * tl.num_programs(1) + c) * 2 * BK + rk
+    tl.store(out, dots)
+    tl.store(out + BK, squares)
+
+
+@triton.jit
+def attn_res_mix_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, part_ptr,
+                        out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
+                        STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, CHUNKS: tl.constexpr,
+                        BC: tl.constexpr):
+    """Split over D, second pass: the chunks' partials summed in chunk order into the scores, the softmax over
+    depth, and this chunk of the weighted sum of the candidates."""
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    rc = tl.arange(0, BC)
+    rk = tl.arange(0, BK)
+    at = part_ptr + (m * CHUNKS + rc[:, None]) * 2 * BK + rk[None, :]
+    ok = (rc < CHUNKS)[:, None]
+    dots = tl.sum(tl.load(at, mask=ok, other=0.0), 0)
+    squares = tl.sum(tl.load(at + BK, mask=ok, other=0.0), 0)
+    scores = tl.where(rk <= K, dots * tl.rsqrt(squares / D + eps), float("-inf"))
+    e = tl.exp(scores - tl.max(scores, 0))
+    weights = e / tl.sum(e, 0)
+    offs = c * CH + tl.arange(0, CH)
+    mask = offs < D
+    acc = tl.zeros((CH,), tl.float32)
+    for i in tl.static_range(K + 1):
+        v = _candidate(i, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m,
+                       stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
+        acc += tl.sum(tl.where(rk == i, weights, 0.0), 0) * v
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+SPLIT_CHUNK = 512  # values of D a one-warp program takes in the split form (16 a thread)
+
+
 def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
-             norm_weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+             norm_weight: torch.Tensor, *, eps: float, split: int = 0) -> torch.Tensor:
     """See reference.attn_res. partial: [M, D]; blocks: [K, M, D], or K tensors [M, D] (read where they are: the
-    executor's snapshots are never stacked into a copy); proj, norm_weight: D values."""
+    executor's snapshots are never stacked into a copy); proj, norm_weight: D values.
+    split: 0, one program a token, whose two block-wide reductions per candidate cost a barrier each; else two
+    launches over (token, chunk of `split` values of D) programs of one warp (experimental, not yet timed: the
+    engine calls the default; `bench_plugins --only attn_res` compares them with SPLIT_CHUNK)."""
     M, D = partial.shape if partial.dim() == 2 else (-1, -1)
     if isinstance(blocks, torch.Tensor):
         stacked = blocks.dim() == 3 and tuple(blocks.shape[1:]) == (M, D)
@@ -98,9 +168,19 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
     ptrs = [torch.stack(blocks)] if many else blocks
     ptrs = ptrs + [ptrs[0]] * (MAX_BLOCK_PTRS - len(ptrs))  # unused pointer slots
     out = torch.empty_like(partial)
-    if M:
+    proj, norm_weight = proj.reshape(D).contiguous(), norm_weight.contiguous()
+    if M and split:
+        chunks, bk = triton.cdiv(D, split), triton.next_power_of_2(K + 1)
+        part = torch.empty(M, chunks, 2, bk, dtype=torch.float32, device=partial.device)
+        strides = (D, partial.stride(0), M * D, D)
+        attn_res_partials_kernel[(M, chunks)](partial, *ptrs, proj, norm_weight, part, *strides, K=K, STACKED=many,
+                                              CH=split, BK=bk, num_warps=1)
+        attn_res_mix_kernel[(M, chunks)](partial, *ptrs, part, out, *strides, out.stride(0), float(eps), K=K,
+                                         STACKED=many, CH=split, BK=bk, CHUNKS=chunks,
+                                         BC=triton.next_power_of_2(chunks), num_warps=1)
+    elif M:
         bd = triton.next_power_of_2(D)
-        attn_res_kernel[(M,)](partial, *ptrs, proj.reshape(D).contiguous(), norm_weight.contiguous(), out, D,
+        attn_res_kernel[(M,)](partial, *ptrs, proj, norm_weight, out, D,
                               partial.stride(0), M * D, D, out.stride(0), float(eps), K=K, STACKED=many, BD=bd,
                               BK=triton.next_power_of_2(K), num_warps=min(16, max(1, bd // 512)))
     return out

@@ -76,16 +76,18 @@ def test_dense_takes_the_skinny_gemm_only_when_switched_on():
 
 @pytest.mark.parametrize("K", [0, 1, 8, 11])
 @pytest.mark.parametrize("M,D", [(1, 7168), (128, 7168), (3, 96)])
-def test_attn_res_matches_reference(K, M, D):
-    """Snapshots as the executor passes them (K separate tensors, read in place; 11 are stacked) and stacked."""
+@pytest.mark.parametrize("split", [0, ar.SPLIT_CHUNK])
+def test_attn_res_matches_reference(K, M, D, split):
+    """Snapshots as the executor passes them (K separate tensors, read in place; 11 are stacked) and stacked; one
+    program a token, or the split form (D 96: one part-masked chunk)."""
     g = torch.Generator(device="cuda").manual_seed(K * 1000 + M)
     partial = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
     blocks = [torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(K)]
     proj, nw = torch.randn(D, device="cuda", generator=g) * D ** -0.5, torch.ones(D, device="cuda")
     want = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6)
     for form in (blocks, torch.stack(blocks) if K else torch.empty(0, M, D, device="cuda", dtype=torch.bfloat16)):
-        got = ar.attn_res(partial, form, proj, nw, eps=1e-6)
-        assert got.dtype == torch.bfloat16 and _rel(got, want) < 8e-3, (K, M, D)
+        got = ar.attn_res(partial, form, proj, nw, eps=1e-6, split=split)
+        assert got.dtype == torch.bfloat16 and _rel(got, want) < 8e-3, (K, M, D, split)
 
 
 @pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (2048, 16, 56, 112), (7, 4, 3, 5)])

@@ -217,8 +217,16 @@ def _norm_cases() -> dict:
             got = ar.attn_res(partial, blocks, proj, nw, eps=1e-6)
             # the executor's form: K separate tensors (each its own allocation), read in place
             got_list = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6)
+            # the split form: D = 96 in chunks of 32 (three a token), D = 112 (four, the last half masked)
+            got_split = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6, split=32)
+            wide = torch.randn(7, 112, generator=g).to(dtype)
+            wide_blocks = torch.randn(k, 7, 112, generator=g).to(dtype)
+            p112, n112 = torch.randn(112, generator=g), 1 + 0.1 * torch.randn(112, generator=g)
+            rel_wide = _rel(ar.attn_res(wide, wide_blocks, p112, n112, eps=1e-6, split=32),
+                            ar_ref.attn_res(wide, wide_blocks, p112, n112, eps=1e-6)) if k else 0.0
             res[f"attnres-{name}-{k}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype,
-                                          "rel_list": _rel(got_list, want)}
+                                          "rel_list": _rel(got_list, want), "rel_split": _rel(got_split, want),
+                                          "rel_split_masked": rel_wide}
     return res
 
 
@@ -392,6 +400,7 @@ def test_attn_res_interpreted(results, dtype, tol, k):
     pointers and past them."""
     r = results[f"attnres-{dtype}-{k}"]
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
+    assert r["rel_split"] < tol and r["rel_split_masked"] < tol, r  # the split tactic, over 3 and 4 chunks
 
 
 @pytest.mark.parametrize("M", [1, 5, 33, 64])
