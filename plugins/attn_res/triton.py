@@ -48,35 +48,6 @@ def _block(i: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7, stride_bk, STACKED: 
 
 
 @triton.jit
-def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
-                    norm_w_ptr, out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
-                    STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BD)
-    mask = offs < D
-    q = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * \
-        tl.load(proj_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(partial_ptr + m * stride_pm + offs, mask=mask, other=0.0).to(tl.float32)
-    s_partial = _score(p, q, D, eps)
-    rk = tl.arange(0, BK)
-    scores = tl.full((BK,), float("-inf"), tl.float32)
-    for i in tl.static_range(K):
-        base = _block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED)
-        v = tl.load(base + m * stride_bm + offs, mask=mask, other=0.0).to(tl.float32)
-        scores = tl.where(rk == i, _score(v, q, D, eps), scores)
-    top = tl.maximum(tl.max(scores, 0), s_partial)
-    e = tl.exp(scores - top)  # exp(-inf) = 0 past K
-    e_partial = tl.exp(s_partial - top)
-    acc = e_partial * p
-    for i in tl.static_range(K):
-        base = _block(i, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, stride_bk, STACKED)
-        v = tl.load(base + m * stride_bm + offs, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.where(rk == i, e, 0.0), 0) * v
-    out = acc / (tl.sum(e, 0) + e_partial)
-    tl.store(out_ptr + m * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _candidate(i: tl.constexpr, K: tl.constexpr, partial_ptr, b0, b1, b2, b3, b4, b5, b6, b7, m, stride_pm,
                stride_bk, stride_bm, offs, mask, STACKED: tl.constexpr):
     """Candidate i's values at `offs` of token m in fp32: snapshot i, or the running sum for i == K."""
@@ -85,6 +56,36 @@ def _candidate(i: tl.constexpr, K: tl.constexpr, partial_ptr, b0, b1, b2, b3, b4
     else:
         row = _block(i, b0, b1, b2, b3, b4, b5, b6, b7, stride_bk, STACKED) + m * stride_bm
     return tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
+                    norm_w_ptr, out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
+                    STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    mask = offs < D
+    q = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * \
+        tl.load(proj_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = _candidate(K, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m, stride_pm,
+                   stride_bk, stride_bm, offs, mask, STACKED)
+    s_partial = _score(p, q, D, eps)
+    rk = tl.arange(0, BK)
+    scores = tl.full((BK,), float("-inf"), tl.float32)
+    for i in tl.static_range(K):
+        v = _candidate(i, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m,
+                       stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
+        scores = tl.where(rk == i, _score(v, q, D, eps), scores)
+    top = tl.maximum(tl.max(scores, 0), s_partial)
+    e = tl.exp(scores - top)  # exp(-inf) = 0 past K
+    e_partial = tl.exp(s_partial - top)
+    acc = e_partial * p
+    for i in tl.static_range(K):
+        v = _candidate(i, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m,
+                       stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
+        acc += tl.sum(tl.where(rk == i, e, 0.0), 0) * v
+    out = acc / (tl.sum(e, 0) + e_partial)
+    tl.store(out_ptr + m * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
