@@ -1,7 +1,8 @@
 """Weight layout passes: a rank's canonical (converted) tensors -> the tensors its plugins read.
 
 Passes, per layer:
-- KDA: fuse every projection of x into one `in_proj` [q | k | v | f_a | b | g] (one GEMM reads x once),
+- KDA: fuse every projection of x into one `in_proj` [q | k | v | f_a | b | g] (one GEMM reads x once; zero
+  rows pad it to a multiple of IN_PROJ_ROW_ALIGN),
   fuse the three depthwise conv weights into `conv` [3D, W] fp32.
 - MLA: absorb kv_b_proj into `w_uk` [H, nope, r] (q side) and `w_uv` [H, r, v] (o side), so decode reads
   only the 576-wide latent cache.
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+from k3plugins.kda.reference import IN_PROJ_ROW_ALIGN
 from k3plugins.moe.mxfp4 import pair_mxfp4, restride_mxfp4
 
 from ..config import KDA, K3Config
@@ -89,7 +92,9 @@ def _layer(cfg: K3Config, mapping: Mapping, rank: int, layer: int, get: Get,
 def _kda(cfg: K3Config, a: str, e: str, get: Get):
     gate = [get(a + "g_proj.weight")] if cfg.kda_use_full_rank_gate else [get(a + "g_a_proj.weight")]
     rows = [get(a + n + "_proj.weight") for n in ("q", "k", "v", "f_a", "b")] + gate
-    yield e + "in_proj", torch.cat([r.to(rows[0].dtype) for r in rows])
+    in_proj = torch.cat([r.to(rows[0].dtype) for r in rows])
+    pad = -in_proj.shape[0] % IN_PROJ_ROW_ALIGN  # zero rows: the GEMM's output rows stay 16-byte aligned
+    yield e + "in_proj", F.pad(in_proj, (0, 0, 0, pad))
     yield e + "conv", torch.cat([get(a + n + "_conv1d.weight").float()[:, 0, :] for n in ("q", "k", "v")])
     yield e + "f_b", get(a + "f_b_proj.weight")
     yield e + "A_log", get(a + "A_log")

@@ -144,13 +144,20 @@ def attn_res_mix_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_
 SPLIT_CHUNK = 512  # values of D a one-warp program takes in the split form (16 a thread)
 
 
+def use_split(M: int, K: int) -> int:
+    """The form the engine takes for M tokens and K candidates (H200, BENCHMARKS.md): the split form, except at two
+    candidates or fewer and 128 tokens or more, where one program a token was 5 % faster (at 8 candidates or 32
+    tokens the split form was 13-39 % faster)."""
+    return 0 if K <= 2 and M >= 128 else SPLIT_CHUNK
+
+
 def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
-             norm_weight: torch.Tensor, *, eps: float, split: int = 0) -> torch.Tensor:
+             norm_weight: torch.Tensor, *, eps: float, split: int | None = None) -> torch.Tensor:
     """See reference.attn_res. partial: [M, D]; blocks: [K, M, D], or K tensors [M, D] (read where they are: the
     executor's snapshots are never stacked into a copy); proj, norm_weight: D values.
     split: 0, one program a token, whose two block-wide reductions per candidate cost a barrier each; else two
-    launches over (token, chunk of `split` values of D) programs of one warp (experimental, not yet timed: the
-    engine calls the default; `bench_plugins --only attn_res` compares them with SPLIT_CHUNK)."""
+    launches over (token, chunk of `split` values of D) programs of one warp, with no barrier; None (the
+    engine's call): use_split's choice."""
     M, D = partial.shape if partial.dim() == 2 else (-1, -1)
     if isinstance(blocks, torch.Tensor):
         stacked = blocks.dim() == 3 and tuple(blocks.shape[1:]) == (M, D)
@@ -163,6 +170,8 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
         raise ValueError(f"attn_res (triton): proj and norm_weight must hold {D} values")
     if K == 0:
         return partial  # a softmax over one candidate is exactly 1
+    if split is None:
+        split = use_split(M, K)
     partial = partial.contiguous()
     blocks = [b.contiguous() for b in blocks]
     many = K > MAX_BLOCK_PTRS

@@ -2,6 +2,18 @@
 import torch
 import torch.nn.functional as F
 
+# k3build's layout pass pads the fused input projection with zero rows to a multiple of this, so that the rows of
+# its GEMM's output start 16-byte aligned: K3 at TP16 has 3206 rows, and for that cuBLAS takes a slower
+# `align2` kernel (BENCHMARKS.md, eleventh session). The mixers read the first in_proj_rows() columns.
+IN_PROJ_ROW_ALIGN = 64
+
+
+def in_proj_rows(num_heads: int, head_dim: int, low_rank_gate: bool) -> tuple[int, int]:
+    """(rows of q | k | v | f_a | b | g, those rows padded to IN_PROJ_ROW_ALIGN): the in_proj shapes accepted."""
+    D = num_heads * head_dim
+    rows = 3 * D + head_dim + num_heads + (head_dim if low_rank_gate else D)
+    return rows, -(-rows // IN_PROJ_ROW_ALIGN) * IN_PROJ_ROW_ALIGN
+
 
 def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
              lower_bound: float | None) -> torch.Tensor:
@@ -99,7 +111,8 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     Args:
         x: [T, hidden] tokens of N sequences, packed.
         in_proj_weight: [3D + head_dim + num_heads + G, hidden], rows q | k | v | f_a | b | g
-            (G = D full-rank gate, or head_dim when g_b_weight gives the low-rank gate).
+            (G = D full-rank gate, or head_dim when g_b_weight gives the low-rank gate), or those rows and zero
+            rows up to a multiple of IN_PROJ_ROW_ALIGN (the build's layout).
         conv_weight: [3D, W] fp32, channels q | k | v.
         f_b_weight: [D, head_dim]; A_log: [num_heads]; dt_bias: [D].
         g_b_weight: [D, head_dim] or None (full-rank gate).
@@ -119,10 +132,11 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     D = H * K
     G = D if g_b_weight is None else K
     W = conv_weight.shape[-1]
-    rows = 3 * D + K + H + G
-    if tuple(in_proj_weight.shape) != (rows, hidden):
-        raise ValueError(f"kda_mixer: in_proj_weight must be [{rows}, {hidden}] (q|k|v|f_a|b|g for {H} heads of "
-                         f"{K}, {'full' if g_b_weight is None else 'low'}-rank gate), got {tuple(in_proj_weight.shape)}")
+    rows, padded = in_proj_rows(H, K, g_b_weight is not None)
+    if in_proj_weight.dim() != 2 or in_proj_weight.shape[0] not in (rows, padded) or in_proj_weight.shape[1] != hidden:
+        raise ValueError(f"kda_mixer: in_proj_weight must be [{rows}, {hidden}] or [{padded}, {hidden}] (q|k|v|f_a|b|g "
+                         f"for {H} heads of {K}, {'full' if g_b_weight is None else 'low'}-rank gate; zero rows after "
+                         f"them), got {tuple(in_proj_weight.shape)}")
     expect = {"conv_weight": (conv_weight, (3 * D, W)), "f_b_weight": (f_b_weight, (D, K)), "A_log": (A_log, (H,)),
               "dt_bias": (dt_bias, (D,)), "o_norm_weight": (o_norm_weight, (K,)), "o_weight": (o_weight, (hidden, D)),
               "recurrent_pool": (recurrent_pool, (recurrent_pool.shape[0], H, K, K)),
@@ -137,10 +151,10 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     if len(set(slots)) != len(slots) or any(not 0 <= s < recurrent_pool.shape[0] for s in slots):
         raise ValueError(f"kda_mixer: slot_ids must be distinct and in [0, {recurrent_pool.shape[0]}), got {slots}")
 
-    proj = x.float() @ in_proj_weight.float().T                                 # [T, rows]
+    proj = x.float() @ in_proj_weight.float().T                                 # [T, rows or padded]
     # The conv reads projections in activation precision, the same values the conv pool stores.
     qkv = proj[:, :3 * D].to(x.dtype)
-    f_a, b, g_in = proj[:, 3 * D:].split([K, H, G], dim=-1)
+    f_a, b, g_in = proj[:, 3 * D:rows].split([K, H, G], dim=-1)
     raw = (f_a @ f_b_weight.float().T).view(T, H, K)
     gate = kda_gate(raw, A_log, dt_bias, lower_bound=lower_bound)               # [T, H, K]
     beta = torch.sigmoid(b)                                                     # [T, H]

@@ -87,11 +87,21 @@ def _fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, st
     return True, ""
 
 
+def blocks_for(M: int) -> tuple[int, int, int, int]:
+    """The logits kernel's (BM, BE, BK, K splits) for M tokens: the H200 sweep's fastest at 8, 64 and 256 tokens
+    (BENCHMARKS.md). Few tokens leave few (token, expert) tiles, so K is split further to fill the SMs."""
+    if M <= 16:
+        return 16, 32, 128, 8
+    if M <= 64:
+        return 32, 32, 64, 8
+    return 64, 32, 64, 4 if M <= 256 else 1
+
+
 def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int,
           renormalize: bool, scaling_factor: float, num_expert_group: int = 1, topk_group: int = 1,
           blocks: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference.route. x: [M, D]; gate_weight: [E, D]; correction_bias: [E] or None.
-    blocks: the logits kernel's (BM, BE, BK, K splits) instead of the defaults (for tools/bench/router.py's sweep).
+    blocks: the logits kernel's (BM, BE, BK, K splits) instead of blocks_for(M) (for tools/bench/router.py's sweep).
 
     Returns:
         (topk_ids int64 [M, top_k], topk_weights fp32 [M, top_k]), ids in descending biased score.
@@ -102,7 +112,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
     M, D = x.shape
     E = gate_weight.shape[0]
     x = x.contiguous()
-    BM, BE, BK, splits = blocks or (16 if M <= 16 else 64, 32, 64, 4 if M <= 256 else 1)
+    BM, BE, BK, splits = blocks or blocks_for(M)
     k_per_split = triton.cdiv(triton.cdiv(D, splits), BK) * BK
     part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(M, BM), triton.cdiv(E, BE), splits)](

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from k3plugins.kda import kda_gate, kda_mixer, kda_recurrent
+from k3plugins.kda.reference import IN_PROJ_ROW_ALIGN, in_proj_rows
 
 
 def _load_fla_naive():
@@ -202,6 +203,25 @@ def test_mixer_bf16_smoke_with_bf16_state():
     # The spec's parity bar (K3_SPEC.md §4.5): cosine > 0.999, rel-L2 < 3e-2.
     assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
     assert (out.float() - ref).norm() / ref.norm() < 3e-2
+
+
+def test_mixer_takes_the_builds_padded_in_proj():
+    """The layout pass pads in_proj with zero rows to a multiple of IN_PROJ_ROW_ALIGN: same output and states as
+    unpadded."""
+    T, H, K, hidden = 9, 3, 8, 24
+    w = _weights(hidden, H, K, True, seed=3)
+    x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(4))
+    args = list(_plugin_args(w))
+    rows, padded = in_proj_rows(H, K, low_rank_gate=True)
+    assert args[0].shape[0] == rows and padded % IN_PROJ_ROW_ALIGN == 0 and padded > rows
+    outs = []
+    for in_proj in (args[0], torch.cat([args[0], torch.zeros(padded - rows, hidden)])):
+        rec, conv = torch.zeros(2, H, K, K), torch.zeros(2, 3 * H * K, 3)
+        out = kda_mixer(x, in_proj, *args[1:], rec, conv, cu_seqlens=torch.tensor([0, 4, T]),
+                        slot_ids=torch.tensor([1, 0]), num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5)
+        outs.append((out, rec, conv))
+    for a, b in zip(*outs):  # equal up to the GEMM's blocking (an fp32 ulp): a misread column would be O(1)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_mixer_rejects_bad_input():

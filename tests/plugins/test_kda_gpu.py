@@ -8,15 +8,17 @@ if not torch.cuda.is_available():
 pytest.importorskip("fla.ops.kda")
 
 from k3plugins.kda import fla as kda_dev  # noqa: E402
+from k3plugins.kda.reference import in_proj_rows  # noqa: E402
 from k3plugins.kda.reference import kda_mixer as kda_ref  # noqa: E402
 
 
 def _layer(hidden, H, K, S, seed, low_rank=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     D = H * K
-    G = K if low_rank else D
     r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=g) * sc
-    w = dict(in_proj_weight=r(3 * D + K + H + G, hidden, sc=hidden ** -0.5), conv_weight=r(3 * D, 4, sc=0.5),
+    rows, padded = in_proj_rows(H, K, low_rank)
+    in_proj = torch.cat([r(rows, hidden, sc=hidden ** -0.5), torch.zeros(padded - rows, hidden, device="cuda")])
+    w = dict(in_proj_weight=in_proj, conv_weight=r(3 * D, 4, sc=0.5),  # zero rows padded, as the build lays it
              f_b_weight=r(D, K, sc=K ** -0.5), A_log=r(H, sc=0.5), dt_bias=r(D, sc=0.5),
              g_b_weight=r(D, K, sc=K ** -0.5) if low_rank else None, o_norm_weight=1 + 0.1 * r(K),
              o_weight=r(hidden, D, sc=D ** -0.5))
