@@ -82,6 +82,8 @@ class Executor:
         ins, outs = list(node.input), list(node.output)
         if node.domain == "":
             return _Bound(node.name, _ONNX_OPS[node.op_type](attrs), ins, outs, {}, "plain")
+        if node.op_type in _K3_STRUCTURE_OPS:
+            return _Bound(node.name, _K3_STRUCTURE_OPS[node.op_type](attrs), ins, outs, {}, "plain")
         if node.op_type in _COMM_OPS:
             return _Bound(node.name, getattr(self.comm, _COMM_OPS[node.op_type]), ins, outs, attrs, "comm")
         entry = plugins[node.op_type]
@@ -127,6 +129,10 @@ class Executor:
         return {name: env[name] for name in self.outputs}
 
 
+# k3 ops that only rearrange values (no kernel, no tactic): views, not copies
+_K3_STRUCTURE_OPS: dict[str, Callable[[dict], Callable]] = {
+    "SplitColumns": lambda attrs: (lambda x: x.split(list(attrs["sizes"]), dim=-1)),
+}
 _COMM_OPS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "EPGather": "ep_gather", "EPScatter": "ep_scatter"}
 
 

@@ -31,6 +31,7 @@ class _Builder:
     rank: int
     act_dtype: torch.dtype
     capacity: int
+    weights: dict  # engine tensor name -> (shape, dtype)
     nodes: list = field(default_factory=list)
     count: int = 0
 
@@ -54,7 +55,7 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
                 act_dtype: torch.dtype, capacity: int = 2048) -> onnx.ModelProto:
     """Args: weights: engine tensor name -> (shape, dtype) for this rank (from the layout pass);
     capacity: most tokens one rank feeds a step (the expert exchange buffers of attention-DP are this big)."""
-    b = _Builder(cfg, mapping, rank, act_dtype, capacity)
+    b = _Builder(cfg, mapping, rank, act_dtype, capacity, weights)
     layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
     blocks = [f"blocks_in.{i}" for i in range(cfg.snapshots_before(layers.start))]
     data_inputs = []
@@ -123,8 +124,9 @@ def _mlp_attrs(cfg: K3Config) -> dict:
     return {"act": cfg.hidden_act, "beta": cfg.situ_beta, "linear_beta": cfg.situ_linear_beta}
 
 
-def _dense(b: _Builder, e: str, x: str) -> str:
-    y = b.op("GatedMLP", [x, e + "gate_up", e + "down"], name=e + "mlp", **_mlp_attrs(b.cfg))
+def _dense(b: _Builder, e: str, x: str, projected: bool = False) -> str:
+    """projected: x is already the gate | up projection (no gate_up weight input)."""
+    y = b.op("GatedMLP", [x, "" if projected else e + "gate_up", e + "down"], name=e + "mlp", **_mlp_attrs(b.cfg))
     return b.reduce(y, "tp", b.mapping.dense_tp_size, e + "allreduce")
 
 
@@ -154,7 +156,13 @@ def _moe(b: _Builder, layer: int, x: str) -> str:
                         top_k=cfg.num_experts_per_token, renormalize=int(cfg.moe_renormalize),
                         scaling_factor=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group,
                         topk_group=cfg.topk_group)
-    z = b.op("Linear", [x, e + "down_proj"], name=e + "down_proj") if cfg.is_latent_moe else x
+    z, shared_h = x, None
+    if cfg.is_latent_moe:
+        # One GEMM for the two projections of x: the latent down-projection's rows, then the shared expert's gate
+        # and up rows (layout.py stacks them in `in_proj`); a launch fewer a layer, and a wider GEMM
+        zh = b.op("Linear", [x, e + "in_proj"], name=e + "in_proj")
+        sizes = [cfg.expert_hidden_size, b.weights[e + "in_proj"][0][0] - cfg.expert_hidden_size]
+        z, shared_h = b.op("SplitColumns", [zh], num_outputs=2, name=e + "in_proj.split", sizes=sizes)
     quant = cfg.quantization.method == "mxfp4"
     exchange = mp.attention_dp and mp.moe_ep_size > 1
     zs, ids_s, w_s = z, ids, weights
@@ -176,5 +184,5 @@ def _moe(b: _Builder, layer: int, x: str) -> str:
         if cfg.latent_moe_use_norm:
             y = b.op("RMSNorm", [y, e + "latent_norm"], name=e + "latent_norm", eps=cfg.rms_norm_eps)
         y = b.op("Linear", [y, e + "up_proj"], name=e + "up_proj")
-    shared = _dense(b, e + "shared.", x)
+    shared = _dense(b, e + "shared.", x) if shared_h is None else _dense(b, e + "shared.", shared_h, projected=True)
     return b.add(y, shared, name=e + "add_shared")

@@ -6,7 +6,8 @@ Passes, per layer:
   fuse the three depthwise conv weights into `conv` [3D, W] fp32.
 - MLA: absorb kv_b_proj into `w_uk` [H, nope, r] (q side) and `w_uv` [H, r, v] (o side), so decode reads
   only the 576-wide latent cache.
-- Dense / shared MLPs: fuse gate and up rows into `gate_up` [2I, D].
+- Dense / shared MLPs: fuse gate and up rows into `gate_up` [2I, D]. Latent MoE: the shared expert's gate and up
+  rows go under the latent down-projection's, in `in_proj` [latent + 2I, D] (one GEMM of the MoE input).
 - MoE: stack the local experts into `w13` [E, 2I, K/2] (+ scales) and `w2` [E, D, I/2] (+ scales) — the
   layout k3plugins.moe reads; the MXFP4 bytes in the checkpoint's nibble order, or relaid for the tactic that
   reads them (EXPERT_LAYOUTS).
@@ -128,8 +129,11 @@ def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get,
          lay_out: Callable[[torch.Tensor], torch.Tensor]):
     yield e + "gate", get(m + "gate.weight")
     yield e + "bias", get(m + "gate.e_score_correction_bias")
+    s = m + "shared_experts."
+    shared_gate_up = [get(s + "gate_proj.weight"), get(s + "up_proj.weight")]
     if cfg.is_latent_moe:
-        yield e + "down_proj", get(m + "routed_expert_down_proj.weight")
+        # the two projections of the MoE input in one GEMM (graph.py splits its output)
+        yield e + "in_proj", torch.cat([get(m + "routed_expert_down_proj.weight"), *shared_gate_up])
         if cfg.latent_moe_use_norm:
             yield e + "latent_norm", get(m + "routed_expert_norm.weight")
         yield e + "up_proj", get(m + "routed_expert_up_proj.weight")
@@ -145,6 +149,6 @@ def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get,
         yield e + "w13", torch.stack([torch.cat([get(x.format(i, "w1") + "weight"), get(x.format(i, "w3") + "weight")])
                                       for i in experts])
         yield e + "w2", torch.stack([get(x.format(i, "w2") + "weight") for i in experts])
-    s = m + "shared_experts."
-    yield e + "shared.gate_up", torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")])
+    if not cfg.is_latent_moe:
+        yield e + "shared.gate_up", torch.cat(shared_gate_up)
     yield e + "shared.down", get(s + "down_proj.weight")

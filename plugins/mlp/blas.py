@@ -10,11 +10,12 @@ from k3plugins.embed.dense import dense
 from k3plugins.mlp import reference
 
 
-def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, *, act: str,
+def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor | None, down_weight: torch.Tensor, *, act: str,
               beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """down(act(gate x, up x)); x [M, D], gate_up_weight [2I, D] (gate rows first), down_weight [D, I]."""
-    inter = gate_up_weight.shape[0] // 2
-    h = dense(x, gate_up_weight.to(x.dtype))                                    # [M, 2I]
+    """down(act(gate x, up x)); x [M, D], gate_up_weight [2I, D] (gate rows first), down_weight [D, I]; or x
+    [M, 2I] already projected and gate_up_weight None (reference.gated_mlp)."""
+    h = x if gate_up_weight is None else dense(x, gate_up_weight.to(x.dtype))   # [M, 2I]
+    inter = h.shape[-1] // 2
     if h.is_cuda:
         from k3plugins.mlp.triton import glu
         a = glu(h, act=act, beta=beta, linear_beta=linear_beta)

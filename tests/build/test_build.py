@@ -26,6 +26,7 @@ from engines import build_engine  # noqa: E402
 CFG = preset("tiny")
 ONNX_OPS = {"Add", "Cast", "Identity"}  # default-domain ops; everything else is a k3 plugin or communicator
 COMM_OPS = {"AllReduce", "AllGather", "EPGather", "EPScatter"}
+STRUCTURE_OPS = {"SplitColumns"}  # k3 ops the executor runs itself: views, no kernel
 _ST_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
 _ONNX_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
                onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.UINT8: torch.uint8}
@@ -92,7 +93,7 @@ def _check_graph(model: onnx.ModelProto) -> None:
         if node.op_type in ONNX_OPS:
             assert node.domain == "", node.name
         else:
-            assert node.domain == "k3" and node.op_type in set(PLUGIN_OPS) | COMM_OPS, (node.name, node.op_type)
+            assert node.domain == "k3" and node.op_type in set(PLUGIN_OPS) | COMM_OPS | STRUCTURE_OPS, (node.name, node.op_type)
 
 
 def _check_weights_declared(model: onnx.ModelProto, weights: dict[str, torch.Tensor]) -> None:
@@ -134,6 +135,29 @@ def test_mla_absorption(k3_tiny_engine):
         torch.testing.assert_close(w_uk, kv_b[:, :nope], rtol=0, atol=0)
         torch.testing.assert_close(w_uv, kv_b[:, nope:].transpose(1, 2), rtol=0, atol=0)
         assert w[f"l{i}.mla.kv_a"].shape == (r + CFG.qk_rope_head_dim, CFG.hidden_size)  # the 576-wide latent
+
+
+def test_latent_moe_input_projections_share_one_gemm(k3_tiny_engine):
+    """Latent MoE: `moe.in_proj` stacks the latent down-projection's rows over the shared expert's gate and up rows,
+    and the graph splits that GEMM's output between the routed experts and the shared expert's GLU."""
+    w = _weights(k3_tiny_engine, 0)
+    model = onnx.load(k3_tiny_engine / "rank0" / "graph.onnx")
+    nodes = {n.name: n for n in model.graph.node}
+    moe_layers = [i for i in range(CFG.num_hidden_layers) if CFG.is_moe_layer(i)]
+    assert CFG.is_latent_moe and moe_layers
+    for i in moe_layers:
+        p, e = f"model.layers.{i}.block_sparse_moe.", f"l{i}.moe."
+        src = [_converted(k3_tiny_engine, 0, p + n) for n in ("routed_expert_down_proj.weight",
+                                                               "shared_experts.gate_proj.weight",
+                                                               "shared_experts.up_proj.weight")]
+        torch.testing.assert_close(w[e + "in_proj"], torch.cat(src).to(w[e + "in_proj"].dtype), rtol=0, atol=0)
+        assert e + "down_proj" not in w and e + "shared.gate_up" not in w
+        split = nodes[e + "in_proj.split"]
+        sizes = list(onnx.helper.get_attribute_value(split.attribute[0]))
+        assert split.domain == "k3" and sizes == [CFG.expert_hidden_size, src[1].shape[0] + src[2].shape[0]]
+        z, shared_h = split.output
+        assert nodes[e + "experts"].input[0] == z
+        assert list(nodes[e + "shared.mlp"].input[:2]) == [shared_h, ""]
 
 
 def test_kda_fused_in_proj(k3_tiny_engine):

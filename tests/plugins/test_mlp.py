@@ -63,6 +63,19 @@ def test_gated_mlp_bf16_smoke():
     torch.testing.assert_close(out.double(), _naive_mlp(x, gu, down, "situ"), rtol=2e-2, atol=2e-2)
 
 
+def test_gated_mlp_takes_a_projected_input():
+    """gate_up_weight None: x is the gate | up projection already (a column slice of the latent MoE's fused input
+    GEMM, so strided): the same as projecting inside."""
+    g = torch.Generator().manual_seed(3)
+    x, gu, down = torch.randn(7, 24, generator=g), torch.randn(40, 24, generator=g) / 5, torch.randn(24, 20, generator=g)
+    wide = x @ torch.cat([torch.randn(6, 24, generator=g), gu]).T                 # [7, 6 + 40]: other columns first
+    projected = wide[:, 6:]
+    assert not projected.is_contiguous()
+    torch.testing.assert_close(gated_mlp(projected, None, down, act="situ"), gated_mlp(x, gu, down, act="situ"))
+    with pytest.raises(ValueError, match="projected x"):
+        gated_mlp(projected[:, :39], None, down, act="situ")
+
+
 def test_gated_mlp_rejects_bad_input():
     with pytest.raises(ValueError, match="down_weight must be"):
         gated_mlp(torch.ones(2, 8), torch.ones(10, 8), torch.ones(8, 4), act="situ")
