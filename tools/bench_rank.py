@@ -4,7 +4,6 @@
     python tools/bench_rank.py --moe-tactic triton                                # another MoE tactic than the build's
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
     python tools/bench_rank.py --gemms                                            # its dense GEMMs alone (GPU)
-    python tools/bench_rank.py --skinny                                           # with the skinny Triton GEMM
 
 The rank is what `k3build build` would write for the recipe's mapping (all 93 layers, 1/16 of attention and
 shared experts, 56 local experts in MXFP4), with synthetic weights made on the device instead of read from a
@@ -98,46 +97,29 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
 # weights a decode step multiplies as x @ wᵀ with one row of x per request (the router's gate has its own kernel)
 GEMM_WEIGHTS = ("in_proj", "f_b", "o_proj", "gate_up", "down", "down_proj", "up_proj", "q_a", "q_b", "kv_a", "g",
                 "lm_head")
-# (BN, BK, warps, stages) of skinny_linear to time; the first is GemmBlocks()'s default
-GEMM_BLOCKS = ((32, 256, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3))
 
 
 def bench_gemms(weights: dict, batches: list[int], bw: float, emit) -> None:
-    """Every dense GEMM of one decode step, by weight shape: torch (cuBLAS) against skinny_linear at each of
-    GEMM_BLOCKS (splits chosen for the GPU) and the weight-bytes floor; then the step's totals."""
+    """Every dense GEMM of one decode step, by weight shape: torch (cuBLAS) against the weight-bytes floor; then
+    the step's totals."""
     from common import time_ms
-    from k3plugins.embed.skinny_gemm import MAX_M, GemmBlocks, skinny_linear
 
     shapes: dict[tuple[int, int], list] = {}
     for name, w in weights.items():
         if w.dim() == 2 and w.dtype == torch.bfloat16 and name.rsplit(".", 1)[-1] in GEMM_WEIGHTS:
             shapes.setdefault(tuple(w.shape), [w, 0])[1] += 1
-    for n in [b for b in batches if b <= MAX_M]:
-        total = dict(torch_ms=0.0, default_ms=0.0, best_ms=0.0, floor_ms=0.0)
+    for n in batches:
+        total = dict(torch_ms=0.0, floor_ms=0.0)
         for (N, K), (w, count) in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[1][1]):
             x = torch.randn(n, K, device=w.device).to(w.dtype)
-            want = x.float() @ w.float().T
             t_torch = time_ms(lambda: x @ w.T)
-            runs = {}
-            for bn, bk, nw, st in GEMM_BLOCKS:
-                blocks = GemmBlocks(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
-                got = skinny_linear(x, w, blocks)
-                rel = ((got.float() - want).norm() / want.norm()).item()
-                runs[f"bn{bn}_bk{bk}_w{nw}_s{st}"] = (time_ms(lambda: skinny_linear(x, w, blocks)), rel)
-            d = GemmBlocks()
-            default = runs[f"bn{d.block_n}_bk{d.block_k}_w{d.num_warps}_s{d.num_stages}"][0]
-            best = min(runs, key=lambda k: runs[k][0])
             floor = w.nbytes / bw * 1e3
             emit(bench="rank_gemm", batch=n, N=N, K=K, count=count, floor_ms=round(floor, 4),
-                 torch_ms=round(t_torch, 4), default_ms=round(default, 4),
-                 best=best, best_ms=round(runs[best][0], 4), max_rel_l2=max(r for _, r in runs.values()),
-                 torch_frac_of_floor=round(floor / t_torch, 3), best_frac_of_floor=round(floor / runs[best][0], 3))
-            for key, t in (("torch_ms", t_torch), ("default_ms", default),
-                           ("best_ms", runs[best][0]), ("floor_ms", floor)):
-                total[key] += count * t
+                 torch_ms=round(t_torch, 4), torch_frac_of_floor=round(floor / t_torch, 3))
+            total["torch_ms"] += count * t_torch
+            total["floor_ms"] += count * floor
         emit(bench="rank_gemms", batch=n, **{k: round(v, 3) for k, v in total.items()},
-             torch_x_floor=round(total["torch_ms"] / total["floor_ms"], 3),
-             best_x_floor=round(total["best_ms"] / total["floor_ms"], 3))
+             torch_x_floor=round(total["torch_ms"] / total["floor_ms"], 3))
 
 
 def _median_ms(fn, reps: int, cuda: bool) -> float:
@@ -214,12 +196,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
-    ap.add_argument("--skinny", action="store_true",
-                    help="run every plugin's dense GEMM of <= 64 rows through the experimental skinny Triton GEMM "
-                         "(k3plugins.embed.dense.use_skinny) instead of torch's matmul")
     ap.add_argument("--gemms", action="store_true",
-                    help="instead of decoding: time the rank's dense GEMMs at each batch size, torch against the "
-                         "experimental skinny Triton GEMM (plugins/embed/skinny_gemm.py) and the weight floor")
+                    help="instead of decoding: time the rank's dense GEMMs at each batch size, torch (cuBLAS) "
+                         "against the weight floor")
     ap.add_argument("--moe-tactic", default=None,
                     help="MoE tactic instead of the one the build records (e.g. triton: the W4 decode on the "
                          "checkpoint's nibble order; triton_s: on the strided layout); the layout follows it")
@@ -253,12 +232,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     else:
         bw = float("nan")
-    if args.skinny:
-        from k3plugins.embed.dense import use_skinny
-        use_skinny()
     emit(bench="rank_env", device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
          preset=args.preset, mapping=mapping.to_dict(), rank=0, routing=args.routing,
-         hbm_read_tbps=round(bw / 1e12, 3), dense_gemm="skinny" if args.skinny else "torch")
+         hbm_read_tbps=round(bw / 1e12, 3))
     t0 = time.perf_counter()
     engine = make_rank(cfg, mapping, 0, target=args.target, device=device, max_batch=batches[-1],
                        max_seq_len=args.context + 64, moe_tactic=args.moe_tactic)

@@ -2,7 +2,7 @@
 
     python tools/sass_loops.py moe_gate_up_paired                     # a kernel spec of tests/plugins/test_rocm_compile.py
     python tools/sass_loops.py moe_gate_up_paired --set BM=128 --set BN=128 --warps 8 --stages 2
-    python tools/sass_loops.py kda_recurrent_persistent --set BV=64 --dump /tmp/k.sass
+    python tools/sass_loops.py kda_recurrent_vsplit --set BV=64 --dump /tmp/k.sass
 
 Triton compiles the kernel for sm_90 (its bundled ptxas) and cuobjdump disassembles it. For each loop (a backward
 branch) it prints the instruction count and the opcode histogram, after the kernel's registers a thread and spill

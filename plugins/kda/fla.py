@@ -5,8 +5,7 @@ dtype. Decode tactics ("a step with as many tokens as sequences", every sequence
   "fused" — one Triton program per (sequence, head) does conv update, norms, gates, the delta rule on the
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
-  "split" — conv kernel, our recurrent kernel over [BLOCK_V, K] state slices (in place), norm kernel;
-  "persistent" — as split, the slices walked by a fixed grid that loads each next slice ahead (experimental).
+  "split" — conv kernel, our recurrent kernel over [BLOCK_V, K] state slices (in place), norm kernel.
 Prefill: row-walking varlen conv kernel (q, k, v out contiguous), fla-core chunk_kda from the gathered slot states,
 state scatter, norm kernel.
 """
@@ -18,16 +17,13 @@ import triton
 
 from k3plugins.embed.dense import dense
 from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_kernel, conv_update_kernel,
-                                         gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_persistent_kernel,
-                                         kda_recurrent_vsplit_kernel)
+                                         gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_vsplit_kernel)
 from k3plugins.step_scope import per_step
 
-# first is the default: "split" is the fastest measured (BENCHMARKS.md); "persistent" (split's slices walked by a
-# fixed grid, the next state prefetched) is experimental, not yet timed
-DECODE_TACTICS = ("split", "fla", "fused", "persistent")
-# value rows of the state a program updates at a time: split's from the H200 sweep (BENCHMARKS.md); persistent
-# holds two slices (the one it updates and the next), so half that
-BLOCK_V = {"split": 128, "persistent": 64}
+# first is the default: "split" is the fastest measured (BENCHMARKS.md)
+DECODE_TACTICS = ("split", "fla", "fused")
+# value rows of the state a split program updates: the H200 sweep's fastest (BENCHMARKS.md)
+BLOCK_V = 128
 
 
 def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, head_dim: int,
@@ -73,17 +69,15 @@ def conv_channel_block(D: int, most: int = CONV_PREFILL_BC) -> int:
 def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
-               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0], block_v: int | None = None,
-               num_warps: int = 4, programs: int | None = None) -> torch.Tensor:
+               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0], block_v: int = BLOCK_V,
+               num_warps: int = 4) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
         qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output; b: [N, H] beta logits;
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
-        block_v, num_warps: the split / persistent tactics' state slice ([block_v, K] at a time; default
-            BLOCK_V) and launch width.
-        programs: the persistent tactic's grid (default: 2 programs an SM).
+        block_v, num_warps: the split tactic's state slice ([block_v, K] a program) and launch width.
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -104,20 +98,13 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),
                                                        conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
-    if tactic in ("split", "persistent"):
+    if tactic == "split":
         o = torch.empty(N, D, dtype=torch.float32, device=qkv.device)
-        bv = min(block_v or BLOCK_V[tactic], K)
-        args = (y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
-                recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb)
-        meta = dict(H=H, K=K, BV=bv, HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps)
-        if tactic == "split":
-            kda_recurrent_vsplit_kernel[(N, H, K // bv)](*args, **meta)
-        else:
-            tiles = N * H * (K // bv)
-            if programs is None:
-                sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 1
-                programs = 2 * sms
-            kda_recurrent_persistent_kernel[(max(1, min(tiles, programs)),)](*args, tiles, **meta)
+        bv = min(block_v, K)
+        kda_recurrent_vsplit_kernel[(N, H, K // bv)](
+            y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
+            recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb, H=H, K=K, BV=bv,
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps)
         return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     # fused_recurrent_kda_fwd takes no strides: each of q, k, v must be contiguous

@@ -5,8 +5,7 @@ update of the q/k/v channels, SiLU, q/k L2 norm, the K3 gate, sigmoid beta, the 
 [V, K] state (read once, written once), and the gated output RMSNorm. `conv_update_kernel` and
 `gated_norm_kernel` are the same glue split around a recurrent kernel: fla-core's fused_recurrent (the
 "fla" tactic) or `kda_recurrent_vsplit_kernel` (the "split" tactic), which gives each program a [BV, K]
-slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each
-(`kda_recurrent_persistent_kernel`, the experimental "persistent" tactic: the same slices, prefetched).
+slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each.
 """
 
 import triton
@@ -116,27 +115,6 @@ def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, 
     p_s = _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K, BV)
     _update_slice(tl.load(p_s), p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y,
                   stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
-
-
-@triton.jit
-def kda_recurrent_persistent_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
-                                    stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound, tiles,
-                                    H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                                    HAS_LOWER_BOUND: tl.constexpr):
-    """The split tactic's slices (`tiles` of them, sequence-major) walked by a fixed grid of programs, each
-    loading its next slice's state before it updates the current one, so the SM keeps reading while it computes
-    and writes (a split program loads, computes and stores in turn). Experimental, not yet timed."""
-    VB: tl.constexpr = K // BV
-    t = tl.program_id(0)
-    p_s = _state_slice(state_ptr, slot_ptr, stride_st, t // (VB * H), (t // VB) % H, t % VB, K, BV)
-    S = tl.load(p_s)
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        nxt = tl.minimum(t + tl.num_programs(0), tiles - 1)  # past the end: a slice re-read, never used
-        p_next = _state_slice(state_ptr, slot_ptr, stride_st, nxt // (VB * H), (nxt // VB) % H, nxt % VB, K, BV)
-        S_next = tl.load(p_next)
-        _update_slice(S, p_s, t // (VB * H), (t // VB) % H, t % VB, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr,
-                      o_ptr, stride_y, stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
-        S, p_s = S_next, p_next
 
 
 @triton.jit

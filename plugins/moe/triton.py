@@ -35,12 +35,6 @@ class MoETactic:
     strided: bool = False  # W4 on weights in `restride_mxfp4`'s layout (block_k 256); activations in natural order
     paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
-    down_block_n: int = 0  # the down kernel's rows per program, if not block_n (it decodes one matrix a step, not
-    #                        two, so its per-step overhead is spread over half the weights of gate/up's)
-
-    @property
-    def down_n(self) -> int:
-        return self.down_block_n or self.block_n
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -82,10 +76,7 @@ def _tactic(tactic: str | MoETactic, dl: int, inter: int) -> MoETactic:
         bk //= 2
     while bn > 16 and (dl % bn or inter % bn):
         bn //= 2
-    dn = t.down_n
-    while dn > 16 and dl % dn:
-        dn //= 2
-    return replace(t, block_k=bk, block_n=bn, down_block_n=dn)
+    return replace(t, block_k=bk, block_n=bn)
 
 
 def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
@@ -103,8 +94,8 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     for name, k in (("Dl", dl), ("I", inter)):
         if k % t.block_k:
             return False, f"{name}={k} must be a multiple of block_k={t.block_k}"
-    if inter % t.block_n or dl % t.block_n or dl % t.down_n:
-        return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n} (Dl of {t.down_n} too)"
+    if inter % t.block_n or dl % t.block_n:
+        return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
     if t.strided and t.block_k != STRIDE_BLOCK_K:
         return False, f"strided tactics read K tiles of {STRIDE_BLOCK_K}, got block_k={t.block_k}"
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
@@ -188,7 +179,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if t.w4:  # same bytes as int32 words; activations in the tile's K order (h comes out in it too)
         w13, w2 = w13.view(torch.int32), w2.view(torch.int32)
         z = z if t.strided else swap01(z)
-    z = z.contiguous()
+    if z.stride(-1) != 1:  # rows may be strided (z is a column slice of the MoE input's fused GEMM): the kernels
+        z = z.contiguous()  # take z.stride(0)
     order, offsets, inv = sort_pairs(topk_ids, expert_start, E)
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
@@ -205,9 +197,9 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=3 if t.fp8 else layout, F8=f8,
         num_warps=t.num_warps, num_stages=t.num_stages)
-    moe_down_kernel[(E, Dl // t.down_n)](
+    moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.down_n, BK=t.block_k,
+        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
         W4=t.w4, STRIDED=layout, num_warps=t.num_warps, num_stages=t.num_stages)
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)

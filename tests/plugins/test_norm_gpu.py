@@ -1,5 +1,5 @@
-"""Triton RMSNorm, AttnRes, the MLP GLU, the skinny GEMM and the MoE pair sort vs their torch references on the
-GPU, in bf16 (pytest -m gpu)."""
+"""Triton RMSNorm, AttnRes, the MLP GLU and the MoE pair sort vs their torch references on the GPU, in bf16
+(pytest -m gpu)."""
 import pytest
 import torch
 
@@ -9,7 +9,6 @@ if not torch.cuda.is_available():
 
 from k3plugins.attn_res import reference as ar_ref  # noqa: E402
 from k3plugins.attn_res import triton as ar  # noqa: E402
-from k3plugins.embed.skinny_gemm import GemmBlocks, skinny_linear  # noqa: E402
 from k3plugins.mlp import reference as mlp_ref  # noqa: E402
 from k3plugins.mlp import triton as mlp  # noqa: E402
 from k3plugins.moe.triton import sort_pairs  # noqa: E402
@@ -42,36 +41,6 @@ def test_glu_matches_reference(M, inter, act):
     assert got.dtype == want.dtype and got.shape == want.shape
     if M:
         assert _rel(got, want) < 8e-3  # bf16 output rounding
-
-
-@pytest.mark.parametrize("blocks", [GemmBlocks(), GemmBlocks(block_n=64, block_k=128, splits=1)])
-@pytest.mark.parametrize("M,N,K", [(1, 3206, 7168), (32, 7168, 768), (64, 100, 3584), (0, 64, 64)])
-def test_skinny_gemm_matches_torch(M, N, K, blocks):
-    g = torch.Generator(device="cuda").manual_seed(M + N + K)
-    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
-    got = skinny_linear(x, w, blocks)
-    assert got.shape == (M, N) and got.dtype == torch.bfloat16
-    if M:
-        assert _rel(got, x.float() @ w.float().T) < 8e-3  # bf16 output rounding
-
-
-def test_dense_takes_the_skinny_gemm_only_when_switched_on():
-    """embed.dense: torch's matmul by default; after use_skinny(), the skinny GEMM for at most MAX_M rows (same
-    result within bf16 rounding), torch's again past them."""
-    from k3plugins.embed import blas, dense
-    from k3plugins.embed.skinny_gemm import MAX_M
-    g = torch.Generator(device="cuda").manual_seed(9)
-    w = (torch.randn(300, 512, device="cuda", generator=g) * 512 ** -0.5).to(torch.bfloat16)
-    for M in (4, MAX_M + 1):
-        x = torch.randn(M, 512, device="cuda", generator=g).to(torch.bfloat16)
-        want = x.float() @ w.float().T
-        try:
-            dense.use_skinny()
-            got = blas.linear(x, w)
-        finally:
-            dense.use_skinny(False)
-        assert _rel(got, want) < 8e-3 and _rel(blas.linear(x, w), want) < 8e-3
 
 
 @pytest.mark.parametrize("K", [0, 1, 8, 11])

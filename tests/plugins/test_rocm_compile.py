@@ -11,7 +11,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from k3plugins.attn_res import triton as attn_res  # noqa: E402
-from k3plugins.embed import skinny_gemm  # noqa: E402
 from k3plugins.kda import triton_decode as kd  # noqa: E402
 from k3plugins.mla import triton as mla  # noqa: E402
 from k3plugins.mlp import triton as mlp  # noqa: E402
@@ -65,16 +64,11 @@ SPECS = {
     "kda_gated_norm": (kd.gated_norm_kernel, dict(out_ptr="*bf16"), dict(K=128, BT=16)),
     "kda_recurrent_vsplit": (kd.kda_recurrent_vsplit_kernel, dict(slot_ptr="*i32"),
                              dict(H=96, K=128, BV=32, HAS_LOWER_BOUND=True)),
-    "kda_recurrent_persistent": (kd.kda_recurrent_persistent_kernel, dict(slot_ptr="*i32"),
-                                 dict(H=96, K=128, BV=64, HAS_LOWER_BOUND=True)),
     "kda_conv_prefill": (kd.conv_prefill_rows_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                            cu_ptr="*i64", tok_seq_ptr="*i32", y_ptr="*bf16"),
                          dict(W=4, BT=64, BC=256)),
     "kda_conv_state": (kd.conv_state_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                   cu_ptr="*i64"), dict(W=4, BC=1024)),
-    "skinny_gemm": (skinny_gemm.skinny_gemm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"),
-                    dict(BM=32, BN=32, BK=256, SPLIT=True)),
-    "skinny_split_sum": (skinny_gemm.split_sum_kernel, dict(out_ptr="*bf16"), dict(SPLITS=4, BLOCK=1024)),
     "mlp_glu": (mlp.glu_kernel, dict(h_ptr="*bf16", out_ptr="*bf16"), dict(ACT=0, BI=1024)),
     "rms_norm": (norm.rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"), dict(BD=8192)),
     "attn_res": (attn_res.attn_res_kernel, dict(partial_ptr="*bf16", proj_ptr="*bf16", norm_w_ptr="*bf16",

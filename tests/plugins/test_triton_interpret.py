@@ -1,11 +1,10 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
 
 Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it),
-the MLA split-K decode, the KDA decode steps, the KDA prefill conv kernels, the norms, the GLU, the router and
-the skinny GEMM, each against its torch reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The
-interpreter must be on before the first `import triton` of a process (triton.language's own @jit helpers are
-decorated then), so the checks run in one child process started with the variable set; each test reads its
-result.
+the MLA split-K decode, the KDA decode steps, the KDA prefill conv kernels, the norms, the GLU and the router,
+each against its torch reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter must be on
+before the first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
+run in one child process started with the variable set; each test reads its result.
 """
 import functools
 import json
@@ -78,9 +77,9 @@ def _sort_pairs_case(moe):
             "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0}
 
 
-def _moe_strided_case(moe, dtype, paired=False, down_block_n=0):
+def _moe_strided_case(moe, dtype, paired=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
-    pair_mxfp4's) vs the reference on the originals; down_block_n: the down kernel's own rows per program."""
+    pair_mxfp4's) vs the reference on the originals."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 256, 256
@@ -92,7 +91,7 @@ def _moe_strided_case(moe, dtype, paired=False, down_block_n=0):
     w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
     tactic = moe.MoETactic(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=1, strided=True,
-                           paired=paired, down_block_n=down_block_n)
+                           paired=paired)
     out = moe.moe_experts(z, ids, w, moe.lay_out(tactic, w13), s13, moe.lay_out(tactic, w2), s2, expert_start=start,
                           act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
@@ -151,7 +150,7 @@ def _kda_layer(g, N, H, K, hid, S):
 def _kda_decode_case(kd, lower_bound, tactic):
     from k3plugins.kda.reference import kda_mixer
     g = torch.Generator().manual_seed(3)
-    N, H, K, hid, S = 3, 2, 64, 32, 5  # persistent: 6 slices walked by 2 programs (the interpreter's 1 SM, ×2)
+    N, H, K, hid, S = 3, 2, 64, 32, 5
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
     slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
     outs = []
@@ -275,22 +274,6 @@ def _router_cases() -> dict:
     return res
 
 
-def _skinny_gemm_cases() -> dict:
-    """The weight-stationary GEMM against x @ wᵀ: row counts from 1 to MAX_M, N and K not multiples of the blocks,
-    one split (stored straight) and several (partials summed), a strided x."""
-    from k3plugins.embed.skinny_gemm import GemmBlocks, skinny_linear
-    g = torch.Generator().manual_seed(8)
-    res = {}
-    for dtype in (torch.float32, torch.float16):
-        for M, N, K, splits in ((1, 40, 200, 1), (5, 72, 300, 3), (33, 50, 128, 0), (64, 16, 96, 2)):
-            x = torch.randn(M, K + 8, generator=g).to(dtype)[:, :K]               # row stride K + 8
-            w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
-            got = skinny_linear(x, w, GemmBlocks(block_n=16, block_k=64, splits=splits), sms=4)
-            want = x.float() @ w.float().T
-            res[f"skinny-{str(dtype)[6:]}-{M}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == dtype}
-    return res
-
-
 def _child() -> None:
     _patch_interpreter()
     from k3plugins.kda import fla as kd
@@ -305,7 +288,6 @@ def _child() -> None:
     for dtype in (torch.float32, torch.float16):
         res[f"moe-strided-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype)
         res[f"moe-paired-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype, paired=True)
-    res["moe-paired-down64"] = _moe_strided_case(moe, torch.float32, paired=True, down_block_n=64)
     res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
@@ -315,13 +297,12 @@ def _child() -> None:
         res[f"mla-{splits}"] = _mla_case(mla, splits)
     res["mla-mixer"] = _mla_mixer_case(mla)
     for lb in (-5.0, None):
-        for tactic in ("fused", "split", "persistent"):
+        for tactic in ("fused", "split"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res.update(_norm_cases())
     res.update(_glu_cases())
     res.update(_router_cases())
-    res.update(_skinny_gemm_cases())
     print("RESULTS " + json.dumps(res))
 
 
@@ -353,10 +334,6 @@ def test_moe_strided_layout_interpreted(results, dtype, tol, layout):
     assert results[f"moe-{layout}-{dtype}"]["rel"] < tol, results[f"moe-{layout}-{dtype}"]
 
 
-def test_moe_down_kernel_takes_its_own_block_interpreted(results):
-    assert results["moe-paired-down64"]["rel"] < 1e-5, results["moe-paired-down64"]
-
-
 def test_sort_pairs_interpreted(results):
     assert all(results["sort-pairs"].values()), results["sort-pairs"]
 
@@ -375,7 +352,7 @@ def test_mla_mixer_interpreted(results):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("tactic", ["fused", "split", "persistent"])
+@pytest.mark.parametrize("tactic", ["fused", "split"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
 def test_kda_decode_interpreted(results, lower_bound, tactic):
     r = results[f"kda-decode-{lower_bound}-{tactic}"]
@@ -401,13 +378,6 @@ def test_attn_res_interpreted(results, dtype, tol, k):
     r = results[f"attnres-{dtype}-{k}"]
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
     assert r["rel_split"] < tol and r["rel_split_masked"] < tol, r  # the split tactic, over 3 and 4 chunks
-
-
-@pytest.mark.parametrize("M", [1, 5, 33, 64])
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])  # fp16: rounding of the output
-def test_skinny_gemm_interpreted(results, dtype, tol, M):
-    r = results[f"skinny-{dtype}-{M}"]
-    assert r["dtype_ok"] and r["rel"] < tol, r
 
 
 @pytest.mark.parametrize("case", ["5-96-8", "17-64-4", "1-40-16"])

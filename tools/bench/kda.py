@@ -58,7 +58,7 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             rec[f"{tactic}_vs_{base}_rel_l2"] = rel_l2(outs[tactic], outs[base])
             rec[f"{tactic}_vs_{base}_state_rel_l2"] = rel_l2(outs[tactic + "_state"], outs[base + "_state"])
         emit(**rec)
-        if sweep:  # the split tactic's state slice and launch width; the persistent one's, and its grid
+        if sweep:  # the split tactic's state slice and launch width
             for bv in (32, 64, 128):
                 for nw in (4, 8):
                     fn = lambda bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=H, head_dim=K, lower_bound=-5.0,
@@ -66,16 +66,6 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
                     t = time_ms(fn)
                     emit(bench="kda_split_config", N=N, block_v=bv, num_warps=nw, ms=round(t, 4),
                          frac_of_floor=round(floor_ms / t, 3))
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            for bv in (32, 64):
-                for nw in (4, 8):
-                    for per_sm in (1, 2, 4):
-                        fn = lambda bv=bv, nw=nw, p=per_sm * sms: kda_dev.kda_decode(
-                            *args, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic="persistent",
-                            block_v=bv, num_warps=nw, programs=p)
-                        t = time_ms(fn)
-                        emit(bench="kda_persistent_config", N=N, block_v=bv, num_warps=nw, programs_per_sm=per_sm,
-                             ms=round(t, 4), frac_of_floor=round(floor_ms / t, 3))
         del args, pool, conv_pool
         torch.cuda.empty_cache()
     bench_kda_prefill(bw_tbps, sweep)

@@ -75,10 +75,6 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
             decode_sweep[f"d_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(16, bn, 256, nw, st, strided=True,
                                                                                paired=True)
         decode_sweep["d_bn64_bk256_w4_s3_strided"] = mt.MoETactic(16, 64, 256, 4, 3, strided=True)
-        for dn in (32, 128):  # the down kernel's rows apart (BN 128: 3.21 instructions a weight in the SASS, 187
-            #                   registers; BN 64: 3.56, 125)
-            decode_sweep[f"d_bn64_dn{dn}_bk256_w4_s3_paired"] = mt.MoETactic(16, 64, 256, 4, 3, strided=True,
-                                                                             paired=True, down_block_n=dn)
         for bm, bn, nw, st in ((128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3), (256, 128, 8, 2),
                                (128, 256, 8, 2)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(bm, bn, 256, nw, st,

@@ -1,8 +1,7 @@
 # Thirteenth device batch (prepared for the next session): the first GPU run of the Triton GLU (GatedMLP), the
-# tl.topk router, the paired layout v2, the persistent KDA decode, the skinny GEMM and the split AttnRes; the
-# router block sweep; AttnRes one program a token against split. Then batch14 and batch15. Under 600 s; each part
-# has its own limit. (On a fresh machine Triton compiles every kernel first: batch11's GPU tests overran 260 s,
-# batch9's 30 took 122 s.)
+# tl.topk router, the paired layout v2 and the split AttnRes; the router block sweep; AttnRes one program a token
+# against split. Then batch14. Under 600 s; each part has its own limit. (On a fresh machine Triton compiles every
+# kernel first: batch11's GPU tests overran 260 s, batch9's 30 took 122 s.)
 source tools/device/env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout ${TEST_S:-400} python3 -m pytest -q -m gpu tests/plugins/test_norm_gpu.py tests/plugins/test_router_gpu.py \

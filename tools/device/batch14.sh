@@ -1,6 +1,5 @@
 # Fourteenth device batch (right after batch13): the rank at 32/64/128 requests with the GLU and top-k changes,
-# one profiled eager step at 32, the MoE sweep (paired layout v2, the down kernel's own block) and the KDA sweep
-# (with the persistent decode). Under 600 s.
+# one profiled eager step at 32, the MoE sweep (paired layout v2) and the KDA sweep. Under 600 s.
 source tools/device/env.sh
 timeout ${RANK_S:-150} python3 tools/bench_rank.py --batches 32,64,128 --reps 3 2>&1 | grep '^{' \
   | tee $OUT/rank.jsonl
