@@ -169,9 +169,9 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     H, K = num_heads, head_dim
     D = H * K
     G = D if g_b_weight is None else K
-    proj = dense(x, in_proj_weight)                                             # [T, 3D + K + H + G]
+    proj = dense(x, in_proj_weight)                   # [T, 3D + K + H + G], or padded (reference.IN_PROJ_ROW_ALIGN)
     qkv = proj[:, :3 * D]
-    f_a, b, g_in = proj[:, 3 * D:].split([K, H, G], dim=-1)
+    f_a, b, g_in = proj[:, 3 * D:3 * D + K + H + G].split([K, H, G], dim=-1)
     g_raw = dense(f_a, f_b_weight)                                              # [T, D]
     g_out = g_in if g_b_weight is None else dense(g_in, g_b_weight)
     # g_out stays a strided view of proj: every kernel that reads it takes its row stride (a copy was a launch a

@@ -213,8 +213,9 @@ def _norm_cases() -> dict:
             partial, blocks = torch.randn(7, 96, generator=g).to(dtype), torch.randn(k, 7, 96, generator=g).to(dtype)
             proj, nw = torch.randn(96, generator=g), 1 + 0.1 * torch.randn(96, generator=g)
             want = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6)
-            got = ar.attn_res(partial, blocks, proj, nw, eps=1e-6)
-            # the executor's form: K separate tensors (each its own allocation), read in place
+            got = ar.attn_res(partial, blocks, proj, nw, eps=1e-6, split=0)               # one program a token
+            # the executor's form: K separate tensors (each its own allocation), read in place, in the engine's
+            # form for 7 tokens (use_split: the split form, one part-masked chunk of 512)
             got_list = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6)
             # the split form: D = 96 in chunks of 32 (three a token), D = 112 (four, the last half masked)
             got_split = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6, split=32)
