@@ -1,8 +1,8 @@
-# Sixteenth device batch (eleventh session, after batch13-15): the GPU tests of what changed since (AttnRes split
+# Sixteenth device batch (eleventh session, after batch13-14): the GPU tests of what changed since (AttnRes split
 # by default, router blocks by batch, KDA in_proj padded, the latent MoE's fused input GEMM and its SplitColumns
-# view, the removals), the rank at 32/64/128 requests against batch14's 2.11x / 1.89x / 1.85x, one profiled step,
-# then the MoE decode with Triton's MMA v2 (DISABLE_MMA_V3=1, own cache dir: the variable is not in Triton's
-# cache key) against wgmma, side by side. Under 600 s.
+# view, the removals); the rank at 32/64/128 requests against batch14's 2.11x / 1.89x / 1.85x; the MoE decode
+# with Triton's MMA v2 (DISABLE_MMA_V3=1, own cache dir: the variable is not in Triton's cache key) against
+# wgmma, side by side; one profiled step. Under 500 s, most needed first.
 source tools/device/env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout ${TEST_S:-180} python3 -m pytest -q -m gpu tests/model/test_gpu_engine.py tests/plugins/test_norm_gpu.py \
