@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout ${TEST_S:-180} python3 -m pytest -q -m gpu tests/model/test_gpu_engine.py tests/plugins/test_norm_gpu.py \
   tests/plugins/test_router_gpu.py tests/plugins/test_kda_gpu.py -p no:cacheprovider --tb=short > $OUT/pytest.txt 2>&1
 grep -E "^E |Error|passed|failed" $OUT/pytest.txt | tail -20
-timeout ${RANK_S:-130} python3 tools/bench_rank.py --batches 32,64,128 --reps 3 2>&1 | grep '^{' | tee $OUT/rank.jsonl
+timeout ${RANK_S:-130} python3 tools/bench_rank.py --batches ${BATCHES:-32,64,128} --reps 3 2>&1 | grep '^{' | tee $OUT/rank.jsonl
 DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/tc_mma_v2 timeout ${MOE_S:-60} python3 tools/bench_plugins.py --only moe 2>&1 \
   | grep '^{' | tee $OUT/moe_mma_v2.jsonl | grep '"bench": "moe"'
 timeout ${MOE_S:-60} python3 tools/bench_plugins.py --only moe 2>&1 | grep '^{' | tee $OUT/moe_wgmma.jsonl \
