@@ -54,10 +54,10 @@ IMPLS: list[Impl] = [
     Impl("Linear", _REF, 1, "k3plugins.embed.reference:linear"),
     Impl("RMSNorm", _REF, 1, "k3plugins.norm.reference:rms_norm"),
     Impl("AttnRes", _REF, 1, "k3plugins.attn_res.reference:attn_res"),
-    Impl("GatedMLP", _REF, 1, "k3plugins.mlp.reference:gated_mlp"),
+    Impl("GatedMLP", _REF, 2, "k3plugins.mlp.reference:gated_mlp"),  # v2: gate_up may be absent (x projected)
     Impl("Router", _REF, 1, "k3plugins.router.reference:route"),
     Impl("MoEExperts", _REF, 1, "k3plugins.moe.reference:moe_experts"),
-    Impl("KDA", _REF, 1, "k3plugins.kda.reference:kda_mixer"),
+    Impl("KDA", _REF, 2, "k3plugins.kda.reference:kda_mixer"),  # v2: in_proj rows padded (IN_PROJ_ROW_ALIGN)
     Impl("MLA", _REF, 1, "k3plugins.mla.reference:mla_mixer"),
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
@@ -72,7 +72,7 @@ IMPLS: list[Impl] = [
          dtypes=("bf16", "fp16"), expert_layout="strided"),
     Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
          dtypes=("bf16", "fp16")),
-    Impl("KDA", "fla", 1, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
+    Impl("KDA", "fla", 2, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
     Impl("MLA", "triton", 1, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
     # one launch each instead of the references' chains of elementwise kernels
     Impl("RMSNorm", "triton", 1, "k3plugins.norm.triton:rms_norm", _GPU, "triton"),
@@ -80,7 +80,7 @@ IMPLS: list[Impl] = [
     # GEMMs in the activation dtype (the references upcast weights to fp32 on every call)
     Impl("Linear", "blas", 1, "k3plugins.embed.blas:linear", _GPU, dtypes=("bf16", "fp16")),
     Impl("LMHead", "blas", 1, "k3plugins.embed.blas:lm_head", _GPU, dtypes=("bf16", "fp16")),
-    Impl("GatedMLP", "blas", 1, "k3plugins.mlp.blas:gated_mlp", _GPU, dtypes=("bf16", "fp16")),
+    Impl("GatedMLP", "blas", 2, "k3plugins.mlp.blas:gated_mlp", _GPU, dtypes=("bf16", "fp16")),
 ]
 
 # Preferred tactic per target, best first; the first that `supports` the target wins. triton_p (paired expert

@@ -16,7 +16,7 @@ from k3plugins import registry
 from k3plugins.step_scope import step_scope
 from onnx import helper
 
-from .loader import _ONNX_TO_TORCH, RankEngine
+from .loader import _ONNX_TO_TORCH, EngineError, RankEngine
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,10 @@ class Executor:
             return _Bound(node.name, _K3_STRUCTURE_OPS[node.op_type](attrs), ins, outs, {}, "plain")
         if node.op_type in _COMM_OPS:
             return _Bound(node.name, getattr(self.comm, _COMM_OPS[node.op_type]), ins, outs, attrs, "comm")
-        entry = plugins[node.op_type]
+        entry = plugins.get(node.op_type)
+        if entry is None:  # an op of a newer k3build, or a graph edited by hand
+            raise EngineError(f"graph node {node.name!r}: op {node.domain}::{node.op_type} is neither a structure op "
+                              f"nor in the engine's plugin table; rebuild the engine with this k3build")
         fn = registry.find(node.op_type, entry["tactic"]).load()
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
         if node.op_type == "Router":

@@ -54,7 +54,8 @@ def test_other_plugin_abi(engine):
 
 def test_unknown_plugin_tactic(engine):
     _edit(engine, lambda c: c["build_config"]["plugins"]["KDA"].update(tactic="warp9"))
-    _refused(engine, "plugin KDA/warp9 v1 is not available here (none)", "rebuild")
+    v = registry.find("KDA", "reference").version
+    _refused(engine, f"plugin KDA/warp9 v{v} is not available here (none)", "rebuild")
 
 
 def test_unknown_plugin_version(engine):
@@ -119,3 +120,16 @@ def test_generate_cli_refuses_with_the_message(engine):
     _edit(engine, lambda c: c["stamp"].update(plugin_abi=registry.PLUGIN_ABI + 1))
     res = CliRunner().invoke(runtime_main, ["generate", str(engine), "--prompt", "hi", "--max-tokens", "1"])
     assert res.exit_code != 0 and "plugin ABI" in res.output and "Traceback" not in res.output
+
+
+def test_graph_op_unknown_to_this_runtime(engine):
+    """A graph node whose op the runtime has no binding for (a newer builder's op): a clear refusal, no traceback."""
+    import onnx
+    path = engine / "rank0" / "graph.onnx"
+    model = onnx.load(path)
+    node = next(n for n in model.graph.node if n.op_type == "SplitColumns")
+    node.op_type = "SplitRows"
+    onnx.save(model, path)
+    res = CliRunner().invoke(runtime_main, ["generate", str(engine), "--prompt", "hi", "--max-tokens", "1"])
+    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+    assert f"graph node {node.name!r}: op k3::SplitRows" in res.output and "rebuild" in res.output
