@@ -47,10 +47,10 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     "decode_s": MoETactic(16, 64, 256, 4, 3, strided=True),
     "prefill_s": MoETactic(128, 128, 256, 8, 2, strided=True),
     # on pair_mxfp4's weights (the "triton_p" engine tactic, the sm90 default): no byte permutes to build the MMA
-    # operands; 0.59-0.62 of the weight floor at 1-8 tokens/expert against 0.52-0.56 for "*_s" in the same run,
-    # 289 TFLOP/s at 128 tokens/expert against 272 (BENCHMARKS.md). Measured with the pairs' nibbles in order;
-    # the rotation placement since then (mxfp4.PAIR_MAG_ROT) and packed scale columns cut the sm_90 loops from
-    # 3.62 / 3.91 / 3.60 to 2.99 / 3.52 / 3.05 instructions a weight (gate/up, down, prefill gate/up): not yet timed
+    # operands; with the rotation placement (mxfp4.PAIR_MAG_ROT) and packed scale columns, 0.60-0.63 of the weight
+    # floor at 1-8 tokens/expert against 0.52-0.56 for "*_s", and 301 TFLOP/s at 128 tokens/expert (BENCHMARKS.md).
+    # Its loops take 2.99 / 3.52 / 3.05 sm_90 instructions a weight (gate/up, down, prefill gate/up), 17 % fewer
+    # than with the nibbles in order, for 1.5 % less time: the decode is latency-bound now, not issue-bound
     "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True),
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True),
     # FP8 activations for the gate/up GEMM (strided weights); BN 64, as BN 128 spills registers in the sm_90 SASS.
