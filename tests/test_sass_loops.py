@@ -1,7 +1,7 @@
 """tools/sass_loops.py: the MoE decode's instruction budget in its sm_90 SASS, compiled and read on the CPU.
 
-The paired layout exists to cut the decode's instructions (the kernel is bound by instruction issue at 1-8 tokens
-per expert); this guards what it bought against a change that would quietly put them back."""
+The paired layout exists to cut the decode's instructions (the kernel was bound by instruction issue at 1-8 tokens
+per expert until about 3 a weight); this guards what it bought against a change that would quietly put them back."""
 
 import json
 import subprocess

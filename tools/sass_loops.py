@@ -8,7 +8,8 @@ Triton compiles the kernel for sm_90 (its bundled ptxas) and cuobjdump disassemb
 branch) it prints the instruction count and the opcode histogram, after the kernel's registers a thread and spill
 instructions.
 Divide a loop's count by the weights a thread handles per iteration to get instructions a weight: the figure
-BENCHMARKS.md uses to predict the MoE decode kernels' speed, since they are bound by instruction issue.
+BENCHMARKS.md uses to compare MoE decode kernels (the decode was bound by instruction issue down to about 3.6 a
+weight; at 3.0 it no longer is: BENCHMARKS.md, eleventh session).
 """
 
 from __future__ import annotations
