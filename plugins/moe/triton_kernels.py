@@ -10,8 +10,9 @@ Two ways to turn MXFP4 into MMA operands (constexpr W4):
              becomes one bf16x2 register with a shift and a mask (E2M1 bits placed in the bf16 exponent and
              mantissa, then one packed multiply by 2^(s-1)). About 4 instructions per weight against ~19 for
              a float decode, which decided decode speed: at 1-8 tokens per expert the kernel was bound by
-             instruction issue, not by the MMA (the paired layout's 3 a weight left it latency-bound instead). The pairs come out with bits 0 and 1 of the K index
-             swapped (within every 8), so the activations are read in that order too (`swap01`).
+             instruction issue, not by the MMA (the paired layout's 3 a weight left it latency-bound instead).
+             The pairs come out with bits 0 and 1 of the K index swapped (within every 8), so the activations
+             are read in that order too (`swap01`).
   W4=False — Triton's tl.dot_scaled (native MX MMA where the hardware has it, upcast elsewhere).
 """
 
