@@ -58,7 +58,7 @@ IMPLS: list[Impl] = [
     Impl("Router", _REF, 1, "k3plugins.router.reference:route"),
     Impl("MoEExperts", _REF, 1, "k3plugins.moe.reference:moe_experts"),
     Impl("KDA", _REF, 2, "k3plugins.kda.reference:kda_mixer"),  # v2: in_proj rows padded (IN_PROJ_ROW_ALIGN)
-    Impl("MLA", _REF, 1, "k3plugins.mla.reference:mla_mixer"),
+    Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer"),  # v2: q_a, kv_a and g stacked in one in_proj
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
     Impl("MoEExperts", "triton_p", 2, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
@@ -73,7 +73,7 @@ IMPLS: list[Impl] = [
     Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 2, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
-    Impl("MLA", "triton", 1, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
+    Impl("MLA", "triton", 2, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
     # one launch each instead of the references' chains of elementwise kernels
     Impl("RMSNorm", "triton", 1, "k3plugins.norm.triton:rms_norm", _GPU, "triton"),
     Impl("AttnRes", "triton", 1, "k3plugins.attn_res.triton:attn_res", _GPU, "triton"),

@@ -142,12 +142,12 @@ def _kda(b: _Builder, layer: int, x: str, cache_index: int) -> str:
 def _mla(b: _Builder, layer: int, x: str, cache_index: int) -> str:
     cfg, e = b.cfg, f"l{layer}.mla."
     lora = cfg.q_lora_rank is not None
-    ins = [x, e + "q_a" if lora else "", e + "q_a_norm" if lora else "", e + "q_b", e + "kv_a", e + "kv_a_norm",
-           e + "w_uk", e + "w_uv", e + "g" if cfg.mla_use_output_gate else "", e + "o_proj"]
+    ins = [x, e + "in_proj", e + "q_a_norm" if lora else "", e + "q_b" if lora else "", e + "kv_a_norm",
+           e + "w_uk", e + "w_uv", e + "o_proj"]
     return b.op("MLA", ins, name=f"l{layer}.mla", cache_index=cache_index,
                 num_heads=cfg.num_attention_heads // b.mapping.attn_tp_size, qk_nope_head_dim=cfg.qk_nope_head_dim,
                 qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, scale=cfg.qk_head_dim ** -0.5,
-                latent_eps=cfg.mla_latent_norm_eps)
+                latent_eps=cfg.mla_latent_norm_eps, output_gate=int(cfg.mla_use_output_gate))
 
 
 def _moe(b: _Builder, layer: int, x: str) -> str:

@@ -109,19 +109,20 @@ def _kda(cfg: K3Config, a: str, e: str, get: Get):
 def _mla(cfg: K3Config, mapping: Mapping, a: str, e: str, get: Get):
     heads = cfg.num_attention_heads // mapping.attn_tp_size
     nope, v, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank is not None:
-        yield e + "q_a", get(a + "q_a_proj.weight")
+    # Every projection of x in one GEMM, in the order the mixer splits it (k3plugins.mla.reference.in_proj_rows):
+    # q_a (or the plain q_proj), the latent kv_a, the output gate
+    lora = cfg.q_lora_rank is not None
+    rows = [get(a + ("q_a_proj.weight" if lora else "q_proj.weight")), get(a + "kv_a_proj_with_mqa.weight")]
+    if cfg.mla_use_output_gate:
+        rows.append(get(a + "g_proj.weight"))
+    yield e + "in_proj", torch.cat([t.to(rows[0].dtype) for t in rows])
+    if lora:
         yield e + "q_a_norm", get(a + "q_a_layernorm.weight")
         yield e + "q_b", get(a + "q_b_proj.weight")
-    else:
-        yield e + "q_b", get(a + "q_proj.weight")
-    yield e + "kv_a", get(a + "kv_a_proj_with_mqa.weight")
     yield e + "kv_a_norm", get(a + "kv_a_layernorm.weight")
     kv_b = get(a + "kv_b_proj.weight").reshape(heads, nope + v, r)  # head-major [k_nope | v] rows
     yield e + "w_uk", kv_b[:, :nope, :].contiguous()  # [H, nope, r]
     yield e + "w_uv", kv_b[:, nope:, :].transpose(1, 2).contiguous()  # [H, r, v]
-    if cfg.mla_use_output_gate:
-        yield e + "g", get(a + "g_proj.weight")
     yield e + "o_proj", get(a + "o_proj.weight")
 
 

@@ -9,6 +9,19 @@ def _check(name: str, tensor: torch.Tensor | None, shape: tuple) -> None:
         raise ValueError(f"mla_mixer: {name} must be {list(shape)}, got {list(tensor.shape)}")
 
 
+def in_proj_rows(num_heads: int, nope: int, rope: int, v_head_dim: int, kv_lora_rank: int,
+                 q_a_norm_weight: torch.Tensor | None, output_gate: int) -> list[int]:
+    """Rows of each part of the stacked in_proj: [q (q_a or plain q_proj), kv_a (latent + rope), gate (0 if none)]."""
+    q_rows = num_heads * (nope + rope) if q_a_norm_weight is None else q_a_norm_weight.shape[0]
+    return [q_rows, kv_lora_rank + rope, num_heads * v_head_dim if output_gate else 0]
+
+
+def split_in_proj(proj: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q input, kv_a output, gate logits or None) as column views of in_proj's output."""
+    q, ckv, gate = proj.split(rows, dim=-1)
+    return q, ckv, gate if rows[2] else None
+
+
 def _cache_slots(page_table_row: torch.Tensor, positions: torch.Tensor, page_size: int,
                 seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(page ids, offsets) of token positions of sequence `seq`; raises if a needed page is unassigned.
@@ -27,28 +40,30 @@ def _cache_slots(page_table_row: torch.Tensor, positions: torch.Tensor, page_siz
     return pages, positions % page_size
 
 
-def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight: torch.Tensor | None,
-              q_b_weight: torch.Tensor, kv_a_weight: torch.Tensor, kv_a_norm_weight: torch.Tensor,
-              w_uk: torch.Tensor, w_uv: torch.Tensor, g_weight: torch.Tensor | None, o_weight: torch.Tensor,
-              kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-              page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-              v_head_dim: int, scale: float, latent_eps: float) -> torch.Tensor:
+def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,
+              q_b_weight: torch.Tensor | None, kv_a_norm_weight: torch.Tensor, w_uk: torch.Tensor,
+              w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
+              context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+              qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
+              output_gate: int) -> torch.Tensor:
     """One MLA layer over N packed sequences: append their latents to the paged cache, attend causally.
 
     Args:
         x: [T, hidden] new tokens of N sequences, packed.
-        q_a_weight: [q_lora, hidden] or None (then q_b_weight is the plain q_proj).
-        q_a_norm_weight: [q_lora] or None.
-        q_b_weight: [H*(nope+rope), q_lora or hidden].
-        kv_a_weight: [r + rope, hidden]; kv_a_norm_weight: [r].
+        in_proj_weight: [q_rows + r + rope (+ H*v), hidden], every projection of x in one GEMM (split_in_proj):
+            q_a_proj [q_lora rows] (or the plain q_proj [H*(nope+rope) rows] when q_a_norm_weight is None),
+            kv_a_proj_with_mqa [r + rope rows], then g_proj [H*v rows] if output_gate.
+        q_a_norm_weight: [q_lora] or None (no q_lora: no q_b either).
+        q_b_weight: [H*(nope+rope), q_lora] or None.
+        kv_a_norm_weight: [r].
         w_uk: [H, nope, r] absorbed into q; w_uv: [H, r, v] applied to the attended latent.
-        g_weight: [H*v, hidden] sigmoid output gate, or None.
         o_weight: [hidden, H*v].
         kv_cache: [num_pages, page_size, r + rope] this layer's cache, written in place.
         cu_seqlens: [N+1] offsets into x. context_lens: [N] tokens of each sequence after this step
             (its new tokens sit at positions context_lens[n]-T_n ... context_lens[n]-1).
         page_table: [N, max_pages] int32/int64 page ids, -1 unused.
         scale: softmax scale (K3: (nope+rope)^-0.5). latent_eps: eps of the q_a / kv_a norms.
+        output_gate: 1 if in_proj ends with the sigmoid output gate's rows (K3: g_proj).
 
     Returns:
         [T, hidden] in x.dtype (this rank's partial of o_proj).
@@ -56,16 +71,14 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
     T, hidden = x.shape
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
-    if (q_a_weight is None) != (q_a_norm_weight is None):
-        raise ValueError("mla_mixer: q_a_weight and q_a_norm_weight must both be given (q_lora) or both be None")
-    q_in = hidden if q_a_weight is None else q_a_weight.shape[0]
-    _check("q_a_weight", q_a_weight, (q_in, hidden))
-    _check("q_a_norm_weight", q_a_norm_weight, (q_in,))
-    _check("q_b_weight", q_b_weight, (H * (nope + rope), q_in))
-    _check("kv_a_weight", kv_a_weight, (r + rope, hidden))
+    if (q_b_weight is None) != (q_a_norm_weight is None):
+        raise ValueError("mla_mixer: q_a_norm_weight and q_b_weight must both be given (q_lora) or both be None")
+    rows = in_proj_rows(H, nope, rope, vd, r, q_a_norm_weight, output_gate)
+    _check("in_proj_weight", in_proj_weight, (sum(rows), hidden))
+    if q_b_weight is not None:
+        _check("q_b_weight", q_b_weight, (H * (nope + rope), rows[0]))
     _check("w_uk", w_uk, (H, nope, r))
     _check("w_uv", w_uv, (H, r, vd))
-    _check("g_weight", g_weight, (H * vd, hidden))
     _check("o_weight", o_weight, (hidden, H * vd))
     _check("kv_cache", kv_cache, (kv_cache.shape[0], kv_cache.shape[1], r + rope))
     cu = [int(c) for c in cu_seqlens.tolist()]
@@ -79,11 +92,11 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
     if any(lens[n] < cu[n + 1] - cu[n] for n in range(N)):
         raise ValueError(f"mla_mixer: context_lens {lens} must be >= each sequence's new tokens {cu}")
 
-    xf = x.float()
-    q_src = xf if q_a_weight is None else rms_norm(xf @ q_a_weight.float().T, q_a_norm_weight.float(), eps=latent_eps)
-    q = (q_src @ q_b_weight.float().T).view(T, H, nope + rope)
+    q_src, ckv, gate = split_in_proj(x.float() @ in_proj_weight.float().T, rows)
+    if q_b_weight is not None:
+        q_src = rms_norm(q_src, q_a_norm_weight.float(), eps=latent_eps) @ q_b_weight.float().T
+    q = q_src.view(T, H, nope + rope)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
-    ckv = xf @ kv_a_weight.float().T                                            # [T, r + rope]
     latent = rms_norm(ckv[:, :r], kv_a_norm_weight.float(), eps=latent_eps)
     entries = torch.cat([latent, ckv[:, r:]], dim=-1).to(kv_cache.dtype)        # [T, r + rope]
     # Absorption: score = (q_nope W_uk) · c, so decode reads only the (r + rope)-wide latent.
@@ -115,6 +128,6 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
         o[s:e] = torch.einsum("thr,hrv->thv", o_lat, w_uv.float())
 
     o = o.reshape(T, H * vd)
-    if g_weight is not None:
-        o = o * torch.sigmoid(xf @ g_weight.float().T)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
     return (o @ o_weight.float().T).to(x.dtype)

@@ -19,6 +19,8 @@ from k3plugins.embed.dense import dense
 from k3plugins.norm.triton import rms_norm  # the latent norms: one launch each, not five
 from k3plugins.step_scope import per_step
 
+from .reference import in_proj_rows, split_in_proj
+
 PAGE = 64
 
 
@@ -175,20 +177,23 @@ def _token_index(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, page_tabl
             (pos + 1).to(torch.int32), seq.to(torch.int32))
 
 
-def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight: torch.Tensor | None,
-              q_b_weight: torch.Tensor, kv_a_weight: torch.Tensor, kv_a_norm_weight: torch.Tensor,
-              w_uk: torch.Tensor, w_uv: torch.Tensor, g_weight: torch.Tensor | None, o_weight: torch.Tensor,
-              kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-              page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-              v_head_dim: int, scale: float, latent_eps: float) -> torch.Tensor:
+def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,
+              q_b_weight: torch.Tensor | None, kv_a_norm_weight: torch.Tensor, w_uk: torch.Tensor,
+              w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
+              context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+              qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
+              output_gate: int) -> torch.Tensor:
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
     page tables on the host; here every index is computed on the device)."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
-    q_src = x if q_a_weight is None else rms_norm(dense(x, q_a_weight), q_a_norm_weight, eps=latent_eps)
-    q = dense(q_src, q_b_weight).view(T, H, nope + rope)
-    ckv = dense(x, kv_a_weight)                                                     # [T, r + rope]
+    # q_a, kv_a and the gate all read x: one GEMM (a launch and a pass over x instead of three)
+    rows = in_proj_rows(H, nope, rope, vd, r, q_a_norm_weight, output_gate)
+    q_src, ckv, gate = split_in_proj(dense(x, in_proj_weight), rows)
+    if q_b_weight is not None:
+        q_src = dense(rms_norm(q_src, q_a_norm_weight, eps=latent_eps), q_b_weight)
+    q = q_src.view(T, H, nope + rope)
     entries = torch.cat([rms_norm(ckv[:, :r], kv_a_norm_weight, eps=latent_eps), ckv[:, r:]], dim=-1)
     page, row, pages32, lens32, seq32 = per_step("mla_index", (cu_seqlens, context_lens, page_table),
                                                  lambda *src: _token_index(*src, T))
@@ -197,6 +202,6 @@ def mla_mixer(x: torch.Tensor, q_a_weight: torch.Tensor | None, q_a_norm_weight:
     o_lat = mla_decode_attention(q_lat.to(kv_cache.dtype), q[..., nope:].to(kv_cache.dtype), kv_cache, pages32,
                                  lens32, scale=scale, query_seq=seq32)
     o = torch.einsum("thr,hrv->thv", o_lat.to(x.dtype), w_uv.to(x.dtype)).reshape(T, H * vd)
-    if g_weight is not None:
-        o = o * torch.sigmoid(dense(x, g_weight))
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
     return dense(o, o_weight)

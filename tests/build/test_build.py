@@ -134,7 +134,12 @@ def test_mla_absorption(k3_tiny_engine):
         kv_b = kv_b.reshape(h, nope + v, r)  # head-major [k_nope | v] rows
         torch.testing.assert_close(w_uk, kv_b[:, :nope], rtol=0, atol=0)
         torch.testing.assert_close(w_uv, kv_b[:, nope:].transpose(1, 2), rtol=0, atol=0)
-        assert w[f"l{i}.mla.kv_a"].shape == (r + CFG.qk_rope_head_dim, CFG.hidden_size)  # the 576-wide latent
+        # q_a, the 576-wide latent's kv_a and the gate stacked in one GEMM, in that order, bit for bit
+        a = f"model.layers.{i}.self_attn."
+        parts = [_converted(k3_tiny_engine, 0, a + n + ".weight") for n in ("q_a_proj", "kv_a_proj_with_mqa", "g_proj")]
+        assert parts[1].shape == (r + CFG.qk_rope_head_dim, CFG.hidden_size)
+        in_proj = w[f"l{i}.mla.in_proj"]
+        torch.testing.assert_close(in_proj, torch.cat(parts).to(in_proj.dtype), rtol=0, atol=0)
 
 
 def test_latent_moe_input_projections_share_one_gemm(k3_tiny_engine):

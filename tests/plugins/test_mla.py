@@ -52,12 +52,20 @@ def _cache(num_pages, page_size, dtype=torch.float32):
     return torch.full((num_pages, page_size, R + DIMS["qk_rope_head_dim"]), float("nan"), dtype=dtype)
 
 
+def _in_proj(w):
+    """The builder's stacking: q_a (or the plain q_proj, which then sits in q_b's place), kv_a, then the gate."""
+    q = w["q_a"] if w["q_a"] is not None else w["q_b"]
+    return torch.cat([q, w["kv_a"]] + ([w["g"]] if w["g"] is not None else []))
+
+
 def _run(x, w, cache, cu, ctx, table):
     w_uk, w_uv = _absorb(w["kv_b"])
-    return mla_mixer(x, w["q_a"], w["q_a_norm"], w["q_b"], w["kv_a"], w["kv_a_norm"], w_uk, w_uv, w["g"], w["o"],
+    lora = w["q_a"] is not None
+    return mla_mixer(x, _in_proj(w), w["q_a_norm"], w["q_b"] if lora else None, w["kv_a_norm"], w_uk, w_uv, w["o"],
                      cache, cu_seqlens=torch.tensor(cu), context_lens=torch.tensor(ctx),
                      page_table=torch.tensor(table, dtype=torch.int32), **DIMS,
-                     scale=(DIMS["qk_nope_head_dim"] + DIMS["qk_rope_head_dim"]) ** -0.5, latent_eps=1e-6)
+                     scale=(DIMS["qk_nope_head_dim"] + DIMS["qk_rope_head_dim"]) ** -0.5, latent_eps=1e-6,
+                     output_gate=int(w["g"] is not None))
 
 
 def _table(pages, width):
@@ -150,8 +158,16 @@ def test_rejects_bad_input():
         _run(x, w, _cache(4, 4), [0, 6], [6], [[2]])
     with pytest.raises(ValueError, match="context_lens"):
         _run(x, w, _cache(4, 4), [0, 6], [5], [[2, 3]])
+    kw = dict(cu_seqlens=torch.tensor([0, 6]), context_lens=torch.tensor([6]), page_table=torch.tensor([[0, 1]]),
+              **DIMS, scale=0.2, latent_eps=1e-6)
+    w_uk, w_uv = _absorb(w["kv_b"])
     with pytest.raises(ValueError, match="w_uk must be"):
-        mla_mixer(x, w["q_a"], w["q_a_norm"], w["q_b"], w["kv_a"], w["kv_a_norm"], torch.ones(3, 16, 31),
-                  torch.ones(3, 32, 12), w["g"], w["o"], _cache(4, 4), cu_seqlens=torch.tensor([0, 6]),
-                  context_lens=torch.tensor([6]), page_table=torch.tensor([[0, 1]]), **DIMS, scale=0.2,
-                  latent_eps=1e-6)
+        mla_mixer(x, _in_proj(w), w["q_a_norm"], w["q_b"], w["kv_a_norm"], torch.ones(3, 16, 31), w_uv, w["o"],
+                  _cache(4, 4), output_gate=1, **kw)
+    # in_proj without the gate's rows, for an engine that says it has a gate
+    with pytest.raises(ValueError, match=r"in_proj_weight must be \[100, 40\], got \[64, 40\]"):
+        mla_mixer(x, _in_proj(w)[:64], w["q_a_norm"], w["q_b"], w["kv_a_norm"], w_uk, w_uv, w["o"], _cache(4, 4),
+                  output_gate=1, **kw)
+    with pytest.raises(ValueError, match="both be given"):
+        mla_mixer(x, _in_proj(w), w["q_a_norm"], None, w["kv_a_norm"], w_uk, w_uv, w["o"], _cache(4, 4),
+                  output_gate=1, **kw)

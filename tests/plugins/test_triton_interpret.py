@@ -130,10 +130,13 @@ def _mla_mixer_case(mla):
     cache = r_(8, 64, r + rope)
     pt = torch.tensor([[3, 6, -1], [1, -1, -1], [7, -1, -1]], dtype=torch.int32)
     outs = []
+    q_a, q_a_norm, q_b, kv_a, kv_a_norm, w_uk, w_uv, g_w, o_w = w
+    in_proj = torch.cat([q_a, kv_a, g_w])  # the builder's stacking
     for fn in (mla.mla_mixer, ref):
         c = cache.clone()
-        o = fn(x, *w[:7], w[7], w[8], c, cu_seqlens=cu, context_lens=torch.tensor(ctx), page_table=pt, num_heads=H,
-               qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=vd, scale=(nope + rope) ** -0.5, latent_eps=1e-6)
+        o = fn(x, in_proj, q_a_norm, q_b, kv_a_norm, w_uk, w_uv, o_w, c, cu_seqlens=cu, context_lens=torch.tensor(ctx),
+               page_table=pt, num_heads=H, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=vd,
+               scale=(nope + rope) ** -0.5, latent_eps=1e-6, output_gate=1)
         outs.append((o, c))
     (o1, c1), (o2, c2) = outs
     return {"rel": _rel(o1, o2), "cache_rel": _rel(c1, c2)}
