@@ -157,3 +157,18 @@ def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Ten
     for p in range(1, 4):
         words |= torch.take(luts[p], out[..., p].long())
     return words.view(torch.uint8).reshape(packed.shape)
+
+
+TILE_ROWS = 64  # rows of a tile_rows tile (the Triton kernels' TILE_ROWS)
+
+
+def tile_rows(t: torch.Tensor, tile_cols: int, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """[..., R, C] (expert bytes or scales, any row layout) -> the same shape with each tile of tile_rows rows ×
+    tile_cols columns stored contiguously, the tiles of a row block one K tile after the other: a kernel program
+    that walks K over a block of rows then reads one contiguous block a step, not tile_rows short runs."""
+    R, C = t.shape[-2:]
+    if R % tile_rows or C % tile_cols:
+        raise ValueError(f"tile_rows: {list(t.shape)} must have rows a multiple of {tile_rows} and columns a multiple "
+                         f"of {tile_cols}")
+    lead = t.shape[:-2]
+    return t.reshape(*lead, R // tile_rows, tile_rows, C // tile_cols, tile_cols).transpose(-3, -2).reshape(t.shape)

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from k3plugins.mlp.triton import ACT_IDS
-from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401 (re-exported)
-                                  restride_mxfp4)
+from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401
+                                  restride_mxfp4, tile_rows)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 
@@ -35,6 +35,7 @@ class MoETactic:
     strided: bool = False  # W4 on weights in `restride_mxfp4`'s layout (block_k 256); activations in natural order
     paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
+    tiled: bool = False  # with strided: weights and scales in tile_rows' order (block_n a multiple of TILE_ROWS)
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -53,6 +54,10 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # than with the nibbles in order, for 1.5 % less time: the decode is latency-bound now, not issue-bound
     "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True),
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True),
+    # the paired bytes with rows in tiles of 64 (tile_rows): a K step of a program reads one contiguous 8 KB block
+    # instead of 64 runs of 128 bytes, 1.8 KB apart (experimental: is the decode bound by DRAM row locality?)
+    "decode_pt": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True),
+    "prefill_pt": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True),
     # FP8 activations for the gate/up GEMM (strided weights); BN 64, as BN 128 spills registers in the sm_90 SASS.
     # On the H200, the best of its sweep: 231 TFLOP/s at 128 tokens/expert (1.25x slower than "prefill_p"; 8 warps
     # took 3.84 ms), rel-L2 0.041 against W4A16 on random activations
@@ -98,6 +103,9 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
     if t.strided and t.block_k != STRIDE_BLOCK_K:
         return False, f"strided tactics read K tiles of {STRIDE_BLOCK_K}, got block_k={t.block_k}"
+    if t.tiled and (not t.strided or t.fp8 or t.block_n % TILE_ROWS or inter % TILE_ROWS or dl % TILE_ROWS):
+        return False, (f"tiled tactics read the strided or paired layout in row tiles of {TILE_ROWS}: block_n="
+                       f"{t.block_n}, I={inter} and Dl={dl} must be multiples of it (and no FP8)")
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
     if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
@@ -195,12 +203,12 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_gate_up_kernel[(E, inter // t.block_n)](
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
-        TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4, STRIDED=3 if t.fp8 else layout, F8=f8,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
+        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, num_warps=t.num_warps, num_stages=t.num_stages)
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
-        W4=t.w4, STRIDED=layout, num_warps=t.num_warps, num_stages=t.num_stages)
+        W4=t.w4, STRIDED=layout, TILED=t.tiled, num_warps=t.num_warps, num_stages=t.num_stages)
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)
     return out
@@ -236,7 +244,14 @@ moe_experts_ds = _by_step("decode_ds", "prefill_ds", "moe_experts_ds",
 def lay_out(tactic: str | MoETactic, packed: torch.Tensor) -> torch.Tensor:
     """Expert bytes in the checkpoint's order -> the layout `tactic` reads."""
     t = TACTICS[tactic] if isinstance(tactic, str) else tactic
-    return pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided else packed
+    out = pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided else packed
+    return tile_rows(out, STRIDE_BLOCK_K // 2) if t.tiled else out
+
+
+def lay_out_scale(tactic: str | MoETactic, scale: torch.Tensor) -> torch.Tensor:
+    """Expert scales in the checkpoint's order -> the order `tactic` reads (changed by tiled tactics only)."""
+    t = TACTICS[tactic] if isinstance(tactic, str) else tactic
+    return tile_rows(scale, STRIDE_BLOCK_K // 32) if t.tiled else scale
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -206,11 +206,24 @@ def _row_exponent(s_ptrs, Dl, BN: tl.constexpr, BK: tl.constexpr):
     return best
 
 
+TILE_ROWS = tl.constexpr(64)  # rows of a tile in mxfp4.tile_rows' layout
+
+
+@triton.jit
+def _row_offsets(offs_n, stride_n, TILE_K: tl.constexpr, TILED: tl.constexpr):
+    """Where rows offs_n start, in elements. Row-major: n · stride_n. TILED (mxfp4.tile_rows): the rows of a tile of
+    TILE_ROWS sit side by side, TILE_K elements each, one K tile after the other; the K loop then steps by a whole
+    tile (K offsets × TILE_ROWS)."""
+    if TILED:
+        return (offs_n // TILE_ROWS) * TILE_ROWS * stride_n + (offs_n % TILE_ROWS) * TILE_K
+    return offs_n * stride_n
+
+
 @triton.jit
 def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we,
                        stride_wn, stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr):
+                       W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -219,7 +232,8 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     (`quantize_e4m3`), the weights decoded to F8 against each row's largest scale (_fp8_dot): code ×
     2^(s_group − s_row) is exact in e4m3 while s_group − s_row ≥ −8 and rounds past that, the drift this path
     trades for FP8 tensor cores. The row and token scales multiply the accumulators once, after the K loop.
-    zs_ptr and F8 are unused otherwise.
+    zs_ptr and F8 are unused otherwise. TILED (with STRIDED, BN a multiple of TILE_ROWS): weights and scales in
+    `tile_rows`' order, so that each K step reads whole contiguous blocks (_row_offsets).
     """
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -228,9 +242,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
     RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)  # activation rows a load adds itself
     rk = tl.arange(0, RK)
-    wg_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
+    KMUL: tl.constexpr = TILE_ROWS if TILED else 1  # a K offset's multiplier (tiled: a K step skips a whole tile)
+    wg_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
     wu_ptrs = wg_ptrs + I * stride_wn
-    sg_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+    sg_ptrs = (s_ptr + e * stride_se + _row_offsets(offs_n, stride_sn, BK // 32, TILED)[:, None]
+               + tl.arange(0, BK // 32)[None, :])
     su_ptrs = sg_ptrs + I * stride_sn
     h_cols = swap01(offs_n) if W4 and not STRIDED else offs_n
     if STRIDED == 3:
@@ -245,26 +261,27 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
-            kw = k0 // 8 if W4 else k0 // 2
+            kw = (k0 // 8 if W4 else k0 // 2) * KMUL
+            ks = k0 // 32 * KMUL
             if STRIDED == 3:
-                acc_g = _fp8_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), sg_row, z_ptrs,
+                acc_g = _fp8_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), sg_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
-                acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), su_row, z_ptrs,
+                acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), su_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
             elif STRIDED == 2:
-                acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), z_ptrs,
+                acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                     p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
-                acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), z_ptrs,
+                acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
                                     p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
             elif STRIDED:
-                acc_g = _strided_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), z_ptrs,
+                acc_g = _strided_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                      p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)
-                acc_u = _strided_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), z_ptrs,
+                acc_u = _strided_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
                                      p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)
             else:
                 zT = tl.load(z_ptrs + k0, mask=p_mask[None, :], other=0.0)             # [BK, BM]
-                acc_g = _mx_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + k0 // 32), zT, BN, BK, W4)
-                acc_u = _mx_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + k0 // 32), zT, BN, BK, W4)
+                acc_g = _mx_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), zT, BN, BK, W4)
+                acc_u = _mx_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), zT, BN, BK, W4)
         if STRIDED == 3:  # 2^(s_row - 127) from bits, times the token's scale
             zs = tl.load(zs_ptr + tok, mask=p_mask, other=0.0)[None, :]
             acc_g = acc_g * (sg_row << 23).to(tl.float32, bitcast=True)[:, None] * zs
@@ -278,8 +295,9 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
 @triton.jit
 def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I, stride_hm, stride_we,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr):
-    """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of expert program_id(0)."""
+                    BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False):
+    """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of expert program_id(0) (TILED: as the gate/up
+    kernel's)."""
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
@@ -287,8 +305,10 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
     RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)
-    w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, WK)[None, :]
-    s_ptrs = s_ptr + e * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+    KMUL: tl.constexpr = TILE_ROWS if TILED else 1
+    w_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
+    s_ptrs = (s_ptr + e * stride_se + _row_offsets(offs_n, stride_sn, BK // 32, TILED)[:, None]
+              + tl.arange(0, BK // 32)[None, :])
     m0 = start
     while m0 < end:
         offs_p = m0 + tl.arange(0, BM)
@@ -296,16 +316,17 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         h_ptrs = h_ptr + offs_p[None, :] * stride_hm + rk[:, None]
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, I, BK):
-            kw = k0 // 8 if W4 else k0 // 2
+            kw = (k0 // 8 if W4 else k0 // 2) * KMUL
+            ks = k0 // 32 * KMUL
             if STRIDED == 2:
-                acc = _paired_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), h_ptrs, p_mask[None, :], k0,
+                acc = _paired_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
                                   BN, h_ptr.dtype.element_ty)
             elif STRIDED:
-                acc = _strided_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), h_ptrs, p_mask[None, :],
+                acc = _strided_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :],
                                    k0, BN, BK // 8, h_ptr.dtype.element_ty)
             else:
                 hT = tl.load(h_ptrs + k0, mask=p_mask[None, :], other=0.0)             # [BK, BM]
-                acc = _mx_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + k0 // 32), hT, BN, BK, W4)
+                acc = _mx_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), hT, BN, BK, W4)
         pair = tl.load(sorted_ptr + offs_p, mask=p_mask, other=0)
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
         tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])

@@ -45,7 +45,8 @@ def test_moe_matches_reference(case, tactic, act="situ"):
         pytest.skip(why)
     # the "*_s" / "*_p" tactics read the strided / paired layouts: the reference keeps the originals
     a, b = mt.lay_out(tactic, w13), mt.lay_out(tactic, w2)
-    out = mt.moe_experts(z, ids, w, a, s13, b, s2, expert_start=start, act=act, tactic=tactic)
+    sa, sb = mt.lay_out_scale(tactic, s13), mt.lay_out_scale(tactic, s2)
+    out = mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act=act, tactic=tactic)
     if mt.TACTICS[tactic].fp8:  # the kernel sees e4m3 activations (the scales here keep the weights exact in e4m3)
         q, scale = mt.quantize_e4m3(z)
         z = (q.float() * scale[:, None]).to(z.dtype)

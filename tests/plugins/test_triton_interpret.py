@@ -77,12 +77,13 @@ def _sort_pairs_case(moe):
             "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0}
 
 
-def _moe_strided_case(moe, dtype, paired=False):
+def _moe_strided_case(moe, dtype, paired=False, tiled=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
-    pair_mxfp4's) vs the reference on the originals."""
+    pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K) vs
+    the reference on the originals."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
-    M, k, E, start, dl, inter = 9, 2, 3, 1, 256, 256
+    M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
     z = torch.randn(M, dl, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(5, generator=g)[:k] for _ in range(M)])
     w = torch.rand(M, k, generator=g)
@@ -90,10 +91,10 @@ def _moe_strided_case(moe, dtype, paired=False):
     s13 = torch.randint(118, 128, (E, 2 * inter, dl // 32), dtype=torch.uint8, generator=g)
     w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
-    tactic = moe.MoETactic(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=1, strided=True,
-                           paired=paired)
-    out = moe.moe_experts(z, ids, w, moe.lay_out(tactic, w13), s13, moe.lay_out(tactic, w2), s2, expert_start=start,
-                          act="situ", tactic=tactic)
+    tactic = moe.MoETactic(block_m=16, block_n=128 if tiled else 32, block_k=256, num_warps=4, num_stages=1,
+                           strided=True, paired=paired or tiled, tiled=tiled)
+    out = moe.moe_experts(z, ids, w, moe.lay_out(tactic, w13), moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2),
+                          moe.lay_out_scale(tactic, s2), expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
     return {"rel": _rel(out, expect)}
 
@@ -292,6 +293,7 @@ def _child() -> None:
     for dtype in (torch.float32, torch.float16):
         res[f"moe-strided-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype)
         res[f"moe-paired-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype, paired=True)
+    res["moe-tiled-float32"] = _moe_strided_case(moe, torch.float32, tiled=True)
     res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
@@ -336,6 +338,10 @@ def test_moe_registry_entry_fits_small_experts(results):
 @pytest.mark.parametrize("layout", ["strided", "paired"])
 def test_moe_strided_layout_interpreted(results, dtype, tol, layout):
     assert results[f"moe-{layout}-{dtype}"]["rel"] < tol, results[f"moe-{layout}-{dtype}"]
+
+
+def test_moe_tiled_layout_interpreted(results):
+    assert results["moe-tiled-float32"]["rel"] < 1e-5, results["moe-tiled-float32"]
 
 
 def test_sort_pairs_interpreted(results):

@@ -53,21 +53,21 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     wbytes = sum(t.numel() for t in (w13, s13, w2, s2))
     floor_ms = wbytes / (bw_tbps * 1e12) * 1e3
     w13b, w2b = mt.dequantize(w13, s13), mt.dequantize(w2, s2)
-    laid_out = {}  # expert bytes by the layout a tactic reads (restrided for "*_s", paired for "*_p")
+    laid_out = {}  # expert bytes and scales by the layout a tactic reads (restrided "*_s", paired "*_p", tiled "*_pt")
 
     def weights(tactic):
         t = mt.TACTICS[tactic] if isinstance(tactic, str) else tactic
-        key = (t.strided, t.paired)
+        key = (t.strided, t.paired, t.tiled)
         if key not in laid_out:
-            laid_out[key] = mt.lay_out(t, w13), mt.lay_out(t, w2)
+            laid_out[key] = (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
         return laid_out[key]
     # correctness first, on a small ragged batch incl. empty experts, against the torch reference
     z, ids, tw = make_tokens(1, gen)
     z, ids, tw = z[:37], ids[:37], tw[:37]
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
     for name in mt.TACTICS:
-        a, b = weights(name)
-        out = mt.moe_experts(z, ids, tw, a, s13, b, s2, expert_start=E_START, act="situ", tactic=name)
+        a, sa, b, sb = weights(name)
+        out = mt.moe_experts(z, ids, tw, a, sa, b, sb, expert_start=E_START, act="situ", tactic=name)
         emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     decode_sweep, prefill_sweep = {}, {}
     if sweep:  # the relaid layouts' blocks (the checkpoint-order tactics are known slower: TACTICS keeps them)
@@ -94,9 +94,10 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         best = None
         for name in names:
             try:
-                a, b = weights(tactics[name])
-                fn = lambda name=name, a=a, b=b: mt.moe_experts(z, ids, tw, a, s13, b, s2, expert_start=E_START,
-                                                                act="situ", tactic=tactics[name])
+                a, sa, b, sb = weights(tactics[name])
+                fn = lambda name=name, a=a, sa=sa, b=b, sb=sb: mt.moe_experts(z, ids, tw, a, sa, b, sb,
+                                                                              expert_start=E_START, act="situ",
+                                                                              tactic=tactics[name])
                 t = time_ms(fn)
             except Exception as exc:  # a config that does not compile is a result, not a crash
                 emit(bench="moe_config_failed", tactic=name, error=repr(exc)[:300])
