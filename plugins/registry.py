@@ -25,7 +25,7 @@ class Impl:
     mxfp4_only: bool = False  # reads MXFP4 expert weights (an engine converted with float experts cannot use it)
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")  # engine activation dtypes it takes
     expert_layout: str = "natural"  # MXFP4 expert bytes as the build lays them out for it ("strided": restride_mxfp4,
-    # "paired": pair_mxfp4)
+    # "paired": pair_tile_mxfp4 and tile_scales)
 
     def supports(self, target: str, quantization: str = "mxfp4", dtype: str = "bf16") -> tuple[bool, str]:
         if target not in self.targets:
@@ -61,7 +61,8 @@ IMPLS: list[Impl] = [
     Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer"),  # v2: q_a, kv_a and g stacked in one in_proj
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
-    Impl("MoEExperts", "triton_p", 2, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
+    # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales)
+    Impl("MoEExperts", "triton_p", 3, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
          expert_layout="paired"),
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,
          expert_layout="strided"),

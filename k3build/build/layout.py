@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from k3plugins.kda.reference import IN_PROJ_ROW_ALIGN
-from k3plugins.moe.mxfp4 import pair_mxfp4, restride_mxfp4
+from k3plugins.moe.mxfp4 import pair_tile_mxfp4, restride_mxfp4, tile_scales
 
 from ..config import KDA, K3Config
 from ..mapping import Mapping
@@ -36,9 +36,10 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# MXFP4 expert byte layouts by name (k3plugins.registry.Impl.expert_layout) -> the pass that writes them.
-EXPERT_LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"natural": _same, "strided": restride_mxfp4,
-                                                                     "paired": pair_mxfp4}
+# MXFP4 expert layouts by name (k3plugins.registry.Impl.expert_layout) -> the passes that write them: (bytes, scales).
+LayOut = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+EXPERT_LAYOUTS: dict[str, LayOut] = {"natural": (_same, _same), "strided": (restride_mxfp4, _same),
+                                     "paired": (pair_tile_mxfp4, tile_scales)}
 
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,8 +127,7 @@ def _mla(cfg: K3Config, mapping: Mapping, a: str, e: str, get: Get):
     yield e + "o_proj", get(a + "o_proj.weight")
 
 
-def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get,
-         lay_out: Callable[[torch.Tensor], torch.Tensor]):
+def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get, lay_out: LayOut):
     yield e + "gate", get(m + "gate.weight")
     yield e + "bias", get(m + "gate.e_score_correction_bias")
     s = m + "shared_experts."
@@ -141,7 +141,7 @@ def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get,
     experts = mapping.local_experts(rank, cfg.num_experts)
     x = m + "experts.{}.{}."
     if cfg.quantization.method == "mxfp4":
-        for leaf, suffix, f in (("", "weight_packed", lay_out), ("_scale", "weight_scale", _same)):
+        for leaf, suffix, f in (("", "weight_packed", lay_out[0]), ("_scale", "weight_scale", lay_out[1])):
             # one expert at a time through the layout (bounded memory), then stacked
             yield e + "w13" + leaf, torch.stack([f(torch.cat([get(x.format(i, "w1") + suffix),
                                                               get(x.format(i, "w3") + suffix)])) for i in experts])

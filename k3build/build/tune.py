@@ -59,7 +59,8 @@ def fp8_trial(w13, s13, w2, s2, cfg: K3Config, base: str, *, seed: int = 0, reps
     kw = dict(expert_start=0, act=cfg.hidden_act, beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
     runs = {}
     for tactic in (base, "prefill_f8"):
-        weights = (mt.lay_out(tactic, w13.to(dev)), s13, mt.lay_out(tactic, w2.to(dev)), s2)
+        weights = (mt.lay_out(tactic, w13.to(dev)), mt.lay_out_scale(tactic, s13), mt.lay_out(tactic, w2.to(dev)),
+                   mt.lay_out_scale(tactic, s2))
         fn = lambda: mt.moe_experts(z, ids, w, *weights, tactic=tactic, **kw)  # noqa: E731
         runs[tactic] = (fn().double().flatten(), _median_ms(fn, reps))
         del weights

@@ -172,3 +172,18 @@ def tile_rows(t: torch.Tensor, tile_cols: int, tile_rows: int = TILE_ROWS) -> to
                          f"of {tile_cols}")
     lead = t.shape[:-2]
     return t.reshape(*lead, R // tile_rows, tile_rows, C // tile_cols, tile_cols).transpose(-3, -2).reshape(t.shape)
+
+
+def tile_mxfp4(packed: torch.Tensor) -> torch.Tensor:
+    """Expert bytes [..., R, K/2] (strided or paired) in row tiles of TILE_ROWS × one K tile of STRIDE_BLOCK_K."""
+    return tile_rows(packed, STRIDE_BLOCK_K // 2)
+
+
+def tile_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Expert scales [..., R, K/32] in the same tiles as tile_mxfp4's bytes."""
+    return tile_rows(scale, STRIDE_BLOCK_K // 32)
+
+
+def pair_tile_mxfp4(packed: torch.Tensor) -> torch.Tensor:
+    """The "triton_p" tactic's bytes: pair_mxfp4's, in tile_mxfp4's row tiles."""
+    return tile_mxfp4(pair_mxfp4(packed))

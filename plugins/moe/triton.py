@@ -19,7 +19,7 @@ import triton.language as tl
 
 from k3plugins.mlp.triton import ACT_IDS
 from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401
-                                  restride_mxfp4, tile_rows)
+                                  restride_mxfp4, tile_mxfp4, tile_scales)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 
@@ -47,17 +47,13 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # tokens/expert against 0.37 for "decode", 297 TFLOP/s at 128 tokens/expert against 254 (BENCHMARKS.md)
     "decode_s": MoETactic(16, 64, 256, 4, 3, strided=True),
     "prefill_s": MoETactic(128, 128, 256, 8, 2, strided=True),
-    # on pair_mxfp4's weights (the "triton_p" engine tactic, the sm90 default): no byte permutes to build the MMA
-    # operands; with the rotation placement (mxfp4.PAIR_MAG_ROT) and packed scale columns, 0.60-0.63 of the weight
-    # floor at 1-8 tokens/expert against 0.52-0.56 for "*_s", and 301 TFLOP/s at 128 tokens/expert (BENCHMARKS.md).
-    # Its loops take 2.99 / 3.52 / 3.05 sm_90 instructions a weight (gate/up, down, prefill gate/up), 17 % fewer
-    # than with the nibbles in order, for 1.5 % less time: the decode is latency-bound now, not issue-bound
-    "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True),
-    "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True),
-    # the paired bytes with rows in tiles of 64 (tile_rows): a K step of a program reads one contiguous 8 KB block
-    # instead of 64 runs of 128 bytes, 1.8 KB apart (experimental: is the decode bound by DRAM row locality?)
-    "decode_pt": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True),
-    "prefill_pt": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True),
+    # on pair_mxfp4's weights in row tiles (tile_mxfp4; the "triton_p" engine tactic, the sm90 default): no byte
+    # permutes to build the MMA operands; each K step of a program reads one contiguous 8 KB block instead of 64 runs
+    # of 128 bytes 1.8 KB apart. Untiled, 0.60-0.63 of the weight floor at 1-8 tokens/expert (0.52-0.56 for "*_s");
+    # tiled, 6 % faster: 0.64-0.69 (BENCHMARKS.md). Its loops take 2.99 / 3.52 / 3.05 sm_90 instructions a weight
+    # (gate/up, down, prefill gate/up); the 17 % cut that got them there gave 1.5 % less time
+    "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True),
+    "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True),
     # FP8 activations for the gate/up GEMM (strided weights); BN 64, as BN 128 spills registers in the sm_90 SASS.
     # On the H200, the best of its sweep: 231 TFLOP/s at 128 tokens/expert (1.25x slower than "prefill_p"; 8 warps
     # took 3.84 ms), rel-L2 0.041 against W4A16 on random activations
@@ -245,13 +241,13 @@ def lay_out(tactic: str | MoETactic, packed: torch.Tensor) -> torch.Tensor:
     """Expert bytes in the checkpoint's order -> the layout `tactic` reads."""
     t = TACTICS[tactic] if isinstance(tactic, str) else tactic
     out = pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided else packed
-    return tile_rows(out, STRIDE_BLOCK_K // 2) if t.tiled else out
+    return tile_mxfp4(out) if t.tiled else out
 
 
 def lay_out_scale(tactic: str | MoETactic, scale: torch.Tensor) -> torch.Tensor:
     """Expert scales in the checkpoint's order -> the order `tactic` reads (changed by tiled tactics only)."""
     t = TACTICS[tactic] if isinstance(tactic, str) else tactic
-    return tile_rows(scale, STRIDE_BLOCK_K // 32) if t.tiled else scale
+    return tile_scales(scale) if t.tiled else scale
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -68,11 +68,12 @@ def test_large_expert_scale_moves_moe_to_dot_scaled(k3_tiny_engine, tmp_path):
     assert "triton_ds" in output  # the user sees the note
 
 
-@pytest.mark.parametrize("forced,relay", [(None, "pair_mxfp4"), ("triton_s", "restride_mxfp4")])
-def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, forced, relay):
+@pytest.mark.parametrize("forced,relay,scales", [(None, "pair_tile_mxfp4", "tile_scales"),
+                                                  ("triton_s", "restride_mxfp4", None)])
+def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, forced, relay, scales):
     """Expert dims that are multiples of 256: the sm90 build records triton_p (or the forced triton_s) and writes
     each expert's MXFP4 bytes in the layout it reads (the CPU build of the same checkpoint keeps the checkpoint's
-    order); scales are unchanged."""
+    order); triton_p's scales are in its row tiles too, triton_s's unchanged."""
     from engines import build_engine
     from k3plugins.moe import mxfp4
 
@@ -89,7 +90,8 @@ def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, for
     for name in experts:
         assert not torch.equal(relaid[name], natural[name]), name
         assert torch.equal(relaid[name], getattr(mxfp4, relay)(natural[name])), name
-        assert torch.equal(relaid[name + "_scale"], natural[name + "_scale"]), name
+        scale = natural[name + "_scale"]
+        assert torch.equal(relaid[name + "_scale"], getattr(mxfp4, scales)(scale) if scales else scale), name
 
 
 @pytest.mark.parametrize("dims,scale,want", [((256, 512), 128, "triton_p"), ((256, 96), 128, "triton"),

@@ -155,3 +155,20 @@ def test_pair_mxfp4_puts_neighbours_along_k_where_the_decode_reads_them():
     assert torch.equal(pair_mxfp4(shifted), pair_mxfp4(packed))
     with pytest.raises(ValueError, match="multiple of block_k=256"):
         pair_mxfp4(packed[..., :64])
+
+
+def test_tile_rows_stores_each_row_tile_contiguously():
+    """Row tiles of 64 × one K tile: element (r, c) of an expert sits at ((r // 64) · (C / tc) + c // tc) · 64 · tc
+    + (r % 64) · tc + c % tc, so a program's K step over 64 rows reads one contiguous block."""
+    from k3plugins.moe.mxfp4 import tile_mxfp4, tile_rows, tile_scales
+
+    E, R, C, tc = 2, 128, 256, 128
+    t = torch.arange(E * R * C, dtype=torch.int64).reshape(E, R, C)
+    flat = tile_rows(t, tc).reshape(E, -1)
+    r, c = torch.meshgrid(torch.arange(R), torch.arange(C), indexing="ij")
+    at = ((r // 64) * (C // tc) + c // tc) * 64 * tc + (r % 64) * tc + c % tc
+    assert torch.equal(flat[:, at.flatten()], t.reshape(E, -1))
+    assert tile_mxfp4(t.to(torch.uint8)).shape == (E, R, C)            # shape kept: the engine's declared shapes hold
+    assert torch.equal(tile_scales(t[..., :16]), tile_rows(t[..., :16], 8))
+    with pytest.raises(ValueError, match=r"rows a multiple of 64 and columns a multiple of 128"):
+        tile_rows(t[:, :96], tc)
