@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a constexpr")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--maxnreg", type=int, help="cap the registers a thread (ptx .maxnreg)")
     ap.add_argument("--dump", help="also write the whole SASS to this file")
     args = ap.parse_args()
 
@@ -70,7 +71,7 @@ def main() -> None:
         consts = {**consts, name: _value(value)}
     specs.SPECS[args.kernel] = (fn, ptrs, consts)
     compiled = triton.compile(specs._source(args.kernel, "sm90"), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=args.warps, num_stages=args.stages))
+                              options=dict(num_warps=args.warps, num_stages=args.stages, maxnreg=args.maxnreg))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -78,12 +79,14 @@ def main() -> None:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
+    smem = re.search(r"SHARED:(\d+)", usage)
     if args.dump:
         with open(args.dump, "w") as out:
             out.write(sass)
     spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
     print(json.dumps({"kernel": args.kernel, "constexprs": {k: str(v) for k, v in consts.items()},
                       "num_warps": args.warps, "num_stages": args.stages, "registers": int(regs.group(1)) if regs else None,
+                      "static_shared": int(smem.group(1)) if smem else None, "shared": compiled.metadata.shared,
                       "spill_instructions": spills}))
     for loop in loops(sass):
         print(json.dumps(loop))

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.pdl import pdl, pdl_prologue
+
 
 @triton.jit
 def _score(v, q, D, eps):
@@ -61,7 +63,8 @@ def _candidate(i: tl.constexpr, K: tl.constexpr, partial_ptr, b0, b1, b2, b3, b4
 @triton.jit
 def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
                     norm_w_ptr, out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
-                    STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+                    STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
@@ -91,9 +94,10 @@ def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr,
 @triton.jit
 def attn_res_partials_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
                              norm_w_ptr, part_ptr, D, stride_pm, stride_bk, stride_bm, K: tl.constexpr,
-                             STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr):
+                             STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """Split over D, first pass: for token program_id(0) and chunk program_id(1) of CH values, each candidate's
     v·(w⊙p) and v·v over the chunk, to part [M, chunks, 2, BK]. One warp a chunk: warp reductions, no barrier."""
+    pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * CH + tl.arange(0, CH)
@@ -117,9 +121,10 @@ def attn_res_partials_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr
 def attn_res_mix_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, part_ptr,
                         out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
                         STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, CHUNKS: tl.constexpr,
-                        BC: tl.constexpr):
+                        BC: tl.constexpr, PDL: tl.constexpr = False):
     """Split over D, second pass: the chunks' partials summed in chunk order into the scores, the softmax over
     depth, and this chunk of the weighted sum of the candidates."""
+    pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     rc = tl.arange(0, BC)
@@ -184,13 +189,13 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
         part = torch.empty(M, chunks, 2, bk, dtype=torch.float32, device=partial.device)
         strides = (D, partial.stride(0), M * D, D)
         attn_res_partials_kernel[(M, chunks)](partial, *ptrs, proj, norm_weight, part, *strides, K=K, STACKED=many,
-                                              CH=split, BK=bk, num_warps=1)
+                                              CH=split, BK=bk, num_warps=1, **pdl(partial))
         attn_res_mix_kernel[(M, chunks)](partial, *ptrs, part, out, *strides, out.stride(0), float(eps), K=K,
                                          STACKED=many, CH=split, BK=bk, CHUNKS=chunks,
-                                         BC=triton.next_power_of_2(chunks), num_warps=1)
+                                         BC=triton.next_power_of_2(chunks), num_warps=1, **pdl(partial))
     elif M:
         bd = triton.next_power_of_2(D)
         attn_res_kernel[(M,)](partial, *ptrs, proj, norm_weight, out, D,
                               partial.stride(0), M * D, D, out.stride(0), float(eps), K=K, STACKED=many, BD=bd,
-                              BK=triton.next_power_of_2(K), num_warps=min(16, max(1, bd // 512)))
+                              BK=triton.next_power_of_2(K), num_warps=min(16, max(1, bd // 512)), **pdl(partial))
     return out

@@ -18,6 +18,7 @@ import triton
 from k3plugins.embed.dense import dense
 from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_kernel, conv_update_kernel,
                                          gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_vsplit_kernel)
+from k3plugins.pdl import pdl
 from k3plugins.step_scope import per_step
 
 # first is the default: "split" is the fastest measured (BENCHMARKS.md)
@@ -48,7 +49,7 @@ def _gated_norm(o, g_out, o_norm_weight, out, H, K, eps):
     T = o.shape[0]
     bt = min(16, triton.next_power_of_2(T))
     gated_norm_kernel[(triton.cdiv(T, bt), H)](o, g_out, o_norm_weight, out, T, o.stride(0), g_out.stride(0),
-                                               out.stride(0), float(eps), K=K, BT=bt)
+                                               out.stride(0), float(eps), K=K, BT=bt, **pdl(o))
     return out
 
 
@@ -93,18 +94,19 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=8)
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=8, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),
-                                                       conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024)
+                                                       conv_pool.stride(0), y.stride(0), 3 * D, W=4, BC=1024,
+                                                       **pdl(qkv))
     if tactic == "split":
         o = torch.empty(N, D, dtype=torch.float32, device=qkv.device)
         bv = min(block_v, K)
         kda_recurrent_vsplit_kernel[(N, H, K // bv)](
             y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
             recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb, H=H, K=K, BV=bv,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps)
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(y))
         return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     # fused_recurrent_kda_fwd takes no strides: each of q, k, v must be contiguous

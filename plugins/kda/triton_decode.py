@@ -11,6 +11,8 @@ slice of one head's state, so many small programs stream the pool instead of one
 import triton
 import triton.language as tl
 
+from k3plugins.pdl import pdl_prologue
+
 
 @triton.jit
 def _conv_step(x_ptr, w_ptr, pool_ptr, ch, mask, W: tl.constexpr):
@@ -44,7 +46,8 @@ def _gate(raw, a_log, bias, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, gout_ptr,
                             norm_w_ptr, state_ptr, slot_ptr, out_ptr, stride_qkv, stride_cp, stride_graw, stride_b,
                             stride_gout, stride_st, stride_out, scale, lower_bound, eps, H: tl.constexpr,
-                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     D = H * K
@@ -109,8 +112,10 @@ def _update_slice(S, p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_p
 @triton.jit
 def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
                                 stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound,
-                                H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+                                H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                                PDL: tl.constexpr = False):
     """_update_slice of sequence program_id(0), head program_id(1), value slice program_id(2), in place."""
+    pdl_prologue(PDL)
     n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_s = _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K, BV)
     _update_slice(tl.load(p_s), p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y,
@@ -119,8 +124,9 @@ def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, 
 
 @triton.jit
 def conv_update_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, y_ptr, stride_qkv, stride_cp, stride_y,
-                       C, W: tl.constexpr, BC: tl.constexpr):
+                       C, W: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
     """y[n, c] = SiLU(conv) for one token per sequence; the slot's conv state shifts in place."""
+    pdl_prologue(PDL)
     n = tl.program_id(0)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = ch < C
@@ -131,9 +137,10 @@ def conv_update_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, y_ptr, stri
 
 @triton.jit
 def gated_norm_kernel(o_ptr, gout_ptr, norm_w_ptr, out_ptr, T, stride_o, stride_gout, stride_out, eps,
-                      K: tl.constexpr, BT: tl.constexpr):
+                      K: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, h] = RMSNorm(o[t, h]; w) · sigmoid(g_out[t, h]) per head of K values, fp32 math; BT tokens of
     head program_id(1) per program (one [K] row a program leaves most of its threads idle)."""
+    pdl_prologue(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     ch = tl.program_id(1) * K + tl.arange(0, K)
     m = (rt < T)[:, None]

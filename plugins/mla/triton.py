@@ -17,6 +17,7 @@ import triton.language as tl
 
 from k3plugins.embed.dense import dense
 from k3plugins.norm.triton import rms_norm  # the latent norms: one launch each, not five
+from k3plugins.pdl import pdl, pdl_prologue
 from k3plugins.step_scope import per_step
 
 from .reference import in_proj_rows, split_in_proj
@@ -28,7 +29,8 @@ PAGE = 64
 def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale, H,
                       stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_kv_page, stride_ob, stride_os, stride_oh,
                       stride_lb, stride_ls, PAGES_PER_SPLIT, BH: tl.constexpr,
-                      PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr):
+                      PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -77,8 +79,9 @@ def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o
 
 @triton.jit
 def mla_merge_kernel(o_part_ptr, lse_ptr, out_ptr, H, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
-                     stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, DL: tl.constexpr):
+                     stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, DL: tl.constexpr, PDL: tl.constexpr = False):
     """out[b, h] = Σ_s 2^(lse_s − max) o_s / Σ_s 2^(lse_s − max)."""
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1)
     rs = tl.arange(0, NUM_SPLITS)
@@ -157,11 +160,11 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, float(scale), H, q_lat.stride(0),
         q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), kv_cache.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGES_PER_SPLIT=pps, BH=block_h, PAGE_SIZE=PAGE,
-        DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages)
+        DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages, **pdl(q_lat))
     out = torch.empty(B, H, dl, dtype=q_lat.dtype, device=q_lat.device)
     mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                              lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                             DL=dl, num_warps=4)
+                             DL=dl, num_warps=4, **pdl(o_part))
     return out
 
 

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.pdl import pdl, pdl_prologue
+
 ACT_IDS = {"situ": 0, "silu": 1}
 
 
@@ -29,8 +31,10 @@ def glu_act(g, u, beta, linear_beta, ACT: tl.constexpr):
 
 
 @triton.jit
-def glu_kernel(h_ptr, out_ptr, inter, stride_h, stride_out, beta, linear_beta, ACT: tl.constexpr, BI: tl.constexpr):
+def glu_kernel(h_ptr, out_ptr, inter, stride_h, stride_out, beta, linear_beta, ACT: tl.constexpr, BI: tl.constexpr,
+               PDL: tl.constexpr = False):
     """out[m, i] = act(h[m, i], h[m, inter + i]); one row and BI columns a program."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = cols < inter
@@ -49,5 +53,5 @@ def glu(h: torch.Tensor, *, act: str, beta: float, linear_beta: float) -> torch.
     if M and inter:
         bi = min(1024, triton.next_power_of_2(inter))
         glu_kernel[(M, triton.cdiv(inter, bi))](h, out, inter, h.stride(0), out.stride(0), float(beta),
-                                                float(linear_beta), ACT=ACT_IDS[act], BI=bi, num_warps=4)
+                                                float(linear_beta), ACT=ACT_IDS[act], BI=bi, num_warps=4, **pdl(h))
     return out

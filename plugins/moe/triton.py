@@ -22,6 +22,7 @@ from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, p
                                   restride_mxfp4, tile_mxfp4, tile_scales)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
+from k3plugins.pdl import pdl
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     inv = torch.empty(P, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
-    sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block)
+    sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block, **pdl(flat))
     return order, offsets, inv
 
 
@@ -200,13 +201,14 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
-        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, num_warps=t.num_warps, num_stages=t.num_stages)
+        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[(E, Dl // t.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
-        W4=t.w4, STRIDED=layout, TILED=t.tiled, num_warps=t.num_warps, num_stages=t.num_stages)
+        W4=t.w4, STRIDED=layout, TILED=t.tiled, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(h))
     bd = 512
-    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd)
+    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
+    **pdl(y))
     return out
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from k3plugins.mlp.triton import glu_act
+from k3plugins.pdl import pdl_prologue
 
 
 @triton.jit
@@ -223,7 +224,8 @@ def _row_offsets(offs_n, stride_n, TILE_K: tl.constexpr, TILED: tl.constexpr):
 def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we,
                        stride_wn, stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False):
+                       W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -235,6 +237,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     zs_ptr and F8 are unused otherwise. TILED (with STRIDED, BN a multiple of TILE_ROWS): weights and scales in
     `tile_rows`' order, so that each K step reads whole contiguous blocks (_row_offsets).
     """
+    pdl_prologue(PDL)
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
@@ -295,9 +298,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
 @triton.jit
 def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I, stride_hm, stride_we,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False):
+                    BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of expert program_id(0) (TILED: as the gate/up
     kernel's)."""
+    pdl_prologue(PDL)
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
@@ -334,10 +339,12 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
 
 
 @triton.jit
-def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr):
+def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, placed last with inv -1). Its start is the count of smaller keys, so the
     programs need nothing from each other; within an expert, pairs keep their order (a prefix sum)."""
+    pdl_prologue(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     start = 0
@@ -359,8 +366,10 @@ def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E,
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K: tl.constexpr, BD: tl.constexpr):
+def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K: tl.constexpr, BD: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = offs_d < Dl

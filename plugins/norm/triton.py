@@ -8,9 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.pdl import pdl, pdl_prologue
+
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BD: tl.constexpr):
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
@@ -33,5 +36,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tens
     if x2.shape[0]:
         bd = triton.next_power_of_2(D)
         rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, D, x2.stride(0), out.stride(0), float(eps),
-                                        BD=bd, num_warps=min(16, max(1, bd // 512)))
+                                        BD=bd, num_warps=min(16, max(1, bd // 512)), **pdl(x2))
     return out.reshape(x.shape)

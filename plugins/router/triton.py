@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.pdl import pdl, pdl_prologue
+
 
 @triton.jit
 def router_logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, stride_xm, stride_we, stride_ps, stride_pm,
-                         K_PER_SPLIT, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+                         K_PER_SPLIT, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pm = tl.program_id(0)
     pe = tl.program_id(1)
     ps = tl.program_id(2)
@@ -48,10 +51,12 @@ def _summed_logits(part_ptr, m, offs, mask, stride_ps, stride_pm, NUM_SPLITS: tl
 
 @triton.jit
 def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pm, scaling, NUM_SPLITS: tl.constexpr,
-                       TOP_K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                       TOP_K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """One token a program: the TOP_K largest biased scores by one partial bitonic sort (tl.topk) of int64 keys
     (the score's bits made order-preserving, then the index inverted so the lowest index wins a tie, as a
     stable sort picks); the weights are the unbiased scores of those experts."""
+    pdl_prologue(PDL)
     m = tl.program_id(0)
     offs_e = tl.arange(0, BE)
     e_mask = offs_e < E
@@ -117,11 +122,11 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
     part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(M, BM), triton.cdiv(E, BE), splits)](
         x, gate_weight, part, M, E, D, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
-        k_per_split, BM=BM, BE=BE, BK=BK, num_warps=4, num_stages=3)
+        k_per_split, BM=BM, BE=BE, BK=BK, num_warps=4, num_stages=3, **pdl(x))
     ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
     wts = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     bias = correction_bias.float().contiguous() if correction_bias is not None else part
     router_topk_kernel[(M,)](part, bias, ids, wts, E, part.stride(0), part.stride(1), float(scaling_factor),
                              NUM_SPLITS=splits, TOP_K=top_k, BE=triton.next_power_of_2(E),
-                             HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=4)
+                             HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=4, **pdl(part))
     return ids, wts

@@ -3,6 +3,8 @@ sm90 with its NVIDIA backend: compile only, no GPU needed (Triton ships the LLVM
 
 A kernel that does not compile fails its case with the compiler's message, naming the kernel and target.
 """
+import inspect
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -109,6 +111,9 @@ def _source(name, target="sm90"):
     f8_name, f8 = NATIVE_F8[target]
     ptrs = {k: v.replace("F8", f8_name) for k, v in ptrs.items()}
     consts = {k: f8 if v == "F8" else v for k, v in consts.items()}
+    # constexprs the spec leaves out take their defaults (TILED, PDL: off), as at a launch that omits them
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts
+                 and p.default is not inspect.Parameter.empty}, **consts}
     sig = {}
     for arg in fn.arg_names:
         if arg in consts:
