@@ -8,7 +8,8 @@ it reads or writes any memory, so it sees exactly what a plainly ordered launch 
 dependents only after that wait, so at most one grid waits behind a running one. Kernels launched without PDL
 (cuBLAS, torch) keep the stream's plain ordering on both sides. CUDA graphs record the dependency.
 
-`K3_PDL=0` turns it off; it is off on ROCm, below sm_90, and for CPU tensors (Triton's interpreter).
+Off by default until an H200 run has timed it and run the GPU tests with it: `K3_PDL=1` turns it on. It stays
+off on ROCm, below sm_90, and for CPU tensors (Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -37,6 +38,6 @@ def _supported(device_index: int) -> bool:
 
 def pdl(t: torch.Tensor) -> dict:
     """Launch options for a kernel on t's device: PDL=True plus launch_pdl where PDL runs, else PDL=False."""
-    on = t.is_cuda and torch.version.hip is None and os.environ.get("K3_PDL", "1") != "0" and _supported(
+    on = t.is_cuda and torch.version.hip is None and os.environ.get("K3_PDL", "0") == "1" and _supported(
         t.device.index if t.device.index is not None else torch.cuda.current_device())
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
