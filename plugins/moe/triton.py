@@ -208,7 +208,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         W4=t.w4, STRIDED=layout, TILED=t.tiled, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(h))
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
-    **pdl(y))
+                                                 **pdl(y))
     return out
 
 
