@@ -9,9 +9,11 @@ from k3plugins.kda import fla as kda_dev
 
 H, K = 96, 128
 D = H * K
+RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
 
 
-def _inputs(N: int, gen: torch.Generator, state_dtype=torch.float32):
+def _inputs(N: int, gen: torch.Generator, state_dtype=torch.float32, H: int = H):
+    D = H * K
     r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=gen) * sc
     # the projections' outputs in the activation dtype, as the engine hands them over
     qkv, g_raw, b, g_out = (r(N, n).to(torch.bfloat16) for n in (3 * D, D, H, D))
@@ -68,7 +70,24 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
                          frac_of_floor=round(floor_ms / t, 3))
         del args, pool, conv_pool
         torch.cuda.empty_cache()
+    if sweep:
+        _sweep_rank_heads(bw_tbps, gen)
     bench_kda_prefill(bw_tbps, sweep)
+
+
+def _sweep_rank_heads(bw_tbps: float, gen: torch.Generator) -> None:
+    """The split tactic's state slice at a rank's 6 heads: N·6 programs of block_v 128 are fewer than two waves of
+    132 SMs at 32 requests, where a narrower slice gives more programs for the same bytes."""
+    for N in (32, 64, 128):
+        args = _inputs(N, gen, H=RANK_HEADS)
+        floor_ms = 2 * args[8].numel() * 4 / (bw_tbps * 1e12) * 1e3
+        for bv in (32, 64, 128):
+            fn = lambda bv=bv: kda_dev.kda_decode(*args, num_heads=RANK_HEADS, head_dim=K, lower_bound=-5.0,
+                                                  eps=1e-5, block_v=bv)
+            t = time_ms(fn)
+            emit(bench="kda_split_config", N=N, H=RANK_HEADS, block_v=bv, num_warps=4, ms=round(t, 4),
+                 frac_of_floor=round(floor_ms / t, 3))
+        del args
 
 
 def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:

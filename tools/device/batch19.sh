@@ -10,3 +10,7 @@ for pdl in 1 0; do
   K3_PDL=$pdl timeout ${RANK_S:-130} python3 tools/bench_rank.py --batches ${BATCHES:-32,64,128} --reps 3 2>&1 \
     | grep '^{' | tee $OUT/rank_pdl$pdl.jsonl | grep rank_decode
 done
+# The KDA decode's state slice at the rank's 6 heads (bench_kda's sweep, H 6 rows): whether a narrower block_v
+# beats the default 128 where N x 6 programs are few.
+timeout ${KDA_S:-120} python3 tools/bench_plugins.py --only kda --sweep 2>&1 | grep '^{' | tee $OUT/kda_sweep.jsonl \
+  | grep '"H": 6'
