@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from k3plugins.mlp.triton import glu_act
+from k3plugins.moe import mxfp4
 from k3plugins.pdl import pdl_prologue
 
 
@@ -207,7 +208,7 @@ def _row_exponent(s_ptrs, Dl, BN: tl.constexpr, BK: tl.constexpr):
     return best
 
 
-TILE_ROWS = tl.constexpr(64)  # rows of a tile in mxfp4.tile_rows' layout
+TILE_ROWS = tl.constexpr(mxfp4.TILE_ROWS)  # rows of a tile in mxfp4.tile_rows' layout
 
 
 @triton.jit
