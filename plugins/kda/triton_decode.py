@@ -5,7 +5,8 @@ update of the q/k/v channels, SiLU, q/k L2 norm, the K3 gate, sigmoid beta, the 
 [V, K] state (read once, written once), and the gated output RMSNorm. `conv_update_kernel` and
 `gated_norm_kernel` are the same glue split around a recurrent kernel: fla-core's fused_recurrent (the
 "fla" tactic) or `kda_recurrent_vsplit_kernel` (the "split" tactic), which gives each program a [BV, K]
-slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each.
+slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each, or
+`kda_recurrent_stream_kernel` (the "stream" tactic: the same slices, prefetched by a persistent grid).
 """
 
 import triton
@@ -120,6 +121,23 @@ def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, 
     p_s = _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K, BV)
     _update_slice(tl.load(p_s), p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y,
                   stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
+
+
+@triton.jit
+def kda_recurrent_stream_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
+                                stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound, N,
+                                H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                                STAGES: tl.constexpr, PDL: tl.constexpr = False):
+    """The split kernel's slices, walked by a fixed grid (a few programs an SM): Triton's pipeliner copies the
+    next STAGES - 1 slices into shared memory (cp.async) while a program works on the current one, so the state
+    keeps streaming during the math instead of stalling behind each program's single load."""
+    pdl_prologue(PDL)
+    NVB: tl.constexpr = K // BV
+    for w in tl.range(tl.program_id(0), N * H * NVB, tl.num_programs(0), num_stages=STAGES):
+        n, h, vb = w // (H * NVB), (w // NVB) % H, w % NVB
+        p_s = _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K, BV)
+        _update_slice(tl.load(p_s), p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y,
+                      stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
 
 
 @triton.jit

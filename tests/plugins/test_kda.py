@@ -235,3 +235,11 @@ def test_mixer_rejects_bad_input():
         _run(x, w, rec, conv, [0, 4], [1], H, K, -5.0)
     with pytest.raises(ValueError, match="in_proj_weight must be"):
         _run(x, w, rec, conv, [0, 6], [1], 4, 4, -5.0)
+
+
+@pytest.mark.parametrize("N,H,bv", [(32, 6, 32), (128, 6, 32), (8, 96, 32), (64, 96, 128), (256, 96, 128)])
+def test_split_decode_slice_by_grid(N, H, bv):
+    """The H200 sweeps' winners (BENCHMARKS.md): narrow slices while sequences x heads are few, wide ones past."""
+    pytest.importorskip("triton")
+    from k3plugins.kda.fla import decode_block_v
+    assert decode_block_v(N, H) == bv

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from common import emit, rel_l2, time_ms
 from k3plugins.kda import fla as kda_dev
@@ -10,6 +12,22 @@ from k3plugins.kda import fla as kda_dev
 H, K = 96, 128
 D = H * K
 RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
+# (block_v, num_warps, maxnreg) of the split sweep. In the sm_90 SASS (tools/sass_loops.py) block 128 takes 212
+# registers a thread (2 programs an SM), 168 with no spill to speak of (3 programs), 8 warps at 128 (2 programs of
+# 8 warps); block 64 takes 167.
+# (block_v, stages, programs_per_sm) of the stream sweep
+STREAM_CONFIGS = [(32, 2, 6), (32, 3, 4), (32, 4, 4), (64, 2, 2), (64, 2, 3), (64, 3, 2), (64, 3, 3), (128, 2, 1),
+                  (128, 2, 2)]
+SPLIT_CONFIGS = [(32, 4, None), (64, 4, None), (64, 4, 128), (128, 4, None), (128, 4, 168), (128, 8, None),
+                 (128, 8, 128)]
+
+
+@triton.jit
+def _touch_slices_kernel(p, BLOCK: tl.constexpr):
+    """Each program reads one [block_v, K] state slice and writes it back unchanged: the split kernel's traffic and
+    grid without its math."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(p + offs, tl.load(p + offs))
 
 
 def _inputs(N: int, gen: torch.Generator, state_dtype=torch.float32, H: int = H):
@@ -43,6 +61,13 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
                                                 lower_bound=-5.0)
         t_alone = time_ms(alone)
         rec.update(fla_alone_ms=round(t_alone, 4), fla_alone_x_floor=round(t_alone / floor_ms, 2))
+        # the same bytes read and written back by torch's in-place elementwise kernel, no math to speak of: what
+        # HBM gives this read-modify-write traffic (the floor counts it at the read-only speed)
+        t_pass = time_ms(lambda: pool.mul_(1.0))
+        rec.update(inplace_pass_ms=round(t_pass, 4), inplace_pass_frac_of_floor=round(floor_ms / t_pass, 3))
+        bv = kda_dev.decode_block_v(N, H)
+        t_touch = time_ms(lambda: _touch_slices_kernel[(pool.numel() // (bv * K),)](pool, BLOCK=bv * K, num_warps=4))
+        rec.update(slice_pass_ms=round(t_touch, 4), slice_pass_frac_of_floor=round(floor_ms / t_touch, 3))
         outs = {}
         pool_in, conv_in = pool.clone(), conv_pool.clone()  # the timed runs below update pool in place
         for tactic in kda_dev.DECODE_TACTICS:
@@ -55,19 +80,28 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             t = time_ms(fn)
             rec[f"{tactic}_ms"] = round(t, 4)
             rec[f"{tactic}_frac_of_floor"] = round(floor_ms / t, 3)
+            rec[f"{tactic}_x_inplace_pass"] = round(t / t_pass, 3)
         base = kda_dev.DECODE_TACTICS[0]
         for tactic in kda_dev.DECODE_TACTICS[1:]:
             rec[f"{tactic}_vs_{base}_rel_l2"] = rel_l2(outs[tactic], outs[base])
             rec[f"{tactic}_vs_{base}_state_rel_l2"] = rel_l2(outs[tactic + "_state"], outs[base + "_state"])
         emit(**rec)
-        if sweep:  # the split tactic's state slice and launch width
-            for bv in (32, 64, 128):
-                for nw in (4, 8):
-                    fn = lambda bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=H, head_dim=K, lower_bound=-5.0,
-                                                                 eps=1e-5, block_v=bv, num_warps=nw)
-                    t = time_ms(fn)
-                    emit(bench="kda_split_config", N=N, block_v=bv, num_warps=nw, ms=round(t, 4),
-                         frac_of_floor=round(floor_ms / t, 3))
+        if sweep:  # the stream tactic's slice, pipeline depth and grid
+            for bv, stages, per_sm in STREAM_CONFIGS:
+                fn = lambda bv=bv, stages=stages, per_sm=per_sm: kda_dev.kda_decode(
+                    *args, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic="stream", block_v=bv,
+                    stages=stages, programs_per_sm=per_sm)
+                t = time_ms(fn)
+                emit(bench="kda_stream_config", N=N, block_v=bv, stages=stages, programs_per_sm=per_sm,
+                     ms=round(t, 4), frac_of_floor=round(floor_ms / t, 3))
+        if sweep:  # the split tactic's state slice, launch width and register cap (programs an SM)
+            for bv, nw, regs in SPLIT_CONFIGS:
+                fn = lambda bv=bv, nw=nw, regs=regs: kda_dev.kda_decode(
+                    *args, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5, block_v=bv, num_warps=nw,
+                    maxnreg=regs)
+                t = time_ms(fn)
+                emit(bench="kda_split_config", N=N, block_v=bv, num_warps=nw, maxnreg=regs, ms=round(t, 4),
+                     frac_of_floor=round(floor_ms / t, 3))
         del args, pool, conv_pool
         torch.cuda.empty_cache()
     if sweep:
@@ -81,11 +115,12 @@ def _sweep_rank_heads(bw_tbps: float, gen: torch.Generator) -> None:
     for N in (32, 64, 128):
         args = _inputs(N, gen, H=RANK_HEADS)
         floor_ms = 2 * args[8].numel() * 4 / (bw_tbps * 1e12) * 1e3
-        for bv in (32, 64, 128):
-            fn = lambda bv=bv: kda_dev.kda_decode(*args, num_heads=RANK_HEADS, head_dim=K, lower_bound=-5.0,
-                                                  eps=1e-5, block_v=bv)
+        for bv, nw, regs in SPLIT_CONFIGS:
+            fn = lambda bv=bv, nw=nw, regs=regs: kda_dev.kda_decode(
+                *args, num_heads=RANK_HEADS, head_dim=K, lower_bound=-5.0, eps=1e-5, block_v=bv, num_warps=nw,
+                maxnreg=regs)
             t = time_ms(fn)
-            emit(bench="kda_split_config", N=N, H=RANK_HEADS, block_v=bv, num_warps=4, ms=round(t, 4),
+            emit(bench="kda_split_config", N=N, H=RANK_HEADS, block_v=bv, num_warps=nw, maxnreg=regs, ms=round(t, 4),
                  frac_of_floor=round(floor_ms / t, 3))
         del args
 
