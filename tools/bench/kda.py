@@ -15,9 +15,6 @@ RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
 # (block_v, num_warps, maxnreg) of the split sweep. In the sm_90 SASS (tools/sass_loops.py) block 128 takes 212
 # registers a thread (2 programs an SM), 168 with no spill to speak of (3 programs), 8 warps at 128 (2 programs of
 # 8 warps); block 64 takes 167.
-# (block_v, stages, programs_per_sm) of the stream sweep
-STREAM_CONFIGS = [(32, 2, 6), (32, 3, 4), (32, 4, 4), (64, 2, 2), (64, 2, 3), (64, 3, 2), (64, 3, 3), (128, 2, 1),
-                  (128, 2, 2)]
 SPLIT_CONFIGS = [(32, 4, None), (64, 4, None), (64, 4, 128), (128, 4, None), (128, 4, 168), (128, 8, None),
                  (128, 8, 128)]
 
@@ -86,14 +83,6 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             rec[f"{tactic}_vs_{base}_rel_l2"] = rel_l2(outs[tactic], outs[base])
             rec[f"{tactic}_vs_{base}_state_rel_l2"] = rel_l2(outs[tactic + "_state"], outs[base + "_state"])
         emit(**rec)
-        if sweep:  # the stream tactic's slice, pipeline depth and grid
-            for bv, stages, per_sm in STREAM_CONFIGS:
-                fn = lambda bv=bv, stages=stages, per_sm=per_sm: kda_dev.kda_decode(
-                    *args, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic="stream", block_v=bv,
-                    stages=stages, programs_per_sm=per_sm)
-                t = time_ms(fn)
-                emit(bench="kda_stream_config", N=N, block_v=bv, stages=stages, programs_per_sm=per_sm,
-                     ms=round(t, 4), frac_of_floor=round(floor_ms / t, 3))
         if sweep:  # the split tactic's state slice, launch width and register cap (programs an SM)
             for bv, nw, regs in SPLIT_CONFIGS:
                 fn = lambda bv=bv, nw=nw, regs=regs: kda_dev.kda_decode(
