@@ -5,44 +5,29 @@ dtype. Decode tactics ("a step with as many tokens as sequences", every sequence
   "fused" — one Triton program per (sequence, head) does conv update, norms, gates, the delta rule on the
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
-  "split" — conv kernel, our recurrent kernel over [BLOCK_V, K] state slices (in place), norm kernel;
-  "stream" — as split, the slices walked by a persistent grid that prefetches the next ones (experimental).
+  "split" — conv kernel, our recurrent kernel over [BLOCK_V, K] state slices (in place), norm kernel.
 Prefill: row-walking varlen conv kernel (q, k, v out contiguous), fla-core chunk_kda from the gathered slot states,
 state scatter, norm kernel.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
 from k3plugins.embed.dense import dense
 from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_kernel, conv_update_kernel,
-                                         gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_stream_kernel,
-                                         kda_recurrent_vsplit_kernel)
+                                         gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_vsplit_kernel)
 from k3plugins.pdl import pdl
 from k3plugins.step_scope import per_step
 
 # first is the default: "split" is the fastest measured (BENCHMARKS.md)
-DECODE_TACTICS = ("split", "fla", "fused", "stream")
+DECODE_TACTICS = ("split", "fla", "fused")
 # value rows of the state a split program updates, by grid size (the H200 sweeps in BENCHMARKS.md): 128 where
 # sequences x heads fill the GPU many times over (64 x 96: 6144 programs), 32 where they do not (up to 128 x 6 and
 # 8 x 96: 768 programs of 128 rows are under six per SM; four times as many narrower ones go 7-11 % faster).
 BLOCK_V = 128
 NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
-
-
-# the stream tactic: slices of 64 rows, two in flight a program, three programs an SM (first guesses; the sweep in
-# tools/bench/kda.py measures them)
-STREAM_BLOCK_V, STREAM_STAGES, STREAM_PROGRAMS_PER_SM = 64, 2, 3
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 elsewhere (Triton's interpreter), so that its few programs each walk several slices."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
@@ -94,18 +79,15 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
                lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0], block_v: int | None = None,
-               num_warps: int = 4, maxnreg: int | None = None, stages: int = STREAM_STAGES,
-               programs_per_sm: int = STREAM_PROGRAMS_PER_SM) -> torch.Tensor:
+               num_warps: int = 4) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
         qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output; b: [N, H] beta logits;
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
-        block_v, num_warps, maxnreg: the split tactic's state slice ([block_v, K] a program; None:
-            decode_block_v), launch width and register cap a thread (None: the compiler's choice); the
-            stream tactic's slice (None: STREAM_BLOCK_V) and width.
-        stages, programs_per_sm: the stream tactic's pipeline depth (slices in flight a program) and grid.
+        block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
+        num_warps: the launch width of the split and fused kernels.
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -121,7 +103,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=8, **pdl(qkv))
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),
@@ -133,17 +115,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         kda_recurrent_vsplit_kernel[(N, H, K // bv)](
             y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
             recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb, H=H, K=K, BV=bv,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(y),
-            **({} if maxnreg is None else dict(maxnreg=maxnreg)))
-        return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
-    if tactic == "stream":
-        o = torch.empty(N, D, dtype=torch.float32, device=qkv.device)
-        bv = min(block_v or STREAM_BLOCK_V, K)
-        kda_recurrent_stream_kernel[(min(N * H * (K // bv), _sm_count(qkv.device) * programs_per_sm),)](
-            y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
-            recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb, N, H=H, K=K, BV=bv,
-            HAS_LOWER_BOUND=lower_bound is not None, STAGES=stages, num_warps=num_warps, **pdl(y),
-            **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(y))
         return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     # fused_recurrent_kda_fwd takes no strides: each of q, k, v must be contiguous

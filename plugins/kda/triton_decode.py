@@ -5,8 +5,7 @@ update of the q/k/v channels, SiLU, q/k L2 norm, the K3 gate, sigmoid beta, the 
 [V, K] state (read once, written once), and the gated output RMSNorm. `conv_update_kernel` and
 `gated_norm_kernel` are the same glue split around a recurrent kernel: fla-core's fused_recurrent (the
 "fla" tactic) or `kda_recurrent_vsplit_kernel` (the "split" tactic), which gives each program a [BV, K]
-slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each, or
-`kda_recurrent_stream_kernel` (the "stream" tactic: the same slices, prefetched by a persistent grid).
+slice of one head's state, so many small programs stream the pool instead of one 64 KiB tile each.
 """
 
 import triton
@@ -54,6 +53,10 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     D = H * K
     slot = tl.load(slot_ptr + n).to(tl.int64)
     rk = tl.arange(0, K)
+    # the state first, so that its 64 KiB load is in flight while the conv, norms and gate below are worked out
+    # (the conv's barrier and stores would otherwise hold it back)
+    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
+    S = tl.load(p_s)
     ch = h * K + rk
     x_row = qkv_ptr + n * stride_qkv
     pool = conv_pool_ptr + slot * stride_cp
@@ -66,8 +69,7 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     g = _gate(tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
               tl.load(dt_bias_ptr + ch).to(tl.float32), lower_bound, HAS_LOWER_BOUND)
     beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
-    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
-    S = tl.load(p_s).to(tl.float32) * tl.exp(g)[None, :]
+    S = S.to(tl.float32) * tl.exp(g)[None, :]
     u = (v - tl.sum(S * k[None, :], 1)) * beta                                       # [V]
     S += u[:, None] * k[None, :]
     o = tl.sum(S * q[None, :], 1)                                                    # [V]
@@ -121,23 +123,6 @@ def kda_recurrent_vsplit_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, 
     p_s = _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K, BV)
     _update_slice(tl.load(p_s), p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y,
                   stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
-
-
-@triton.jit
-def kda_recurrent_stream_kernel(y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, state_ptr, slot_ptr, o_ptr,
-                                stride_y, stride_graw, stride_b, stride_st, stride_o, scale, lower_bound, N,
-                                H: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                                STAGES: tl.constexpr, PDL: tl.constexpr = False):
-    """The split kernel's slices, walked by a fixed grid (a few programs an SM): Triton's pipeliner copies the
-    next STAGES - 1 slices into shared memory (cp.async) while a program works on the current one, so the state
-    keeps streaming during the math instead of stalling behind each program's single load."""
-    pdl_prologue(PDL)
-    NVB: tl.constexpr = K // BV
-    for w in tl.range(tl.program_id(0), N * H * NVB, tl.num_programs(0), num_stages=STAGES):
-        n, h, vb = w // (H * NVB), (w // NVB) % H, w % NVB
-        p_s = _state_slice(state_ptr, slot_ptr, stride_st, n, h, vb, K, BV)
-        _update_slice(tl.load(p_s), p_s, n, h, vb, y_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, o_ptr, stride_y,
-                      stride_graw, stride_b, stride_o, scale, lower_bound, H, K, BV, HAS_LOWER_BOUND)
 
 
 @triton.jit

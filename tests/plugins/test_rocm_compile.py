@@ -72,8 +72,6 @@ SPECS = {
     "kda_gated_norm": (kd.gated_norm_kernel, dict(out_ptr="*bf16"), dict(K=128, BT=16)),
     "kda_recurrent_vsplit": (kd.kda_recurrent_vsplit_kernel, dict(slot_ptr="*i32"),
                              dict(H=96, K=128, BV=32, HAS_LOWER_BOUND=True)),
-    "kda_recurrent_stream": (kd.kda_recurrent_stream_kernel, dict(slot_ptr="*i32"),
-                             dict(H=96, K=128, BV=64, HAS_LOWER_BOUND=True, STAGES=2)),
     "kda_conv_prefill": (kd.conv_prefill_rows_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                            cu_ptr="*i64", tok_seq_ptr="*i32", y_ptr="*bf16"),
                          dict(W=4, BT=64, BC=256)),

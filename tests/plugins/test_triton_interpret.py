@@ -308,7 +308,7 @@ def _child() -> None:
         res[f"mla-{splits}"] = _mla_case(mla, splits)
     res["mla-mixer"] = _mla_mixer_case(mla)
     for lb in (-5.0, None):
-        for tactic in ("fused", "split", "split-wide", "stream"):
+        for tactic in ("fused", "split", "split-wide"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res.update(_norm_cases())
@@ -367,7 +367,7 @@ def test_mla_mixer_interpreted(results):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("tactic", ["fused", "split", "split-wide", "stream"])
+@pytest.mark.parametrize("tactic", ["fused", "split", "split-wide"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
 def test_kda_decode_interpreted(results, lower_bound, tactic):
     r = results[f"kda-decode-{lower_bound}-{tactic}"]

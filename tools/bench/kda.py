@@ -12,11 +12,8 @@ from k3plugins.kda import fla as kda_dev
 H, K = 96, 128
 D = H * K
 RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
-# (block_v, num_warps, maxnreg) of the split sweep. In the sm_90 SASS (tools/sass_loops.py) block 128 takes 212
-# registers a thread (2 programs an SM), 168 with no spill to speak of (3 programs), 8 warps at 128 (2 programs of
-# 8 warps); block 64 takes 167.
-SPLIT_CONFIGS = [(32, 4, None), (64, 4, None), (64, 4, 128), (128, 4, None), (128, 4, 168), (128, 8, None),
-                 (128, 8, 128)]
+# (block_v, num_warps) of the split sweep
+SPLIT_CONFIGS = [(32, 4), (64, 4), (128, 4), (128, 8)]
 
 
 @triton.jit
@@ -84,12 +81,11 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             rec[f"{tactic}_vs_{base}_state_rel_l2"] = rel_l2(outs[tactic + "_state"], outs[base + "_state"])
         emit(**rec)
         if sweep:  # the split tactic's state slice, launch width and register cap (programs an SM)
-            for bv, nw, regs in SPLIT_CONFIGS:
-                fn = lambda bv=bv, nw=nw, regs=regs: kda_dev.kda_decode(
-                    *args, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5, block_v=bv, num_warps=nw,
-                    maxnreg=regs)
+            for bv, nw in SPLIT_CONFIGS:
+                fn = lambda bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=H, head_dim=K, lower_bound=-5.0,
+                                                             eps=1e-5, block_v=bv, num_warps=nw)
                 t = time_ms(fn)
-                emit(bench="kda_split_config", N=N, block_v=bv, num_warps=nw, maxnreg=regs, ms=round(t, 4),
+                emit(bench="kda_split_config", N=N, block_v=bv, num_warps=nw, ms=round(t, 4),
                      frac_of_floor=round(floor_ms / t, 3))
         del args, pool, conv_pool
         torch.cuda.empty_cache()
@@ -104,12 +100,11 @@ def _sweep_rank_heads(bw_tbps: float, gen: torch.Generator) -> None:
     for N in (32, 64, 128):
         args = _inputs(N, gen, H=RANK_HEADS)
         floor_ms = 2 * args[8].numel() * 4 / (bw_tbps * 1e12) * 1e3
-        for bv, nw, regs in SPLIT_CONFIGS:
-            fn = lambda bv=bv, nw=nw, regs=regs: kda_dev.kda_decode(
-                *args, num_heads=RANK_HEADS, head_dim=K, lower_bound=-5.0, eps=1e-5, block_v=bv, num_warps=nw,
-                maxnreg=regs)
+        for bv, nw in SPLIT_CONFIGS:
+            fn = lambda bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=RANK_HEADS, head_dim=K, lower_bound=-5.0,
+                                                         eps=1e-5, block_v=bv, num_warps=nw)
             t = time_ms(fn)
-            emit(bench="kda_split_config", N=N, H=RANK_HEADS, block_v=bv, num_warps=nw, maxnreg=regs, ms=round(t, 4),
+            emit(bench="kda_split_config", N=N, H=RANK_HEADS, block_v=bv, num_warps=nw, ms=round(t, 4),
                  frac_of_floor=round(floor_ms / t, 3))
         del args
 
