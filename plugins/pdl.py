@@ -8,8 +8,9 @@ it reads or writes any memory, so it sees exactly what a plainly ordered launch 
 dependents only after that wait, so at most one grid waits behind a running one. Kernels launched without PDL
 (cuBLAS, torch) keep the stream's plain ordering on both sides. CUDA graphs record the dependency.
 
-Off by default until an H200 run has timed it and run the GPU tests with it: `K3_PDL=1` turns it on. It stays
-off on ROCm, below sm_90, and for CPU tensors (Triton's interpreter).
+Off by default: on an H200 the GPU tests pass with it, but a real-size rank's decode step (bench_rank, side by side
+in both orders) was no faster with it (BENCHMARKS.md). `K3_PDL=1` turns it on. It stays off on ROCm, below sm_90,
+and for CPU tensors (Triton's interpreter).
 """
 
 from __future__ import annotations
