@@ -1,8 +1,9 @@
 """Who owns what across ranks (in the spirit of TensorRT-LLM's `Mapping`).
 
 Rank layout: rank = pp_rank * tp_size + tp_rank. Inside a PP stage the tp_size ranks split attention heads
-(unless attention-DP, where each rank holds all heads and serves its own requests), the dense/shared MLPs and
-the vocabulary; routed experts are split by moe_ep_size (contiguous blocks) x moe_tp_size (intermediate dim),
+(unless attention-DP, where each rank holds all heads and serves its own requests), the dense/shared MLPs, the
+latent MoE's up-projection (row-parallel: its partial sums join the shared experts' all-reduce) and the
+vocabulary; routed experts are split by moe_ep_size (contiguous blocks) x moe_tp_size (intermediate dim),
 with moe_ep_size * moe_tp_size == tp_size. Nothing else in the project recomputes these answers.
 """
 
@@ -130,6 +131,8 @@ class Mapping:
             ("intermediate_size (dense MLP)", cfg.intermediate_size, self.dense_tp_size, "TP"),
             ("vocab_size", cfg.vocab_size, self.dense_tp_size, "TP"),
         ]
+        if cfg.is_latent_moe:
+            checks.append(("routed_expert_hidden_size (latent MoE)", cfg.expert_hidden_size, self.dense_tp_size, "TP"))
         for what, n, d, by in checks:
             if n % d:
                 raise MappingError(f"{what}={n} is not divisible by {by}={d}")
@@ -182,11 +185,15 @@ class Mapping:
             if leaf == "o_proj.weight":
                 return self._attn(1, rank)
             return WHOLE  # f_a, g_a, o_norm, q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm
+        if rest == "block_sparse_moe.routed_expert_up_proj.weight":
+            # row-parallel like the shared experts' down_proj: each rank multiplies its slice of the (replicated)
+            # latent by its columns, and the shared experts' all-reduce sums both (a 1/TP of its bytes a rank)
+            return self._dense(1, rank)
         for prefix in ("mlp.", "block_sparse_moe.shared_experts."):
             if rest.startswith(prefix):
                 leaf = rest[len(prefix):]
                 return self._dense(1 if leaf == "down_proj.weight" else 0, rank)
-        return WHOLE  # norms, attn_res params, router, latent projections
+        return WHOLE  # norms, attn_res params, router, latent down-projection
 
     # --- serialisation ---
     def to_dict(self) -> dict[str, Any]:

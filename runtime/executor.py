@@ -135,6 +135,7 @@ class Executor:
 # k3 ops that only rearrange values (no kernel, no tactic): views, not copies
 _K3_STRUCTURE_OPS: dict[str, Callable[[dict], Callable]] = {
     "SplitColumns": lambda attrs: (lambda x: x.split(list(attrs["sizes"]), dim=-1)),
+    "SliceColumns": lambda attrs: (lambda x: x.narrow(-1, attrs["start"], attrs["size"])),
 }
 _COMM_OPS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "EPGather": "ep_gather", "EPScatter": "ep_scatter"}
 

@@ -26,7 +26,7 @@ from engines import build_engine  # noqa: E402
 CFG = preset("tiny")
 ONNX_OPS = {"Add", "Cast", "Identity"}  # default-domain ops; everything else is a k3 plugin or communicator
 COMM_OPS = {"AllReduce", "AllGather", "EPGather", "EPScatter"}
-STRUCTURE_OPS = {"SplitColumns"}  # k3 ops the executor runs itself: views, no kernel
+STRUCTURE_OPS = {"SplitColumns", "SliceColumns"}  # k3 ops the executor runs itself: views, no kernel
 _ST_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
 _ONNX_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
                onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.UINT8: torch.uint8}
@@ -220,6 +220,14 @@ def test_multi_rank_graphs(multi_engines, name):
         experts_ar = [n for n in reduces if n.name.endswith(".moe.experts.allreduce")]
         assert len(attn) == (len(layers) if groups["tp"] > 1 else 0)
         assert len(experts_ar) == (sum(CFG.is_moe_layer(i) for i in layers) if groups["moe"] > 1 else 0)
+        # the latent up-projection is row-parallel over TP: its partial sums share the shared experts' all-reduce
+        moe_ar = [n for n in reduces if n.name.endswith(".moe.allreduce")]
+        assert len(moe_ar) == (sum(CFG.is_moe_layer(i) for i in layers) if groups["tp"] > 1 else 0)
+        assert not [n for n in reduces if n.name.endswith(".moe.shared.allreduce")]
+        weights = _weights(engine, rank)
+        for i in layers:
+            if CFG.is_moe_layer(i):
+                assert weights[f"l{i}.moe.up_proj"].shape == (CFG.hidden_size, CFG.expert_hidden_size // groups["tp"])
         inputs = {i.name for i in model.graph.input}
         outputs = [o.name for o in model.graph.output]
         blocks = sum(CFG.takes_snapshot(i) for i in range(layers.start))
