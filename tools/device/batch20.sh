@@ -2,7 +2,8 @@
 # (the fused decode now loads its state first, at 4 warps), then bench_plugins' KDA section: fused against split at
 # 8 / 64 / 256 sequences x 96 heads (thirteenth session: split 0.55 / 0.71 / 0.74 of the floor, fused 0.36 / 0.41 /
 # 0.42 before the change). If fused beats split at 64 and 256, make it the default where decode_block_v gives 128
-# (plugins/kda/fla.py). Last the rank, which has not been timed with the narrow KDA slices at 6 heads.
+# (plugins/kda/fla.py). Last the rank, which has not been timed with the narrow KDA slices at 6 heads nor with the
+# row-parallel latent up-projection (a 1/16 slice a rank: 4.4 GB less to read a step, so its floor drops too).
 source tools/device/env.sh
 timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/plugins/test_kda_gpu.py -p no:cacheprovider --tb=short \
   > $OUT/pytest.txt 2>&1
