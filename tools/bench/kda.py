@@ -80,7 +80,7 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             rec[f"{tactic}_vs_{base}_rel_l2"] = rel_l2(outs[tactic], outs[base])
             rec[f"{tactic}_vs_{base}_state_rel_l2"] = rel_l2(outs[tactic + "_state"], outs[base + "_state"])
         emit(**rec)
-        if sweep:  # the split tactic's state slice, launch width and register cap (programs an SM)
+        if sweep:  # the split tactic's state slice and launch width
             for bv, nw in SPLIT_CONFIGS:
                 fn = lambda bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=H, head_dim=K, lower_bound=-5.0,
                                                              eps=1e-5, block_v=bv, num_warps=nw)
