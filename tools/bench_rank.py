@@ -11,8 +11,8 @@ checkpoint (the graph and layout passes are the builder's own). The expert excha
 graph's all-reduces return their input, so the figure is the rank's compute and memory alone.
 
 Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of garbage KV: the timing does
-not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py); the eager
-step is timed too. Floors use the HBM bandwidth measured first in the same run:
+not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py), timed after
+WARMUP_S seconds of replays; the eager step is timed too. Floors use the HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes
@@ -193,7 +193,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--target", default="sm90")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup-s", type=float, default=2.0,
+                    help="seconds of graph replays before each batch size is timed (GPU clocks and caches settle; "
+                         "without it two processes run back to back differed by up to 1 ms, the second faster)")
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
     ap.add_argument("--gemms", action="store_true",
                     help="instead of decoding: time the rank's dense GEMMs at each batch size, torch (cuBLAS) "
@@ -270,6 +273,10 @@ def main() -> None:
             graphs = DecodeGraphs(executor, max_batch=n, max_pages=pages_per_seq, spare_page=spare[0],
                                   spare_slot=spare[1], buckets=[n])
             graphs.capture()
+            settled = time.perf_counter() + args.warmup_s
+            while time.perf_counter() < settled:
+                graphs.replay(rows)
+                torch.cuda.synchronize()
             rec["step_ms"] = _median_ms(lambda: graphs.replay(rows), args.reps, cuda)
             graphs._stage(rows)
             batch = graphs._batch(n)

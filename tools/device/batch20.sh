@@ -9,5 +9,5 @@ timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/plugins/test_kda_gpu.py
   > $OUT/pytest.txt 2>&1
 grep -E "^E |Error|passed|failed" $OUT/pytest.txt | tail -20
 timeout ${KDA_S:-100} python3 tools/bench_plugins.py --only kda 2>&1 | grep '^{' | tee $OUT/kda.jsonl | grep kda_decode
-timeout ${RANK_S:-150} python3 tools/bench_rank.py --batches ${BATCHES:-32,64,128} --reps 3 2>&1 | grep '^{' \
+timeout ${RANK_S:-150} python3 tools/bench_rank.py --batches ${BATCHES:-32,64,128} --reps 20 2>&1 | grep '^{' \
   | tee $OUT/rank.jsonl | grep rank_decode
