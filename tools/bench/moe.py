@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from common import cosine, emit, rel_l2, time_ms
 from k3plugins.moe import triton as mt
@@ -30,6 +32,42 @@ def make_tokens(tpe: int, gen: torch.Generator):
     ids = torch.cat([local[:, None], others], 1)
     w = torch.rand(M, TOP_K, device="cuda", generator=gen)
     return z, ids, w / w.sum(1, keepdim=True)
+
+
+@triton.jit
+def _tile_pass_kernel(w_ptr, s_ptr, out_ptr, expert_words, expert_scale_words, second_words, second_scale_words,
+                      STEPS: tl.constexpr, PAIRED: tl.constexpr, STEP: tl.constexpr, SSTEP: tl.constexpr):
+    """Program (e, j) reads row block j of expert e in the row-tiled layout (and, PAIRED, the block second_words
+    further on: the up rows beside the gate rows), K step by K step as the decode kernels do, bytes and scales, and
+    keeps only an XOR of them: the decode's traffic and grid without its decode and MMA."""
+    e, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    w = w_ptr + e * expert_words + j * STEPS * STEP + tl.arange(0, STEP)
+    s = s_ptr + e * expert_scale_words + j * STEPS * SSTEP + tl.arange(0, SSTEP)
+    acc = tl.zeros((STEP,), tl.int32)
+    acc_s = tl.zeros((SSTEP,), tl.int32)
+    for i in tl.range(0, STEPS, num_stages=3):
+        acc ^= tl.load(w + i * STEP)
+        acc_s ^= tl.load(s + i * SSTEP)
+        if PAIRED:
+            acc ^= tl.load(w + second_words + i * STEP)
+            acc_s ^= tl.load(s + second_scale_words + i * SSTEP)
+    tl.store(out_ptr + e * tl.num_programs(1) + j, tl.xor_sum(acc, 0) ^ tl.xor_sum(acc_s, 0))
+
+
+def tile_pass(w13, s13, w2, s2):
+    """Both GEMMs' weights read by _tile_pass_kernel on the decode grid (row blocks of TILE_ROWS, K steps of 256)."""
+    rows, step = mt.TILE_ROWS, mt.STRIDE_BLOCK_K
+    words = lambda t: t.view(torch.int32)
+    out = torch.empty(E * max(INTER, DL) // rows, dtype=torch.int32, device=w13.device)
+
+    def run():
+        _tile_pass_kernel[(E, INTER // rows)](words(w13), words(s13), out, w13[0].numel() // 4, s13[0].numel() // 4,
+                                              INTER * DL // 8, INTER * DL // 128, STEPS=DL // step, PAIRED=True,
+                                              STEP=rows * step // 8, SSTEP=rows * step // 128, num_warps=4)
+        _tile_pass_kernel[(E, DL // rows)](words(w2), words(s2), out, w2[0].numel() // 4, s2[0].numel() // 4, 0, 0,
+                                           STEPS=INTER // step, PAIRED=False, STEP=rows * step // 8,
+                                           SSTEP=rows * step // 128, num_warps=4)
+    return run
 
 
 def grouped_mm_baseline(z, ids, w13b, w2b):
@@ -61,6 +99,9 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         if key not in laid_out:
             laid_out[key] = (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
         return laid_out[key]
+    # the row-tiled layout's bytes read on the decode grid with no decode or MMA: how close this traffic can get
+    t_pass = time_ms(tile_pass(*weights("decode_p")))
+    emit(bench="moe_tile_pass", ms=round(t_pass, 4), frac_of_floor=round(floor_ms / t_pass, 3))
     # correctness first, on a small ragged batch incl. empty experts, against the torch reference
     z, ids, tw = make_tokens(1, gen)
     z, ids, tw = z[:37], ids[:37], tw[:37]
