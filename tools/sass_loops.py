@@ -2,7 +2,7 @@
 
     python tools/sass_loops.py moe_gate_up_paired                     # a kernel spec of tests/plugins/test_rocm_compile.py
     python tools/sass_loops.py moe_gate_up_paired --set BM=128 --set BN=128 --warps 8 --stages 2
-    python tools/sass_loops.py kda_recurrent_vsplit --set BV=64 --dump /tmp/k.sass
+    python tools/sass_loops.py kda_recurrent_vsplit --set BV=64 --dump /tmp/k.sass --ttgir /tmp/k.ttgir
 
 Triton compiles the kernel for sm_90 (its bundled ptxas) and cuobjdump disassembles it. For each loop (a backward
 branch) it prints the instruction count and the opcode histogram, after the kernel's registers a thread and spill
@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, help="cap the registers a thread (ptx .maxnreg)")
     ap.add_argument("--dump", help="also write the whole SASS to this file")
+    ap.add_argument("--ttgir", help="also write Triton's GPU IR to this file (the layouts it chose: #blocked, "
+                                    "convert_layout)")
     args = ap.parse_args()
 
     import triton
@@ -83,6 +85,9 @@ def main() -> None:
     if args.dump:
         with open(args.dump, "w") as out:
             out.write(sass)
+    if args.ttgir:
+        with open(args.ttgir, "w") as out:
+            out.write(compiled.asm["ttgir"])
     spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
     print(json.dumps({"kernel": args.kernel, "constexprs": {k: str(v) for k, v in consts.items()},
                       "num_warps": args.warps, "num_stages": args.stages, "registers": int(regs.group(1)) if regs else None,
