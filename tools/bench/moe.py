@@ -54,19 +54,22 @@ def _tile_pass_kernel(w_ptr, s_ptr, out_ptr, expert_words, expert_scale_words, s
     tl.store(out_ptr + e * tl.num_programs(1) + j, tl.xor_sum(acc, 0) ^ tl.xor_sum(acc_s, 0))
 
 
-def tile_pass(w13, s13, w2, s2):
-    """Both GEMMs' weights read by _tile_pass_kernel on the decode grid (row blocks of TILE_ROWS, K steps of 256)."""
+def tile_pass(w13, s13, w2, s2, blocks: int = 1):
+    """Both GEMMs' weights read by _tile_pass_kernel on the decode grid (row blocks of TILE_ROWS, K steps of 256).
+    blocks > 1: each program reads that many consecutive row blocks (contiguous in the tiled layout) in one
+    pipelined loop, as a longer-lived program would: 14 K steps a program become 14 x blocks."""
     rows, step = mt.TILE_ROWS, mt.STRIDE_BLOCK_K
     words = lambda t: t.view(torch.int32)
     out = torch.empty(E * max(INTER, DL) // rows, dtype=torch.int32, device=w13.device)
 
     def run():
-        _tile_pass_kernel[(E, INTER // rows)](words(w13), words(s13), out, w13[0].numel() // 4, s13[0].numel() // 4,
-                                              INTER * DL // 8, INTER * DL // 128, STEPS=DL // step, PAIRED=True,
-                                              STEP=rows * step // 8, SSTEP=rows * step // 128, num_warps=4)
-        _tile_pass_kernel[(E, DL // rows)](words(w2), words(s2), out, w2[0].numel() // 4, s2[0].numel() // 4, 0, 0,
-                                           STEPS=INTER // step, PAIRED=False, STEP=rows * step // 8,
-                                           SSTEP=rows * step // 128, num_warps=4)
+        _tile_pass_kernel[(E, INTER // rows // blocks)](
+            words(w13), words(s13), out, w13[0].numel() // 4, s13[0].numel() // 4, INTER * DL // 8,
+            INTER * DL // 128, STEPS=blocks * DL // step, PAIRED=True, STEP=rows * step // 8,
+            SSTEP=rows * step // 128, num_warps=4)
+        _tile_pass_kernel[(E, DL // rows // blocks)](
+            words(w2), words(s2), out, w2[0].numel() // 4, s2[0].numel() // 4, 0, 0, STEPS=blocks * INTER // step,
+            PAIRED=False, STEP=rows * step // 8, SSTEP=rows * step // 128, num_warps=4)
     return run
 
 
@@ -99,9 +102,12 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         if key not in laid_out:
             laid_out[key] = (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
         return laid_out[key]
-    # the row-tiled layout's bytes read on the decode grid with no decode or MMA: how close this traffic can get
-    t_pass = time_ms(tile_pass(*weights("decode_p")))
-    emit(bench="moe_tile_pass", ms=round(t_pass, 4), frac_of_floor=round(floor_ms / t_pass, 3))
+    # the row-tiled layout's bytes read on the decode grid with no decode or MMA: how close this traffic can get,
+    # and whether longer programs (several row blocks each) would get closer
+    for blocks in (1, 2, 4, 8):
+        t_pass = time_ms(tile_pass(*weights("decode_p"), blocks=blocks))
+        emit(bench="moe_tile_pass", row_blocks_per_program=blocks, ms=round(t_pass, 4),
+             frac_of_floor=round(floor_ms / t_pass, 3))
     # correctness first, on a small ragged batch incl. empty experts, against the torch reference
     z, ids, tw = make_tokens(1, gen)
     z, ids, tw = z[:37], ids[:37], tw[:37]
