@@ -162,13 +162,14 @@ def _kda_decode_case(kd, lower_bound, tactic):
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
     slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
     outs = []
-    # the "fla" tactic runs fla-core's kernel: GPU only
-    for fn in (functools.partial(kd.kda_mixer, decode_tactic=tactic), kda_mixer):
-        a, b = rec.clone(), conv.clone()
-        o = fn(x, *w, a, b, cu_seqlens=cu, slot_ids=slots, num_heads=H, head_dim=K, lower_bound=lower_bound,
-               eps=1e-5)
-        outs.append((o, a, b))
-    kd.NARROW_BELOW = narrow_below
+    try:  # the "fla" tactic runs fla-core's kernel: GPU only
+        for fn in (functools.partial(kd.kda_mixer, decode_tactic=tactic), kda_mixer):
+            a, b = rec.clone(), conv.clone()
+            o = fn(x, *w, a, b, cu_seqlens=cu, slot_ids=slots, num_heads=H, head_dim=K, lower_bound=lower_bound,
+                   eps=1e-5)
+            outs.append((o, a, b))
+    finally:
+        kd.NARROW_BELOW = narrow_below
     (o1, a1, b1), (o2, a2, b2) = outs
     return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2))}
 
