@@ -28,6 +28,8 @@ DECODE_TACTICS = ("split", "fla", "fused")
 # 8 x 96: 768 programs of 128 rows are under six per SM; four times as many narrower ones go 7-11 % faster).
 BLOCK_V = 128
 NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
+# value rows the fused tactic works on at a time (its next slice's load in flight meanwhile); K // 4 at the least
+FUSED_BLOCK_V = 128
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
@@ -86,7 +88,8 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output; b: [N, H] beta logits;
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
-        block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
+        block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v), or the value rows
+            the fused tactic works on at a time (K // 4 to K; None: FUSED_BLOCK_V);
         num_warps: the launch width of the split and fused kernels.
 
     Returns:
@@ -102,7 +105,8 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         kda_decode_fused_kernel[(N, H)](
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
-            recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
+            recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K,
+            BV=max(min(block_v or FUSED_BLOCK_V, K), K // 4), W=4,
             HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)

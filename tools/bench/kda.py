@@ -13,7 +13,9 @@ H, K = 96, 128
 D = H * K
 RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
 # (block_v, num_warps) of the split sweep
-SPLIT_CONFIGS = [(32, 4), (64, 4), (128, 4), (128, 8)]
+# (tactic, block_v, num_warps) of the decode sweep: the split tactic's state slice and the fused tactic's
+DECODE_CONFIGS = [("split", 32, 4), ("split", 64, 4), ("split", 128, 4), ("split", 128, 8), ("fused", 32, 4),
+                  ("fused", 32, 8), ("fused", 64, 8), ("fused", 128, 4), ("fused", 128, 8)]
 
 
 @triton.jit
@@ -80,13 +82,8 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             rec[f"{tactic}_vs_{base}_rel_l2"] = rel_l2(outs[tactic], outs[base])
             rec[f"{tactic}_vs_{base}_state_rel_l2"] = rel_l2(outs[tactic + "_state"], outs[base + "_state"])
         emit(**rec)
-        if sweep:  # the split tactic's state slice and launch width
-            for bv, nw in SPLIT_CONFIGS:
-                fn = lambda bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=H, head_dim=K, lower_bound=-5.0,
-                                                             eps=1e-5, block_v=bv, num_warps=nw)
-                t = time_ms(fn)
-                emit(bench="kda_split_config", N=N, block_v=bv, num_warps=nw, ms=round(t, 4),
-                     frac_of_floor=round(floor_ms / t, 3))
+        if sweep:
+            _sweep_configs(args, N, H, floor_ms)
         del args, pool, conv_pool
         torch.cuda.empty_cache()
     if sweep:
@@ -94,18 +91,23 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
     bench_kda_prefill(bw_tbps, sweep)
 
 
+def _sweep_configs(args, N: int, heads: int, floor_ms: float) -> None:
+    """Every DECODE_CONFIGS entry on one batch's inputs."""
+    for tactic, bv, nw in DECODE_CONFIGS:
+        fn = lambda tactic=tactic, bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=heads, head_dim=K,
+                                                                    lower_bound=-5.0, eps=1e-5, tactic=tactic,
+                                                                    block_v=bv, num_warps=nw)
+        t = time_ms(fn)
+        emit(bench="kda_decode_config", N=N, H=heads, tactic=tactic, block_v=bv, num_warps=nw, ms=round(t, 4),
+             frac_of_floor=round(floor_ms / t, 3))
+
+
 def _sweep_rank_heads(bw_tbps: float, gen: torch.Generator) -> None:
-    """The split tactic's state slice at a rank's 6 heads: N·6 programs of block_v 128 are fewer than two waves of
-    132 SMs at 32 requests, where a narrower slice gives more programs for the same bytes."""
+    """The decode configs at a rank's 6 heads: N·6 programs are fewer than two waves of 132 SMs at 32 requests,
+    where narrower slices give more programs (split) or more loads in flight a program (fused)."""
     for N in (32, 64, 128):
         args = _inputs(N, gen, H=RANK_HEADS)
-        floor_ms = 2 * args[8].numel() * 4 / (bw_tbps * 1e12) * 1e3
-        for bv, nw in SPLIT_CONFIGS:
-            fn = lambda bv=bv, nw=nw: kda_dev.kda_decode(*args, num_heads=RANK_HEADS, head_dim=K, lower_bound=-5.0,
-                                                         eps=1e-5, block_v=bv, num_warps=nw)
-            t = time_ms(fn)
-            emit(bench="kda_split_config", N=N, H=RANK_HEADS, block_v=bv, num_warps=nw, ms=round(t, 4),
-                 frac_of_floor=round(floor_ms / t, 3))
+        _sweep_configs(args, N, RANK_HEADS, 2 * args[8].numel() * 4 / (bw_tbps * 1e12) * 1e3)
         del args
 
 
