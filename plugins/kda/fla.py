@@ -1,7 +1,8 @@
 """KDA mixer on the GPU: fla-core's chunk_kda (prefill) / fused_recurrent (decode) with Triton glue.
 
 Same signature and semantics as `reference.kda_mixer`. Projections are torch GEMMs in the activation
-dtype. Decode tactics ("a step with as many tokens as sequences", every sequence one token):
+dtype. Decode tactics ("a step with as many tokens as sequences", every sequence one token); "auto" (the
+default) picks one by grid size (`decode_tactic`):
   "fused" — one Triton program per (sequence, head) does conv update, norms, gates, the delta rule on the
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
@@ -21,8 +22,9 @@ from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_ke
 from k3plugins.pdl import pdl
 from k3plugins.step_scope import per_step
 
-# first is the default: "split" is the fastest measured (BENCHMARKS.md)
-DECODE_TACTICS = ("split", "fla", "fused")
+DECODE_TACTICS = ("auto", "split", "fla", "fused")
+# "auto" takes the fused tactic from this many sequence-heads on, split below (the H200 sweeps in BENCHMARKS.md)
+FUSED_FROM = 0
 # value rows of the state a split program updates, by grid size (the H200 sweeps in BENCHMARKS.md): 128 where
 # sequences x heads fill the GPU many times over (64 x 96: 6144 programs), 32 where they do not (up to 128 x 6 and
 # 8 x 96: 768 programs of 128 rows are under six per SM; four times as many narrower ones go 7-11 % faster).
@@ -35,6 +37,11 @@ FUSED_BLOCK_V = 128
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
     """The split tactic's state slice for a batch: BLOCK_V unless num_seqs x num_heads is under NARROW_BELOW."""
     return NARROW_BLOCK_V if num_seqs * num_heads < NARROW_BELOW else BLOCK_V
+
+
+def decode_tactic(num_seqs: int, num_heads: int) -> str:
+    """What "auto" runs for a batch: fused from FUSED_FROM sequence-heads on, else split."""
+    return "fused" if num_seqs * num_heads >= FUSED_FROM else "split"
 
 
 def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, head_dim: int,
@@ -101,6 +108,8 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     slot_ids = per_step("kda_slots", (slot_ids,), lambda s: s.to(torch.int32))
     out = torch.empty(N, D, dtype=qkv.dtype, device=qkv.device)
     lb = 0.0 if lower_bound is None else float(lower_bound)
+    if tactic == "auto":
+        tactic = decode_tactic(N, H)
     if tactic == "fused":
         kda_decode_fused_kernel[(N, H)](
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
