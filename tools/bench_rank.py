@@ -2,7 +2,7 @@
 
     python tools/bench_rank.py [--batches 32,64,128] [--context 8192]          # on an H200: TEP16 rank 0
     python tools/bench_rank.py --moe-tactic triton                                # another MoE tactic than the build's
-    python tools/bench_rank.py --kda-decode split                                 # a KDA decode tactic, not "auto"
+    python tools/bench_rank.py --kda-decode split                                 # another KDA decode tactic
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
     python tools/bench_rank.py --gemms                                            # its dense GEMMs alone (GPU)
 
@@ -202,8 +202,8 @@ def main() -> None:
     ap.add_argument("--gemms", action="store_true",
                     help="instead of decoding: time the rank's dense GEMMs at each batch size, torch (cuBLAS) "
                          "against the weight floor")
-    ap.add_argument("--kda-decode", choices=("auto", "split", "fused"), default="auto",
-                    help="the KDA decode tactic: auto picks by grid (k3plugins.kda.fla.decode_tactic)")
+    ap.add_argument("--kda-decode", default=None,
+                    help="KDA decode tactic instead of the default (k3plugins.kda.fla.DECODE_TACTICS)")
     ap.add_argument("--moe-tactic", default=None,
                     help="MoE tactic instead of the one the build records (e.g. triton: the W4 decode on the "
                          "checkpoint's nibble order; triton_s: on the strided layout); the layout follows it")
@@ -221,9 +221,11 @@ def main() -> None:
     from k3runtime.rank_runner import cache_config
 
     cuda = args.device.startswith("cuda")
-    if args.kda_decode != "auto":  # what "auto" picks, for every grid
+    if args.kda_decode:  # what the engine's KDA layers run when not told
         from k3plugins.kda import fla
-        fla.FUSED_FROM = 0 if args.kda_decode == "fused" else sys.maxsize
+        if args.kda_decode not in fla.DECODE_TACTICS:
+            raise SystemExit(f"bench_rank: --kda-decode {args.kda_decode!r}: choose from {fla.DECODE_TACTICS}")
+        fla.DECODE_DEFAULT = args.kda_decode
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench_rank: --device cuda needs a CUDA GPU (or pass --device cpu --target cpu)")
     device = torch.device(args.device)

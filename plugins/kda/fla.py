@@ -1,8 +1,7 @@
 """KDA mixer on the GPU: fla-core's chunk_kda (prefill) / fused_recurrent (decode) with Triton glue.
 
 Same signature and semantics as `reference.kda_mixer`. Projections are torch GEMMs in the activation
-dtype. Decode tactics ("a step with as many tokens as sequences", every sequence one token); "auto" (the
-default) picks one by grid size (`decode_tactic`):
+dtype. Decode tactics ("a step with as many tokens as sequences", every sequence one token), the default first:
   "fused" — one Triton program per (sequence, head) does conv update, norms, gates, the delta rule on the
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
@@ -22,26 +21,20 @@ from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_ke
 from k3plugins.pdl import pdl
 from k3plugins.step_scope import per_step
 
-DECODE_TACTICS = ("auto", "split", "fla", "fused")
-# "auto" takes the fused tactic from this many sequence-heads on, split below (the H200 sweeps in BENCHMARKS.md)
-FUSED_FROM = 0
+DECODE_TACTICS = ("fused", "split", "fla")
+# what kda_mixer runs when not told: fused is the fastest measured on the H200, or level, at every grid tried
+# (8 to 256 sequences x 96 heads, 32 to 128 x a rank's 6; BENCHMARKS.md)
+DECODE_DEFAULT = DECODE_TACTICS[0]
 # value rows of the state a split program updates, by grid size (the H200 sweeps in BENCHMARKS.md): 128 where
 # sequences x heads fill the GPU many times over (64 x 96: 6144 programs), 32 where they do not (up to 128 x 6 and
 # 8 x 96: 768 programs of 128 rows are under six per SM; four times as many narrower ones go 7-11 % faster).
 BLOCK_V = 128
 NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
-# value rows the fused tactic works on at a time (its next slice's load in flight meanwhile); K // 4 at the least
-FUSED_BLOCK_V = 128
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
     """The split tactic's state slice for a batch: BLOCK_V unless num_seqs x num_heads is under NARROW_BELOW."""
     return NARROW_BLOCK_V if num_seqs * num_heads < NARROW_BELOW else BLOCK_V
-
-
-def decode_tactic(num_seqs: int, num_heads: int) -> str:
-    """What "auto" runs for a batch: fused from FUSED_FROM sequence-heads on, else split."""
-    return "fused" if num_seqs * num_heads >= FUSED_FROM else "split"
 
 
 def supports(x: torch.Tensor, recurrent_pool: torch.Tensor, conv_pool: torch.Tensor, *, head_dim: int,
@@ -87,7 +80,7 @@ def conv_channel_block(D: int, most: int = CONV_PREFILL_BC) -> int:
 def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: torch.Tensor, conv_weight: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
-               lower_bound: float | None, eps: float, tactic: str = DECODE_TACTICS[0], block_v: int | None = None,
+               lower_bound: float | None, eps: float, tactic: str | None = None, block_v: int | None = None,
                num_warps: int = 4) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
@@ -95,8 +88,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output; b: [N, H] beta logits;
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
-        block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v), or the value rows
-            the fused tactic works on at a time (K // 4 to K; None: FUSED_BLOCK_V);
+        block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
         num_warps: the launch width of the split and fused kernels.
 
     Returns:
@@ -108,14 +100,12 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     slot_ids = per_step("kda_slots", (slot_ids,), lambda s: s.to(torch.int32))
     out = torch.empty(N, D, dtype=qkv.dtype, device=qkv.device)
     lb = 0.0 if lower_bound is None else float(lower_bound)
-    if tactic == "auto":
-        tactic = decode_tactic(N, H)
+    tactic = tactic or DECODE_DEFAULT
     if tactic == "fused":
         kda_decode_fused_kernel[(N, H)](
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
-            recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K,
-            BV=max(min(block_v or FUSED_BLOCK_V, K), K // 4), W=4,
+            recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
             HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
@@ -185,8 +175,8 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
               o_norm_weight: torch.Tensor, o_weight: torch.Tensor, recurrent_pool: torch.Tensor,
               conv_pool: torch.Tensor, *, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor, num_heads: int,
               head_dim: int, lower_bound: float | None, eps: float,
-              decode_tactic: str = DECODE_TACTICS[0]) -> torch.Tensor:
-    """See reference.kda_mixer (the engine calls it without decode_tactic: the default). A step with T == N
+              decode_tactic: str | None = None) -> torch.Tensor:
+    """See reference.kda_mixer (the engine calls it without decode_tactic: DECODE_DEFAULT). A step with T == N
     tokens is taken as decode (the scheduler puts no empty sequence in a step), which needs no device->host
     sync; any other step is a prefill."""
     T = x.shape[0]
@@ -203,7 +193,7 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     args = (qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
     if T == slot_ids.shape[0]:
         o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps,
-                       tactic=decode_tactic)
+                       tactic=decode_tactic or DECODE_DEFAULT)
     else:
         o = kda_prefill(*args, cu_seqlens, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
     return dense(o, o_weight)

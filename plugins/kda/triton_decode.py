@@ -46,72 +46,37 @@ def _gate(raw, a_log, bias, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, gout_ptr,
                             norm_w_ptr, state_ptr, slot_ptr, out_ptr, stride_qkv, stride_cp, stride_graw, stride_b,
                             stride_gout, stride_st, stride_out, scale, lower_bound, eps, H: tl.constexpr,
-                            K: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                            PDL: tl.constexpr = False):
-    """The whole decode step of sequence program_id(0), head program_id(1). The state is walked BV value rows at a
-    time, the next slice's load issued before the current one is worked on, so that a program keeps a load in
-    flight while it computes (a whole 64 KiB tile at once left the SM idle between its load and its store)."""
-    tl.static_assert(K % BV == 0, "BV must divide K")
-    NC: tl.constexpr = K // BV
+                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     D = H * K
     slot = tl.load(slot_ptr + n).to(tl.int64)
     rk = tl.arange(0, K)
-    rv = tl.arange(0, BV)
-    # the first slice first, so that its load is in flight while the conv, norms and gate below are worked out
+    # the state first, so that its 64 KiB load is in flight while the conv, norms and gate below are worked out
     # (the conv's barrier and stores would otherwise hold it back)
-    p_s = state_ptr + slot * stride_st + h * K * K + rv[:, None] * K + rk[None, :]   # [BV, K] of [V, K], V-first
-    S_next = tl.load(p_s)
+    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
+    S = tl.load(p_s)
     ch = h * K + rk
     x_row = qkv_ptr + n * stride_qkv
     pool = conv_pool_ptr + slot * stride_cp
     full = rk < K
     q = _conv_step(x_row, conv_w_ptr, pool, ch, full, W)
     k = _conv_step(x_row, conv_w_ptr, pool, D + ch, full, W)
+    v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    decay = tl.exp(_gate(tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32),
-                         tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + ch).to(tl.float32),
-                         lower_bound, HAS_LOWER_BOUND))
+    g = _gate(tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
+              tl.load(dt_bias_ptr + ch).to(tl.float32), lower_bound, HAS_LOWER_BOUND)
     beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
-    sq = 0.0
-    for c in tl.static_range(NC):
-        S = S_next
-        if c + 1 < NC:
-            S_next = tl.load(p_s + (c + 1) * BV * K)
-        v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + h * K + c * BV + rv, rv < BV, W)
-        S = S.to(tl.float32) * decay[None, :]
-        u = (v - tl.sum(S * k[None, :], 1)) * beta                                   # [BV]
-        S += u[:, None] * k[None, :]
-        tl.store(p_s + c * BV * K, S.to(state_ptr.dtype.element_ty))
-        o = tl.sum(S * q[None, :], 1)                                                # [BV]
-        sq += tl.sum(o * o, 0)
-        # the unrolled slices keep their outputs apart until the norm, which needs all of them
-        if c == 0:
-            o0 = o
-        elif c == 1:
-            o1 = o
-        elif c == 2:
-            o2 = o
-        else:
-            o3 = o
-    tl.static_assert(NC <= 4, "BV >= K / 4")
-    r = tl.rsqrt(sq / K + eps)
-    for c in tl.static_range(NC):
-        if c == 0:
-            o = o0
-        elif c == 1:
-            o = o1
-        elif c == 2:
-            o = o2
-        else:
-            o = o3
-        cv = h * K + c * BV + rv
-        o = o * r * tl.load(norm_w_ptr + c * BV + rv).to(tl.float32)
-        o = o * tl.sigmoid(tl.load(gout_ptr + n * stride_gout + cv).to(tl.float32))
-        tl.store(out_ptr + n * stride_out + cv, o.to(out_ptr.dtype.element_ty))
+    S = S.to(tl.float32) * tl.exp(g)[None, :]
+    u = (v - tl.sum(S * k[None, :], 1)) * beta                                       # [V]
+    S += u[:, None] * k[None, :]
+    o = tl.sum(S * q[None, :], 1)                                                    # [V]
+    tl.store(p_s, S.to(state_ptr.dtype.element_ty))
+    o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * tl.load(norm_w_ptr + rk).to(tl.float32)
+    o = o * tl.sigmoid(tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32))
+    tl.store(out_ptr + n * stride_out + ch, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit

@@ -12,10 +12,9 @@ from k3plugins.kda import fla as kda_dev
 H, K = 96, 128
 D = H * K
 RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
-# (block_v, num_warps) of the split sweep
-# (tactic, block_v, num_warps) of the decode sweep: the split tactic's state slice and the fused tactic's
-DECODE_CONFIGS = [("split", 32, 4), ("split", 64, 4), ("split", 128, 4), ("split", 128, 8), ("fused", 32, 4),
-                  ("fused", 32, 8), ("fused", 64, 8), ("fused", 128, 4), ("fused", 128, 8)]
+# (tactic, block_v, num_warps) of the decode sweep: the split tactic's state slice (fused takes a head's whole state)
+DECODE_CONFIGS = [("split", 32, 4), ("split", 64, 4), ("split", 128, 4), ("split", 128, 8), ("fused", None, 4),
+                  ("fused", None, 8)]
 
 
 @triton.jit
@@ -104,7 +103,7 @@ def _sweep_configs(args, N: int, heads: int, floor_ms: float) -> None:
 
 def _sweep_rank_heads(bw_tbps: float, gen: torch.Generator) -> None:
     """The decode configs at a rank's 6 heads: N·6 programs are fewer than two waves of 132 SMs at 32 requests,
-    where narrower slices give more programs (split) or more loads in flight a program (fused)."""
+    where narrower slices give the split tactic more programs."""
     for N in (32, 64, 128):
         args = _inputs(N, gen, H=RANK_HEADS)
         _sweep_configs(args, N, RANK_HEADS, 2 * args[8].numel() * 4 / (bw_tbps * 1e12) * 1e3)
