@@ -81,7 +81,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
                lower_bound: float | None, eps: float, tactic: str | None = None, block_v: int | None = None,
-               num_warps: int = 4) -> torch.Tensor:
+               num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
@@ -89,7 +89,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
         block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
-        num_warps: the launch width of the split and fused kernels.
+        num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: none).
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -101,12 +101,13 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     out = torch.empty(N, D, dtype=qkv.dtype, device=qkv.device)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     tactic = tactic or DECODE_DEFAULT
+    cap = {"maxnreg": maxnreg} if maxnreg else {}
     if tactic == "fused":
         kda_decode_fused_kernel[(N, H)](
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(qkv))
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **cap, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),
@@ -118,7 +119,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         kda_recurrent_vsplit_kernel[(N, H, K // bv)](
             y, g_raw, A_log, dt_bias, b, recurrent_pool, slot_ids, o, y.stride(0), g_raw.stride(0), b.stride(0),
             recurrent_pool.stride(0), o.stride(0), K ** -0.5, lb, H=H, K=K, BV=bv,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **pdl(y))
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **cap, **pdl(y))
         return _gated_norm(o, g_out, o_norm_weight, out, H, K, eps)
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     # fused_recurrent_kda_fwd takes no strides: each of q, k, v must be contiguous

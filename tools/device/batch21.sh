@@ -1,4 +1,4 @@
-# Twenty-first device batch (fourteenth session): the fused KDA decode now walks its state BV value rows at a time
+# Twenty-first device batch (fourteenth session): the fused KDA decode walked its state BV value rows at a time
 # with the next slice's load in flight. Its GPU tests, then the decode config sweep (split and fused, slices and
 # warps) at 8 / 64 / 256 x 96 heads and at a rank's 6 heads x 32 / 64 / 128 sequences, without the prefill part.
 source tools/device/env.sh
