@@ -1,5 +1,5 @@
 # Twenty-second device batch (fourteenth session), right after batch21 on the same machine: the rank with the KDA
-# decode's split tactic and with its fused tactic (sliced state walk), side by side, then split again (the
+# decode's split tactic and with its fused tactic, side by side, then split again (the
 # thirteenth session saw back-to-back processes differ by up to 1 ms).
 source tools/device/env.sh
 for t in ${ORDER:-split fused split}; do
