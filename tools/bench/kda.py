@@ -21,7 +21,7 @@ DECODE_CONFIGS = [("split", 32, 4, None), ("split", 64, 4, None), ("split", 128,
 @triton.jit
 def _touch_slices_kernel(p, BLOCK: tl.constexpr):
     """Each program reads one [block_v, K] state slice and writes it back unchanged: the split kernel's traffic and
-    grid without its math."""
+    grid without its math (block_v = K: the fused kernel's, a head's whole state a program)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     tl.store(p + offs, tl.load(p + offs))
 
@@ -64,6 +64,8 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
         bv = kda_dev.decode_block_v(N, H)
         t_touch = time_ms(lambda: _touch_slices_kernel[(pool.numel() // (bv * K),)](pool, BLOCK=bv * K, num_warps=4))
         rec.update(slice_pass_ms=round(t_touch, 4), slice_pass_frac_of_floor=round(floor_ms / t_touch, 3))
+        t_head = time_ms(lambda: _touch_slices_kernel[(pool.numel() // (K * K),)](pool, BLOCK=K * K, num_warps=4))
+        rec.update(head_pass_ms=round(t_head, 4), head_pass_frac_of_floor=round(floor_ms / t_head, 3))
         outs = {}
         pool_in, conv_in = pool.clone(), conv_pool.clone()  # the timed runs below update pool in place
         for tactic in kda_dev.DECODE_TACTICS:
