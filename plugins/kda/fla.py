@@ -194,7 +194,7 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     args = (qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
     if T == slot_ids.shape[0]:
         o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps,
-                       tactic=decode_tactic or DECODE_DEFAULT)
+                       tactic=decode_tactic)
     else:
         o = kda_prefill(*args, cu_seqlens, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
     return dense(o, o_weight)
