@@ -151,20 +151,6 @@ def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, de
         node.fn = balanced
 
 
-def _top_kernels(fn, top: int = 25) -> list:
-    """[kernel name, ms per step, launches per step] of the kernels taking most GPU time in one step."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
-    return [["TOTAL", round(total, 3), sum(r[2] for r in rows)]] + [[k[:90], round(ms, 3), c] for k, ms, c in rows[:top]]
-
-
 def floors(engine, cache, n: int, context: int, bw_bytes_per_ms: float) -> dict:
     cfg = engine.config["pretrained_config"]
     w = engine.weights
@@ -213,7 +199,7 @@ def main() -> None:
                          "(random weights route most tokens to the same experts)")
     args = ap.parse_args()
 
-    from common import emit
+    from common import emit, top_kernels
     from k3build.config import preset
     from k3build.mapping import Mapping
     from k3runtime.executor import Executor
@@ -290,7 +276,7 @@ def main() -> None:
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.profile:
-                emit(bench="rank_profile", batch=n, top=_top_kernels(lambda: executor.run(batch)))
+                emit(bench="rank_profile", batch=n, top=top_kernels(lambda: executor.run(batch)))
             del graphs
         else:
             from k3runtime.executor import StepBatch

@@ -6,8 +6,8 @@ dtype. Decode tactics ("a step with as many tokens as sequences", every sequence
             in-place slot state and the gated output norm (the state is read once and written once);
   "fla"   — conv kernel, fla-core's fused_recurrent_kda_fwd (slots by index, in place), norm kernel;
   "split" — conv kernel, our recurrent kernel over [BLOCK_V, K] state slices (in place), norm kernel.
-Prefill: row-walking varlen conv kernel (q, k, v out contiguous), fla-core chunk_kda from the gathered slot states,
-state scatter, norm kernel.
+Prefill: row-walking varlen conv kernel (q, k, v out contiguous, q and k L2-normed), fla-core chunk_kda from the
+gathered slot states, state scatter, norm kernel.
 """
 
 from __future__ import annotations
@@ -152,16 +152,18 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
     slot_ids, cu, tok_seq = per_step("kda_prefill_index", (slot_ids, cu_seqlens),
                                      lambda *src: _prefill_index(*src, T))
     y = torch.empty(3, T, D, dtype=qkv.dtype, device=qkv.device)                # q, k, v each contiguous
-    bc = conv_channel_block(D)
+    # the conv also L2-norms q and k per head, so chunk_kda runs without its own two l2norm passes over them (a
+    # tile holds whole heads: K is a power of two dividing D, so bc is a multiple of K)
+    bc = conv_channel_block(D, max(CONV_PREFILL_BC, K))
     conv_prefill_rows_kernel[(triton.cdiv(T, CONV_PREFILL_BT), 3 * D // bc)](
         qkv, conv_weight, conv_pool, slot_ids, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
-        BT=CONV_PREFILL_BT, BC=bc, num_warps=CONV_PREFILL_WARPS)
+        BT=CONV_PREFILL_BT, BC=bc, NORM_K=K, num_warps=CONV_PREFILL_WARPS)
     conv_state_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_pool, slot_ids, cu, qkv.stride(0), conv_pool.stride(0),
                                                      3 * D, W=4, BC=1024)
     q, k, v = (t.view(1, T, H, K) for t in y)
     h0 = recurrent_pool[slot_ids.long()].float()                                 # [N, H, V, K]
     o, ht = chunk_kda(q, k, v, g_raw.reshape(1, T, H, K).to(q.dtype), b.float().reshape(1, T, H), scale=K ** -0.5,
-                      initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
                       lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu, A_log=A_log.float(),
                       dt_bias=dt_bias.float())

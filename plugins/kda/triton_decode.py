@@ -155,26 +155,31 @@ def gated_norm_kernel(o_ptr, gout_ptr, norm_w_ptr, out_ptr, T, stride_o, stride_
 
 @triton.jit
 def conv_prefill_rows_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_ptr, tok_seq_ptr, y_ptr, T, stride_qkv,
-                             stride_cp, C, D, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                             stride_cp, C, D, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                             NORM_K: tl.constexpr = 0):
     """y[c // D, t, c % D] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in
     before each sequence's start. A program walks BT tokens of BC channels row by row: the last W-1 inputs stay in
     registers, so each input row is read once; the window is read from memory only at the tile's first row and at
     a sequence's first W-1 tokens. y is [3, T, D] so that q, k and v each come out contiguous; BC divides D, so a
-    tile lies in one plane and its stores are contiguous."""
+    tile lies in one plane and its stores are contiguous. NORM_K > 0 (it must divide BC): the q and k planes are
+    also L2-normed over each head's NORM_K channels (eps 1e-6 inside the sqrt, as fla-core's in-kernel l2norm), in
+    fp32 before the one rounding, so chunk_kda need not make its own two passes over q and k."""
     tl.static_assert(W == 4, "conv_prefill_rows_kernel is written for K3's short conv of width 4")
+    # channels as [heads, head channels] so that the norm is a row reduction (one head a row without NORM_K)
+    NK: tl.constexpr = NORM_K if NORM_K > 0 else BC
     t0 = tl.program_id(0) * BT
     c0 = tl.program_id(1) * BC
-    ch = c0 + tl.arange(0, BC)
+    ch = c0 + tl.arange(0, BC // NK)[:, None] * NK + tl.arange(0, NK)[None, :]
     c_ok = ch < C
     plane = c0 // D
-    out = y_ptr + plane.to(tl.int64) * T * D + (c0 - plane * D) + tl.arange(0, BC)
+    out = y_ptr + plane.to(tl.int64) * T * D + (ch - plane * D)
     w0 = tl.load(conv_w_ptr + ch * W, mask=c_ok, other=0.0)
     w1 = tl.load(conv_w_ptr + ch * W + 1, mask=c_ok, other=0.0)
     w2 = tl.load(conv_w_ptr + ch * W + 2, mask=c_ok, other=0.0)
     w3 = tl.load(conv_w_ptr + ch * W + 3, mask=c_ok, other=0.0)
-    x1 = tl.zeros((BC,), dtype=tl.float32)  # inputs at t-1, t-2, t-3
-    x2 = tl.zeros((BC,), dtype=tl.float32)
-    x3 = tl.zeros((BC,), dtype=tl.float32)
+    x1 = tl.zeros((BC // NK, NK), dtype=tl.float32)  # inputs at t-1, t-2, t-3
+    x2 = tl.zeros((BC // NK, NK), dtype=tl.float32)
+    x3 = tl.zeros((BC // NK, NK), dtype=tl.float32)
     for r in range(0, BT):
         t = t0 + r
         if t < T:
@@ -187,7 +192,11 @@ def conv_prefill_rows_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_pt
                 x2 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 2, start, stride_qkv, W)
                 x3 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 3, start, stride_qkv, W)
             acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
-            tl.store(out + t.to(tl.int64) * D, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=c_ok)
+            y = acc * tl.sigmoid(acc)
+            if NORM_K > 0:
+                if plane < 2:
+                    y = y / tl.sqrt(tl.sum(y * y, 1) + 1e-6)[:, None]
+            tl.store(out + t.to(tl.int64) * D, y.to(y_ptr.dtype.element_ty), mask=c_ok)
             x3 = x2
             x2 = x1
             x1 = x0

@@ -74,7 +74,7 @@ SPECS = {
                              dict(H=96, K=128, BV=32, HAS_LOWER_BOUND=True)),
     "kda_conv_prefill": (kd.conv_prefill_rows_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                            cu_ptr="*i64", tok_seq_ptr="*i32", y_ptr="*bf16"),
-                         dict(W=4, BT=64, BC=256)),
+                         dict(W=4, BT=64, BC=256, NORM_K=128)),
     "kda_conv_state": (kd.conv_state_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                   cu_ptr="*i64"), dict(W=4, BC=1024)),
     "mlp_glu": (mlp.glu_kernel, dict(h_ptr="*bf16", out_ptr="*bf16"), dict(ACT=0, BI=1024)),

@@ -174,9 +174,10 @@ def _kda_decode_case(kd, lower_bound, tactic):
     return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2))}
 
 
-def _kda_conv_prefill_case(kd):
+def _kda_conv_prefill_case(kd, norm_k: int = 0):
+    """norm_k > 0: the conv also L2-norms the q and k planes over heads of norm_k channels (v stays as it is)."""
     import triton
-    from k3plugins.kda.reference import short_conv
+    from k3plugins.kda.reference import _l2norm, short_conv
     from k3plugins.kda.triton_decode import conv_prefill_rows_kernel, conv_state_kernel
     g = torch.Generator().manual_seed(4)
     lens, C, S, BC = [2, 0, 11, 1], 96, 6, 64  # conv_state: two channel blocks, the second half masked
@@ -190,7 +191,7 @@ def _kda_conv_prefill_case(kd):
     # past its start (no slot state read), the last is part-masked; tiles of 16 channels (they must divide
     # D = 32), two per plane
     conv_prefill_rows_kernel[(triton.cdiv(T, 4), C // 16)](x, w, new, slots, cu, tok_seq, y3, T, x.stride(0),
-                                                           new.stride(0), C, C // 3, W=4, BT=4, BC=16)
+                                                           new.stride(0), C, C // 3, W=4, BT=4, BC=16, NORM_K=norm_k)
     y = y3.permute(1, 0, 2).reshape(T, C)
     conv_state_kernel[(len(lens), 2)](x, new, slots, cu, x.stride(0), new.stride(0), C, W=4, BC=BC)
     rels, same = [], True
@@ -200,6 +201,9 @@ def _kda_conv_prefill_case(kd):
             same &= bool(torch.equal(new[sl], pool[sl]))
             continue
         ref_y, ref_state = short_conv(x[s:e], w, pool[sl])
+        if norm_k:
+            qk = _l2norm(ref_y[:, :2 * C // 3].reshape(e - s, -1, norm_k)).reshape(e - s, -1)
+            ref_y = torch.cat([qk, ref_y[:, 2 * C // 3:]], 1)
         rels.append(_rel(y[s:e], ref_y))
         same &= bool(torch.allclose(new[sl], ref_state))
     return {"rel": max(rels), "state_equal": same}
@@ -312,6 +316,7 @@ def _child() -> None:
         for tactic in ("fused", "split", "split-wide"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
+    res["kda-conv-prefill-norm"] = _kda_conv_prefill_case(kd, norm_k=8)  # two heads a tile of 16 channels
     res.update(_norm_cases())
     res.update(_glu_cases())
     res.update(_router_cases())
@@ -375,8 +380,9 @@ def test_kda_decode_interpreted(results, lower_bound, tactic):
     assert r["rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["conv_equal"], r
 
 
-def test_kda_conv_prefill_interpreted(results):
-    r = results["kda-conv-prefill"]
+@pytest.mark.parametrize("case", ["kda-conv-prefill", "kda-conv-prefill-norm"])
+def test_kda_conv_prefill_interpreted(results, case):
+    r = results[case]
     assert r["rel"] < 1e-6 and r["state_equal"], r
 
 

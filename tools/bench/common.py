@@ -72,3 +72,17 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().flatten(), b.double().flatten()
     return (a @ b / (a.norm() * b.norm()).clamp_min(1e-30)).item()
+
+
+def top_kernels(fn, top: int = 25) -> list:
+    """[kernel name, ms per step, launches per step] of the kernels taking most GPU time in one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return [["TOTAL", round(total, 3), sum(r[2] for r in rows)]] + [[k[:90], round(ms, 3), c] for k, ms, c in rows[:top]]

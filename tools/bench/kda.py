@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common import emit, rel_l2, time_ms
+from common import emit, rel_l2, time_ms, top_kernels
 from k3plugins.kda import fla as kda_dev
 
 H, K = 96, 128
@@ -135,6 +135,8 @@ def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:
     t_ours = time_ms(ours, rep=10, graph=False)
     emit(bench="kda_prefill", T=T, H=H, chunk_kda_alone_ms=round(t_alone, 4), ours_ms=round(t_ours, 4),
          ours_x_alone=round(t_ours / t_alone, 3), tokens_per_s=round(T / t_ours * 1e3))
+    # the kernels of each, to tell the glue's own kernels from launch gaps and from chunk_kda's inner ones
+    emit(bench="kda_prefill_kernels", ours=top_kernels(ours, 12), chunk_kda_alone=top_kernels(alone, 12))
     _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone,
                        bw_tbps, sweep)
 
@@ -153,7 +155,7 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     def conv(bt=kda_dev.CONV_PREFILL_BT, bc=kda_dev.conv_channel_block(D), nw=kda_dev.CONV_PREFILL_WARPS):
         conv_prefill_rows_kernel[(triton.cdiv(T, bt), 3 * D // bc)](
             qkv, conv_w, conv_pool, slots, cu, tok_seq, y, T, qkv.stride(0), conv_pool.stride(0), 3 * D, D, W=4,
-            BT=bt, BC=bc, num_warps=nw)
+            BT=bt, BC=bc, NORM_K=K if bc % K == 0 else 0, num_warps=nw)
 
     stages = {
         "conv_prefill": conv,
@@ -166,9 +168,9 @@ def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, poo
     gr = g_raw.reshape(1, T, H, K)
     stages["chunk_kda_on_conv_output"] = lambda: chunk_kda(
         q, k, v, gr, b.float().reshape(1, T, H), scale=K ** -0.5, initial_state=pool.float().clone(),
-        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        output_final_state=True, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=cu,
-        A_log=a_log.float(), dt_bias=dt_bias.float())
+        A_log=a_log.float(), dt_bias=dt_bias.float())  # as kda_prefill calls it: q and k come normed from the conv
     rec = dict(bench="kda_prefill_breakdown", T=T, chunk_kda_alone_ms=round(t_alone, 4))
     for name, fn in stages.items():
         rec[f"{name}_ms"] = round(time_ms(fn, rep=10, graph=False), 4)
