@@ -30,9 +30,6 @@ DECODE_DEFAULT = DECODE_TACTICS[0]
 # 8 x 96: 768 programs of 128 rows are under six per SM; four times as many narrower ones go 7-11 % faster).
 BLOCK_V = 128
 NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
-# columns of a state row piece in the fused kernel (kda_decode_fused_kernel's KE; capped at head_dim): 128 is the
-# plain [V, K] walk
-FUSED_KE = 128
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
@@ -84,7 +81,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
                lower_bound: float | None, eps: float, tactic: str | None = None, block_v: int | None = None,
-               num_warps: int = 4, maxnreg: int | None = None, fused_ke: int | None = None) -> torch.Tensor:
+               num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
@@ -92,8 +89,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
         block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
-        num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: none);
-        fused_ke: the fused kernel's row piece (None: FUSED_KE), a power of two.
+        num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: none).
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -111,8 +107,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
-            HAS_LOWER_BOUND=lower_bound is not None, KE=min(fused_ke or FUSED_KE, K), num_warps=num_warps, **cap,
-            **pdl(qkv))
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **cap, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),

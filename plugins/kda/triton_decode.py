@@ -46,13 +46,7 @@ def _gate(raw, a_log, bias, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, gout_ptr,
                             norm_w_ptr, state_ptr, slot_ptr, out_ptr, stride_qkv, stride_cp, stride_graw, stride_b,
                             stride_gout, stride_st, stride_out, scale, lower_bound, eps, H: tl.constexpr,
-                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, KE: tl.constexpr = 128,
-                            PDL: tl.constexpr = False):
-    """One decode token of sequence program_id(0), head program_id(1), everything after the projections. The
-    [V, K] state is held as [V, K/KE, KE]: Triton spreads the KE columns of a piece over lanes (4 a lane) and keeps
-    the K/KE pieces of a row in the same thread, so with KE < K the two sums over K (Sᵀk, Sᵀq) take fewer
-    shuffles between lanes: KE = K is the plain [V, K] walk (sm_90 SASS: 336 shuffles of 1704 instructions a
-    thread), KE = 16 leaves 147 of 1328."""
+                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -61,9 +55,7 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     rk = tl.arange(0, K)
     # the state first, so that its 64 KiB load is in flight while the conv, norms and gate below are worked out
     # (the conv's barrier and stores would otherwise hold it back)
-    KJ: tl.constexpr = K // KE
-    rk3 = tl.arange(0, KJ)[None, :, None] * KE + tl.arange(0, KE)[None, None, :]     # [1, KJ, KE]: column k
-    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None, None] * K + rk3     # [V, KJ, KE], V-first
+    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
     S = tl.load(p_s)
     ch = h * K + rk
     x_row = qkv_ptr + n * stride_qkv
@@ -77,11 +69,10 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     g = _gate(tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
               tl.load(dt_bias_ptr + ch).to(tl.float32), lower_bound, HAS_LOWER_BOUND)
     beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
-    k = tl.reshape(k, (KJ, KE))[None, :, :]
-    S = S.to(tl.float32) * tl.reshape(tl.exp(g), (KJ, KE))[None, :, :]
-    u = (v - tl.sum(tl.sum(S * k, 2), 1)) * beta                                     # [V]
-    S += u[:, None, None] * k
-    o = tl.sum(tl.sum(S * tl.reshape(q, (KJ, KE))[None, :, :], 2), 1)                 # [V]
+    S = S.to(tl.float32) * tl.exp(g)[None, :]
+    u = (v - tl.sum(S * k[None, :], 1)) * beta                                       # [V]
+    S += u[:, None] * k[None, :]
+    o = tl.sum(S * q[None, :], 1)                                                    # [V]
     tl.store(p_s, S.to(state_ptr.dtype.element_ty))
     o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * tl.load(norm_w_ptr + rk).to(tl.float32)
     o = o * tl.sigmoid(tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32))

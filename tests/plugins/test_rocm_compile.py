@@ -66,7 +66,7 @@ SPECS = {
     "mla_merge": (mla.mla_merge_kernel, dict(out_ptr="*bf16"), dict(NUM_SPLITS=4, DL=512)),
     "kda_decode_fused": (kd.kda_decode_fused_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                           out_ptr="*bf16"),
-                         dict(H=96, K=128, W=4, HAS_LOWER_BOUND=True, KE=16)),
+                         dict(H=96, K=128, W=4, HAS_LOWER_BOUND=True)),
     "kda_conv_update": (kd.conv_update_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32"),
                         dict(W=4, BC=1024)),
     "kda_gated_norm": (kd.gated_norm_kernel, dict(out_ptr="*bf16"), dict(K=128, BT=16)),

@@ -152,14 +152,11 @@ def _kda_layer(g, N, H, K, hid, S):
 
 
 def _kda_decode_case(kd, lower_bound, tactic):
-    """tactic "split-wide": the split tactic with decode_block_v's wide slice (BLOCK_V) at this small grid;
-    "fused-ke16": the fused tactic holding state rows in pieces of 16 columns."""
+    """tactic "split-wide": the split tactic with decode_block_v's wide slice (BLOCK_V) at this small grid."""
     from k3plugins.kda.reference import kda_mixer
-    narrow_below, fused_ke = kd.NARROW_BELOW, kd.FUSED_KE
+    narrow_below = kd.NARROW_BELOW
     if tactic == "split-wide":
         tactic, kd.NARROW_BELOW = "split", 0
-    if tactic == "fused-ke16":
-        tactic, kd.FUSED_KE = "fused", 16
     g = torch.Generator().manual_seed(3)
     N, H, K, hid, S = 3, 2, 64, 32, 5
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
@@ -172,7 +169,7 @@ def _kda_decode_case(kd, lower_bound, tactic):
                    eps=1e-5)
             outs.append((o, a, b))
     finally:
-        kd.NARROW_BELOW, kd.FUSED_KE = narrow_below, fused_ke
+        kd.NARROW_BELOW = narrow_below
     (o1, a1, b1), (o2, a2, b2) = outs
     return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2))}
 
@@ -316,7 +313,7 @@ def _child() -> None:
         res[f"mla-{splits}"] = _mla_case(mla, splits)
     res["mla-mixer"] = _mla_mixer_case(mla)
     for lb in (-5.0, None):
-        for tactic in ("fused", "fused-ke16", "split", "split-wide"):
+        for tactic in ("fused", "split", "split-wide"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res["kda-conv-prefill-norm"] = _kda_conv_prefill_case(kd, norm_k=8)  # two heads a tile of 16 channels
@@ -376,7 +373,7 @@ def test_mla_mixer_interpreted(results):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("tactic", ["fused", "fused-ke16", "split", "split-wide"])
+@pytest.mark.parametrize("tactic", ["fused", "split", "split-wide"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
 def test_kda_decode_interpreted(results, lower_bound, tactic):
     r = results[f"kda-decode-{lower_bound}-{tactic}"]

@@ -12,12 +12,10 @@ from k3plugins.kda import fla as kda_dev
 H, K = 96, 128
 D = H * K
 RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
-# (tactic, block_v, num_warps, maxnreg, fused_ke) of the decode sweep: the split tactic's state slice (fused takes
-# a head's whole state); a register cap of 168 fits three 4-warp programs an SM instead of two (9 spill
-# instructions); fused_ke 16 / 32 hold a row in pieces of 16 / 32 columns (fewer shuffles, kda_decode_fused_kernel)
-DECODE_CONFIGS = [("split", 32, 4, None, None), ("split", 64, 4, None, None), ("split", 128, 4, None, None),
-                  ("split", 128, 8, None, None), ("fused", None, 4, None, 128), ("fused", None, 4, 168, 128),
-                  ("fused", None, 8, None, 128), ("fused", None, 4, None, 32), ("fused", None, 4, None, 16)]
+# (tactic, block_v, num_warps, maxnreg) of the decode sweep: the split tactic's state slice (fused takes a head's
+# whole state); a register cap of 168 fits three 4-warp programs an SM instead of two (9 spill instructions)
+DECODE_CONFIGS = [("split", 32, 4, None), ("split", 64, 4, None), ("split", 128, 4, None), ("split", 128, 8, None),
+                  ("fused", None, 4, None), ("fused", None, 4, 168), ("fused", None, 8, None)]
 
 
 @triton.jit
@@ -97,13 +95,13 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
 
 def _sweep_configs(args, N: int, heads: int, floor_ms: float) -> None:
     """Every DECODE_CONFIGS entry on one batch's inputs."""
-    for tactic, bv, nw, reg, ke in DECODE_CONFIGS:
-        fn = lambda tactic=tactic, bv=bv, nw=nw, reg=reg, ke=ke: kda_dev.kda_decode(
+    for tactic, bv, nw, reg in DECODE_CONFIGS:
+        fn = lambda tactic=tactic, bv=bv, nw=nw, reg=reg: kda_dev.kda_decode(
             *args, num_heads=heads, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic=tactic, block_v=bv, num_warps=nw,
-            maxnreg=reg, fused_ke=ke)
+            maxnreg=reg)
         t = time_ms(fn)
         emit(bench="kda_decode_config", N=N, H=heads, tactic=tactic, block_v=bv, num_warps=nw, maxnreg=reg,
-             fused_ke=ke, ms=round(t, 4), frac_of_floor=round(floor_ms / t, 3))
+             ms=round(t, 4), frac_of_floor=round(floor_ms / t, 3))
 
 
 def _sweep_rank_heads(bw_tbps: float, gen: torch.Generator) -> None:
