@@ -30,6 +30,10 @@ DECODE_DEFAULT = DECODE_TACTICS[0]
 # 8 x 96: 768 programs of 128 rows are under six per SM; four times as many narrower ones go 7-11 % faster).
 BLOCK_V = 128
 NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
+# the fused kernel's register cap: 168 a thread fits three 4-warp programs an SM instead of two (214 uncapped; 9
+# spill instructions in the sm_90 SASS). On the H200 it was faster at every grid tried: 0.779 / 0.798 of the floor
+# against 0.747 / 0.794 at 64 / 256 x 96, and 0.0221 against 0.0261 ms at 64 x a rank's 6 heads (BENCHMARKS.md)
+FUSED_MAXNREG = 168
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
@@ -89,7 +93,8 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
         block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
-        num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: none).
+        num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: the
+        tactic's default, FUSED_MAXNREG for fused, none for split; 0: none).
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -101,6 +106,8 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     out = torch.empty(N, D, dtype=qkv.dtype, device=qkv.device)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     tactic = tactic or DECODE_DEFAULT
+    if maxnreg is None and tactic == "fused":
+        maxnreg = FUSED_MAXNREG
     cap = {"maxnreg": maxnreg} if maxnreg else {}
     if tactic == "fused":
         kda_decode_fused_kernel[(N, H)](
