@@ -159,11 +159,14 @@ def conv_prefill_rows_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_pt
                              NORM_K: tl.constexpr = 0):
     """y[c // D, t, c % D] = SiLU(Σ_i w[c, i]·x[t-W+1+i, c]) over packed sequences, the slot state standing in
     before each sequence's start. A program walks BT tokens of BC channels row by row: the last W-1 inputs stay in
-    registers, so each input row is read once; the window is read from memory only at the tile's first row and at
-    a sequence's first W-1 tokens. y is [3, T, D] so that q, k and v each come out contiguous; BC divides D, so a
-    tile lies in one plane and its stores are contiguous. NORM_K > 0 (it must divide BC): the q and k planes are
-    also L2-normed over each head's NORM_K channels (eps 1e-6 inside the sqrt, as fla-core's in-kernel l2norm), in
-    fp32 before the one rounding, so chunk_kda need not make its own two passes over q and k."""
+    registers, so each input row is read once. y is [3, T, D] so that q, k and v each come out contiguous; BC
+    divides D, so a tile lies in one plane and its stores are contiguous. NORM_K > 0 (it must divide BC): the q
+    and k planes are also L2-normed over each head's NORM_K channels (eps 1e-6 inside the sqrt, as fla-core's
+    in-kernel l2norm), in fp32 before the one rounding, so chunk_kda need not make its own two passes over q and k.
+
+    Most tiles lie inside one sequence, W-1 rows or more past its start: those walk their rows with no per-row
+    sequence lookups and load each row two rows ahead of its use. The others (at sequence starts and ends) look
+    each row's sequence up and read the window from the slot state where it lies before the start."""
     tl.static_assert(W == 4, "conv_prefill_rows_kernel is written for K3's short conv of width 4")
     # channels as [heads, head channels] so that the norm is a row reduction (one head a row without NORM_K)
     NK: tl.constexpr = NORM_K if NORM_K > 0 else BC
@@ -177,29 +180,57 @@ def conv_prefill_rows_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, slot_ptr, cu_pt
     w1 = tl.load(conv_w_ptr + ch * W + 1, mask=c_ok, other=0.0)
     w2 = tl.load(conv_w_ptr + ch * W + 2, mask=c_ok, other=0.0)
     w3 = tl.load(conv_w_ptr + ch * W + 3, mask=c_ok, other=0.0)
-    x1 = tl.zeros((BC // NK, NK), dtype=tl.float32)  # inputs at t-1, t-2, t-3
-    x2 = tl.zeros((BC // NK, NK), dtype=tl.float32)
-    x3 = tl.zeros((BC // NK, NK), dtype=tl.float32)
-    for r in range(0, BT):
-        t = t0 + r
-        if t < T:
-            sid = tl.load(tok_seq_ptr + t)
-            start = tl.load(cu_ptr + sid)
-            x0 = tl.load(qkv_ptr + t.to(tl.int64) * stride_qkv + ch, mask=c_ok, other=0.0).to(tl.float32)
-            if (r == 0) | (t - start < W - 1):
-                pool = conv_pool_ptr + tl.load(slot_ptr + sid).to(tl.int64) * stride_cp
-                x1 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 1, start, stride_qkv, W)
-                x2 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 2, start, stride_qkv, W)
-                x3 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 3, start, stride_qkv, W)
-            acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
-            y = acc * tl.sigmoid(acc)
-            if NORM_K > 0:
-                if plane < 2:
-                    y = y / tl.sqrt(tl.sum(y * y, 1) + 1e-6)[:, None]
-            tl.store(out + t.to(tl.int64) * D, y.to(y_ptr.dtype.element_ty), mask=c_ok)
+    t_end = tl.minimum(t0 + BT, T)
+    sid = tl.load(tok_seq_ptr + t0)
+    if (tl.load(tok_seq_ptr + t_end - 1) == sid) & (t0 - tl.load(cu_ptr + sid) >= W - 1):
+        row = qkv_ptr + t0.to(tl.int64) * stride_qkv + ch
+        x3 = tl.load(row - 3 * stride_qkv, mask=c_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(row - 2 * stride_qkv, mask=c_ok, other=0.0).to(tl.float32)
+        x1 = tl.load(row - stride_qkv, mask=c_ok, other=0.0).to(tl.float32)
+        xa = tl.load(row, mask=c_ok, other=0.0).to(tl.float32)
+        xb = tl.load(row + stride_qkv, mask=c_ok & (t0 + 1 < t_end), other=0.0).to(tl.float32)
+        for r in range(0, BT):
+            t = t0 + r
+            xc = tl.load(row + (r + 2) * stride_qkv, mask=c_ok & (t + 2 < t_end), other=0.0).to(tl.float32)
+            y = _conv_out(w0, w1, w2, w3, xa, x1, x2, x3, plane, NORM_K)
+            tl.store(out + t.to(tl.int64) * D, y.to(y_ptr.dtype.element_ty), mask=c_ok & (t < t_end))
             x3 = x2
             x2 = x1
-            x1 = x0
+            x1 = xa
+            xa = xb
+            xb = xc
+    else:
+        x1 = tl.zeros((BC // NK, NK), dtype=tl.float32)  # inputs at t-1, t-2, t-3
+        x2 = tl.zeros((BC // NK, NK), dtype=tl.float32)
+        x3 = tl.zeros((BC // NK, NK), dtype=tl.float32)
+        for r in range(0, BT):
+            t = t0 + r
+            if t < T:
+                sid = tl.load(tok_seq_ptr + t)
+                start = tl.load(cu_ptr + sid)
+                x0 = tl.load(qkv_ptr + t.to(tl.int64) * stride_qkv + ch, mask=c_ok, other=0.0).to(tl.float32)
+                if (r == 0) | (t - start < W - 1):
+                    pool = conv_pool_ptr + tl.load(slot_ptr + sid).to(tl.int64) * stride_cp
+                    x1 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 1, start, stride_qkv, W)
+                    x2 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 2, start, stride_qkv, W)
+                    x3 = _raw_input(qkv_ptr, pool, ch, c_ok, t - 3, start, stride_qkv, W)
+                y = _conv_out(w0, w1, w2, w3, x0, x1, x2, x3, plane, NORM_K)
+                tl.store(out + t.to(tl.int64) * D, y.to(y_ptr.dtype.element_ty), mask=c_ok)
+                x3 = x2
+                x2 = x1
+                x1 = x0
+
+
+@triton.jit
+def _conv_out(w0, w1, w2, w3, x0, x1, x2, x3, plane, NORM_K: tl.constexpr):
+    """One conv output row [heads, NORM_K] from inputs at t, t-1, t-2, t-3: SiLU, then (q and k planes, NORM_K > 0)
+    each head's L2 norm."""
+    acc = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
+    y = acc * tl.sigmoid(acc)
+    if NORM_K > 0:
+        if plane < 2:
+            y = y * (1 / tl.sqrt(tl.sum(y * y, 1) + 1e-6))[:, None]  # one division a head, as fla-core's l2norm
+    return y
 
 
 @triton.jit

@@ -174,22 +174,22 @@ def _kda_decode_case(kd, lower_bound, tactic):
     return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2))}
 
 
-def _kda_conv_prefill_case(kd, norm_k: int = 0):
+def _kda_conv_prefill_case(kd, norm_k: int = 0, lens=(2, 0, 11, 1)):
     """norm_k > 0: the conv also L2-norms the q and k planes over heads of norm_k channels (v stays as it is)."""
     import triton
     from k3plugins.kda.reference import _l2norm, short_conv
     from k3plugins.kda.triton_decode import conv_prefill_rows_kernel, conv_state_kernel
     g = torch.Generator().manual_seed(4)
-    lens, C, S, BC = [2, 0, 11, 1], 96, 6, 64  # conv_state: two channel blocks, the second half masked
-    cu = torch.tensor([0] + lens).cumsum(0)
+    C, S, BC = 96, 6, 64  # conv_state: two channel blocks, the second half masked
+    cu = torch.tensor([0, *lens]).cumsum(0)
     T = int(cu[-1])
     x, w, pool = torch.randn(T, C, generator=g), torch.randn(C, 4, generator=g), torch.randn(S, C, 3, generator=g)
-    slots = torch.tensor([5, 1, 3, 0], dtype=torch.int32)
+    slots = torch.tensor([5, 1, 3, 0][:len(lens)], dtype=torch.int32)
     tok_seq = torch.searchsorted(cu[1:], torch.arange(T), right=True).to(torch.int32)
     y3, new = torch.empty(3, T, C // 3), pool.clone()
     # BT=4 < T=14: row blocks straddle sequence boundaries (their first rows reload the window), [8, 12) lies
-    # past its start (no slot state read), the last is part-masked; tiles of 16 channels (they must divide
-    # D = 32), two per plane
+    # 6 rows into its sequence (the one-sequence walk), the last is part-masked; tiles of 16 channels (they must
+    # divide D = 32), two per plane. lens (1, 17): [4, 8) to [16, 18) take the one-sequence walk, the last masked
     conv_prefill_rows_kernel[(triton.cdiv(T, 4), C // 16)](x, w, new, slots, cu, tok_seq, y3, T, x.stride(0),
                                                            new.stride(0), C, C // 3, W=4, BT=4, BC=16, NORM_K=norm_k)
     y = y3.permute(1, 0, 2).reshape(T, C)
@@ -317,6 +317,7 @@ def _child() -> None:
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res["kda-conv-prefill-norm"] = _kda_conv_prefill_case(kd, norm_k=8)  # two heads a tile of 16 channels
+    res["kda-conv-prefill-tail"] = _kda_conv_prefill_case(kd, norm_k=8, lens=(1, 17))
     res.update(_norm_cases())
     res.update(_glu_cases())
     res.update(_router_cases())
@@ -380,7 +381,7 @@ def test_kda_decode_interpreted(results, lower_bound, tactic):
     assert r["rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["conv_equal"], r
 
 
-@pytest.mark.parametrize("case", ["kda-conv-prefill", "kda-conv-prefill-norm"])
+@pytest.mark.parametrize("case", ["kda-conv-prefill", "kda-conv-prefill-norm", "kda-conv-prefill-tail"])
 def test_kda_conv_prefill_interpreted(results, case):
     r = results[case]
     assert r["rel"] < 1e-6 and r["state_equal"], r
