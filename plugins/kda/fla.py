@@ -67,10 +67,10 @@ def _gated_norm(o, g_out, o_norm_weight, out, H, K, eps):
     return out
 
 
-# Conv prefill: the row-walking kernel (each input row read once) on [64 tokens, 256 channels] with 2 warps, the
-# fastest of the H200 sweep at T = 8192, H = 96 (BENCHMARKS.md, KDA): 0.448 ms, where the best tile of the tiled
-# kernel (which reads each row 4 times, mostly from cache) took 1.04 ms.
-CONV_PREFILL_BT, CONV_PREFILL_BC, CONV_PREFILL_WARPS = 64, 256, 2
+# Conv prefill: the row-walking kernel (each input row read once, q and k normed) on [32 tokens, 128 channels] with
+# 1 warp, the fastest of the H200 sweep at T = 8192, H = 96 (BENCHMARKS.md, KDA): 0.432 ms, against 0.447 ms for
+# the earlier [64, 256] with 2 warps.
+CONV_PREFILL_BT, CONV_PREFILL_BC, CONV_PREFILL_WARPS = 32, 128, 1
 
 
 def conv_channel_block(D: int, most: int = CONV_PREFILL_BC) -> int:
