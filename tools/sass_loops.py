@@ -3,6 +3,7 @@
     python tools/sass_loops.py moe_gate_up_paired                     # a kernel spec of tests/plugins/test_rocm_compile.py
     python tools/sass_loops.py moe_gate_up_paired --set BM=128 --set BN=128 --warps 8 --stages 2
     python tools/sass_loops.py kda_recurrent_vsplit --set BV=64 --dump /tmp/k.sass --ttgir /tmp/k.ttgir
+    python tools/sass_loops.py kda_conv_prefill --set BT=32 --set BC=128 --warps 1 --div16 C,D,T
 
 Triton compiles the kernel for sm_90 (its bundled ptxas) and cuobjdump disassembles it. For each loop (a backward
 branch) it prints the instruction count and the opcode histogram, after the kernel's registers a thread and spill
@@ -57,6 +58,10 @@ def main() -> None:
     ap.add_argument("--dump", help="also write the whole SASS to this file")
     ap.add_argument("--ttgir", help="also write Triton's GPU IR to this file (the layouts it chose: #blocked, "
                                     "convert_layout)")
+    ap.add_argument("--div16", default="", metavar="NAME,...",
+                    help="integer arguments to take as multiples of 16, as Triton's launcher specializes them when "
+                         "their values are (the spec marks only pointers and strides). Without it, a mask or an "
+                         "offset built from such an argument can keep loads and stores scalar that run vectorized")
     args = ap.parse_args()
 
     import triton
@@ -72,7 +77,12 @@ def main() -> None:
             raise SystemExit(f"sass_loops: --set {item!r}: expected NAME=VALUE with NAME one of {sorted(consts)}")
         consts = {**consts, name: _value(value)}
     specs.SPECS[args.kernel] = (fn, ptrs, consts)
-    compiled = triton.compile(specs._source(args.kernel, "sm90"), target=GPUTarget("cuda", 90, 32),
+    source = specs._source(args.kernel, "sm90")
+    for name in filter(None, args.div16.split(",")):
+        if name not in fn.arg_names or name in consts or name.endswith("_ptr"):
+            raise SystemExit(f"sass_loops: --div16 {name!r} is not an integer argument of {args.kernel}")
+        source.attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=args.warps, num_stages=args.stages, maxnreg=args.maxnreg))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
