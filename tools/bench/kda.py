@@ -126,6 +126,8 @@ def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:
     cu = torch.tensor([0, T], device="cuda")
     q, k, v = (torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
     gr, bb = g_raw.view(1, T, H, K), b.float().view(1, T, H)
+    # the baseline: chunk_kda doing all of the layer's core itself, the q/k L2 norm included (kda_prefill does that
+    # norm in its conv kernel instead, and counts it as glue)
     alone = lambda: chunk_kda(q, k, v, gr, bb, scale=K ** -0.5, initial_state=pool.clone(), output_final_state=True,
                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                               safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=cu, A_log=a_log,
