@@ -1,0 +1,62 @@
+"""Launch the decode kernels that hold the rank (MoE gate/up and down, the fused KDA decode) a few times each, on
+the bench shapes, for a profiler to attach to (Nsight Compute, where the machine's runtime lets it read counters):
+
+    python tools/profile_kernels.py                       # once without a profiler: compiles, prints the shapes
+    ncu --clock-control none -k regex:'moe_gate_up|moe_down|kda_decode_fused' --launch-skip 2 --launch-count 3 \
+        --section WarpStateStats --section SourceCounters ... python tools/profile_kernels.py
+
+Each target runs `--calls` times (default 3): the first compiles (and ncu's --launch-skip passes over it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
+
+import torch  # noqa: E402
+
+
+def moe_target(tokens_per_expert: int):
+    import moe
+    from k3plugins.moe import triton as mt
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, s13, w2, s2 = moe.make_weights(gen)
+    t = mt.TACTICS["decode_p"]
+    a, sa, b, sb = mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2)
+    z, ids, tw = moe.make_tokens(tokens_per_expert, gen)
+    return lambda: mt.moe_experts(z, ids, tw, a, sa, b, sb, expert_start=moe.E_START, act="situ", tactic="decode_p")
+
+
+def kda_target(sequences: int):
+    import kda
+    from k3plugins.kda import fla as kda_dev
+    args = kda._inputs(sequences, torch.Generator(device="cuda").manual_seed(2))
+    return lambda: kda_dev.kda_decode(*args, num_heads=kda.H, head_dim=kda.K, lower_bound=-5.0, eps=1e-5,
+                                      tactic="fused")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--moe-tokens", type=int, default=1, help="tokens per expert of the MoE target (0: skip it)")
+    ap.add_argument("--kda-sequences", type=int, default=64, help="sequences of the KDA target at 96 heads (0: skip)")
+    ap.add_argument("--calls", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels: needs a CUDA GPU")
+    targets = []
+    if args.moe_tokens:
+        targets.append((f"moe decode_p, {args.moe_tokens} tokens/expert", moe_target(args.moe_tokens)))
+    if args.kda_sequences:
+        targets.append((f"kda fused decode, {args.kda_sequences} x 96 heads", kda_target(args.kda_sequences)))
+    for name, fn in targets:
+        for _ in range(args.calls):
+            fn()
+        torch.cuda.synchronize()
+        print(f"profile_kernels: {name}: {args.calls} calls", flush=True)
+
+
+if __name__ == "__main__":
+    main()
