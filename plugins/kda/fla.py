@@ -34,6 +34,8 @@ NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
 # spill instructions in the sm_90 SASS). On the H200 it was faster at every grid tried: 0.779 / 0.798 of the floor
 # against 0.747 / 0.794 at 64 / 256 x 96, and 0.0221 against 0.0261 ms at 64 x a rank's 6 heads (BENCHMARKS.md)
 FUSED_MAXNREG = 168
+# the order of the fused kernel's loads (kda_decode_fused_kernel's LOAD_ORDER): 2, the state then every small input
+FUSED_LOAD_ORDER = 2
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
@@ -85,7 +87,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
                lower_bound: float | None, eps: float, tactic: str | None = None, block_v: int | None = None,
-               num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
+               num_warps: int = 4, maxnreg: int | None = None, load_order: int = FUSED_LOAD_ORDER) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
@@ -94,7 +96,8 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
         block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
         num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: the
-        tactic's default, FUSED_MAXNREG for fused, none for split; 0: none).
+        tactic's default, FUSED_MAXNREG for fused, none for split; 0: none); load_order: the fused kernel's
+        LOAD_ORDER.
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -114,7 +117,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **cap, **pdl(qkv))
+            HAS_LOWER_BOUND=lower_bound is not None, LOAD_ORDER=load_order, num_warps=num_warps, **cap, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),

@@ -15,22 +15,38 @@ from k3plugins.pdl import pdl_prologue
 
 
 @triton.jit
-def _conv_step(x_ptr, w_ptr, pool_ptr, ch, mask, W: tl.constexpr):
-    """SiLU(Σ_i w[c, i]·window_i) for channels `ch` of one slot; shifts the raw input into the slot's state."""
+def _conv_inputs(x_ptr, w_ptr, pool_ptr, ch, mask, W: tl.constexpr):
+    """The new input, the slot's 3 kept inputs and the 4 weights of channels `ch` (fp32)."""
     tl.static_assert(W == 4, "written for K3's short conv of width 4 (3 inputs kept)")
     x = tl.load(x_ptr + ch, mask=mask, other=0.0).to(tl.float32)
     s0 = tl.load(pool_ptr + ch * 3, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(pool_ptr + ch * 3 + 1, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(pool_ptr + ch * 3 + 2, mask=mask, other=0.0).to(tl.float32)
-    acc = (s0 * tl.load(w_ptr + ch * 4, mask=mask, other=0.0) + s1 * tl.load(w_ptr + ch * 4 + 1, mask=mask, other=0.0)
-           + s2 * tl.load(w_ptr + ch * 4 + 2, mask=mask, other=0.0) + x * tl.load(w_ptr + ch * 4 + 3, mask=mask, other=0.0))
-    # a channel may be held by several threads: all must have read the old window before any shifts it
-    tl.debug_barrier()
+    w0 = tl.load(w_ptr + ch * 4, mask=mask, other=0.0)
+    w1 = tl.load(w_ptr + ch * 4 + 1, mask=mask, other=0.0)
+    w2 = tl.load(w_ptr + ch * 4 + 2, mask=mask, other=0.0)
+    w3 = tl.load(w_ptr + ch * 4 + 3, mask=mask, other=0.0)
+    return x, s0, s1, s2, w0, w1, w2, w3
+
+
+@triton.jit
+def _conv_shift(x, s0, s1, s2, w0, w1, w2, w3, pool_ptr, ch, mask):
+    """SiLU(Σ_i w_i·window_i); shifts the raw input into the slot's state. Call after a barrier that follows
+    every thread's _conv_inputs: a channel may be held by several threads, all must read before any writes."""
+    acc = s0 * w0 + s1 * w1 + s2 * w2 + x * w3
     dt = pool_ptr.dtype.element_ty
     tl.store(pool_ptr + ch * 3, s1.to(dt), mask=mask)
     tl.store(pool_ptr + ch * 3 + 1, s2.to(dt), mask=mask)
     tl.store(pool_ptr + ch * 3 + 2, x.to(dt), mask=mask)
     return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_step(x_ptr, w_ptr, pool_ptr, ch, mask, W: tl.constexpr):
+    """SiLU(Σ_i w[c, i]·window_i) for channels `ch` of one slot; shifts the raw input into the slot's state."""
+    x, s0, s1, s2, w0, w1, w2, w3 = _conv_inputs(x_ptr, w_ptr, pool_ptr, ch, mask, W)
+    tl.debug_barrier()
+    return _conv_shift(x, s0, s1, s2, w0, w1, w2, w3, pool_ptr, ch, mask)
 
 
 @triton.jit
@@ -46,36 +62,64 @@ def _gate(raw, a_log, bias, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, gout_ptr,
                             norm_w_ptr, state_ptr, slot_ptr, out_ptr, stride_qkv, stride_cp, stride_graw, stride_b,
                             stride_gout, stride_st, stride_out, scale, lower_bound, eps, H: tl.constexpr,
-                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PDL: tl.constexpr = False):
+                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOAD_ORDER: tl.constexpr = 2,
+                            PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     D = H * K
     slot = tl.load(slot_ptr + n).to(tl.int64)
     rk = tl.arange(0, K)
-    # the state first, so that its 64 KiB load is in flight while the conv, norms and gate below are worked out
-    # (the conv's barrier and stores would otherwise hold it back)
-    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
-    S = tl.load(p_s)
     ch = h * K + rk
     x_row = qkv_ptr + n * stride_qkv
     pool = conv_pool_ptr + slot * stride_cp
     full = rk < K
-    q = _conv_step(x_row, conv_w_ptr, pool, ch, full, W)
-    k = _conv_step(x_row, conv_w_ptr, pool, D + ch, full, W)
-    v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
+    p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
+    # LOAD_ORDER 0: the state, then each conv stage's loads after the last one's stores, the gate, the out gate
+    # last; each of those loads is a memory latency the program waits out alone (ncu: about 40 % of the samples).
+    # 1: every small input, then the state; 2: the state, then every small input (ptxas issues them first anyway,
+    # with fewer spills at 168 registers: 27 spill instructions against 215). Both: one barrier before the conv's
+    # stores.
+    if LOAD_ORDER == 0:
+        S = tl.load(p_s)
+        q = _conv_step(x_row, conv_w_ptr, pool, ch, full, W)
+        k = _conv_step(x_row, conv_w_ptr, pool, D + ch, full, W)
+        v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
+        g_raw = tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32)
+        g_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
+        a_log = tl.load(a_log_ptr + h).to(tl.float32)
+        beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
+    else:
+        if LOAD_ORDER == 2:
+            S = tl.load(p_s)
+        cq = _conv_inputs(x_row, conv_w_ptr, pool, ch, full, W)
+        ck = _conv_inputs(x_row, conv_w_ptr, pool, D + ch, full, W)
+        cv = _conv_inputs(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
+        g_raw = tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32)
+        g_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
+        a_log = tl.load(a_log_ptr + h).to(tl.float32)
+        beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
+        gate_out = tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32)
+        norm_w = tl.load(norm_w_ptr + rk).to(tl.float32)
+        if LOAD_ORDER == 1:
+            S = tl.load(p_s)
+        tl.debug_barrier()  # every thread has read its conv windows (see _conv_shift)
+        q = _conv_shift(*cq, pool, ch, full)
+        k = _conv_shift(*ck, pool, D + ch, full)
+        v = _conv_shift(*cv, pool, 2 * D + ch, full)
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    g = _gate(tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32), tl.load(a_log_ptr + h).to(tl.float32),
-              tl.load(dt_bias_ptr + ch).to(tl.float32), lower_bound, HAS_LOWER_BOUND)
-    beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
+    g = _gate(g_raw, a_log, g_bias, lower_bound, HAS_LOWER_BOUND)
     S = S.to(tl.float32) * tl.exp(g)[None, :]
     u = (v - tl.sum(S * k[None, :], 1)) * beta                                       # [V]
     S += u[:, None] * k[None, :]
     o = tl.sum(S * q[None, :], 1)                                                    # [V]
     tl.store(p_s, S.to(state_ptr.dtype.element_ty))
-    o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * tl.load(norm_w_ptr + rk).to(tl.float32)
-    o = o * tl.sigmoid(tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32))
+    if LOAD_ORDER == 0:
+        norm_w = tl.load(norm_w_ptr + rk).to(tl.float32)
+        gate_out = tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * norm_w
+    o = o * tl.sigmoid(gate_out)
     tl.store(out_ptr + n * stride_out + ch, o.to(out_ptr.dtype.element_ty))
 
 
