@@ -12,6 +12,8 @@ gathered slot states, state scatter, norm kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -30,12 +32,24 @@ DECODE_DEFAULT = DECODE_TACTICS[0]
 # 8 x 96: 768 programs of 128 rows are under six per SM; four times as many narrower ones go 7-11 % faster).
 BLOCK_V = 128
 NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
-# the fused kernel's register cap: 168 a thread fits three 4-warp programs an SM instead of two (214 uncapped; 9
-# spill instructions in the sm_90 SASS). On the H200 it was faster at every grid tried: 0.779 / 0.798 of the floor
-# against 0.747 / 0.794 at 64 / 256 x 96, and 0.0221 against 0.0261 ms at 64 x a rank's 6 heads (BENCHMARKS.md)
+# The fused kernel's register cap, 168 a thread, fits three 4-warp programs an SM instead of two (213 registers
+# uncapped; 27 spill instructions capped, in the sm_90 SASS). Since its loads go out together (sixteenth session),
+# the cap pays only where it saves a wave: where the grid fits three programs an SM but not two. On the H200,
+# capped against uncapped, ms: 0.0209 / 0.0230 at 64 x a rank's 6 heads (384 programs, 132 SMs), but 0.2377 /
+# 0.2247 at 64 x 96 and 0.928 / 0.876 at 256 x 96; level at 768 programs (BENCHMARKS.md)
 FUSED_MAXNREG = 168
-# the order of the fused kernel's loads (kda_decode_fused_kernel's LOAD_ORDER): 2, the state then every small input
-FUSED_LOAD_ORDER = 2
+
+
+def fused_maxnreg(num_programs: int, num_sms: int) -> int:
+    """The fused decode's register cap for a grid (0: none): FUSED_MAXNREG where num_programs fits three programs
+    on each of num_sms SMs but not two."""
+    return FUSED_MAXNREG if 2 * num_sms < num_programs <= 3 * num_sms else 0
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (0 elsewhere: the interpreter, where no cap applies)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
@@ -87,7 +101,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
                lower_bound: float | None, eps: float, tactic: str | None = None, block_v: int | None = None,
-               num_warps: int = 4, maxnreg: int | None = None, load_order: int = FUSED_LOAD_ORDER) -> torch.Tensor:
+               num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
@@ -96,8 +110,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
         block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
         num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: the
-        tactic's default, FUSED_MAXNREG for fused, none for split; 0: none); load_order: the fused kernel's
-        LOAD_ORDER.
+        tactic's default, fused_maxnreg's for fused, none for split; 0: none).
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -110,14 +123,14 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     lb = 0.0 if lower_bound is None else float(lower_bound)
     tactic = tactic or DECODE_DEFAULT
     if maxnreg is None and tactic == "fused":
-        maxnreg = FUSED_MAXNREG
+        maxnreg = fused_maxnreg(N * H, _sm_count(qkv.device))
     cap = {"maxnreg": maxnreg} if maxnreg else {}
     if tactic == "fused":
         kda_decode_fused_kernel[(N, H)](
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
-            HAS_LOWER_BOUND=lower_bound is not None, LOAD_ORDER=load_order, num_warps=num_warps, **cap, **pdl(qkv))
+            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **cap, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),

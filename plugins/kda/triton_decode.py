@@ -62,8 +62,7 @@ def _gate(raw, a_log, bias, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, gout_ptr,
                             norm_w_ptr, state_ptr, slot_ptr, out_ptr, stride_qkv, stride_cp, stride_graw, stride_b,
                             stride_gout, stride_st, stride_out, scale, lower_bound, eps, H: tl.constexpr,
-                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, LOAD_ORDER: tl.constexpr = 2,
-                            PDL: tl.constexpr = False):
+                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -75,38 +74,24 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     pool = conv_pool_ptr + slot * stride_cp
     full = rk < K
     p_s = state_ptr + slot * stride_st + h * K * K + rk[:, None] * K + rk[None, :]   # [V, K], V-first
-    # LOAD_ORDER 0: the state, then each conv stage's loads after the last one's stores, the gate, the out gate
-    # last; each of those loads is a memory latency the program waits out alone (ncu: about 40 % of the samples).
-    # 1: every small input, then the state; 2: the state, then every small input (ptxas issues them first anyway,
-    # with fewer spills at 168 registers: 27 spill instructions against 215). Both: one barrier before the conv's
-    # stores.
-    if LOAD_ORDER == 0:
-        S = tl.load(p_s)
-        q = _conv_step(x_row, conv_w_ptr, pool, ch, full, W)
-        k = _conv_step(x_row, conv_w_ptr, pool, D + ch, full, W)
-        v = _conv_step(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
-        g_raw = tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32)
-        g_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
-        a_log = tl.load(a_log_ptr + h).to(tl.float32)
-        beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
-    else:
-        if LOAD_ORDER == 2:
-            S = tl.load(p_s)
-        cq = _conv_inputs(x_row, conv_w_ptr, pool, ch, full, W)
-        ck = _conv_inputs(x_row, conv_w_ptr, pool, D + ch, full, W)
-        cv = _conv_inputs(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
-        g_raw = tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32)
-        g_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
-        a_log = tl.load(a_log_ptr + h).to(tl.float32)
-        beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
-        gate_out = tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32)
-        norm_w = tl.load(norm_w_ptr + rk).to(tl.float32)
-        if LOAD_ORDER == 1:
-            S = tl.load(p_s)
-        tl.debug_barrier()  # every thread has read its conv windows (see _conv_shift)
-        q = _conv_shift(*cq, pool, ch, full)
-        k = _conv_shift(*ck, pool, D + ch, full)
-        v = _conv_shift(*cv, pool, 2 * D + ch, full)
+    # The state's 64 KiB, then every small input (ptxas issues these first), then one barrier and the math. Each
+    # conv stage loading after the last one's stores, the gate after the conv and the out gate after the state's
+    # math made five memory latencies the program waited out alone (ncu: about 40 % of the stall samples, most of
+    # the gap to the floor; BENCHMARKS.md, sixteenth session).
+    S = tl.load(p_s)
+    cq = _conv_inputs(x_row, conv_w_ptr, pool, ch, full, W)
+    ck = _conv_inputs(x_row, conv_w_ptr, pool, D + ch, full, W)
+    cv = _conv_inputs(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
+    g_raw = tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32)
+    g_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))
+    gate_out = tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + rk).to(tl.float32)
+    tl.debug_barrier()  # every thread has read its conv windows (see _conv_shift)
+    q = _conv_shift(*cq, pool, ch, full)
+    k = _conv_shift(*ck, pool, D + ch, full)
+    v = _conv_shift(*cv, pool, 2 * D + ch, full)
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
     g = _gate(g_raw, a_log, g_bias, lower_bound, HAS_LOWER_BOUND)
@@ -115,9 +100,6 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     S += u[:, None] * k[None, :]
     o = tl.sum(S * q[None, :], 1)                                                    # [V]
     tl.store(p_s, S.to(state_ptr.dtype.element_ty))
-    if LOAD_ORDER == 0:
-        norm_w = tl.load(norm_w_ptr + rk).to(tl.float32)
-        gate_out = tl.load(gout_ptr + n * stride_gout + ch).to(tl.float32)
     o = o * tl.rsqrt(tl.sum(o * o, 0) / K + eps) * norm_w
     o = o * tl.sigmoid(gate_out)
     tl.store(out_ptr + n * stride_out + ch, o.to(out_ptr.dtype.element_ty))

@@ -243,3 +243,13 @@ def test_split_decode_slice_by_grid(N, H, bv):
     pytest.importorskip("triton")
     from k3plugins.kda.fla import decode_block_v
     assert decode_block_v(N, H) == bv
+
+
+@pytest.mark.parametrize("N,H,capped", [(32, 6, False), (64, 6, True), (128, 6, False), (8, 96, False),
+                                        (64, 96, False), (44, 6, False), (45, 6, True), (66, 6, True), (67, 6, False)])
+def test_fused_decode_cap_by_grid(N, H, capped):
+    """The H200 sweep's winners (BENCHMARKS.md): the 168-register cap (three programs an SM) only where the grid
+    fits three programs on each of 132 SMs but not two; with 2 a SM at most 264 programs, with 3 at most 396."""
+    pytest.importorskip("triton")
+    from k3plugins.kda.fla import FUSED_MAXNREG, fused_maxnreg
+    assert fused_maxnreg(N * H, 132) == (FUSED_MAXNREG if capped else 0)

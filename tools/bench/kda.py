@@ -13,11 +13,11 @@ H, K = 96, 128
 D = H * K
 RANK_HEADS = 6  # a TEP16 rank's share of K3's 96 heads (bench_rank's shape)
 # (tactic, block_v, num_warps, maxnreg) of the decode sweep: the split tactic's state slice (fused takes a head's
-# whole state); maxnreg None is the tactic's default (fused: kda_dev.FUSED_MAXNREG, three 4-warp programs an SM),
-# 0 no cap (fused: 214 registers, two programs an SM)
-# (fused at 8 warps, split at 64 rows or 8 warps: slower everywhere in the earlier sweeps, BENCHMARKS.md)
-DECODE_CONFIGS = [("split", 32, 4, None), ("split", 128, 4, None), ("fused", None, 4, None), ("fused", None, 4, 0)]
-LOAD_ORDERS = (0, 1, 2)  # the fused configs' kda_decode_fused_kernel LOAD_ORDER
+# whole state); maxnreg None is the tactic's default (fused: kda_dev.fused_maxnreg, by grid), 0 no cap (fused: 213
+# registers, two programs an SM), FUSED_MAXNREG three programs an SM. Fused at 8 warps and split at 64 rows or 8
+# warps were slower everywhere in the earlier sweeps (BENCHMARKS.md).
+DECODE_CONFIGS = [("split", 32, 4, None), ("split", 128, 4, None), ("fused", None, 4, None), ("fused", None, 4, 0),
+                  ("fused", None, 4, kda_dev.FUSED_MAXNREG)]
 
 
 @triton.jit
@@ -96,16 +96,14 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
 
 
 def _sweep_configs(args, N: int, heads: int, floor_ms: float) -> None:
-    """Every DECODE_CONFIGS entry on one batch's inputs (the fused ones in each of LOAD_ORDERS)."""
+    """Every DECODE_CONFIGS entry on one batch's inputs."""
     for tactic, bv, nw, reg in DECODE_CONFIGS:
-        for order in LOAD_ORDERS if tactic == "fused" else (None,):
-            extra = {} if order is None else {"load_order": order}
-            fn = lambda tactic=tactic, bv=bv, nw=nw, reg=reg, extra=extra: kda_dev.kda_decode(
-                *args, num_heads=heads, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic=tactic, block_v=bv,
-                num_warps=nw, maxnreg=reg, **extra)
-            t = time_ms(fn)
-            emit(bench="kda_decode_config", N=N, H=heads, tactic=tactic, block_v=bv, num_warps=nw, maxnreg=reg,
-                 load_order=order, ms=round(t, 4), frac_of_floor=round(floor_ms / t, 3))
+        fn = lambda tactic=tactic, bv=bv, nw=nw, reg=reg: kda_dev.kda_decode(
+            *args, num_heads=heads, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic=tactic, block_v=bv, num_warps=nw,
+            maxnreg=reg)
+        t = time_ms(fn)
+        emit(bench="kda_decode_config", N=N, H=heads, tactic=tactic, block_v=bv, num_warps=nw, maxnreg=reg,
+             ms=round(t, 4), frac_of_floor=round(floor_ms / t, 3))
 
 
 def _sweep_rank_heads(bw_tbps: float, gen: torch.Generator) -> None:
