@@ -185,6 +185,9 @@ def main() -> None:
                     help="seconds of graph replays before each batch size is timed (GPU clocks and caches settle; "
                          "without it two processes run back to back differed by up to 1 ms, the second faster)")
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
+    ap.add_argument("--ncu-step", action="store_true",
+                    help="run one more eager step of each batch between cudaProfilerStart and Stop, for Nsight Compute "
+                         "started with --profile-from-start off (tools/device/batch29.sh)")
     ap.add_argument("--gemms", action="store_true",
                     help="instead of decoding: time the rank's dense GEMMs at each batch size, torch (cuBLAS) "
                          "against the weight floor")
@@ -277,6 +280,12 @@ def main() -> None:
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.profile:
                 emit(bench="rank_profile", batch=n, top=top_kernels(lambda: executor.run(batch)))
+            if args.ncu_step:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+                executor.run(batch)
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
             del graphs
         else:
             from k3runtime.executor import StepBatch
