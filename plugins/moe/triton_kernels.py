@@ -222,11 +222,19 @@ def _row_offsets(offs_n, stride_n, TILE_K: tl.constexpr, TILED: tl.constexpr):
 
 
 @triton.jit
+def _program(BN: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """(expert, its rows) of this program: grid (experts, row blocks), or (row blocks, experts) ROWS_FIRST."""
+    if ROWS_FIRST:
+        return tl.program_id(1), tl.program_id(0) * BN + tl.arange(0, BN)
+    return tl.program_id(0), tl.program_id(1) * BN + tl.arange(0, BN)
+
+
+@triton.jit
 def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we,
                        stride_wn, stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       ROWS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -236,11 +244,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     2^(s_group − s_row) is exact in e4m3 while s_group − s_row ≥ −8 and rounds past that, the drift this path
     trades for FP8 tensor cores. The row and token scales multiply the accumulators once, after the K loop.
     zs_ptr and F8 are unused otherwise. TILED (with STRIDED, BN a multiple of TILE_ROWS): weights and scales in
-    `tile_rows`' order, so that each K step reads whole contiguous blocks (_row_offsets).
+    `tile_rows`' order, so that each K step reads whole contiguous blocks (_row_offsets). ROWS_FIRST: the grid is
+    (row blocks, experts) instead of (experts, row blocks), so programs that run together share an expert's tokens.
     """
     pdl_prologue(PDL)
-    e = tl.program_id(0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e, offs_n = _program(BN, ROWS_FIRST)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
@@ -300,12 +308,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
 def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I, stride_hm, stride_we,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
-    """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of expert program_id(0) (TILED: as the gate/up
+                    ROWS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+    """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
     kernel's)."""
     pdl_prologue(PDL)
-    e = tl.program_id(0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e, offs_n = _program(BN, ROWS_FIRST)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2

@@ -77,10 +77,10 @@ def _sort_pairs_case(moe):
             "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0}
 
 
-def _moe_strided_case(moe, dtype, paired=False, tiled=False):
+def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
     pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K) vs
-    the reference on the originals."""
+    the reference on the originals. rows_first: the grid (row blocks, experts)."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
@@ -92,7 +92,7 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False):
     w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
     tactic = moe.MoETactic(block_m=16, block_n=128 if tiled else 32, block_k=256, num_warps=4, num_stages=1,
-                           strided=True, paired=paired or tiled, tiled=tiled)
+                           strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first)
     out = moe.moe_experts(z, ids, w, moe.lay_out(tactic, w13), moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2),
                           moe.lay_out_scale(tactic, s2), expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
@@ -304,6 +304,7 @@ def _child() -> None:
         res[f"moe-strided-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype)
         res[f"moe-paired-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype, paired=True)
     res["moe-tiled-float32"] = _moe_strided_case(moe, torch.float32, tiled=True)
+    res["moe-rows-first-float32"] = _moe_strided_case(moe, torch.float32, paired=True, rows_first=True)
     res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
@@ -354,6 +355,10 @@ def test_moe_strided_layout_interpreted(results, dtype, tol, layout):
 
 def test_moe_tiled_layout_interpreted(results):
     assert results["moe-tiled-float32"]["rel"] < 1e-5, results["moe-tiled-float32"]
+
+
+def test_moe_rows_first_grid_interpreted(results):
+    assert results["moe-rows-first-float32"]["rel"] < 1e-5, results["moe-rows-first-float32"]
 
 
 def test_sort_pairs_interpreted(results):
