@@ -55,7 +55,9 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # tiled, 6 % faster: 0.64-0.69 (BENCHMARKS.md). Its loops take 2.99 / 3.52 / 3.05 sm_90 instructions a weight
     # (gate/up, down, prefill gate/up); the 17 % cut that got them there gave 1.5 % less time
     "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True),
-    "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True),
+    # prefill_p's grid runs row blocks first (rows_first): 313 against 302 TFLOP/s at 128 tokens/expert, side by side;
+    # level at decode sizes (BENCHMARKS.md, sixteenth session)
+    "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True, rows_first=True),
     # FP8 activations for the gate/up GEMM (strided weights); BN 64, as BN 128 spills registers in the sm_90 SASS.
     # On the H200, the best of its sweep: 231 TFLOP/s at 128 tokens/expert (1.25x slower than "prefill_p"; 8 warps
     # took 3.84 ms), rel-L2 0.041 against W4A16 on random activations
