@@ -1,7 +1,8 @@
 # Twenty-ninth device batch (sixteenth session): Nsight Compute over one eager decode step of the real-size rank at
 # 64 requests, each distinct kernel launch configuration once (--filter-mode per-launch-config), to find kernels
-# that, like the fused KDA decode did, wait out memory latencies instead of streaming. Also the step's kernel
-# profile (launch counts and times) from the torch profiler.
+# that, like the fused KDA decode did, wait out memory latencies instead of streaming. It ran out of its 400 s with
+# 4 small kernels profiled (the rank's setup is slow under ncu; the torch profiler also sees nothing while ncu is
+# attached): give it a longer limit and fewer sections, or profile kernels alone (tools/profile_kernels.py).
 source tools/device/env.sh
 timeout ${NCU_S:-400} ncu --clock-control none --profile-from-start off --filter-mode per-launch-config \
   --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats \
