@@ -1,11 +1,12 @@
 """Launch the decode kernels that hold the rank (MoE gate/up and down, the fused KDA decode) a few times each, on
 the bench shapes, for a profiler to attach to (Nsight Compute, where the machine's runtime lets it read counters):
 
-    python tools/profile_kernels.py                       # once without a profiler: compiles, prints the shapes
-    ncu --clock-control none -k regex:'moe_gate_up|moe_down|kda_decode_fused' --launch-skip 2 --launch-count 3 \
-        --section WarpStateStats --section SourceCounters ... python tools/profile_kernels.py
+    python tools/profile_kernels.py                       # once without a profiler: fills Triton's cache
+    ncu --clock-control none -k regex:'moe_gate_up|moe_down|kda_decode_fused' --launch-count 3 \
+        --section WarpStateStats --section SourceCounters ... -o decode python tools/profile_kernels.py
 
-Each target runs `--calls` times (default 3): the first compiles (and ncu's --launch-skip passes over it).
+Each target runs `--calls` times (default 1); tools/device/batch26.sh is a whole run, with the report's pages
+written out as CSV for tools/ncu_summary.py.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe-tokens", type=int, default=1, help="tokens per expert of the MoE target (0: skip it)")
     ap.add_argument("--kda-sequences", type=int, default=64, help="sequences of the KDA target at 96 heads (0: skip)")
-    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=1)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels: needs a CUDA GPU")

@@ -235,7 +235,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
                        ROWS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
-    """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of expert program_id(0).
+    """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
     STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout (2: `pair_mxfp4`'s), z and h in natural

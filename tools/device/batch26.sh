@@ -6,14 +6,14 @@ uname -r
 timeout ${TEST_S:-240} python3 -m pytest -q -m gpu tests/plugins/test_kda_gpu.py tests/model/test_gpu_engine.py \
   -p no:cacheprovider --tb=short > $OUT/pytest.txt 2>&1
 grep -E "^E |Error|passed|failed" $OUT/pytest.txt | tail -20
-python3 tools/profile_kernels.py --calls 1   # compiles into Triton's cache, outside the profiler
+python3 tools/profile_kernels.py   # compiles into Triton's cache, outside the profiler
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 timeout ${NCU_S:-200} $NCU --clock-control none -k regex:'moe_gate_up|moe_down|kda_decode_fused' --launch-count 3 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
   --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis \
   --section MemoryWorkloadAnalysis --section SourceCounters -o $OUT/decode -f \
-  python3 tools/profile_kernels.py --calls 1 > $OUT/ncu_log.txt 2>&1
+  python3 tools/profile_kernels.py > $OUT/ncu_log.txt 2>&1
 tail -5 $OUT/ncu_log.txt
 if [ -f $OUT/decode.ncu-rep ]; then
   $NCU -i $OUT/decode.ncu-rep --page details --csv > $OUT/details.csv 2>&1
