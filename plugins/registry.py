@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-PLUGIN_ABI = 1  # bump when a plugin's signature or weight layout changes incompatibly
+PLUGIN_ABI = 2  # bump when a plugin's signature or weight layout changes incompatibly
 ALL_TARGETS = ("cpu", "sm90", "gfx942")
 
 

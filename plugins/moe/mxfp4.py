@@ -106,11 +106,13 @@ def restride_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch
 
 # Where pair_mxfp4 puts each pair's bits inside a 32-bit word. Decoding pair i (codes 64i + 2j, 64i + 2j + 1 of
 # the tile, for word j) to two bf16 bit patterns scaled by 2^-126 (the W4 decode's MAG 6 placement) is
-#     rotr(w, PAIR_MAG_ROT[i]) & 0x01C001C0  |  rotr(w, PAIR_SIGN_ROT[i]) & 0x80008000
-# Five distinct rotations and six masks a word (pairs 1 and 2 share one rotation for both masks), against seven
-# shifts and eight masks for nibbles in order: the fewest of any bit placement (a search over all of them).
-PAIR_MAG_ROT = (0, 3, 6, 9)
-PAIR_SIGN_ROT = (4, 3, 6, 5)
+#     shl(w, PAIR_MAG_SHIFT[i]) & 0x01C001C0  |  shl(w, PAIR_SIGN_SHIFT[i]) & 0x80008000
+# with shl by a negative count a logical right shift. Plain shifts, not rotations: ptxas runs a left shift on the
+# FMA pipe (IMAD.SHL) while a rotation (a funnel shift) can only take the ALU pipe, which bounds the decode (ncu,
+# BENCHMARKS.md). A search over all shift placements: six masks a word, as with rotations, and one right shift
+# (pairs 0 and 1 take one shift for both masks).
+PAIR_MAG_SHIFT = (6, 3, 0, -7)
+PAIR_SIGN_SHIFT = (6, 3, 5, 4)
 
 
 def _pair_bit_luts() -> torch.Tensor:
@@ -120,8 +122,8 @@ def _pair_bit_luts() -> torch.Tensor:
     for i in range(4):
         for h in range(2):
             for t in range(4):
-                rot, at = (PAIR_MAG_ROT[i], 6 + t) if t < 3 else (PAIR_SIGN_ROT[i], 15)
-                dest[16 * h + 4 * i + t] = (at + 16 * h + rot) % 32
+                shift, at = (PAIR_MAG_SHIFT[i], 6 + t) if t < 3 else (PAIR_SIGN_SHIFT[i], 15)
+                dest[16 * h + 4 * i + t] = at + 16 * h - shift                  # the decode's output bit, shifted back
     assert sorted(dest.values()) == list(range(32))                                # a permutation of the bits
     luts = [[0] * 256 for _ in range(4)]
     for b in range(4):
@@ -137,7 +139,7 @@ _PAIR_LUTS = _pair_bit_luts()
 def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Tensor:
     """MXFP4 bytes [..., R, K/2] -> the paired layout of the "*_p" tactics: in each K tile of 256, 32-bit word j
     holds, as pair i < 4, codes 64i + 2j and 64i + 2j + 1, so that a decoded pair is two neighbours along K (what
-    the MMA's operand registers hold); the pair's bits sit where PAIR_MAG_ROT / PAIR_SIGN_ROT read them. Scales
+    the MMA's operand registers hold); the pair's bits sit where PAIR_MAG_SHIFT / PAIR_SIGN_SHIFT read them. Scales
     are unchanged.
 
     Two steps. On 64-bit words, as restride_mxfp4: tile byte 32i + j holds codes 64i + 2j (low) and 64i + 2j + 1

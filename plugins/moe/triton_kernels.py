@@ -139,27 +139,20 @@ def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.const
 
 
 @triton.jit
-def _rotr(w, D: tl.constexpr):
-    """uint32 w rotated right by D bits (one funnel shift)."""
-    if D == 0:
-        return w
-    return (w >> D) | (w << (32 - D))
-
-
-@triton.jit
 def _paired_codes(w, I: tl.constexpr):
     """Pair I of each word in pair_mxfp4's layout as two bf16 bit patterns (values × 2^-126, as _code_pair's MAG
-    6): the rotations of mxfp4.PAIR_MAG_ROT / PAIR_SIGN_ROT, one shared by both masks for pairs 1 and 2."""
+    6): the shifts of mxfp4.PAIR_MAG_SHIFT / PAIR_SIGN_SHIFT (pairs 0 and 1: one shift for both masks). ptxas
+    makes the left shifts IMAD.SHL (FMA pipe), so the ALU pipe keeps six masks and one shift a word."""
     MAG: tl.constexpr = 0x01C001C0
     SIGN: tl.constexpr = 0x80008000
     if I == 0:
-        p = (w & MAG) | (_rotr(w, 4) & SIGN)
+        p = (w << 6) & (MAG | SIGN)
     elif I == 1:
-        p = _rotr(w, 3) & (MAG | SIGN)
+        p = (w << 3) & (MAG | SIGN)
     elif I == 2:
-        p = _rotr(w, 6) & (MAG | SIGN)
+        p = (w & MAG) | ((w << 5) & SIGN)
     else:
-        p = (_rotr(w, 9) & MAG) | (_rotr(w, 5) & SIGN)
+        p = ((w >> 7) & MAG) | ((w << 4) & SIGN)
     return p
 
 

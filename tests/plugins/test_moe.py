@@ -136,18 +136,18 @@ def test_restride_mxfp4_puts_code_q_sub_plus_j_in_nibble_q_of_word_j(block_k):
 
 
 def test_pair_mxfp4_puts_neighbours_along_k_where_the_decode_reads_them():
-    """Word j's pair i (read as the kernel does: rotate right, mask the magnitude at bits 6-8 / 22-24 and the sign
-    at bit 15 / 31) holds codes 64i + 2j (low half) and 64i + 2j + 1 (high half) of its K tile."""
-    from k3plugins.moe.mxfp4 import PAIR_MAG_ROT, PAIR_SIGN_ROT, pair_mxfp4
+    """Word j's pair i (read as the kernel does: shift, mask the magnitude at bits 6-8 / 22-24 and the sign at bit
+    15 / 31) holds codes 64i + 2j (low half) and 64i + 2j + 1 (high half) of its K tile."""
+    from k3plugins.moe.mxfp4 import PAIR_MAG_SHIFT, PAIR_SIGN_SHIFT, pair_mxfp4
 
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (2, 3, 512 // 2), dtype=torch.uint8, generator=g)  # K = 512: two tiles
     codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2).long()
     words = pair_mxfp4(packed).view(torch.int32).long() & 0xFFFFFFFF
-    rotr = lambda w, d: ((w >> d) | (w << (32 - d))) & 0xFFFFFFFF  # noqa: E731
+    shl = lambda w, d: ((w << d) if d >= 0 else (w >> -d)) & 0xFFFFFFFF  # noqa: E731
     j = torch.arange(64)
     for i in range(4):
-        mag, sign = rotr(words, PAIR_MAG_ROT[i]), rotr(words, PAIR_SIGN_ROT[i])
+        mag, sign = shl(words, PAIR_MAG_SHIFT[i]), shl(words, PAIR_SIGN_SHIFT[i])
         for h in range(2):
             got = ((mag >> (6 + 16 * h)) & 7) | (((sign >> (15 + 16 * h)) & 1) << 3)  # [2, 3, 64 words]
             assert torch.equal(got, codes[..., (j // 32) * 256 + 64 * i + 2 * (j % 32) + h]), (i, h)
