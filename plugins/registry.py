@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-PLUGIN_ABI = 2  # bump when a plugin's signature or weight layout changes incompatibly
+PLUGIN_ABI = 1  # bump when a plugin's signature or weight layout changes incompatibly
 ALL_TARGETS = ("cpu", "sm90", "gfx942")
 
 
@@ -61,8 +61,9 @@ IMPLS: list[Impl] = [
     Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer"),  # v2: q_a, kv_a and g stacked in one in_proj
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
-    # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales)
-    Impl("MoEExperts", "triton_p", 3, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
+    # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales); v4: each pair's bits
+    # placed for plain shifts (mxfp4.PAIR_MAG_SHIFT), not rotations
+    Impl("MoEExperts", "triton_p", 4, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
          expert_layout="paired"),
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,
          expert_layout="strided"),
