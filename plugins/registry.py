@@ -57,6 +57,7 @@ IMPLS: list[Impl] = [
     Impl("GatedMLP", _REF, 2, "k3plugins.mlp.reference:gated_mlp"),  # v2: gate_up may be absent (x projected)
     Impl("Router", _REF, 1, "k3plugins.router.reference:route"),
     Impl("MoEExperts", _REF, 1, "k3plugins.moe.reference:moe_experts"),
+    Impl("MoEOutProj", _REF, 1, "k3plugins.moe_out.reference:moe_out_proj"),
     Impl("KDA", _REF, 2, "k3plugins.kda.reference:kda_mixer"),  # v2: in_proj rows padded (IN_PROJ_ROW_ALIGN)
     Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer"),  # v2: q_a, kv_a and g stacked in one in_proj
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
@@ -83,6 +84,8 @@ IMPLS: list[Impl] = [
     Impl("Linear", "blas", 1, "k3plugins.embed.blas:linear", _GPU, dtypes=("bf16", "fp16")),
     Impl("LMHead", "blas", 1, "k3plugins.embed.blas:lm_head", _GPU, dtypes=("bf16", "fp16")),
     Impl("GatedMLP", "blas", 2, "k3plugins.mlp.blas:gated_mlp", _GPU, dtypes=("bf16", "fp16")),
+    Impl("MoEOutProj", "triton", 1, "k3plugins.moe_out.triton:moe_out_proj", _GPU, "triton",
+         dtypes=("bf16", "fp16")),
 ]
 
 # Preferred tactic per target, best first; the first that `supports` the target wins. triton_p (paired expert

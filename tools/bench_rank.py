@@ -96,7 +96,7 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
 
 
 # weights a decode step multiplies as x @ wᵀ with one row of x per request (the router's gate has its own kernel)
-GEMM_WEIGHTS = ("in_proj", "f_b", "o_proj", "gate_up", "down", "up_proj", "q_b", "lm_head")
+GEMM_WEIGHTS = ("in_proj", "f_b", "o_proj", "gate_up", "down", "out_proj", "q_b", "lm_head")
 
 
 def bench_gemms(weights: dict, batches: list[int], bw: float, emit) -> None:

@@ -124,11 +124,9 @@ def _mlp_attrs(cfg: K3Config) -> dict:
     return {"act": cfg.hidden_act, "beta": cfg.situ_beta, "linear_beta": cfg.situ_linear_beta}
 
 
-def _dense(b: _Builder, e: str, x: str, projected: bool = False, reduce: bool = True) -> str:
-    """projected: x is already the gate | up projection (no gate_up weight input). reduce=False: leave the TP
-    partial sums to the caller's all-reduce."""
-    y = b.op("GatedMLP", [x, "" if projected else e + "gate_up", e + "down"], name=e + "mlp", **_mlp_attrs(b.cfg))
-    return b.reduce(y, "tp", b.mapping.dense_tp_size, e + "allreduce") if reduce else y
+def _dense(b: _Builder, e: str, x: str) -> str:
+    y = b.op("GatedMLP", [x, e + "gate_up", e + "down"], name=e + "mlp", **_mlp_attrs(b.cfg))
+    return b.reduce(y, "tp", b.mapping.dense_tp_size, e + "allreduce")
 
 
 def _kda(b: _Builder, layer: int, x: str, cache_index: int) -> str:
@@ -180,18 +178,15 @@ def _moe(b: _Builder, layer: int, x: str) -> str:
     else:
         # Expert partials are summed across the EP x MoE-TP ranks in fp32, in latent space, before the norm.
         y = b.reduce(y, "moe", mp.moe_ep_size * mp.moe_tp_size, e + "experts.allreduce")
-    y = b.op("Cast", [y], name=e + "experts.cast", domain="", to=_ONNX_DTYPE[b.act_dtype])
     tp = mp.dense_tp_size
     if cfg.is_latent_moe:
-        if cfg.latent_moe_use_norm:
-            y = b.op("RMSNorm", [y, e + "latent_norm"], name=e + "latent_norm", eps=cfg.rms_norm_eps)
-        if tp > 1:  # the up-projection is row-parallel (Mapping.shard): this rank's columns of the latent
-            width = cfg.expert_hidden_size // tp
-            y = b.op("SliceColumns", [y], name=e + "up_proj.slice", start=mp.tp_rank(b.rank) * width, size=width)
-        y = b.op("Linear", [y, e + "up_proj"], name=e + "up_proj")
-    # a latent up-projection's partial sums share the shared experts' all-reduce
-    partial = cfg.is_latent_moe and tp > 1
-    x_shared = x if shared_h is None else shared_h
-    shared = _dense(b, e + "shared.", x_shared, projected=shared_h is not None, reduce=not partial)
-    out = b.add(y, shared, name=e + "add_shared")
-    return b.reduce(out, "tp", tp, e + "allreduce") if partial else out
+        # The latent up-projection (row-parallel, Mapping.shard: this rank's columns of the latent) and the shared
+        # expert's down-projection as one GEMM over their inputs side by side; its TP partial sums in one all-reduce
+        width = cfg.expert_hidden_size // tp
+        out = b.op("MoEOutProj", [y, e + "latent_norm" if cfg.latent_moe_use_norm else "", shared_h, e + "out_proj"],
+                   name=e + "out_proj", start=mp.tp_rank(b.rank) * width, size=width, eps=cfg.rms_norm_eps,
+                   **_mlp_attrs(cfg))
+        return b.reduce(out, "tp", tp, e + "allreduce")
+    y = b.op("Cast", [y], name=e + "experts.cast", domain="", to=_ONNX_DTYPE[b.act_dtype])
+    shared = _dense(b, e + "shared.", x)
+    return b.add(y, shared, name=e + "add_shared")

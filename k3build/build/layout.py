@@ -137,7 +137,8 @@ def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get, l
         yield e + "in_proj", torch.cat([get(m + "routed_expert_down_proj.weight"), *shared_gate_up])
         if cfg.latent_moe_use_norm:
             yield e + "latent_norm", get(m + "routed_expert_norm.weight")
-        yield e + "up_proj", get(m + "routed_expert_up_proj.weight")
+        # the latent up-projection's columns (this rank's) beside the shared expert's down: one GEMM (MoEOutProj)
+        yield e + "out_proj", torch.cat([get(m + "routed_expert_up_proj.weight"), get(s + "down_proj.weight")], dim=1)
     experts = mapping.local_experts(rank, cfg.num_experts)
     x = m + "experts.{}.{}."
     if cfg.quantization.method == "mxfp4":
@@ -152,4 +153,4 @@ def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get, l
         yield e + "w2", torch.stack([get(x.format(i, "w2") + "weight") for i in experts])
     if not cfg.is_latent_moe:
         yield e + "shared.gate_up", torch.cat(shared_gate_up)
-    yield e + "shared.down", get(s + "down_proj.weight")
+        yield e + "shared.down", get(s + "down_proj.weight")

@@ -142,9 +142,11 @@ def test_mla_absorption(k3_tiny_engine):
         torch.testing.assert_close(in_proj, torch.cat(parts).to(in_proj.dtype), rtol=0, atol=0)
 
 
-def test_latent_moe_input_projections_share_one_gemm(k3_tiny_engine):
+def test_latent_moe_projections_share_gemms(k3_tiny_engine):
     """Latent MoE: `moe.in_proj` stacks the latent down-projection's rows over the shared expert's gate and up rows,
-    and the graph splits that GEMM's output between the routed experts and the shared expert's GLU."""
+    and the graph splits that GEMM's output between the routed experts and the shared expert. On the way out,
+    `moe.out_proj` puts the latent up-projection's columns beside the shared expert's down-projection, for the one
+    MoEOutProj node that reads the experts' sum, the latent norm and the shared expert's gate | up."""
     w = _weights(k3_tiny_engine, 0)
     model = onnx.load(k3_tiny_engine / "rank0" / "graph.onnx")
     nodes = {n.name: n for n in model.graph.node}
@@ -162,7 +164,13 @@ def test_latent_moe_input_projections_share_one_gemm(k3_tiny_engine):
         assert split.domain == "k3" and sizes == [CFG.expert_hidden_size, src[1].shape[0] + src[2].shape[0]]
         z, shared_h = split.output
         assert nodes[e + "experts"].input[0] == z
-        assert list(nodes[e + "shared.mlp"].input[:2]) == [shared_h, ""]
+        out = nodes[e + "out_proj"]
+        assert out.op_type == "MoEOutProj" and out.input[2] == shared_h
+        assert list(out.input[:2]) == [nodes[e + "experts"].output[0], e + "latent_norm"]
+        src = [_converted(k3_tiny_engine, 0, p + n) for n in ("routed_expert_up_proj.weight",
+                                                               "shared_experts.down_proj.weight")]
+        torch.testing.assert_close(w[e + "out_proj"], torch.cat(src, 1).to(w[e + "out_proj"].dtype), rtol=0, atol=0)
+        assert e + "up_proj" not in w and e + "shared.down" not in w and e + "shared.mlp" not in nodes
 
 
 def test_kda_fused_in_proj(k3_tiny_engine):
@@ -227,7 +235,8 @@ def test_multi_rank_graphs(multi_engines, name):
         weights = _weights(engine, rank)
         for i in layers:
             if CFG.is_moe_layer(i):
-                assert weights[f"l{i}.moe.up_proj"].shape == (CFG.hidden_size, CFG.expert_hidden_size // groups["tp"])
+                out_cols = (CFG.expert_hidden_size + CFG.shared_intermediate_size) // groups["tp"]
+                assert weights[f"l{i}.moe.out_proj"].shape == (CFG.hidden_size, out_cols)
         inputs = {i.name for i in model.graph.input}
         outputs = [o.name for o in model.graph.output]
         blocks = sum(CFG.takes_snapshot(i) for i in range(layers.start))

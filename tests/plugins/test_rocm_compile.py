@@ -17,6 +17,7 @@ from k3plugins.kda import triton_decode as kd  # noqa: E402
 from k3plugins.mla import triton as mla  # noqa: E402
 from k3plugins.mlp import triton as mlp  # noqa: E402
 from k3plugins.moe import triton_kernels as moe  # noqa: E402
+from k3plugins.moe_out import triton as moe_out  # noqa: E402
 from k3plugins.norm import triton as norm  # noqa: E402
 from k3plugins.router import triton as router  # noqa: E402
 
@@ -78,6 +79,9 @@ SPECS = {
     "kda_conv_state": (kd.conv_state_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                   cu_ptr="*i64"), dict(W=4, BC=1024)),
     "mlp_glu": (mlp.glu_kernel, dict(h_ptr="*bf16", out_ptr="*bf16"), dict(ACT=0, BI=1024)),
+    "moe_out_input": (moe_out.moe_out_input_kernel, dict(y_ptr="*fp32", nw_ptr="*bf16", h_ptr="*bf16",
+                                                         out_ptr="*bf16"),
+                      dict(HAS_NORM=True, ACT=0, BD=4096, BS=256, BI=512)),
     "rms_norm": (norm.rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16"), dict(BD=8192)),
     "attn_res": (attn_res.attn_res_kernel, dict(partial_ptr="*bf16", proj_ptr="*bf16", norm_w_ptr="*bf16",
                                                 out_ptr="*bf16", **{f"b{i}_ptr": "*bf16" for i in range(8)}),

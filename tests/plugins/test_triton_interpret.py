@@ -1,8 +1,9 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), fp32/fp16 only (numpy has no bf16).
 
 Covers the MoE dequant + tl.dot path (tl.dot_scaled has no interpreter support; test_moe_gpu.py runs it),
-the MLA split-K decode, the KDA decode steps, the KDA prefill conv kernels, the norms, the GLU and the router,
-each against its torch reference (fla-core's own kernels need a GPU: test_kda_gpu.py). The interpreter must be on
+the MLA split-K decode, the KDA decode steps, the KDA prefill conv kernels, the norms, the GLU, the router and the
+latent MoE's output projection, each against its torch reference (fla-core's own kernels need a GPU:
+test_kda_gpu.py). The interpreter must be on
 before the first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
 run in one child process started with the variable set; each test reads its result.
 """
@@ -263,6 +264,32 @@ def _glu_cases() -> dict:
     return res
 
 
+def _moe_out_cases() -> dict:
+    """The latent MoE's output projection (its input kernel, then the GEMM) against the reference: fp32 and fp16,
+    with and without the latent norm, a rank's column slice that starts inside the latent and is not a power of
+    two wide, strided gate | up rows (a column slice of the in_proj output, as the graph passes them), no rows."""
+    from k3plugins.moe_out import reference as ref
+    from k3plugins.moe_out import triton as mo
+    g = torch.Generator().manual_seed(8)
+    res = {}
+    for dtype in (torch.float32, torch.float16):
+        for norm in (True, False):
+            T, dl, start, size, inter, d = 5, 96, 24, 40, 24, 64
+            y = torch.randn(T, dl, generator=g) * 3
+            nw = (1 + 0.1 * torch.randn(dl, generator=g)).to(dtype) if norm else None
+            wide = (torch.randn(T, dl + 2 * inter, generator=g) * 4).to(dtype)
+            h = wide[:, dl:]                                                      # row stride dl + 2I
+            w = (torch.randn(d, size + inter, generator=g) * 0.1).to(dtype)
+            kw = dict(start=start, size=size, eps=1e-5, act="situ", beta=4.0, linear_beta=25.0)
+            got, want = mo.moe_out_proj(y, nw, h, w, **kw), ref.moe_out_proj(y, nw, h, w, **kw)
+            x_got, x_want = mo.gemm_input(y, nw, h, **kw), ref.gemm_input(y, nw, h, **kw)
+            empty = mo.moe_out_proj(y[:0], nw, h[:0], w, **kw)
+            res[f"moe-out-{str(dtype)[6:]}-{norm}"] = {"rel": _rel(got, want), "rel_input": _rel(x_got, x_want),
+                                                       "dtype_ok": got.dtype == want.dtype,
+                                                       "empty_ok": tuple(empty.shape) == (0, d)}
+    return res
+
+
 def _router_cases() -> dict:
     """The fused router (logits split over K, top-k by tl.topk on packed keys) against the reference: fp16, E not
     a power of two, ragged M, with and without bias and renormalisation, and a forced tie (two experts with the
@@ -322,6 +349,7 @@ def _child() -> None:
     res.update(_norm_cases())
     res.update(_glu_cases())
     res.update(_router_cases())
+    res.update(_moe_out_cases())
     print("RESULTS " + json.dumps(res))
 
 
@@ -419,6 +447,13 @@ def test_router_interpreted(results, case):
 def test_glu_interpreted(results, dtype, tol, act):
     r = results[f"glu-{dtype}-{act}"]
     assert r["dtype_ok"] and r["empty_ok"] and r["rel"] < tol, r
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 2e-3)])  # fp16: the input's rounding
+def test_moe_out_proj_interpreted(results, dtype, tol, norm):
+    r = results[f"moe-out-{dtype}-{norm}"]
+    assert r["dtype_ok"] and r["empty_ok"] and r["rel_input"] < tol and r["rel"] < tol, r
 
 
 if __name__ == "__main__":

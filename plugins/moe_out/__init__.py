@@ -1,0 +1,3 @@
+from .reference import moe_out_proj
+
+__all__ = ["moe_out_proj"]
