@@ -61,6 +61,13 @@ class _Bound:
     outputs: list[str]
     attrs: dict
     kind: str  # "plain" | "kda" | "mla" | "attn_res" | "comm"
+    side: bool = False  # run on the executor's side stream (FORKED_OPS)
+
+
+# Ops a CUDA executor runs on a second stream, beside the main stream's next nodes, until a node reads their
+# outputs. The router's two small launches (logits, top-k) are latency, not bytes: beside the MoE's in_proj GEMM,
+# which reads the same x, they hid 6.5 of their 16.5 µs a layer on the H200 (BENCHMARKS.md).
+FORKED_OPS = ("Router",)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -76,6 +83,8 @@ class Executor:
         plugins = engine.build["plugins"]
         self.outputs = [o.name for o in engine.graph.output]
         self.nodes = [self._bind(n, plugins) for n in engine.graph.node]
+        device = next((w.device for w in self.weights.values() if w is not None), torch.device("cpu"))
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _bind(self, node: onnx.NodeProto, plugins: dict) -> _Bound:
         attrs = _attrs(node)
@@ -94,7 +103,7 @@ class Executor:
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
         if node.op_type == "Router":
             attrs["renormalize"] = bool(attrs["renormalize"])
-        return _Bound(node.name, fn, ins, outs, attrs, kind)
+        return _Bound(node.name, fn, ins, outs, attrs, kind, side=node.op_type in FORKED_OPS)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -106,8 +115,22 @@ class Executor:
         env = dict(self.weights)
         env.update({"input_ids": batch.input_ids, "logits_indices": batch.logits_indices, **(extra or {})})
         env[""] = None
+        forked: set[str] = set()  # outputs of side-stream nodes that the main stream has not waited for yet
+        main = torch.cuda.current_stream() if self.side is not None else None
         for b in self.nodes:
+            if forked and not forked.isdisjoint(b.inputs):
+                main.wait_stream(self.side)
+                forked.clear()
             args = [env[i] for i in b.inputs]
+            if b.side and self.side is not None:
+                # Fork: the side stream starts where the main stream is (its inputs are written), and the main
+                # stream goes on. env keeps every tensor of the step alive, so no buffer of either stream is
+                # reused under the other before the join.
+                self.side.wait_stream(main)
+                with torch.cuda.stream(self.side):
+                    env.update(zip(b.outputs, b.fn(*args, **b.attrs)))
+                forked.update(b.outputs)
+                continue
             if b.kind == "kda":
                 ci = b.attrs["cache_index"]
                 kw = {k: v for k, v in b.attrs.items() if k != "cache_index"}
@@ -129,6 +152,8 @@ class Executor:
                 env[b.outputs[0]] = out
             else:
                 env.update(zip(b.outputs, out))
+        if forked:
+            main.wait_stream(self.side)
         return {name: env[name] for name in self.outputs}
 
 
