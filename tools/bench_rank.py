@@ -136,6 +136,19 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def _graph_step_ms(executor, n: int, rows, pages_per_seq: int, spare: tuple[int, int], args):
+    """Median ms of the step replayed from a CUDA graph of bucket n, after args.warmup_s of replays; and the graphs."""
+    from k3runtime.cuda_graph import DecodeGraphs
+    graphs = DecodeGraphs(executor, max_batch=n, max_pages=pages_per_seq, spare_page=spare[0], spare_slot=spare[1],
+                          buckets=[n])
+    graphs.capture()
+    settled = time.perf_counter() + args.warmup_s
+    while time.perf_counter() < settled:
+        graphs.replay(rows)
+        torch.cuda.synchronize()
+    return _median_ms(lambda: graphs.replay(rows), args.reps, True), graphs
+
+
 def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, device) -> None:
     """Wrap every Router node: same kernels run, then fixed random distinct experts per token row (uniform
     over all experts, so each rank's share of the pairs is balanced) replace its picks."""
@@ -196,6 +209,9 @@ def main() -> None:
     ap.add_argument("--moe-tactic", default=None,
                     help="MoE tactic instead of the one the build records (e.g. triton: the W4 decode on the "
                          "checkpoint's nibble order; triton_s: on the strided layout); the layout follows it")
+    ap.add_argument("--one-stream", action="store_true",
+                    help="also time each step with the executor's side stream off (the Router forked onto it by "
+                         "default, runtime/executor.py FORKED_OPS), in the same process")
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the router runs but its picks are replaced by balanced random ones (what a "
                          "trained K3 router with its bias approaches); model: the synthetic router's own picks "
@@ -266,15 +282,11 @@ def main() -> None:
         spare = (n_max * pages_per_seq, n_max)
         rec = dict(bench="rank_decode", batch=n, context=args.context)
         if cuda:
-            from k3runtime.cuda_graph import DecodeGraphs
-            graphs = DecodeGraphs(executor, max_batch=n, max_pages=pages_per_seq, spare_page=spare[0],
-                                  spare_slot=spare[1], buckets=[n])
-            graphs.capture()
-            settled = time.perf_counter() + args.warmup_s
-            while time.perf_counter() < settled:
-                graphs.replay(rows)
-                torch.cuda.synchronize()
-            rec["step_ms"] = _median_ms(lambda: graphs.replay(rows), args.reps, cuda)
+            if args.one_stream:  # before the default, which keeps its place of runs without the flag
+                side, executor.side = executor.side, None
+                rec["step_ms_one_stream"] = round(_graph_step_ms(executor, n, rows, pages_per_seq, spare, args)[0], 4)
+                executor.side = side
+            rec["step_ms"], graphs = _graph_step_ms(executor, n, rows, pages_per_seq, spare, args)
             graphs._stage(rows)
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
