@@ -66,8 +66,11 @@ class _Bound:
 
 # Ops a CUDA executor runs on a second stream, beside the main stream's next nodes, until a node reads their
 # outputs. The router's two small launches (logits, top-k) are latency, not bytes: beside the MoE's in_proj GEMM,
-# which reads the same x, they hid 6.5 of their 16.5 µs a layer on the H200 (BENCHMARKS.md).
+# which reads the same x, they hid 6.5 of their 16.5 µs a layer at 64 tokens on the H200. In a real-size rank's
+# step, side by side: 0.6-1.0 ms faster at 64 requests, level at 128, 0.3-0.4 ms slower at 32 (BENCHMARKS.md); so
+# steps of fewer than FORK_MIN_TOKENS tokens keep one stream.
 FORKED_OPS = ("Router",)
+FORK_MIN_TOKENS = 64
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -116,18 +119,20 @@ class Executor:
         env.update({"input_ids": batch.input_ids, "logits_indices": batch.logits_indices, **(extra or {})})
         env[""] = None
         forked: set[str] = set()  # outputs of side-stream nodes that the main stream has not waited for yet
-        main = torch.cuda.current_stream() if self.side is not None else None
+        first = batch.input_ids if "hidden_in" not in env else env["hidden_in"]
+        side = self.side if first.shape[0] >= FORK_MIN_TOKENS else None
+        main = torch.cuda.current_stream() if side is not None else None
         for b in self.nodes:
             if forked and not forked.isdisjoint(b.inputs):
-                main.wait_stream(self.side)
+                main.wait_stream(side)
                 forked.clear()
             args = [env[i] for i in b.inputs]
-            if b.side and self.side is not None:
+            if b.side and side is not None:
                 # Fork: the side stream starts where the main stream is (its inputs are written), and the main
                 # stream goes on. env keeps every tensor of the step alive, so no buffer of either stream is
                 # reused under the other before the join.
-                self.side.wait_stream(main)
-                with torch.cuda.stream(self.side):
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
                     env.update(zip(b.outputs, b.fn(*args, **b.attrs)))
                 forked.update(b.outputs)
                 continue
@@ -153,7 +158,7 @@ class Executor:
             else:
                 env.update(zip(b.outputs, out))
         if forked:
-            main.wait_stream(self.side)
+            main.wait_stream(side)
         return {name: env[name] for name in self.outputs}
 
 

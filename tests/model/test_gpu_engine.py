@@ -143,10 +143,13 @@ def test_decode_step_has_no_host_sync(engines):
     assert torch.isfinite(eager).all() and torch.isfinite(graphed).all()
 
 
-def test_forked_router_matches_one_stream(engines):
+def test_forked_router_matches_one_stream(engines, monkeypatch):
     """The executor runs the Router on its side stream (FORKED_OPS), joined before the MoE reads its picks. The
     same step with the fork turned off gives the same logits, from the same caches."""
+    from k3runtime import executor
     from k3runtime.executor import StepBatch
+
+    monkeypatch.setattr(executor, "FORK_MIN_TOKENS", 1)  # this step's 3 tokens fork too
 
     runner = LLM(engines[1], device="cuda").engine.runner
     ex = runner.executor
