@@ -1,5 +1,5 @@
 """The latent MoE's output projection: the routed experts' latent up-projection and the shared expert's
-down-projection as one GEMM over their inputs side by side (K3_SPEC.md §2.5).
+down-projection as one GEMM over their inputs side by side (K3_SPEC.md §2.4).
 
     out = [ norm(y)[:, start:start+size] | glu(shared_h) ] @ [ up_proj[:, start:start+size] | shared.down ]ᵀ
 
