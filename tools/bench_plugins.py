@@ -1,6 +1,6 @@
 """Plugin benchmarks on one GPU: JSON lines, every figure a ratio to a floor or baseline measured in this run.
 
-    python tools/bench_plugins.py [--only moe,mla,kda,router,kda_prefill,kda_drift,attn_res] [--sweep]
+    python tools/bench_plugins.py [--only moe,mla,kda,router,kda_prefill,kda_drift,attn_res,moe_out] [--sweep]
 
 Floors use the HBM read bandwidth measured first (sum of an 8 GiB bf16 tensor, ANCHORS.md). Times are
 medians of CUDA-event-timed CUDA-graph replays with the L2 flushed before each.
@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from common import emit, hbm_read_tbps  # noqa: E402
 
-SECTIONS = ("moe", "mla", "kda", "router", "kda_prefill", "kda_drift", "attn_res")
+SECTIONS = ("moe", "mla", "kda", "router", "kda_prefill", "kda_drift", "attn_res", "moe_out")
 
 
 def main() -> None:
