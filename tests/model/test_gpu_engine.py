@@ -119,18 +119,24 @@ def test_cuda_graph_decode_matches_eager(engines):
     assert got == eager
 
 
+def _three_sequence_step():
+    """A decode step of three sequences (contexts 1, 9 and 70 tokens; the last over two pages), on the GPU."""
+    from k3runtime.executor import StepBatch
+
+    n, dev = 3, torch.device("cuda")
+    return StepBatch(input_ids=torch.tensor([5, 6, 7], device=dev), cu_seqlens=torch.arange(n + 1, device=dev),
+                     slot_ids=torch.arange(n, device=dev), context_lens=torch.tensor([1, 9, 70], device=dev),
+                     page_table=torch.tensor([[0, -1], [1, -1], [2, 3]], device=dev),
+                     logits_indices=torch.arange(n, device=dev))
+
+
 def test_decode_step_has_no_host_sync(engines):
     """torch.cuda.set_sync_debug_mode('error') turns any device->host sync into an error: none in an eager
     decode step of the executor, nor in staging + replaying a captured one."""
-    from k3runtime.executor import StepBatch
-
     llm = LLM(engines[1], device="cuda")
     runner = llm.engine.runner
-    n, dev = 3, torch.device("cuda")
-    batch = StepBatch(input_ids=torch.tensor([5, 6, 7], device=dev), cu_seqlens=torch.arange(n + 1, device=dev),
-                      slot_ids=torch.arange(n, device=dev), context_lens=torch.tensor([1, 9, 70], device=dev),
-                      page_table=torch.tensor([[0, -1], [1, -1], [2, 3]], device=dev),
-                      logits_indices=torch.arange(n, device=dev))
+    batch = _three_sequence_step()
+    n = batch.input_ids.shape[0]
     rows = [(5, 0, 1, [0]), (6, 1, 9, [1]), (7, 2, 70, [2, 3])]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -147,18 +153,13 @@ def test_forked_router_matches_one_stream(engines, monkeypatch):
     """The executor runs the Router on its side stream (FORKED_OPS), joined before the MoE reads its picks. The
     same step with the fork turned off gives the same logits, from the same caches."""
     from k3runtime import executor
-    from k3runtime.executor import StepBatch
 
     monkeypatch.setattr(executor, "FORK_MIN_TOKENS", 1)  # this step's 3 tokens fork too
 
     runner = LLM(engines[1], device="cuda").engine.runner
     ex = runner.executor
     assert ex.side is not None and any(b.side for b in ex.nodes)
-    n, dev = 3, torch.device("cuda")
-    batch = StepBatch(input_ids=torch.tensor([5, 6, 7], device=dev), cu_seqlens=torch.arange(n + 1, device=dev),
-                      slot_ids=torch.arange(n, device=dev), context_lens=torch.tensor([1, 9, 70], device=dev),
-                      page_table=torch.tensor([[0, -1], [1, -1], [2, 3]], device=dev),
-                      logits_indices=torch.arange(n, device=dev))
+    batch = _three_sequence_step()
     caches = [runner.cache.kda_state_all, runner.cache.kda_conv_all, runner.cache.mla_kv_all]
     saved = [t.clone() for t in caches]
     forked = ex.run(batch)["logits"].clone()

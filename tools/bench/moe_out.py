@@ -28,8 +28,8 @@ def bench_moe_out(bw_tbps: float, sweep: bool) -> None:
         h = (torch.randn(T, 2 * inter, device="cuda", generator=gen) * 4).to(torch.bfloat16)
 
         def two_gemms():  # the graph before MoEOutProj: cast, latent norm, slice, up GEMM, GLU, down GEMM, add
-            z = rms_norm(y.to(torch.bfloat16), nw, eps=1e-5)[:, start:start + size]
-            return dense(z, up) + dense(glu(h, act="situ", beta=4.0, linear_beta=25.0), down)
+            z = rms_norm(y.to(torch.bfloat16), nw, eps=kw["eps"])[:, start:start + size]
+            return dense(z, up) + dense(glu(h, act=kw["act"], beta=kw["beta"], linear_beta=kw["linear_beta"]), down)
 
         one = lambda: moe_out_proj(y, nw, h, w, **kw)                              # noqa: E731
         t_one, t_two = time_ms(one), time_ms(two_gemms)
