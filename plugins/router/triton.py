@@ -8,6 +8,8 @@ weights from the unbiased scores, renormalised and scaled.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,10 @@ from k3plugins.pdl import pdl, pdl_prologue
 
 @triton.jit
 def router_logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, stride_xm, stride_we, stride_ps, stride_pm,
-                         K_PER_SPLIT, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                         K_PER_SPLIT, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
+    """Split ps of the logits of BM tokens × BE experts. SWAP: the experts are the MMA's M side (acc [BE, BM]), so a
+    few tokens still fill Hopper's 64-row warpgroup MMA instead of a 16-row one."""
     pdl_prologue(PDL)
     pm = tl.program_id(0)
     pe = tl.program_id(1)
@@ -27,17 +32,27 @@ def router_logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, stride_xm, stride_we, 
     rk = tl.arange(0, BK)
     m_mask = offs_m < M
     e_mask = offs_e < E
-    acc = tl.zeros((BM, BE), dtype=tl.float32)
+    acc = tl.zeros((BE, BM) if SWAP else (BM, BE), dtype=tl.float32)
     k_start = ps * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
         k_mask = (k0 + rk) < D
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_e[None, :] * stride_we + (k0 + rk)[:, None], mask=e_mask[None, :] & k_mask[:, None],
-                    other=0.0)
-        acc = tl.dot(x, w, acc)
-    tl.store(part_ptr + ps * stride_ps + offs_m[:, None] * stride_pm + offs_e[None, :], acc,
-             mask=m_mask[:, None] & e_mask[None, :])
+        if SWAP:
+            w = tl.load(w_ptr + offs_e[:, None] * stride_we + (k0 + rk)[None, :],
+                        mask=e_mask[:, None] & k_mask[None, :], other=0.0)
+            xT = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + rk)[:, None],
+                         mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(w, xT, acc)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + rk)[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_e[None, :] * stride_we + (k0 + rk)[:, None],
+                        mask=e_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(x, w, acc)
+    part = part_ptr + ps * stride_ps
+    if SWAP:
+        tl.store(part + offs_m[None, :] * stride_pm + offs_e[:, None], acc, mask=m_mask[None, :] & e_mask[:, None])
+    else:
+        tl.store(part + offs_m[:, None] * stride_pm + offs_e[None, :], acc, mask=m_mask[:, None] & e_mask[None, :])
 
 
 @triton.jit
@@ -92,21 +107,32 @@ def _fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, st
     return True, ""
 
 
-def blocks_for(M: int) -> tuple[int, int, int, int]:
-    """The logits kernel's (BM, BE, BK, K splits) for M tokens: the H200 sweep's fastest at 8, 64 and 256 tokens
-    (BENCHMARKS.md). Few tokens leave few (token, expert) tiles, so K is split further to fill the SMs."""
+class LogitBlocks(NamedTuple):
+    """The logits kernel's launch: tiles, K splits (each writes a partial the top-k kernel sums), warps, stages."""
+    bm: int
+    be: int
+    bk: int
+    splits: int
+    warps: int = 4
+    stages: int = 3
+    swap: bool = False
+
+
+def blocks_for(M: int) -> LogitBlocks:
+    """The logits kernel's blocks for M tokens: the H200 sweep's fastest at 8, 64 and 256 tokens (BENCHMARKS.md).
+    Few tokens leave few (token, expert) tiles, so K is split further to fill the SMs."""
     if M <= 16:
-        return 16, 32, 128, 8
+        return LogitBlocks(16, 32, 128, 8)
     if M <= 64:
-        return 32, 32, 64, 8
-    return 64, 32, 64, 4 if M <= 256 else 1
+        return LogitBlocks(32, 32, 64, 8)
+    return LogitBlocks(64, 32, 64, 4 if M <= 256 else 1)
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int,
           renormalize: bool, scaling_factor: float, num_expert_group: int = 1, topk_group: int = 1,
-          blocks: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          blocks: LogitBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference.route. x: [M, D]; gate_weight: [E, D]; correction_bias: [E] or None.
-    blocks: the logits kernel's (BM, BE, BK, K splits) instead of blocks_for(M) (for tools/bench/router.py's sweep).
+    blocks: the logits kernel's launch instead of blocks_for(M) (for tools/bench/router.py's sweep).
 
     Returns:
         (topk_ids int64 [M, top_k], topk_weights fp32 [M, top_k]), ids in descending biased score.
@@ -117,12 +143,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
     M, D = x.shape
     E = gate_weight.shape[0]
     x = x.contiguous()
-    BM, BE, BK, splits = blocks or blocks_for(M)
-    k_per_split = triton.cdiv(triton.cdiv(D, splits), BK) * BK
+    b = blocks or blocks_for(M)
+    splits = b.splits
+    k_per_split = triton.cdiv(triton.cdiv(D, splits), b.bk) * b.bk
     part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
-    router_logits_kernel[(triton.cdiv(M, BM), triton.cdiv(E, BE), splits)](
+    router_logits_kernel[(triton.cdiv(M, b.bm), triton.cdiv(E, b.be), splits)](
         x, gate_weight, part, M, E, D, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
-        k_per_split, BM=BM, BE=BE, BK=BK, num_warps=4, num_stages=3, **pdl(x))
+        k_per_split, BM=b.bm, BE=b.be, BK=b.bk, SWAP=b.swap, num_warps=b.warps, num_stages=b.stages, **pdl(x))
     ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
     wts = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     bias = correction_bias.float().contiguous() if correction_bias is not None else part

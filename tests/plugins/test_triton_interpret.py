@@ -293,7 +293,7 @@ def _moe_out_cases() -> dict:
 def _router_cases() -> dict:
     """The fused router (logits split over K, top-k by tl.topk on packed keys) against the reference: fp16, E not
     a power of two, ragged M, with and without bias and renormalisation, and a forced tie (two experts with the
-    same gate row and bias: picked together or not at all)."""
+    same gate row and bias: picked together or not at all); the logits kernel in both MMA orientations (SWAP)."""
     from k3plugins.router import reference as ref
     from k3plugins.router import triton as router
     g = torch.Generator().manual_seed(7)
@@ -310,9 +310,12 @@ def _router_cases() -> dict:
         ids_r, wts_r = ref.route(x, w, b, **kw)
         # the picks as sets (torch.topk orders ties as it likes), each weight with its expert
         (ids, o), (ids_r, o_r) = ids.sort(1), ids_r.sort(1)
+        ids_s, wts_s = router.route(x, w, b, **kw, blocks=router.LogitBlocks(16, 32, 64, 3, swap=True))
         res[f"router-{M}-{E}-{k}"] = {"ids_equal": bool(torch.equal(ids, ids_r)),
                                        "rel": _rel(wts.gather(1, o), wts_r.gather(1, o_r)),
-                                       "tie_picked_together": bool(((ids == 3).any(1) == (ids == E - 1).any(1)).all())}
+                                       "tie_picked_together": bool(((ids == 3).any(1) == (ids == E - 1).any(1)).all()),
+                                       "swap_ids_equal": bool(torch.equal(ids_s.sort(1)[0], ids)),
+                                       "swap_rel": _rel(wts_s.sort(1)[0], wts.sort(1)[0])}
     return res
 
 
@@ -440,6 +443,7 @@ def test_attn_res_interpreted(results, dtype, tol, k):
 def test_router_interpreted(results, case):
     r = results[f"router-{case}"]
     assert r["ids_equal"] and r["tie_picked_together"] and r["rel"] < 1e-5, r
+    assert r["swap_ids_equal"] and r["swap_rel"] < 1e-5, r
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
