@@ -149,6 +149,38 @@ def _graph_step_ms(executor, n: int, rows, pages_per_seq: int, spare: tuple[int,
     return _median_ms(lambda: graphs.replay(rows), args.reps, True), graphs
 
 
+def _one_stream(executor):
+    side, executor.side = executor.side, None
+    return lambda: setattr(executor, "side", side)
+
+
+def _flip_moe_compact(executor):
+    from dataclasses import replace
+
+    from k3plugins.moe import triton as moe
+    old = moe.TACTICS["decode_p"]
+    moe.TACTICS["decode_p"] = replace(old, compact=not old.compact)
+    return lambda: moe.TACTICS.__setitem__("decode_p", old)
+
+
+def _seventeenth_router_blocks(executor):
+    from k3plugins.router import triton as router
+    new = router.blocks_for
+
+    def old(M):  # the router's blocks before the eighteenth session's sweep
+        return router.LogitBlocks(16, 32, 128, 8) if M <= 16 else router.LogitBlocks(32, 32, 64, 8) if M <= 64 \
+            else router.LogitBlocks(64, 32, 64, 4 if M <= 256 else 1)
+    router.blocks_for = old
+    return lambda: setattr(router, "blocks_for", new)
+
+
+AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
+    "one-stream": ("the executor's side stream off (the Router forked onto it by default)", _one_stream),
+    "moe-compact": ("the MoE decode tactic's compact grid (decode_p) flipped", _flip_moe_compact),
+    "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
+}
+
+
 def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, device) -> None:
     """Wrap every Router node: same kernels run, then fixed random distinct experts per token row (uniform
     over all experts, so each rank's share of the pairs is balanced) replace its picks."""
@@ -212,6 +244,9 @@ def main() -> None:
     ap.add_argument("--one-stream", action="store_true",
                     help="also time each step with the executor's side stream off (the Router forked onto it by "
                          "default, runtime/executor.py FORKED_OPS), in the same process")
+    ap.add_argument("--ab", action="append", default=[], choices=sorted(AB_SWITCHES),
+                    help="also time each step with this switch flipped, in the same process and before the default "
+                         "(step_ms_<switch>): " + "; ".join(f"{k}: {v[0]}" for k, v in AB_SWITCHES.items()))
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the router runs but its picks are replaced by balanced random ones (what a "
                          "trained K3 router with its bias approaches); model: the synthetic router's own picks "
@@ -282,10 +317,11 @@ def main() -> None:
         spare = (n_max * pages_per_seq, n_max)
         rec = dict(bench="rank_decode", batch=n, context=args.context)
         if cuda:
-            if args.one_stream:  # before the default, which keeps its place of runs without the flag
-                side, executor.side = executor.side, None
-                rec["step_ms_one_stream"] = round(_graph_step_ms(executor, n, rows, pages_per_seq, spare, args)[0], 4)
-                executor.side = side
+            for name in (["one-stream"] if args.one_stream else []) + args.ab:  # before the default, which keeps
+                undo = AB_SWITCHES[name][1](executor)                           # its place of runs without them
+                rec["step_ms_" + name.replace("-", "_")] = round(
+                    _graph_step_ms(executor, n, rows, pages_per_seq, spare, args)[0], 4)
+                undo()
             rec["step_ms"], graphs = _graph_step_ms(executor, n, rows, pages_per_seq, spare, args)
             graphs._stage(rows)
             batch = graphs._batch(n)

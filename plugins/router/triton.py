@@ -119,12 +119,17 @@ class LogitBlocks(NamedTuple):
 
 
 def blocks_for(M: int) -> LogitBlocks:
-    """The logits kernel's blocks for M tokens: the H200 sweep's fastest at 8, 64 and 256 tokens (BENCHMARKS.md).
-    Few tokens leave few (token, expert) tiles, so K is split further to fill the SMs."""
+    """The logits kernel's launch for M tokens: the fastest of the H200 sweep at 32, 64 and 128 tokens
+    (tools/bench/router.py, BENCHMARKS.md, eighteenth session); 8 and 256 keep the earlier sweep's picks. Few tokens
+    leave few (token, expert) tiles, so K is split further to fill the SMs."""
     if M <= 16:
         return LogitBlocks(16, 32, 128, 8)
+    if M <= 32:
+        return LogitBlocks(32, 64, 128, 8, stages=4, swap=True)
     if M <= 64:
-        return LogitBlocks(32, 32, 64, 8)
+        return LogitBlocks(64, 64, 128, 8, stages=4)
+    if M <= 128:
+        return LogitBlocks(64, 64, 128, 4, stages=4, swap=True)
     return LogitBlocks(64, 32, 64, 4 if M <= 256 else 1)
 
 

@@ -10,7 +10,7 @@ from k3plugins.router.reference import route as route_ref  # noqa: E402
 from k3plugins.router.triton import route  # noqa: E402
 
 
-@pytest.mark.parametrize("M", [1, 17, 300])
+@pytest.mark.parametrize("M", [1, 17, 32, 64, 128, 300])  # each of blocks_for's launches
 @pytest.mark.parametrize("E,D,k", [(896, 7168, 16), (40, 96, 4)])
 @pytest.mark.parametrize("renorm,bias", [(True, True), (False, False)])
 def test_router_matches_reference(M, E, D, k, renorm, bias):
