@@ -136,17 +136,28 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def _graph_step_ms(executor, n: int, rows, pages_per_seq: int, spare: tuple[int, int], args):
-    """Median ms of the step replayed from a CUDA graph of bucket n, after args.warmup_s of replays; and the graphs."""
+def _graphs(executor, n: int, pages_per_seq: int, spare: tuple[int, int]):
+    """The decode CUDA graphs of bucket n, captured as the executor and plugins stand now."""
     from k3runtime.cuda_graph import DecodeGraphs
     graphs = DecodeGraphs(executor, max_batch=n, max_pages=pages_per_seq, spare_page=spare[0], spare_slot=spare[1],
                           buckets=[n])
     graphs.capture()
+    return graphs
+
+
+def _interleaved_ms(variants: dict, rows, args, rounds: int) -> dict:
+    """Median ms of each variant's graph replay: args.warmup_s of replays of them all, then `rounds` rounds that time
+    each variant in turn (args.reps replays each), so that a drift of the clocks over the run falls on all alike."""
     settled = time.perf_counter() + args.warmup_s
     while time.perf_counter() < settled:
-        graphs.replay(rows)
+        for graphs in variants.values():
+            graphs.replay(rows)
         torch.cuda.synchronize()
-    return _median_ms(lambda: graphs.replay(rows), args.reps, True), graphs
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, graphs in variants.items():
+            times[name].append(_median_ms(lambda: graphs.replay(rows), args.reps, True))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _one_stream(executor):
@@ -242,11 +253,11 @@ def main() -> None:
                     help="MoE tactic instead of the one the build records (e.g. triton: the W4 decode on the "
                          "checkpoint's nibble order; triton_s: on the strided layout); the layout follows it")
     ap.add_argument("--one-stream", action="store_true",
-                    help="also time each step with the executor's side stream off (the Router forked onto it by "
-                         "default, runtime/executor.py FORKED_OPS), in the same process")
+                    help="the same as --ab one-stream: also time each step with the executor's side stream off (the "
+                         "Router forked onto it by default, runtime/executor.py FORKED_OPS), in the same process")
     ap.add_argument("--ab", action="append", default=[], choices=sorted(AB_SWITCHES),
-                    help="also time each step with this switch flipped, in the same process and before the default "
-                         "(step_ms_<switch>): " + "; ".join(f"{k}: {v[0]}" for k, v in AB_SWITCHES.items()))
+                    help="also time each step with this switch flipped (step_ms_<switch>), in the same process, "
+                         "its graphs replayed in turn with the default's over five rounds: " + "; ".join(f"{k}: {v[0]}" for k, v in AB_SWITCHES.items()))
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the router runs but its picks are replaced by balanced random ones (what a "
                          "trained K3 router with its bias approaches); model: the synthetic router's own picks "
@@ -317,12 +328,16 @@ def main() -> None:
         spare = (n_max * pages_per_seq, n_max)
         rec = dict(bench="rank_decode", batch=n, context=args.context)
         if cuda:
-            for name in (["one-stream"] if args.one_stream else []) + args.ab:  # before the default, which keeps
-                undo = AB_SWITCHES[name][1](executor)                           # its place of runs without them
-                rec["step_ms_" + name.replace("-", "_")] = round(
-                    _graph_step_ms(executor, n, rows, pages_per_seq, spare, args)[0], 4)
+            variants = {}
+            for name in (["one-stream"] if args.one_stream else []) + args.ab:
+                undo = AB_SWITCHES[name][1](executor)
+                variants[name] = _graphs(executor, n, pages_per_seq, spare)
                 undo()
-            rec["step_ms"], graphs = _graph_step_ms(executor, n, rows, pages_per_seq, spare, args)
+            graphs = variants["default"] = _graphs(executor, n, pages_per_seq, spare)
+            times = _interleaved_ms(variants, rows, args, rounds=5 if len(variants) > 1 else 1)
+            rec["step_ms"] = times.pop("default")
+            rec.update({"step_ms_" + name.replace("-", "_"): round(t, 4) for name, t in times.items()})
+            del variants
             graphs._stage(rows)
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)

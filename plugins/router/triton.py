@@ -108,7 +108,8 @@ def _fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, st
 
 
 class LogitBlocks(NamedTuple):
-    """The logits kernel's launch: tiles, K splits (each writes a partial the top-k kernel sums), warps, stages."""
+    """The logits kernel's launch: tiles, K splits (each writes a partial the top-k kernel sums), warps, stages; and
+    the top-k kernel's warps (one program a token)."""
     bm: int
     be: int
     bk: int
@@ -116,6 +117,7 @@ class LogitBlocks(NamedTuple):
     warps: int = 4
     stages: int = 3
     swap: bool = False
+    topk_warps: int = 4
 
 
 def blocks_for(M: int) -> LogitBlocks:
@@ -160,5 +162,6 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
     bias = correction_bias.float().contiguous() if correction_bias is not None else part
     router_topk_kernel[(M,)](part, bias, ids, wts, E, part.stride(0), part.stride(1), float(scaling_factor),
                              NUM_SPLITS=splits, TOP_K=top_k, BE=triton.next_power_of_2(E),
-                             HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=4, **pdl(part))
+                             HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=b.topk_warps,
+                             **pdl(part))
     return ids, wts
