@@ -165,13 +165,15 @@ def _one_stream(executor):
     return lambda: setattr(executor, "side", side)
 
 
-def _flip_moe_compact(executor):
-    from dataclasses import replace
+def _moe_decode_blocks(block_n: int, warps: int, stages: int):
+    def flip(executor):
+        from dataclasses import replace
 
-    from k3plugins.moe import triton as moe
-    old = moe.TACTICS["decode_p"]
-    moe.TACTICS["decode_p"] = replace(old, compact=not old.compact)
-    return lambda: moe.TACTICS.__setitem__("decode_p", old)
+        from k3plugins.moe import triton as moe
+        old = moe.TACTICS["decode_p"]
+        moe.TACTICS["decode_p"] = replace(old, block_n=block_n, num_warps=warps, num_stages=stages)
+        return lambda: moe.TACTICS.__setitem__("decode_p", old)
+    return flip
 
 
 def _seventeenth_router_blocks(executor):
@@ -187,7 +189,8 @@ def _seventeenth_router_blocks(executor):
 
 AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "one-stream": ("the executor's side stream off (the Router forked onto it by default)", _one_stream),
-    "moe-compact": ("the MoE decode tactic's compact grid (decode_p) flipped", _flip_moe_compact),
+    "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps, 3 stages", _moe_decode_blocks(128, 8, 3)),
+    "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode_blocks(64, 4, 4)),
     "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
 }
 

@@ -38,7 +38,6 @@ class MoETactic:
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
     tiled: bool = False  # with strided: weights and scales in tile_rows' order (block_n a multiple of TILE_ROWS)
     rows_first: bool = False  # grid (row blocks, experts): programs that run together share an expert's tokens
-    compact: bool = False  # a 1D grid whose first programs take the experts with pairs (empty experts' run last)
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -201,21 +200,17 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if t.fp8:
         z, zs = quantize_e4m3(z)
         f8 = _F8[z.dtype][0]
-    if t.compact:
-        grid = lambda rows: (E * (rows // t.block_n),)
-    else:
-        grid = lambda rows: (rows // t.block_n, E) if t.rows_first else (E, rows // t.block_n)
-    compact = dict(COMPACT=t.compact, E=E, EP=triton.next_power_of_2(E + 1))
+    grid = lambda rows: (rows // t.block_n, E) if t.rows_first else (E, rows // t.block_n)
     moe_gate_up_kernel[grid(inter)](
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
-        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, **compact,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
+        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, num_warps=t.num_warps,
+        num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
-        W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, Dl=Dl, **compact, num_warps=t.num_warps,
+        W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, num_warps=t.num_warps,
         num_stages=t.num_stages, **pdl(h))
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,

@@ -215,42 +215,11 @@ def _row_offsets(offs_n, stride_n, TILE_K: tl.constexpr, TILED: tl.constexpr):
 
 
 @triton.jit
-def _program(offs_ptr, E, rows, BN: tl.constexpr, ROWS_FIRST: tl.constexpr, COMPACT: tl.constexpr,
-             EP: tl.constexpr):
-    """(expert, its rows, whether this program has rows) of this program: grid (experts, row blocks), or (row
-    blocks, experts) ROWS_FIRST. COMPACT: a 1D grid of as many programs, the first ones given the (expert, row
-    block) tiles of the experts that have pairs in the same order, the rest none. A decode step leaves most
-    experts empty at 32 requests (about 56 % of a rank's), and their programs, interleaved with the real ones,
-    each held a slot for a launch, two loads and an exit; compacted, they run last, beside the final wave. EP: a
-    power of two > E (the offsets are loaded as one vector)."""
-    if COMPACT:
-        re = tl.arange(0, EP)
-        lo = tl.load(offs_ptr + re, mask=re < E, other=0)
-        hi = tl.load(offs_ptr + re + 1, mask=re < E, other=0)
-        active = (hi > lo).to(tl.int32)
-        n = tl.maximum(tl.sum(active, 0), 1)
-        blocks = rows // BN
-        pid = tl.program_id(0)
-        if ROWS_FIRST:
-            slot, rb = pid // blocks, pid % blocks
-        else:
-            slot, rb = pid % n, pid // n
-        e = tl.sum(tl.where((active > 0) & (tl.cumsum(active, 0) == slot + 1), re, 0), 0)
-        valid = (slot < n) & (rb < blocks)
-        return e, tl.minimum(rb, blocks - 1) * BN + tl.arange(0, BN), valid  # rows in range even when not valid
+def _program(BN: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """(expert, its rows) of this program: grid (experts, row blocks), or (row blocks, experts) ROWS_FIRST."""
     if ROWS_FIRST:
-        return tl.program_id(1), tl.program_id(0) * BN + tl.arange(0, BN), True
-    return tl.program_id(0), tl.program_id(1) * BN + tl.arange(0, BN), True
-
-
-@triton.jit
-def _pairs(offs_ptr, e, valid, COMPACT: tl.constexpr):
-    """Where expert e's sorted pairs start and end (COMPACT: an empty range for a program without rows)."""
-    start = tl.load(offs_ptr + e)
-    end = tl.load(offs_ptr + e + 1)
-    if COMPACT:
-        end = tl.where(valid, end, start)
-    return start, end
+        return tl.program_id(1), tl.program_id(0) * BN + tl.arange(0, BN)
+    return tl.program_id(0), tl.program_id(1) * BN + tl.arange(0, BN)
 
 
 @triton.jit
@@ -258,8 +227,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        stride_wn, stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
-                       ROWS_FIRST: tl.constexpr = False, COMPACT: tl.constexpr = False, E=1, EP: tl.constexpr = 1,
-                       PDL: tl.constexpr = False):
+                       ROWS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -271,11 +239,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     zs_ptr and F8 are unused otherwise. TILED (with STRIDED, BN a multiple of TILE_ROWS): weights and scales in
     `tile_rows`' order, so that each K step reads whole contiguous blocks (_row_offsets). ROWS_FIRST: the grid is
     (row blocks, experts) instead of (experts, row blocks), so programs that run together share an expert's tokens.
-    COMPACT (E local experts, EP a power of two above): _program's 1D grid, the experts with pairs first.
     """
     pdl_prologue(PDL)
-    e, offs_n, valid = _program(offs_ptr, E, I, BN, ROWS_FIRST, COMPACT, EP)
-    start, end = _pairs(offs_ptr, e, valid, COMPACT)
+    e, offs_n = _program(BN, ROWS_FIRST)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
     RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)  # activation rows a load adds itself
     rk = tl.arange(0, RK)
@@ -333,13 +301,13 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
 def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I, stride_hm, stride_we,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
-                    ROWS_FIRST: tl.constexpr = False, COMPACT: tl.constexpr = False, Dl=1, E=1,
-                    EP: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST, COMPACT: as the
-    gate/up kernel's; Dl, the output rows, is read by COMPACT only)."""
+                    ROWS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+    """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
+    kernel's)."""
     pdl_prologue(PDL)
-    e, offs_n, valid = _program(offs_ptr, E, Dl, BN, ROWS_FIRST, COMPACT, EP)
-    start, end = _pairs(offs_ptr, e, valid, COMPACT)
+    e, offs_n = _program(BN, ROWS_FIRST)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
     RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)

@@ -117,7 +117,7 @@ class LogitBlocks(NamedTuple):
     warps: int = 4
     stages: int = 3
     swap: bool = False
-    topk_warps: int = 4
+    topk_warps: int = 8  # 3-5 % faster than 4 at 32-128 tokens (BENCHMARKS.md, eighteenth session)
 
 
 def blocks_for(M: int) -> LogitBlocks:

@@ -1,6 +1,4 @@
 """Triton MXFP4 MoE vs the torch reference on the GPU (pytest -m gpu)."""
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -36,17 +34,12 @@ CASES = {
 }
 
 
-COMPACT = {"decode_pc": replace(mt.TACTICS["decode_p"], compact=True),  # the 1D grid, experts with pairs first
-           "prefill_pc": replace(mt.TACTICS["prefill_p"], compact=True)}
-
-
-@pytest.mark.parametrize("tactic", sorted(mt.TACTICS) + sorted(COMPACT))
+@pytest.mark.parametrize("tactic", sorted(mt.TACTICS))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_moe_matches_reference(case, tactic, act="situ"):
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=hash(case) % 1000,
                                         empty=(1,) if case == "ragged" else ())
-    tactic = COMPACT.get(tactic, tactic)
     ok, why = mt.supports(z, w13, w2, tactic=tactic)
     if not ok:
         pytest.skip(why)
@@ -54,7 +47,7 @@ def test_moe_matches_reference(case, tactic, act="situ"):
     a, b = mt.lay_out(tactic, w13), mt.lay_out(tactic, w2)
     sa, sb = mt.lay_out_scale(tactic, s13), mt.lay_out_scale(tactic, s2)
     out = mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act=act, tactic=tactic)
-    if mt._tactic(tactic, dl, inter).fp8:  # the kernel sees e4m3 activations (the scales here keep the weights exact in e4m3)
+    if mt.TACTICS[tactic].fp8:  # the kernel sees e4m3 activations (the scales here keep the weights exact in e4m3)
         q, scale = mt.quantize_e4m3(z)
         z = (q.float() * scale[:, None]).to(z.dtype)
     ref = moe_ref(z, ids, w, w13, s13, w2, s2, expert_start=start, act=act)

@@ -78,25 +78,22 @@ def _sort_pairs_case(moe):
             "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0}
 
 
-def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, compact=False):
+def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
     pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K) vs
-    the reference on the originals. rows_first: the grid (row blocks, experts). compact: the 1D grid with the
-    experts that have pairs first, here with an empty expert between two that have some."""
+    the reference on the originals. rows_first: the grid (row blocks, experts)."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
     z = torch.randn(M, dl, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(5, generator=g)[:k] for _ in range(M)])
-    if compact:
-        ids[ids == 2] = 0  # local expert 1 (global 2) gets no pairs
     w = torch.rand(M, k, generator=g)
     w13 = torch.randint(0, 256, (E, 2 * inter, dl // 2), dtype=torch.uint8, generator=g)
     s13 = torch.randint(118, 128, (E, 2 * inter, dl // 32), dtype=torch.uint8, generator=g)
     w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
     tactic = moe.MoETactic(block_m=16, block_n=128 if tiled else 32, block_k=256, num_warps=4, num_stages=1,
-                           strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first, compact=compact)
+                           strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first)
     out = moe.moe_experts(z, ids, w, moe.lay_out(tactic, w13), moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2),
                           moe.lay_out_scale(tactic, s2), expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
@@ -338,9 +335,6 @@ def _child() -> None:
         res[f"moe-paired-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype, paired=True)
     res["moe-tiled-float32"] = _moe_strided_case(moe, torch.float32, tiled=True)
     res["moe-rows-first-float32"] = _moe_strided_case(moe, torch.float32, paired=True, rows_first=True)
-    for rows_first in (False, True):
-        res[f"moe-compact-{rows_first}"] = _moe_strided_case(moe, torch.float32, tiled=True, rows_first=rows_first,
-                                                             compact=True)
     res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
@@ -396,13 +390,6 @@ def test_moe_tiled_layout_interpreted(results):
 
 def test_moe_rows_first_grid_interpreted(results):
     assert results["moe-rows-first-float32"]["rel"] < 1e-5, results["moe-rows-first-float32"]
-
-
-@pytest.mark.parametrize("rows_first", [False, True])
-def test_moe_compact_grid_interpreted(results, rows_first):
-    """The compact grid with an empty expert between two with pairs: every tile still computed once."""
-    r = results[f"moe-compact-{rows_first}"]
-    assert r["rel"] < 1e-5, r
 
 
 def test_sort_pairs_interpreted(results):

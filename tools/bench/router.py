@@ -59,7 +59,7 @@ def _sweep(M, x, w, bias, kw, floor_ms, t_default) -> None:
         best = min(best, (t_b, b))
     emit(bench="router_best", M=M, default_ms=round(t_default, 4), best_ms=round(best[0], 4), **best[1]._asdict(),
          speedup_vs_default=round(t_default / best[0], 3))
-    for warps in (1, 2, 4, 8):  # the top-k kernel's, with the logits kernel's default launch
+    for warps in (2, 4, 8, 16):  # the top-k kernel's, with the logits kernel's default launch
         b = blocks_for(M)._replace(topk_warps=warps)
         t_b = time_ms(lambda: route(x, w, bias, **kw, blocks=b))
         emit(bench="router_topk_warps", M=M, topk_warps=warps, ms=round(t_b, 4), frac_of_floor=round(floor_ms / t_b, 3))
