@@ -148,9 +148,14 @@ class Executor:
                 out = b.fn(*args, self.caches.mla_kv[ci], cu_seqlens=batch.cu_seqlens,
                            context_lens=batch.context_lens, page_table=batch.page_table, **kw)
             elif b.kind == "attn_res":
-                # Graph order is (partial, proj, norm, *snapshots): the variadic inputs come last in ONNX. The
-                # snapshots go as a list: the device kernel reads them in place (the reference stacks them).
-                out = b.fn(args[0], args[3:], args[1], args[2], **b.attrs)
+                # Graph order is (partial, [delta,] proj, norm, *snapshots): the variadic inputs come last in ONNX;
+                # delta (the residual add fused into the op) only with residual=1, which adds the new running sum
+                # as a second output. The snapshots go as a list: the device kernel reads them in place.
+                kw = {k: v for k, v in b.attrs.items() if k != "residual"}
+                if b.attrs.get("residual"):
+                    out = b.fn(args[0], args[4:], args[2], args[3], delta=args[1], **kw)
+                else:
+                    out = b.fn(args[0], args[3:], args[1], args[2], **kw)
             else:
                 out = b.fn(*args, **b.attrs)
             if len(b.outputs) == 1:

@@ -176,6 +176,23 @@ def _moe_decode_blocks(block_n: int, warps: int, stages: int):
     return flip
 
 
+def _unfused_residual(executor):
+    """The AttnRes nodes that add the residual (residual=1) run it as a separate add first, as before the fusion."""
+    def unfused(fn):
+        def run(partial, blocks, proj, norm, *, delta, **kw):
+            total = partial + delta
+            return fn(total, blocks, proj, norm, **kw), total
+        return run
+    saved = [(b, b.fn) for b in executor.nodes if b.kind == "attn_res" and b.attrs.get("residual")]
+    for b, fn in saved:
+        b.fn = unfused(fn)
+
+    def undo():
+        for b, fn in saved:
+            b.fn = fn
+    return undo
+
+
 def _seventeenth_router_blocks(executor):
     from k3plugins.router import triton as router
     new = router.blocks_for
@@ -191,6 +208,7 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "one-stream": ("the executor's side stream off (the Router forked onto it by default)", _one_stream),
     "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps, 3 stages", _moe_decode_blocks(128, 8, 3)),
     "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode_blocks(64, 4, 4)),
+    "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
 }
 

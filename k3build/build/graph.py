@@ -70,8 +70,10 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
         data_inputs += [helper.make_tensor_value_info(n, _ONNX_DTYPE[act_dtype], ["T", cfg.hidden_size]) for n in blocks]
         p = "hidden_in"
     kda_index = mla_index = 0
+    delta = None  # each layer's output, added to the running sum by the next AttnRes (or Add)
     for layer in layers:
-        p, blocks = _decoder_layer(b, layer, p, blocks, kda_index if cfg.layer_types[layer] == KDA else mla_index)
+        p, delta, blocks = _decoder_layer(b, layer, p, delta, blocks,
+                                          kda_index if cfg.layer_types[layer] == KDA else mla_index)
         if cfg.layer_types[layer] == KDA:
             kda_index += 1
         else:
@@ -79,8 +81,8 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
     outputs = []
     if mapping.is_last_stage(rank):
         data_inputs.append(helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["N"]))
-        h = b.op("AttnRes", [p, "out_res.proj", "out_res.norm", *blocks], name="out_res", eps=cfg.rms_norm_eps) \
-            if cfg.attn_res_block_size is not None and blocks else p
+        h, p = _attn_res(b, p, delta, blocks if cfg.attn_res_block_size is not None else [], "out_res",
+                         f"l{layers.stop - 1}.mlp.residual")
         h = b.op("RMSNorm", [h, "norm"], name="final_norm", eps=cfg.rms_norm_eps)
         logits = b.op("LMHead", [h, "lm_head", "logits_indices"], name="lm_head")
         tp = mapping.dense_tp_size
@@ -89,6 +91,8 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
         b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
         outputs.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", cfg.vocab_size]))
     else:
+        if delta is not None:
+            p = b.add(p, delta, name=f"l{layers.stop - 1}.mlp.residual")
         b.nodes.append(helper.make_node("Identity", [p], ["hidden_out"], name="hidden_out"))
         outputs.append(helper.make_tensor_value_info("hidden_out", _ONNX_DTYPE[act_dtype], ["T", cfg.hidden_size]))
         for i, blk in enumerate(blocks):
@@ -102,22 +106,39 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
     return model
 
 
-def _decoder_layer(b: _Builder, layer: int, p: str, blocks: list[str], cache_index: int) -> tuple[str, list[str]]:
+def _decoder_layer(b: _Builder, layer: int, p: str, delta: str | None, blocks: list[str],
+                   cache_index: int) -> tuple[str, str, list[str]]:
+    """One layer on the running sum p + delta (delta: the last layer's output, not yet added: the add is fused
+    into the next AttnRes where there is one). Returns the same pair after this layer, and the snapshots."""
     cfg, e = b.cfg, f"l{layer}."
-    h = b.op("AttnRes", [p, e + "attn_res.proj", e + "attn_res.norm", *blocks], name=e + "attn_res",
-             eps=cfg.rms_norm_eps) if blocks else p
+    h, p = _attn_res(b, p, delta, blocks, e + "attn_res", f"l{layer - 1}.mlp.residual")
     reset = cfg.takes_snapshot(layer)
     if reset:
         blocks = blocks + [p]
     x = b.op("RMSNorm", [h, e + "input_norm"], name=e + "input_norm", eps=cfg.rms_norm_eps)
     a = _kda(b, layer, x, cache_index) if cfg.layer_types[layer] == KDA else _mla(b, layer, x, cache_index)
     a = b.reduce(a, "tp", b.mapping.attn_tp_size, e + "attn.allreduce")
-    p = a if reset else b.add(p, a, name=e + "attn.residual")
-    h = b.op("AttnRes", [p, e + "mlp_res.proj", e + "mlp_res.norm", *blocks], name=e + "mlp_res",
-             eps=cfg.rms_norm_eps) if blocks else p
+    p, a = (a, None) if reset else (p, a)
+    h, p = _attn_res(b, p, a, blocks, e + "mlp_res", e + "attn.residual")
     x = b.op("RMSNorm", [h, e + "post_norm"], name=e + "post_norm", eps=cfg.rms_norm_eps)
     f = _moe(b, layer, x) if cfg.is_moe_layer(layer) else _dense(b, e + "mlp.", x)
-    return b.add(p, f, name=e + "mlp.residual"), blocks
+    return p, f, blocks
+
+
+def _attn_res(b: _Builder, p: str, delta: str | None, blocks: list[str], name: str,
+              add_name: str) -> tuple[str, str]:
+    """(AttnRes output, running sum) for the running sum p + delta: the add fused into the AttnRes node (residual=1,
+    the sum its second output) when there are snapshots to mix, else a plain Add named add_name (or nothing to add:
+    delta None). Without snapshots the mix is the identity (K3_SPEC §2.1), so the output is the sum."""
+    weights = [name + ".proj", name + ".norm"]
+    if blocks and delta is not None:
+        return tuple(b.op("AttnRes", [p, delta, *weights, *blocks], num_outputs=2, name=name, eps=b.cfg.rms_norm_eps,
+                          residual=1))
+    if delta is not None:
+        p = b.add(p, delta, name=add_name)
+    if blocks:
+        return b.op("AttnRes", [p, *weights, *blocks], name=name, eps=b.cfg.rms_norm_eps), p
+    return p, p
 
 
 def _mlp_attrs(cfg: K3Config) -> dict:

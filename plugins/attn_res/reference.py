@@ -5,7 +5,8 @@ import torch
 
 
 def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
-             norm_weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+             norm_weight: torch.Tensor, *, eps: float,
+             delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mix the block snapshots and the running sum by a softmax over depth.
 
     Args:
@@ -14,10 +15,18 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
         proj: [D] the checkpoint's [1, D] res_proj weight, flattened.
         norm_weight: [D] the res_norm weight.
         eps: RMS epsilon of the keys.
+        delta: [M, D], the layer's output to add to the running sum first (the graph's residual add, fused into
+            this op by the build: `residual` = 1), rounded to partial.dtype as the add would be.
 
     Returns:
-        [M, D] in partial.dtype: Σ_i softmax_i(score) · v_i; `partial` itself when K == 0.
+        [M, D] in partial.dtype: Σ_i softmax_i(score) · v_i; `partial` itself when K == 0. With delta: (that,
+        the new running sum partial + delta).
     """
+    if delta is not None:
+        if delta.shape != partial.shape:
+            raise ValueError(f"attn_res: delta must match partial {tuple(partial.shape)}, got {tuple(delta.shape)}")
+        partial = partial + delta
+        return attn_res(partial, blocks, proj, norm_weight, eps=eps), partial
     if partial.dim() != 2:
         raise ValueError(f"attn_res: partial must be [M, D], got {tuple(partial.shape)}")
     M, D = partial.shape

@@ -61,17 +61,34 @@ def _candidate(i: tl.constexpr, K: tl.constexpr, partial_ptr, b0, b1, b2, b3, b4
 
 
 @triton.jit
+def _running_sum(K: tl.constexpr, partial_ptr, delta_ptr, sum_ptr, b0, b1, b2, b3, b4, b5, b6, b7, m, stride_pm,
+                 stride_bk, stride_bm, offs, mask, STACKED: tl.constexpr, DELTA: tl.constexpr):
+    """The last candidate in fp32: the running sum, or with DELTA (the graph's residual add fused here) partial +
+    delta rounded to the activations' dtype as the add would be, and stored to sum_ptr. partial, delta and sum share
+    the row stride."""
+    p = _candidate(K, K, partial_ptr, b0, b1, b2, b3, b4, b5, b6, b7, m, stride_pm, stride_bk, stride_bm, offs, mask,
+                   STACKED)
+    if DELTA:
+        p = p + tl.load(delta_ptr + m * stride_pm + offs, mask=mask, other=0.0).to(tl.float32)
+        p = p.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + m * stride_pm + offs, p, mask=mask)
+        p = p.to(tl.float32)
+    return p
+
+
+@triton.jit
 def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
                     norm_w_ptr, out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
-                    STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                    STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, delta_ptr=None, sum_ptr=None,
+                    DELTA: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
     q = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * \
         tl.load(proj_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = _candidate(K, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m, stride_pm,
-                   stride_bk, stride_bm, offs, mask, STACKED)
+    p = _running_sum(K, partial_ptr, delta_ptr, sum_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr,
+                     b7_ptr, m, stride_pm, stride_bk, stride_bm, offs, mask, STACKED, DELTA)
     s_partial = _score(p, q, D, eps)
     rk = tl.arange(0, BK)
     scores = tl.full((BK,), float("-inf"), tl.float32)
@@ -94,9 +111,11 @@ def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr,
 @triton.jit
 def attn_res_partials_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
                              norm_w_ptr, part_ptr, D, stride_pm, stride_bk, stride_bm, K: tl.constexpr,
-                             STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                             STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, delta_ptr=None, sum_ptr=None,
+                             DELTA: tl.constexpr = False, PDL: tl.constexpr = False):
     """Split over D, first pass: for token program_id(0) and chunk program_id(1) of CH values, each candidate's
-    v·(w⊙p) and v·v over the chunk, to part [M, chunks, 2, BK]. One warp a chunk: warp reductions, no barrier."""
+    v·(w⊙p) and v·v over the chunk, to part [M, chunks, 2, BK]. One warp a chunk: warp reductions, no barrier.
+    DELTA: this chunk of the new running sum is written too (_running_sum), for the second pass to read."""
     pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -108,8 +127,12 @@ def attn_res_partials_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr
     dots = tl.zeros((BK,), tl.float32)
     squares = tl.zeros((BK,), tl.float32)
     for i in tl.static_range(K + 1):
-        v = _candidate(i, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m,
-                       stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
+        if i == K:
+            v = _running_sum(K, partial_ptr, delta_ptr, sum_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr,
+                             b6_ptr, b7_ptr, m, stride_pm, stride_bk, stride_bm, offs, mask, STACKED, DELTA)
+        else:
+            v = _candidate(i, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m,
+                           stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
         dots = tl.where(rk == i, tl.sum(v * q, 0), dots)
         squares = tl.where(rk == i, tl.sum(v * v, 0), squares)
     out = part_ptr + (m * tl.num_programs(1) + c) * 2 * BK + rk
@@ -157,12 +180,15 @@ def use_split(M: int, K: int) -> int:
 
 
 def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
-             norm_weight: torch.Tensor, *, eps: float, split: int | None = None) -> torch.Tensor:
+             norm_weight: torch.Tensor, *, eps: float, split: int | None = None,
+             delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """See reference.attn_res. partial: [M, D]; blocks: [K, M, D], or K tensors [M, D] (read where they are: the
     executor's snapshots are never stacked into a copy); proj, norm_weight: D values.
     split: 0, one program a token, whose two block-wide reductions per candidate cost a barrier each; else two
     launches over (token, chunk of `split` values of D) programs of one warp, with no barrier; None (the
-    engine's call): use_split's choice."""
+    engine's call): use_split's choice.
+    delta: [M, D], added to partial first by the same launches (the graph's residual add: one launch and one read
+    of the running sum fewer); then returns (output, partial + delta)."""
     M, D = partial.shape if partial.dim() == 2 else (-1, -1)
     if isinstance(blocks, torch.Tensor):
         stacked = blocks.dim() == 3 and tuple(blocks.shape[1:]) == (M, D)
@@ -170,11 +196,17 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
     if partial.dim() != 2 or any(tuple(b.shape) != (M, D) for b in blocks):
         raise ValueError(f"attn_res (triton): partial [M, D] and blocks [K, M, D] (or K x [M, D]) expected, got "
                          f"{tuple(partial.shape)} and {[tuple(b.shape) for b in blocks]}")
+    if delta is not None and delta.shape != partial.shape:
+        raise ValueError(f"attn_res (triton): delta must match partial {tuple(partial.shape)}, got "
+                         f"{tuple(delta.shape)}")
     K = len(blocks)
     if proj.numel() != D or norm_weight.numel() != D:
         raise ValueError(f"attn_res (triton): proj and norm_weight must hold {D} values")
-    if K == 0:
-        return partial  # a softmax over one candidate is exactly 1
+    if K == 0:  # a softmax over one candidate is exactly 1
+        if delta is None:
+            return partial
+        total = partial + delta
+        return total, total
     if split is None:
         split = use_split(M, K)
     partial = partial.contiguous()
@@ -183,19 +215,24 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
     ptrs = [torch.stack(blocks)] if many else blocks
     ptrs = ptrs + [ptrs[0]] * (MAX_BLOCK_PTRS - len(ptrs))  # unused pointer slots
     out = torch.empty_like(partial)
+    fused = {}
+    if delta is not None:
+        total = torch.empty_like(partial)
+        fused = dict(delta_ptr=delta.contiguous(), sum_ptr=total, DELTA=True)
     proj, norm_weight = proj.reshape(D).contiguous(), norm_weight.contiguous()
     if M and split:
         chunks, bk = triton.cdiv(D, split), triton.next_power_of_2(K + 1)
         part = torch.empty(M, chunks, 2, bk, dtype=torch.float32, device=partial.device)
         strides = (D, partial.stride(0), M * D, D)
         attn_res_partials_kernel[(M, chunks)](partial, *ptrs, proj, norm_weight, part, *strides, K=K, STACKED=many,
-                                              CH=split, BK=bk, num_warps=1, **pdl(partial))
-        attn_res_mix_kernel[(M, chunks)](partial, *ptrs, part, out, *strides, out.stride(0), float(eps), K=K,
-                                         STACKED=many, CH=split, BK=bk, CHUNKS=chunks,
+                                              CH=split, BK=bk, **fused, num_warps=1, **pdl(partial))
+        attn_res_mix_kernel[(M, chunks)](total if fused else partial, *ptrs, part, out, *strides, out.stride(0),
+                                         float(eps), K=K, STACKED=many, CH=split, BK=bk, CHUNKS=chunks,
                                          BC=triton.next_power_of_2(chunks), num_warps=1, **pdl(partial))
     elif M:
         bd = triton.next_power_of_2(D)
         attn_res_kernel[(M,)](partial, *ptrs, proj, norm_weight, out, D,
                               partial.stride(0), M * D, D, out.stride(0), float(eps), K=K, STACKED=many, BD=bd,
-                              BK=triton.next_power_of_2(K), num_warps=min(16, max(1, bd // 512)), **pdl(partial))
-    return out
+                              BK=triton.next_power_of_2(K), **fused, num_warps=min(16, max(1, bd // 512)),
+                              **pdl(partial))
+    return (out, total) if fused else out

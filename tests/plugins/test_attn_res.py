@@ -61,3 +61,15 @@ def test_attn_res_rejects_bad_shapes():
         attn_res(torch.ones(4, 8), torch.ones(2, 3, 8), torch.ones(8), torch.ones(8), eps=1e-5)
     with pytest.raises(ValueError, match="must both hold 8"):
         attn_res(torch.ones(4, 8), torch.ones(2, 4, 8), torch.ones(7), torch.ones(8), eps=1e-5)
+
+
+def test_attn_res_delta_is_the_add_then_the_mix():
+    """delta (the graph's residual add fused into the op): the output of the mix over partial + delta, and that sum
+    itself, rounded as the separate add rounded it."""
+    partial, blocks, proj, nw = _inputs(9, 3, 64, torch.bfloat16, seed=4)
+    delta = torch.randn(9, 64).to(torch.bfloat16)
+    out, total = attn_res(partial, blocks, proj.reshape(-1), nw, eps=1e-5, delta=delta)
+    assert torch.equal(total, partial + delta)
+    assert torch.equal(out, attn_res(partial + delta, blocks, proj.reshape(-1), nw, eps=1e-5))
+    with pytest.raises(ValueError, match="delta must match"):
+        attn_res(partial, blocks, proj.reshape(-1), nw, eps=1e-5, delta=delta[:3])

@@ -239,9 +239,16 @@ def _norm_cases() -> dict:
             p112, n112 = torch.randn(112, generator=g), 1 + 0.1 * torch.randn(112, generator=g)
             rel_wide = _rel(ar.attn_res(wide, wide_blocks, p112, n112, eps=1e-6, split=32),
                             ar_ref.attn_res(wide, wide_blocks, p112, n112, eps=1e-6)) if k else 0.0
+            # the residual add fused (delta): both forms give the reference's output and exactly its running sum
+            delta = torch.randn(7, 96, generator=g).to(dtype)
+            want_d, want_sum = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6, delta=delta)
+            fused = {split: ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6, split=split,
+                                        delta=delta) for split in (0, 32)}
             res[f"attnres-{name}-{k}"] = {"rel": _rel(got, want), "dtype_ok": got.dtype == want.dtype,
                                           "rel_list": _rel(got_list, want), "rel_split": _rel(got_split, want),
-                                          "rel_split_masked": rel_wide}
+                                          "rel_split_masked": rel_wide,
+                                          "rel_delta": max(_rel(o, want_d) for o, _ in fused.values()),
+                                          "sum_exact": all(torch.equal(t, want_sum) for _, t in fused.values())}
     return res
 
 
@@ -437,6 +444,7 @@ def test_attn_res_interpreted(results, dtype, tol, k):
     r = results[f"attnres-{dtype}-{k}"]
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
     assert r["rel_split"] < tol and r["rel_split_masked"] < tol, r  # the split tactic, over 3 and 4 chunks
+    assert r["rel_delta"] < tol and r["sum_exact"], r  # the residual add fused, in both forms
 
 
 @pytest.mark.parametrize("case", ["5-96-8", "17-64-4", "1-40-16"])
