@@ -57,6 +57,11 @@ def test_attn_res_matches_reference(K, M, D, split):
     for form in (blocks, torch.stack(blocks) if K else torch.empty(0, M, D, device="cuda", dtype=torch.bfloat16)):
         got = ar.attn_res(partial, form, proj, nw, eps=1e-6, split=split)
         assert got.dtype == torch.bfloat16 and _rel(got, want) < 8e-3, (K, M, D, split)
+    # the residual add fused: the same mix of partial + delta, and exactly the separate add's running sum
+    delta = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
+    want_d, want_sum = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6, delta=delta)
+    got_d, got_sum = ar.attn_res(partial, blocks, proj, nw, eps=1e-6, split=split, delta=delta)
+    assert torch.equal(got_sum, want_sum) and _rel(got_d, want_d) < 8e-3, (K, M, D, split)
 
 
 @pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (2048, 16, 56, 112), (7, 4, 3, 5)])
