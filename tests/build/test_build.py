@@ -310,3 +310,27 @@ def test_gfx942_target_stamps_and_is_refused_on_cpu(k3_tiny_engine, tmp_path):
     _check_graph(_graph(out, 0))
     with pytest.raises(EngineError, match=r"built for target 'gfx942'.*k3build build --target cpu"):
         load_rank(out, 0, "cpu")
+
+
+def test_residual_adds_live_in_attn_res(k3_tiny_engine):
+    """Each layer's attention and FFN outputs reach the running sum through the next AttnRes node (residual=1: the
+    output as its second input, the new sum as its second output), never a separate Add, where a snapshot exists;
+    a layer that takes a snapshot starts the sum afresh from its attention output."""
+    model = onnx.load(k3_tiny_engine / "rank0" / "graph.onnx")
+    nodes = {n.name: n for n in model.graph.node}
+    assert not [n.name for n in model.graph.node if n.op_type == "Add"]
+    residual = lambda n: any(a.name == "residual" and a.i == 1 for a in n.attribute)  # noqa: E731
+    for i in range(CFG.num_hidden_layers):
+        mixer = nodes[f"l{i}.kda" if CFG.layer_types[i] == KDA else f"l{i}.mla"].output[0]
+        mlp_res = nodes[f"l{i}.mlp_res"]
+        if CFG.takes_snapshot(i):
+            assert mlp_res.input[0] == mixer and not residual(mlp_res)
+            running = mixer
+        else:
+            assert residual(mlp_res) and mlp_res.input[1] == mixer and len(mlp_res.output) == 2
+            running = mlp_res.output[1]
+        ffn = nodes[f"l{i}.moe.out_proj" if CFG.is_moe_layer(i) else f"l{i}.mlp.mlp"].output[0]
+        after = nodes[f"l{i + 1}.attn_res" if i + 1 < CFG.num_hidden_layers else "out_res"]
+        assert residual(after) and after.input[1] == ffn
+        # the sum the fused add writes is the running sum the next node reads
+        assert after.input[0] == running
