@@ -3,6 +3,7 @@
     python tools/bench_rank.py [--batches 32,64,128] [--context 8192]          # on an H200: TEP16 rank 0
     python tools/bench_rank.py --moe-tactic triton                                # another MoE tactic than the build's
     python tools/bench_rank.py --kda-decode split                                 # another KDA decode tactic
+    python tools/bench_rank.py --ab unfused-residual                              # A/B a switch in one process
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
     python tools/bench_rank.py --gemms                                            # its dense GEMMs alone (GPU)
 
@@ -278,7 +279,8 @@ def main() -> None:
                          "Router forked onto it by default, runtime/executor.py FORKED_OPS), in the same process")
     ap.add_argument("--ab", action="append", default=[], choices=sorted(AB_SWITCHES),
                     help="also time each step with this switch flipped (step_ms_<switch>), in the same process, "
-                         "its graphs replayed in turn with the default's over five rounds: " + "; ".join(f"{k}: {v[0]}" for k, v in AB_SWITCHES.items()))
+                         "its graphs replayed in turn with the default's over five rounds: "
+                         + "; ".join(f"{k}: {v[0]}" for k, v in AB_SWITCHES.items()))
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the router runs but its picks are replaced by balanced random ones (what a "
                          "trained K3 router with its bias approaches); model: the synthetic router's own picks "

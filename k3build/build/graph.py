@@ -2,9 +2,9 @@
 
 The graph threads K3's attention-residual state explicitly (K3_SPEC.md §2.1): `p` is the running sum of the
 current block and every snapshot is just another named value fed to later `AttnRes` nodes, so the runtime
-carries no hidden model state. A layer's output is added to `p` by the next `AttnRes` node (`residual=1`: the output
-as its second input, the new `p` as its second output) where one exists, else by a plain `Add`. Weights are graph inputs (bound from weights.safetensors by name); per-step
-metadata (sequence offsets, slots, pages) reaches the KDA/MLA plugins through the executor's step context,
+carries no hidden model state. A layer's output is added to `p` by the next `AttnRes` node (`residual=1`: the
+output as its second input, the new `p` as its second output) where one exists, else by a plain `Add`. Weights are
+graph inputs (bound from weights.safetensors by name); per-step metadata (sequence offsets, slots, pages) reaches the KDA/MLA plugins through the executor's step context,
 addressed by each node's `cache_index`.
 """
 

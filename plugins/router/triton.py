@@ -117,21 +117,22 @@ class LogitBlocks(NamedTuple):
     warps: int = 4
     stages: int = 3
     swap: bool = False
-    topk_warps: int = 8  # 3-5 % faster than 4 at 32-128 tokens (BENCHMARKS.md, eighteenth session)
+    topk_warps: int = 4
 
 
 def blocks_for(M: int) -> LogitBlocks:
     """The logits kernel's launch for M tokens: the fastest of the H200 sweep at 32, 64 and 128 tokens
-    (tools/bench/router.py, BENCHMARKS.md, eighteenth session); 8 and 256 keep the earlier sweep's picks. Few tokens
-    leave few (token, expert) tiles, so K is split further to fill the SMs."""
+    (tools/bench/router.py, BENCHMARKS.md, eighteenth session), with the top-k kernel at 8 warps there (3-5 % faster
+    than 4); 8 and 256 keep the earlier sweep's picks. Few tokens leave few (token, expert) tiles, so K is split
+    further to fill the SMs."""
     if M <= 16:
         return LogitBlocks(16, 32, 128, 8)
     if M <= 32:
-        return LogitBlocks(32, 64, 128, 8, stages=4, swap=True)
+        return LogitBlocks(32, 64, 128, 8, stages=4, swap=True, topk_warps=8)
     if M <= 64:
-        return LogitBlocks(64, 64, 128, 8, stages=4)
+        return LogitBlocks(64, 64, 128, 8, stages=4, topk_warps=8)
     if M <= 128:
-        return LogitBlocks(64, 64, 128, 4, stages=4, swap=True)
+        return LogitBlocks(64, 64, 128, 4, stages=4, swap=True, topk_warps=8)
     return LogitBlocks(64, 32, 64, 4 if M <= 256 else 1)
 
 

@@ -62,4 +62,5 @@ def _sweep(M, x, w, bias, kw, floor_ms, t_default) -> None:
     for warps in (2, 4, 8, 16):  # the top-k kernel's, with the logits kernel's default launch
         b = blocks_for(M)._replace(topk_warps=warps)
         t_b = time_ms(lambda: route(x, w, bias, **kw, blocks=b))
-        emit(bench="router_topk_warps", M=M, topk_warps=warps, ms=round(t_b, 4), frac_of_floor=round(floor_ms / t_b, 3))
+        emit(bench="router_topk_warps", M=M, topk_warps=warps, ms=round(t_b, 4),
+             frac_of_floor=round(floor_ms / t_b, 3))
