@@ -23,3 +23,47 @@ def test_bench_rank_runs_a_tiny_tp2_rank():
     # KV and state floors scale with the batch; 3 tokens touch more experts than 1
     assert three["kv_bytes"] == 3 * one["kv_bytes"] and three["state_bytes"] == 3 * one["state_bytes"]
     assert three["experts_touched_share"] > one["experts_touched_share"]
+
+
+def test_ab_switches_flip_and_undo():
+    """Each --ab switch changes what the next capture runs and its undo restores it; the unfused residual (the adds
+    as separate launches) gives the fused graph's logits exactly, from the same caches."""
+    import torch
+
+    sys.path.insert(0, str(TOOL.parent))
+    sys.path.insert(0, str(TOOL.parent / "bench"))
+    import bench_rank as br
+    from k3build.config import preset
+    from k3build.mapping import Mapping
+    from k3plugins.moe import triton as moe
+    from k3plugins.router import triton as router
+    from k3runtime.executor import Executor, StepBatch
+    from k3runtime.kv_cache import CacheTensors
+    from k3runtime.rank_runner import cache_config
+
+    engine = br.make_rank(preset("tiny"), Mapping(tp_size=1), 0, target="cpu", device=torch.device("cpu"),
+                          max_batch=2, max_seq_len=128)
+    ids = torch.tensor([3, 5])
+    batch = StepBatch(input_ids=ids, cu_seqlens=torch.arange(3), slot_ids=torch.tensor([0, 1]),
+                      context_lens=torch.tensor([1, 1]), page_table=torch.tensor([[0], [1]]),
+                      logits_indices=torch.arange(2))
+
+    def fresh():
+        cache = CacheTensors(cache_config(engine, num_pages=8, num_slots=3), torch.device("cpu"))
+        for t in [*cache.kda_state, *cache.kda_conv]:
+            t.zero_()
+        return Executor(engine, cache)
+
+    fused = fresh().run(batch)["logits"]
+    ex = fresh()
+    fns = [b.fn for b in ex.nodes]
+    undo = br.AB_SWITCHES["unfused-residual"][1](ex)
+    assert [b.fn for b in ex.nodes] != fns  # the fused nodes now run a wrapper
+    assert torch.equal(ex.run(batch)["logits"], fused)
+    undo()
+    assert [b.fn for b in ex.nodes] == fns
+    before = (dict(moe.TACTICS), router.blocks_for, ex.side)
+    for name, (_, flip) in br.AB_SWITCHES.items():
+        if name != "unfused-residual":
+            flip(ex)()
+    assert (dict(moe.TACTICS), router.blocks_for, ex.side) == before
