@@ -60,7 +60,7 @@ class _Bound:
     inputs: list[str]
     outputs: list[str]
     attrs: dict
-    kind: str  # "plain" | "kda" | "mla" | "attn_res" | "comm"
+    kind: str  # "plain" | "kda" | "mla" | "attn_res" | "attn_res_add" | "comm"
     side: bool = False  # run on the executor's side stream (FORKED_OPS)
 
 
@@ -104,6 +104,8 @@ class Executor:
                               f"nor in the engine's plugin table; rebuild the engine with this k3build")
         fn = registry.find(node.op_type, entry["tactic"]).load()
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
+        if kind == "attn_res" and attrs.pop("residual", 0):  # the residual add fused: delta is its second input
+            kind = "attn_res_add"
         if node.op_type == "Router":
             attrs["renormalize"] = bool(attrs["renormalize"])
         return _Bound(node.name, fn, ins, outs, attrs, kind, side=node.op_type in FORKED_OPS)
@@ -148,14 +150,13 @@ class Executor:
                 out = b.fn(*args, self.caches.mla_kv[ci], cu_seqlens=batch.cu_seqlens,
                            context_lens=batch.context_lens, page_table=batch.page_table, **kw)
             elif b.kind == "attn_res":
-                # Graph order is (partial, [delta,] proj, norm, *snapshots): the variadic inputs come last in ONNX;
-                # delta (the residual add fused into the op) only with residual=1, which adds the new running sum
-                # as a second output. The snapshots go as a list: the device kernel reads them in place.
-                kw = {k: v for k, v in b.attrs.items() if k != "residual"}
-                if b.attrs.get("residual"):
-                    out = b.fn(args[0], args[4:], args[2], args[3], delta=args[1], **kw)
-                else:
-                    out = b.fn(args[0], args[3:], args[1], args[2], **kw)
+                # Graph order is (partial, proj, norm, *snapshots): the variadic inputs come last in ONNX. The
+                # snapshots go as a list: the device kernel reads them in place (the reference stacks them).
+                out = b.fn(args[0], args[3:], args[1], args[2], **b.attrs)
+            elif b.kind == "attn_res_add":
+                # (partial, delta, proj, norm, *snapshots), residual=1: the running sum partial + delta is made by
+                # the op and is its second output
+                out = b.fn(args[0], args[4:], args[2], args[3], delta=args[1], **b.attrs)
             else:
                 out = b.fn(*args, **b.attrs)
             if len(b.outputs) == 1:

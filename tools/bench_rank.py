@@ -184,7 +184,7 @@ def _unfused_residual(executor):
             total = partial + delta
             return fn(total, blocks, proj, norm, **kw), total
         return run
-    saved = [(b, b.fn) for b in executor.nodes if b.kind == "attn_res" and b.attrs.get("residual")]
+    saved = [(b, b.fn) for b in executor.nodes if b.kind == "attn_res_add"]
     for b, fn in saved:
         b.fn = unfused(fn)
 
