@@ -37,8 +37,13 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def pdl_capable(t: torch.Tensor) -> bool:
+    """Whether a kernel on t's device can be launched with PDL (CUDA, sm_90+), whatever K3_PDL says."""
+    return t.is_cuda and torch.version.hip is None and _supported(
+        t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def pdl(t: torch.Tensor) -> dict:
     """Launch options for a kernel on t's device: PDL=True plus launch_pdl where PDL runs, else PDL=False."""
-    on = t.is_cuda and torch.version.hip is None and os.environ.get("K3_PDL", "0") == "1" and _supported(
-        t.device.index if t.device.index is not None else torch.cuda.current_device())
+    on = os.environ.get("K3_PDL", "0") == "1" and pdl_capable(t)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from common import emit, hbm_read_tbps  # noqa: E402
 
-SECTIONS = ("moe", "mla", "kda", "router", "kda_prefill", "kda_drift", "attn_res", "moe_out")
+SECTIONS = ("moe", "mla", "kda", "router", "kda_prefill", "kda_drift", "attn_res", "moe_out", "moe_touched")
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, p
                                   restride_mxfp4, tile_mxfp4, tile_scales)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
-from k3plugins.pdl import pdl
+from k3plugins.pdl import pdl, pdl_capable
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class MoETactic:
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
     tiled: bool = False  # with strided: weights and scales in tile_rows' order (block_n a multiple of TILE_ROWS)
     rows_first: bool = False  # grid (row blocks, experts): programs that run together share an expert's tokens
+    # with paired: the down kernel starts on an expert as soon as the gate/up kernel has all its rows of h (a count
+    # per expert), launched with PDL on sm_90 so that it takes SMs while the gate/up kernel's last programs run
+    overlap: bool = False
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -103,11 +106,15 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
     if t.strided and t.block_k != STRIDE_BLOCK_K:
         return False, f"strided tactics read K tiles of {STRIDE_BLOCK_K}, got block_k={t.block_k}"
-    if t.tiled and (not t.strided or t.fp8 or t.block_n % TILE_ROWS or inter % TILE_ROWS or dl % TILE_ROWS):
+    if t.tiled and (not t.strided or t.fp8 or (t.block_n % TILE_ROWS and TILE_ROWS % t.block_n) or inter % TILE_ROWS
+                    or dl % TILE_ROWS):
         return False, (f"tiled tactics read the strided or paired layout in row tiles of {TILE_ROWS}: block_n="
-                       f"{t.block_n}, I={inter} and Dl={dl} must be multiples of it (and no FP8)")
+                       f"{t.block_n} must divide it or be a multiple of it, I={inter} and Dl={dl} multiples of it "
+                       "(and no FP8)")
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
+    if t.overlap and (not t.paired or t.fp8):
+        return False, "overlap (the down kernel awaiting each expert's h) is implemented for the paired layout only"
     if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
         return False, "the FP8 tactic needs bf16/fp16 activations on a GPU (the interpreter's fp8 is not exact)"
     return True, ""
@@ -134,8 +141,10 @@ def quantize_e4m3(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (z.float() / scale[:, None]).to(f8).contiguous(), scale.contiguous()
 
 
-def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 4096):
-    """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch.
+def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 4096,
+               done: torch.Tensor | None = None):
+    """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
+    [num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert count, MoETactic.overlap).
 
     Returns:
         order int32 [P] (pair ids, local experts' pairs first, grouped by expert, in pair order within one),
@@ -148,7 +157,8 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     inv = torch.empty(P, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
-    sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block, **pdl(flat))
+    sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
+                                        done_ptr=done, ZERO_DONE=done is not None, **pdl(flat))
     return order, offsets, inv
 
 
@@ -189,7 +199,9 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         z = z if t.strided else swap01(z)
     if z.stride(-1) != 1:  # rows may be strided (z is a column slice of the MoE input's fused GEMM): the kernels
         z = z.contiguous()  # take z.stride(0)
-    order, offsets, inv = sort_pairs(topk_ids, expert_start, E)
+    done = torch.empty(E, dtype=torch.int32, device=z.device) if t.overlap else None
+    order, offsets, inv = sort_pairs(topk_ids, expert_start, E, done=done)
+    early = t.overlap and pdl_capable(z)  # the down kernel launched before the gate/up kernel ends
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
     y = torch.empty(P, Dl, dtype=torch.float32, device=z.device)
@@ -205,13 +217,14 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
-        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, num_warps=t.num_warps,
-        num_stages=t.num_stages, **pdl(z))
+        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
+        SIGNAL=t.overlap, EARLY=early, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
-        W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, num_warps=t.num_warps,
-        num_stages=t.num_stages, **pdl(h))
+        W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
+        AWAIT=inter // t.block_n if t.overlap else 0, num_warps=t.num_warps, num_stages=t.num_stages,
+        **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
                                                  **pdl(y))

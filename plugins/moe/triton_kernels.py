@@ -157,14 +157,15 @@ def _paired_codes(w, I: tl.constexpr):
 
 
 @triton.jit
-def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr):
+def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr, L2_ONLY: tl.constexpr = False):
     """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in the paired layout (`pair_mxfp4`): pair i of word j
     holds K indices 64i + 2j and 64i + 2j + 1, so each decoded 32-bit pair is already two neighbours along K
     of one sub-block: the register the MMA takes (no byte permutes to build operands, unlike _strided_dot). Sub-block
     i (64 wide) takes the scales of columns 2i and 2i + 1 of s [BN, 8], for its words 0-15 and 16-31. They are
     packed two a column ([BN, 4]) and taken out by masked row reductions: in the sm_90 SASS, per-column loads or a
     split per sub-block instead put the scales in a layout that costs a byte permute per operand register, and
-    packing halves the reductions (2.99 instructions a weight in the gate/up loop, against 3.04 unpacked)."""
+    packing halves the reductions (2.99 instructions a weight in the gate/up loop, against 3.04 unpacked).
+    L2_ONLY: the activations are read past L1 (written by programs still running: _await_rows)."""
     BF16: tl.constexpr = DTYPE == tl.bfloat16
     w = w.to(tl.uint32, bitcast=True)
     s_even, s_odd = tl.split(tl.reshape(s, (BN, 4, 2)))
@@ -178,7 +179,10 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
         sc64 = tl.reshape(tl.broadcast_to(tl.join(s_a, s_b)[:, :, None], (BN, 2, 32)), (BN, 64))
         lo, hi = _halves(_paired_codes(w, i), BF16)  # bf16, or fp32 for fp32/fp16 activations (as the scales)
         vals = (tl.reshape(tl.join(lo, hi), (BN, 64)) * sc64).to(DTYPE)
-        x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0)
+        if L2_ONLY:
+            x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0)
         acc = tl.dot(vals, x, acc)
     return acc
 
@@ -223,11 +227,28 @@ def _program(BN: tl.constexpr, ROWS_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _signal_rows(done_ptr, e):
+    """This program's rows of expert e are stored: count it in done[e] (a release after the whole program's stores,
+    so that a program that sees the count also sees the rows)."""
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr + e, 1, sem="release")
+
+
+@triton.jit
+def _await_rows(done_ptr, e, programs):
+    """Wait until `programs` programs of the previous kernel have signalled expert e (_signal_rows)."""
+    seen = tl.atomic_add(done_ptr + e, 0, sem="acquire")
+    while seen < programs:
+        seen = tl.atomic_add(done_ptr + e, 0, sem="acquire")
+
+
+@triton.jit
 def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr, Dl, I, stride_zm, stride_we,
                        stride_wn, stride_se, stride_sn, stride_hm, beta, linear_beta, TOP_K: tl.constexpr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
-                       ROWS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+                       ROWS_FIRST: tl.constexpr = False, done_ptr=None, SIGNAL: tl.constexpr = False,
+                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -239,8 +260,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     zs_ptr and F8 are unused otherwise. TILED (with STRIDED, BN a multiple of TILE_ROWS): weights and scales in
     `tile_rows`' order, so that each K step reads whole contiguous blocks (_row_offsets). ROWS_FIRST: the grid is
     (row blocks, experts) instead of (experts, row blocks), so programs that run together share an expert's tokens.
+    SIGNAL: each program with pairs counts itself in done[e] once its rows of h are stored, so that the down kernel
+    can start on an expert as soon as its h is whole (moe_down_kernel's AWAIT); EARLY (sm_90): the down kernel,
+    launched with PDL, may take SMs as soon as every program of this one has started.
     """
-    pdl_prologue(PDL)
+    pdl_prologue(PDL or EARLY)
     e, offs_n = _program(BN, ROWS_FIRST)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
@@ -295,19 +319,27 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
         h_ptrs = h_ptr + offs_p[None, :] * stride_hm + h_cols[:, None]
         tl.store(h_ptrs, a.to(h_ptr.dtype.element_ty), mask=p_mask[None, :])
         m0 += BM
+    if SIGNAL and end > start:
+        _signal_rows(done_ptr, e)
 
 
 @triton.jit
 def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I, stride_hm, stride_we,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
-                    ROWS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+                    ROWS_FIRST: tl.constexpr = False, done_ptr=None, AWAIT: tl.constexpr = 0,
+                    PDL: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
-    kernel's)."""
-    pdl_prologue(PDL)
+    kernel's). AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
+    a program waits for the AWAIT gate/up programs of its own expert instead and reads h past L1, so that the
+    gate/up kernel's last programs and this kernel's first ones run together."""
+    pdl_prologue(PDL and AWAIT == 0)
     e, offs_n = _program(BN, ROWS_FIRST)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
+    if AWAIT:
+        if end > start:
+            _await_rows(done_ptr, e, AWAIT)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
     RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)
@@ -326,7 +358,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
             ks = k0 // 32 * KMUL
             if STRIDED == 2:
                 acc = _paired_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
-                                  BN, h_ptr.dtype.element_ty)
+                                  BN, h_ptr.dtype.element_ty, AWAIT > 0)
             elif STRIDED:
                 acc = _strided_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :],
                                    k0, BN, BK // 8, h_ptr.dtype.element_ty)
@@ -341,12 +373,16 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
 
 @triton.jit
 def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      done_ptr=None, ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, placed last with inv -1). Its start is the count of smaller keys, so the
-    programs need nothing from each other; within an expert, pairs keep their order (a prefix sum)."""
+    programs need nothing from each other; within an expert, pairs keep their order (a prefix sum).
+    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL)."""
     pdl_prologue(PDL)
     e = tl.program_id(0)
+    if ZERO_DONE:
+        if e < E:
+            tl.store(done_ptr + e, 0)
     offs = tl.arange(0, BLOCK)
     start = 0
     for c0 in range(0, P, BLOCK):  # pass 1: how many pairs sort before expert e

@@ -12,8 +12,19 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 import test_rocm_compile as specs  # noqa: E402
 from k3plugins.pdl import pdl  # noqa: E402
 
-PDL_KERNELS = sorted(n for n, (fn, _, _) in specs.SPECS.items() if "PDL" in fn.arg_names)
+# the MoE down kernel with AWAIT waits for its own expert's count instead of the whole previous grid (below)
+PDL_KERNELS = sorted(n for n, (fn, _, c) in specs.SPECS.items() if "PDL" in fn.arg_names and not c.get("AWAIT"))
 MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld\.global|st\.global|cp\.async|atom\.|red\.)", re.M)
+
+
+def _ptx(name: str, **consts) -> str:
+    fn, ptrs, base = specs.SPECS[name]
+    specs.SPECS[name] = (fn, ptrs, {**base, **consts})
+    try:
+        return triton.compile(specs._source(name, "sm90"), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 2, "launch_pdl": True}).asm["ptx"]
+    finally:
+        specs.SPECS[name] = (fn, ptrs, base)
 
 
 def test_the_decode_step_kernels_take_pdl():
@@ -24,13 +35,7 @@ def test_the_decode_step_kernels_take_pdl():
 
 @pytest.mark.parametrize("name", PDL_KERNELS)
 def test_pdl_kernel_waits_before_touching_memory(name):
-    fn, ptrs, consts = specs.SPECS[name]
-    specs.SPECS[name] = (fn, ptrs, {**consts, "PDL": True})
-    try:
-        ptx = triton.compile(specs._source(name, "sm90"), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 4, "num_stages": 2, "launch_pdl": True}).asm["ptx"]
-    finally:
-        specs.SPECS[name] = (fn, ptrs, consts)
+    ptx = _ptx(name, PDL=True)
     wait = ptx.find("griddepcontrol.wait")
     first_memory_op = MEMORY_OP.search(ptx)
     assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, name
@@ -41,3 +46,19 @@ def test_pdl_kernel_waits_before_touching_memory(name):
 def test_pdl_is_off_for_cpu_tensors(monkeypatch):
     monkeypatch.setenv("K3_PDL", "1")
     assert pdl(torch.zeros(1)) == {"PDL": False}
+
+
+def test_overlapped_moe_down_awaits_its_expert_before_reading_h():
+    """Launched with PDL while the gate/up kernel runs (MoETactic.overlap), the down kernel must not wait for that
+    whole grid (the point), and must acquire its expert's count before its pipelined loads (h among them) start;
+    the gate/up kernel lets it launch early and releases its count after its stores."""
+    ptx = _ptx("moe_down_await")
+    acquire = ptx.find("ld.global.gpu.acquire")
+    assert "griddepcontrol.wait" not in ptx and acquire >= 0
+    assert acquire < ptx.find("cp.async"), "a pipelined load starts before the expert's count is acquired"
+    gate_up = _ptx("moe_gate_up_signal", EARLY=True)
+    assert gate_up.find("griddepcontrol.launch_dependents") >= 0
+    release = re.search(r"atom\.(?:\w+\.)*release\.(?:\w+\.)*add|atom\.(?:\w+\.)*add.*release", gate_up)
+    assert release, "no release of the expert's count"
+    stored = gate_up.rfind("st.global", 0, release.start())
+    assert 0 < stored < gate_up.rfind("bar.sync", 0, release.start()), "h stores not fenced off by a barrier"

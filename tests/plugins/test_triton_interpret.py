@@ -64,7 +64,8 @@ def _sort_pairs_case(moe):
     ids = torch.randint(0, 40, (300, 4), generator=g)  # experts 10..29 are local: about half the pairs are not
     ids[:, 0] = 12  # a crowded expert; experts 10 and 11 stay empty when their ids never come up
     ids[ids == 10] = 3
-    order, offsets, inv = moe.sort_pairs(ids, 10, 20, max_block=256)
+    done = torch.full((20,), 7, dtype=torch.int32)  # the overlap's per-expert counts: zeroed by the same launch
+    order, offsets, inv = moe.sort_pairs(ids, 10, 20, max_block=256, done=done)
     key = ids.reshape(-1) - 10
     key = torch.where((key >= 0) & (key < 20), key, 20)
     want = torch.sort(key, stable=True).indices
@@ -75,13 +76,15 @@ def _sort_pairs_case(moe):
     return {"order": torch.equal(order[:local].long(), want[:local]),
             "tail": sorted(order[local:].tolist()) == sorted(want[local:].tolist()),
             "offsets": torch.equal(offsets.long(), torch.searchsorted(key.sort().values, torch.arange(21))),
-            "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0}
+            "inv": torch.equal(inv.long(), want_inv), "empty": int(offsets[1] - offsets[0]) == 0,
+            "done_zeroed": not done.any().item()}
 
 
-def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False):
+def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, block_n=None, overlap=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
-    pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K) vs
-    the reference on the originals. rows_first: the grid (row blocks, experts)."""
+    pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K, or
+    block_n rows: half a tile at 32) vs the reference on the originals. rows_first: the grid (row blocks, experts).
+    overlap: the down kernel awaits each expert's count of gate/up programs (the counts must add up, or it hangs)."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
@@ -92,8 +95,9 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False):
     s13 = torch.randint(118, 128, (E, 2 * inter, dl // 32), dtype=torch.uint8, generator=g)
     w2 = torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g)
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
-    tactic = moe.MoETactic(block_m=16, block_n=128 if tiled else 32, block_k=256, num_warps=4, num_stages=1,
-                           strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first)
+    tactic = moe.MoETactic(block_m=16, block_n=block_n or (128 if tiled else 32), block_k=256, num_warps=4,
+                           num_stages=1, strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first,
+                           overlap=overlap)
     out = moe.moe_experts(z, ids, w, moe.lay_out(tactic, w13), moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2),
                           moe.lay_out_scale(tactic, s2), expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
@@ -341,7 +345,10 @@ def _child() -> None:
         res[f"moe-strided-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype)
         res[f"moe-paired-{str(dtype)[6:]}"] = _moe_strided_case(moe, dtype, paired=True)
     res["moe-tiled-float32"] = _moe_strided_case(moe, torch.float32, tiled=True)
+    res["moe-tiled-half-float32"] = _moe_strided_case(moe, torch.float32, tiled=True, block_n=32)
     res["moe-rows-first-float32"] = _moe_strided_case(moe, torch.float32, paired=True, rows_first=True)
+    res["moe-overlap-float32"] = _moe_strided_case(moe, torch.float32, tiled=True, block_n=64, rows_first=True,
+                                                   overlap=True)
     res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
@@ -391,8 +398,13 @@ def test_moe_strided_layout_interpreted(results, dtype, tol, layout):
     assert results[f"moe-{layout}-{dtype}"]["rel"] < tol, results[f"moe-{layout}-{dtype}"]
 
 
-def test_moe_tiled_layout_interpreted(results):
-    assert results["moe-tiled-float32"]["rel"] < 1e-5, results["moe-tiled-float32"]
+@pytest.mark.parametrize("case", ["moe-tiled-float32", "moe-tiled-half-float32"])
+def test_moe_tiled_layout_interpreted(results, case):
+    assert results[case]["rel"] < 1e-5, results[case]
+
+
+def test_moe_overlapped_down_interpreted(results):
+    assert results["moe-overlap-float32"]["rel"] < 1e-5, results["moe-overlap-float32"]
 
 
 def test_moe_rows_first_grid_interpreted(results):

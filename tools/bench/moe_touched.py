@@ -1,0 +1,59 @@
+"""MoE decode as a rank sees it: one token on each of the first `touched` of its 56 experts, the rest empty.
+
+The rank's step touches about 24 of 56 experts at 32 requests (uniform top-16 of 896), so its MoE grid (56 experts
+x row blocks, fixed: no host sync) runs about 1150 live programs instead of bench_moe's 2700. This sweep shows the
+time against the touched experts' bytes as that count varies: a fixed cost of about 23 µs a call (the grid's
+ramp and drain, twice: gate/up, then down) beside 5.6 µs an expert (nineteenth session). The variants: the grid
+rows first, and the down kernel overlapping the gate/up kernel's drain (MoETactic.overlap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from common import emit, rel_l2, time_ms
+from k3plugins.moe import triton as mt
+from k3plugins.moe.reference import moe_experts as moe_ref
+from moe import DL, E, E_GLOBAL, E_START, INTER, TOP_K, make_weights
+
+_D = mt.TACTICS["decode_p"]
+VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p)
+    "decode_p": _D,
+    "rows_first": replace(_D, rows_first=True, overlap=False),
+    "overlap": replace(_D, rows_first=True, overlap=True),
+    "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
+}
+
+
+def make_touched(touched: int, gen: torch.Generator):
+    """`touched` tokens, token j's slot 0 on local expert j, its other 15 slots on other ranks' experts."""
+    z = torch.randn(touched, DL, device="cuda", generator=gen).to(torch.bfloat16)
+    local = torch.arange(touched, device="cuda") + E_START
+    others = torch.randint(0, E_GLOBAL - E, (touched, TOP_K - 1), device="cuda", generator=gen)
+    others = torch.where(others >= E_START, others + E, others)
+    w = torch.rand(touched, TOP_K, device="cuda", generator=gen)
+    return z, torch.cat([local[:, None], others], 1), w / w.sum(1, keepdim=True)
+
+
+def bench_moe_touched(bw_tbps: float, sweep: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, s13, w2, s2 = make_weights(gen)
+    expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
+    t0 = mt.TACTICS["decode_p"]
+    laid = (mt.lay_out(t0, w13), mt.lay_out_scale(t0, s13), mt.lay_out(t0, w2), mt.lay_out_scale(t0, s2))
+    z, ids, tw = make_touched(7, gen)
+    ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
+    for name, t in VARIANTS.items():
+        out = mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
+        emit(bench="moe_touched_check", variant=name, rel_l2=rel_l2(out, ref))
+    for touched in (8, 16, 20, 22, 24, 26, 28, 32, 40, 48, 56):
+        z, ids, tw = make_touched(touched, gen)
+        floor_ms = touched * expert_bytes / (bw_tbps * 1e12) * 1e3
+        rec = dict(bench="moe_touched", touched=touched, floor_ms=round(floor_ms, 4))
+        for name, t in VARIANTS.items():
+            ms = time_ms(lambda t=t: mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t))
+            rec[name] = round(floor_ms / ms, 3)
+            rec[name + "_ms"] = round(ms, 4)
+        emit(**rec)
