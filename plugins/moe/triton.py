@@ -57,7 +57,10 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # of 128 bytes 1.8 KB apart. Untiled, 0.60-0.63 of the weight floor at 1-8 tokens/expert (0.52-0.56 for "*_s");
     # tiled, 6 % faster: 0.64-0.69 (BENCHMARKS.md). Its loops take 2.99 / 3.52 / 3.05 sm_90 instructions a weight
     # (gate/up, down, prefill gate/up); the 17 % cut that got them there gave 1.5 % less time
-    "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True),
+    # rows first with the down kernel awaiting each expert's h (overlap): at one token on each of 16-32 of the 56
+    # experts (a rank's decode at 32-64 requests) 6-8 % faster than the plain launches, 3 % at all 56, bit-identical
+    # (bench_plugins moe_touched, nineteenth session); the grid rows first alone: 1 %
+    "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True, rows_first=True, overlap=True),
     # prefill_p's grid runs row blocks first (rows_first): 313 against 302 TFLOP/s at 128 tokens/expert, side by side;
     # level at decode sizes (BENCHMARKS.md, sixteenth session)
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True, rows_first=True),

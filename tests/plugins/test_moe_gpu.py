@@ -99,8 +99,8 @@ def test_overlapped_down_equals_plain(case):
     from dataclasses import replace
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=11, empty=(1,))
-    plain = mt.TACTICS["decode_p"]
-    over = replace(plain, rows_first=True, overlap=True)
+    over = mt.TACTICS["decode_p"]
+    plain = replace(over, rows_first=False, overlap=False)
     a, b = mt.lay_out(plain, w13), mt.lay_out(plain, w2)
     sa, sb = mt.lay_out_scale(plain, s13), mt.lay_out_scale(plain, s2)
     run = lambda t: mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act="situ", tactic=t)

@@ -21,8 +21,8 @@ from moe import DL, E, E_GLOBAL, E_START, INTER, TOP_K, make_weights
 _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p)
     "decode_p": _D,
+    "plain": replace(_D, rows_first=False, overlap=False),
     "rows_first": replace(_D, rows_first=True, overlap=False),
-    "overlap": replace(_D, rows_first=True, overlap=True),
     "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
 }
 
