@@ -53,7 +53,7 @@ IMPLS: list[Impl] = [
     Impl("LMHead", _REF, 1, "k3plugins.embed.reference:lm_head"),
     Impl("Linear", _REF, 1, "k3plugins.embed.reference:linear"),
     Impl("RMSNorm", _REF, 1, "k3plugins.norm.reference:rms_norm"),
-    Impl("AttnRes", _REF, 2, "k3plugins.attn_res.reference:attn_res"),  # v2: residual=1 (the residual add fused)
+    Impl("AttnRes", _REF, 3, "k3plugins.attn_res.reference:attn_res"),  # v3: norm=1 (the next RMSNorm fused)
     Impl("GatedMLP", _REF, 2, "k3plugins.mlp.reference:gated_mlp"),  # v2: gate_up may be absent (x projected)
     Impl("Router", _REF, 1, "k3plugins.router.reference:route"),
     Impl("MoEExperts", _REF, 1, "k3plugins.moe.reference:moe_experts"),
@@ -79,7 +79,7 @@ IMPLS: list[Impl] = [
     Impl("MLA", "triton", 2, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
     # one launch each instead of the references' chains of elementwise kernels
     Impl("RMSNorm", "triton", 1, "k3plugins.norm.triton:rms_norm", _GPU, "triton"),
-    Impl("AttnRes", "triton", 2, "k3plugins.attn_res.triton:attn_res", _GPU, "triton"),
+    Impl("AttnRes", "triton", 3, "k3plugins.attn_res.triton:attn_res", _GPU, "triton"),  # v3: norm=1
     # GEMMs in the activation dtype (the references upcast weights to fp32 on every call)
     Impl("Linear", "blas", 1, "k3plugins.embed.blas:linear", _GPU, dtypes=("bf16", "fp16")),
     Impl("LMHead", "blas", 1, "k3plugins.embed.blas:lm_head", _GPU, dtypes=("bf16", "fp16")),

@@ -27,7 +27,8 @@ def test_bench_rank_runs_a_tiny_tp2_rank():
 
 def test_ab_switches_flip_and_undo():
     """Each --ab switch changes what the next capture runs and its undo restores it; the unfused residual (the adds
-    as separate launches) gives the fused graph's logits exactly, from the same caches."""
+    as separate launches) and the unfused norm (the RMSNorms after AttnRes as separate launches) give the fused
+    graph's logits exactly, from the same caches."""
     import torch
 
     sys.path.insert(0, str(TOOL.parent))
@@ -55,15 +56,20 @@ def test_ab_switches_flip_and_undo():
         return Executor(engine, cache)
 
     fused = fresh().run(batch)["logits"]
+    for name in ("unfused-residual", "unfused-norm"):
+        ex = fresh()
+        fns = [b.fn for b in ex.nodes]
+        undo = br.AB_SWITCHES[name][1](ex)
+        assert [b.fn for b in ex.nodes] != fns, name  # the fused nodes now run a wrapper
+        assert torch.equal(ex.run(batch)["logits"], fused), name
+        undo()
+        assert [b.fn for b in ex.nodes] == fns, name
     ex = fresh()
-    fns = [b.fn for b in ex.nodes]
-    undo = br.AB_SWITCHES["unfused-residual"][1](ex)
-    assert [b.fn for b in ex.nodes] != fns  # the fused nodes now run a wrapper
+    for flip in (br.AB_SWITCHES["unfused-residual"][1], br.AB_SWITCHES["unfused-norm"][1]):
+        flip(ex)  # both at once: the wrappers compose
     assert torch.equal(ex.run(batch)["logits"], fused)
-    undo()
-    assert [b.fn for b in ex.nodes] == fns
     before = (dict(moe.TACTICS), router.blocks_for, ex.side)
     for name, (_, flip) in br.AB_SWITCHES.items():
-        if name != "unfused-residual":
+        if not name.startswith("unfused-"):
             flip(ex)()
     assert (dict(moe.TACTICS), router.blocks_for, ex.side) == before

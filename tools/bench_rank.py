@@ -166,13 +166,14 @@ def _one_stream(executor):
     return lambda: setattr(executor, "side", side)
 
 
-def _moe_decode_blocks(block_n: int, warps: int, stages: int):
+def _moe_decode(**changes):
+    """A switch that replaces fields of the MoE decode tactic (decode_p)."""
     def flip(executor):
         from dataclasses import replace
 
         from k3plugins.moe import triton as moe
         old = moe.TACTICS["decode_p"]
-        moe.TACTICS["decode_p"] = replace(old, block_n=block_n, num_warps=warps, num_stages=stages)
+        moe.TACTICS["decode_p"] = replace(old, **changes)
         return lambda: moe.TACTICS.__setitem__("decode_p", old)
     return flip
 
@@ -185,6 +186,29 @@ def _unfused_residual(executor):
             return fn(total, blocks, proj, norm, **kw), total
         return run
     saved = [(b, b.fn) for b in executor.nodes if b.kind == "attn_res_add"]
+    for b, fn in saved:
+        b.fn = unfused(fn)
+
+    def undo():
+        for b, fn in saved:
+            b.fn = fn
+    return undo
+
+
+def _unfused_norm(executor):
+    """The AttnRes nodes that apply the next RMSNorm (norm=1) mix without it, then run the engine's RMSNorm as a
+    separate launch, as before the fusion."""
+    from k3plugins import registry
+    rms_norm = registry.find("RMSNorm", executor.engine.build["plugins"]["RMSNorm"]["tactic"]).load()
+
+    def unfused(fn):
+        def run(*args, delta=None, out_norm, out_eps, **kw):
+            if delta is None:
+                return rms_norm(fn(*args, **kw), out_norm, eps=out_eps)
+            out, total = fn(*args, delta=delta, **kw)
+            return rms_norm(out, out_norm, eps=out_eps), total
+        return run
+    saved = [(b, b.fn) for b in executor.nodes if "out_eps" in b.attrs]  # what the executor binds for norm=1
     for b, fn in saved:
         b.fn = unfused(fn)
 
@@ -207,9 +231,13 @@ def _seventeenth_router_blocks(executor):
 
 AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "one-stream": ("the executor's side stream off (the Router forked onto it by default)", _one_stream),
-    "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps, 3 stages", _moe_decode_blocks(128, 8, 3)),
-    "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode_blocks(64, 4, 4)),
+    "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps", _moe_decode(block_n=128, num_warps=8)),
+    "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
+    "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
+                  _moe_decode(rows_first=False, overlap=False)),
+    "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
+    "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
 }
 

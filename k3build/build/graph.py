@@ -3,9 +3,11 @@
 The graph threads K3's attention-residual state explicitly (K3_SPEC.md §2.1): `p` is the running sum of the
 current block and every snapshot is just another named value fed to later `AttnRes` nodes, so the runtime
 carries no hidden model state. A layer's output is added to `p` by the next `AttnRes` node (`residual=1`: the
-output as its second input, the new `p` as its second output) where one exists, else by a plain `Add`. Weights are
-graph inputs (bound from weights.safetensors by name); per-step metadata (sequence offsets, slots, pages) reaches the KDA/MLA plugins through the executor's step context,
-addressed by each node's `cache_index`.
+output as its second input, the new `p` as its second output) where one exists, else by a plain `Add`; the
+`RMSNorm` that reads an `AttnRes` output is done by that node too (`norm=1`: its weight the input after the
+node's own weights). Weights are graph inputs (bound from weights.safetensors by name); per-step metadata (sequence
+offsets, slots, pages) reaches the KDA/MLA plugins through the executor's step context, addressed by each node's
+`cache_index`.
 """
 
 from __future__ import annotations
@@ -83,8 +85,7 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
     if mapping.is_last_stage(rank):
         data_inputs.append(helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["N"]))
         h, p = _attn_res(b, p, delta, blocks if cfg.attn_res_block_size is not None else [], "out_res",
-                         f"l{layers.stop - 1}.mlp.residual")
-        h = b.op("RMSNorm", [h, "norm"], name="final_norm", eps=cfg.rms_norm_eps)
+                         f"l{layers.stop - 1}.mlp.residual", "norm", "final_norm")
         logits = b.op("LMHead", [h, "lm_head", "logits_indices"], name="lm_head")
         tp = mapping.dense_tp_size
         if tp > 1:
@@ -112,34 +113,35 @@ def _decoder_layer(b: _Builder, layer: int, p: str, delta: str | None, blocks: l
     """One layer on the running sum p + delta (delta: the last layer's output, not yet added: the add is fused
     into the next AttnRes where there is one). Returns the same pair after this layer, and the snapshots."""
     cfg, e = b.cfg, f"l{layer}."
-    h, p = _attn_res(b, p, delta, blocks, e + "attn_res", f"l{layer - 1}.mlp.residual")
+    x, p = _attn_res(b, p, delta, blocks, e + "attn_res", f"l{layer - 1}.mlp.residual", e + "input_norm")
     reset = cfg.takes_snapshot(layer)
     if reset:
         blocks = blocks + [p]
-    x = b.op("RMSNorm", [h, e + "input_norm"], name=e + "input_norm", eps=cfg.rms_norm_eps)
     a = _kda(b, layer, x, cache_index) if cfg.layer_types[layer] == KDA else _mla(b, layer, x, cache_index)
     a = b.reduce(a, "tp", b.mapping.attn_tp_size, e + "attn.allreduce")
     p, a = (a, None) if reset else (p, a)
-    h, p = _attn_res(b, p, a, blocks, e + "mlp_res", e + "attn.residual")
-    x = b.op("RMSNorm", [h, e + "post_norm"], name=e + "post_norm", eps=cfg.rms_norm_eps)
+    x, p = _attn_res(b, p, a, blocks, e + "mlp_res", e + "attn.residual", e + "post_norm")
     f = _moe(b, layer, x) if cfg.is_moe_layer(layer) else _dense(b, e + "mlp.", x)
     return p, f, blocks
 
 
-def _attn_res(b: _Builder, p: str, delta: str | None, blocks: list[str], name: str,
-              add_name: str) -> tuple[str, str]:
-    """(AttnRes output, running sum) for the running sum p + delta: the add fused into the AttnRes node (residual=1,
-    the sum its second output) when there are snapshots to mix, else a plain Add named add_name (or nothing to add:
-    delta None). Without snapshots the mix is the identity (K3_SPEC §2.1), so the output is the sum."""
-    weights = [name + ".proj", name + ".norm"]
-    if blocks and delta is not None:
-        return tuple(b.op("AttnRes", [p, delta, *weights, *blocks], num_outputs=2, name=name, eps=b.cfg.rms_norm_eps,
-                          residual=1))
-    if delta is not None:
-        p = b.add(p, delta, name=add_name)
-    if blocks:
-        return b.op("AttnRes", [p, *weights, *blocks], name=name, eps=b.cfg.rms_norm_eps), p
-    return p, p
+def _attn_res(b: _Builder, p: str, delta: str | None, blocks: list[str], name: str, add_name: str, norm: str,
+              norm_name: str = "") -> tuple[str, str]:
+    """(RMSNorm of the AttnRes output, running sum) for the running sum p + delta; norm: that RMSNorm's weight
+    (norm_name: its node's name when it is a node of its own, else the weight's). Where there are snapshots to mix,
+    one AttnRes node does it all: the add (residual=1, the sum its second output) and the norm (norm=1). Without
+    snapshots the mix is the identity (K3_SPEC §2.1): a plain Add named add_name (or nothing to add: delta None),
+    then the RMSNorm on the sum."""
+    eps = b.cfg.rms_norm_eps
+    if not blocks:
+        if delta is not None:
+            p = b.add(p, delta, name=add_name)
+        return b.op("RMSNorm", [p, norm], name=norm_name or norm, eps=eps), p
+    weights = [name + ".proj", name + ".norm", norm]
+    attrs = dict(name=name, eps=eps, norm=1, norm_eps=eps)
+    if delta is None:
+        return b.op("AttnRes", [p, *weights, *blocks], **attrs), p
+    return tuple(b.op("AttnRes", [p, delta, *weights, *blocks], num_outputs=2, residual=1, **attrs))
 
 
 def _mlp_attrs(cfg: K3Config) -> dict:

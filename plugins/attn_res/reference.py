@@ -3,10 +3,13 @@ from collections.abc import Sequence
 
 import torch
 
+from k3plugins.norm.reference import rms_norm
+
 
 def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
-             norm_weight: torch.Tensor, *, eps: float,
-             delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             norm_weight: torch.Tensor, *, eps: float, delta: torch.Tensor | None = None,
+             out_norm: torch.Tensor | None = None,
+             out_eps: float = 1e-5) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mix the block snapshots and the running sum by a softmax over depth.
 
     Args:
@@ -17,11 +20,20 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
         eps: RMS epsilon of the keys.
         delta: [M, D], the layer's output to add to the running sum first (the graph's residual add, fused into
             this op by the build: `residual` = 1), rounded to partial.dtype as the add would be.
+        out_norm: [D], the weight of the RMSNorm that reads the output (fused into this op by the build: `norm`
+            = 1), applied to the output; the running sum stays as it is.
+        out_eps: that RMSNorm's epsilon.
 
     Returns:
-        [M, D] in partial.dtype: Σ_i softmax_i(score) · v_i; `partial` itself when K == 0. With delta: (that,
-        the new running sum partial + delta).
+        [M, D] in partial.dtype: Σ_i softmax_i(score) · v_i; `partial` itself when K == 0. With out_norm:
+        rms_norm(that, out_norm, eps=out_eps), in the dtype rms_norm gives. With delta: (that, the new running
+        sum partial + delta).
     """
+    if out_norm is not None:
+        mixed = attn_res(partial, blocks, proj, norm_weight, eps=eps, delta=delta)
+        if delta is None:
+            return rms_norm(mixed, out_norm, eps=out_eps)
+        return rms_norm(mixed[0], out_norm, eps=out_eps), mixed[1]
     if delta is not None:
         if delta.shape != partial.shape:
             raise ValueError(f"attn_res: delta must match partial {tuple(partial.shape)}, got {tuple(delta.shape)}")

@@ -4,7 +4,8 @@ A token a program: the score of each candidate (the K block snapshots, then the 
 (v · w⊙p) · rsqrt(mean(v²) + eps), which equals the reference's RMS-normed key times the query; the softmax over
 depth and the weighted sum follow in a second pass over the candidates (L2-resident by then). All math in fp32.
 The reference's concatenated [K+1, M, D] fp32 copy and its ten launches become one kernel, and the snapshots are
-read where the graph left them (up to MAX_BLOCK_PTRS pointers), not stacked into a copy first.
+read where the graph left them (up to MAX_BLOCK_PTRS pointers), not stacked into a copy first. With `out_norm`
+the graph's next RMSNorm is applied to the output in the same launch (NORM), as norm/triton.py computes it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3plugins.norm.triton import rms_norm
 from k3plugins.pdl import pdl, pdl_prologue
 
 
@@ -77,10 +79,22 @@ def _running_sum(K: tl.constexpr, partial_ptr, delta_ptr, sum_ptr, b0, b1, b2, b
 
 
 @triton.jit
+def _out_norm(h, partial_ptr, out_norm_ptr, offs, mask, D, out_eps):
+    """The RMSNorm that follows the op (NORM), on the whole output row h in fp32, as norm/triton.py's
+    rms_norm_kernel computes it on the stored output: h rounded to the activations' dtype, normalised in fp32,
+    rounded again, times the weight. Masked lanes of h must be 0."""
+    h = h.to(partial_ptr.dtype.element_ty).to(tl.float32)
+    y = h * tl.rsqrt(tl.sum(h * h, 0) / D + out_eps)
+    y = y.to(partial_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32) * y
+
+
+@triton.jit
 def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, proj_ptr,
                     norm_w_ptr, out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
                     STACKED: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, delta_ptr=None, sum_ptr=None,
-                    DELTA: tl.constexpr = False, PDL: tl.constexpr = False):
+                    DELTA: tl.constexpr = False, out_norm_ptr=None, out_eps=1e-5, NORM: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
@@ -105,6 +119,8 @@ def attn_res_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr,
                        stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
         acc += tl.sum(tl.where(rk == i, e, 0.0), 0) * v
     out = acc / (tl.sum(e, 0) + e_partial)
+    if NORM:
+        out = _out_norm(out, partial_ptr, out_norm_ptr, offs, mask, D, out_eps)
     tl.store(out_ptr + m * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -144,9 +160,12 @@ def attn_res_partials_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr
 def attn_res_mix_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, part_ptr,
                         out_ptr, D, stride_pm, stride_bk, stride_bm, stride_om, eps, K: tl.constexpr,
                         STACKED: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, CHUNKS: tl.constexpr,
-                        BC: tl.constexpr, PDL: tl.constexpr = False):
+                        BC: tl.constexpr, out_norm_ptr=None, out_eps=1e-5, NORM: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """Split over D, second pass: the chunks' partials summed in chunk order into the scores, the softmax over
-    depth, and this chunk of the weighted sum of the candidates."""
+    depth, and this chunk of the weighted sum of the candidates. NORM: the RMSNorm that follows, which needs the
+    whole row: launched with one chunk a token (CH >= D) and more warps, which sum the chunks' partial scores in
+    another order (the last bits of the weights differ from the chunked programs')."""
     pdl_prologue(PDL)
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -166,6 +185,8 @@ def attn_res_mix_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_
         v = _candidate(i, K, partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_ptr, b6_ptr, b7_ptr, m,
                        stride_pm, stride_bk, stride_bm, offs, mask, STACKED)
         acc += tl.sum(tl.where(rk == i, weights, 0.0), 0) * v
+    if NORM:
+        acc = _out_norm(acc, partial_ptr, out_norm_ptr, offs, mask, D, out_eps)
     tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -180,15 +201,18 @@ def use_split(M: int, K: int) -> int:
 
 
 def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor], proj: torch.Tensor,
-             norm_weight: torch.Tensor, *, eps: float, split: int | None = None,
-             delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             norm_weight: torch.Tensor, *, eps: float, delta: torch.Tensor | None = None,
+             out_norm: torch.Tensor | None = None, out_eps: float = 1e-5,
+             split: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """See reference.attn_res. partial: [M, D]; blocks: [K, M, D], or K tensors [M, D] (read where they are: the
     executor's snapshots are never stacked into a copy); proj, norm_weight: D values.
+    delta: [M, D], added to partial first by the same launches (the graph's residual add: one launch and one read
+    of the running sum fewer); then returns (output, partial + delta).
+    out_norm: [D], the next RMSNorm's weight, applied to the output by the same launches (one launch and one
+    write and read of the output fewer); the split form's second pass then takes one program a token.
     split: 0, one program a token, whose two block-wide reductions per candidate cost a barrier each; else two
     launches over (token, chunk of `split` values of D) programs of one warp, with no barrier; None (the
-    engine's call): use_split's choice.
-    delta: [M, D], added to partial first by the same launches (the graph's residual add: one launch and one read
-    of the running sum fewer); then returns (output, partial + delta)."""
+    engine's call): use_split's choice."""
     M, D = partial.shape if partial.dim() == 2 else (-1, -1)
     if isinstance(blocks, torch.Tensor):
         stacked = blocks.dim() == 3 and tuple(blocks.shape[1:]) == (M, D)
@@ -202,11 +226,12 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
     K = len(blocks)
     if proj.numel() != D or norm_weight.numel() != D:
         raise ValueError(f"attn_res (triton): proj and norm_weight must hold {D} values")
+    if out_norm is not None and out_norm.shape != (D,):
+        raise ValueError(f"attn_res (triton): out_norm must be ({D},), got {tuple(out_norm.shape)}")
     if K == 0:  # a softmax over one candidate is exactly 1
-        if delta is None:
-            return partial
-        total = partial + delta
-        return total, total
+        total = partial if delta is None else partial + delta
+        out = total if out_norm is None else rms_norm(total, out_norm, eps=out_eps)
+        return out if delta is None else (out, total)
     if split is None:
         split = use_split(M, K)
     partial = partial.contiguous()
@@ -214,25 +239,32 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
     many = K > MAX_BLOCK_PTRS
     ptrs = [torch.stack(blocks)] if many else blocks
     ptrs = ptrs + [ptrs[0]] * (MAX_BLOCK_PTRS - len(ptrs))  # unused pointer slots
-    out = torch.empty_like(partial)
-    fused = {}
+    fused, normed = {}, {}
     if delta is not None:
         total = torch.empty_like(partial)
         fused = dict(delta_ptr=delta.contiguous(), sum_ptr=total, DELTA=True)
+    if out_norm is not None:
+        normed = dict(out_norm_ptr=out_norm.contiguous(), out_eps=float(out_eps), NORM=True)
+        out = torch.empty(M, D, dtype=torch.promote_types(out_norm.dtype, partial.dtype), device=partial.device)
+    else:
+        out = torch.empty_like(partial)
     proj, norm_weight = proj.reshape(D).contiguous(), norm_weight.contiguous()
+    bd = triton.next_power_of_2(D)
     if M and split:
         chunks, bk = triton.cdiv(D, split), triton.next_power_of_2(K + 1)
         part = torch.empty(M, chunks, 2, bk, dtype=torch.float32, device=partial.device)
         strides = (D, partial.stride(0), M * D, D)
         attn_res_partials_kernel[(M, chunks)](partial, *ptrs, proj, norm_weight, part, *strides, K=K, STACKED=many,
                                               CH=split, BK=bk, **fused, num_warps=1, **pdl(partial))
-        attn_res_mix_kernel[(M, chunks)](total if fused else partial, *ptrs, part, out, *strides, out.stride(0),
-                                         float(eps), K=K, STACKED=many, CH=split, BK=bk, CHUNKS=chunks,
-                                         BC=triton.next_power_of_2(chunks), num_warps=1, **pdl(partial))
+        # the norm needs the whole row: then one program of eight warps a token mixes every chunk
+        mix_chunks, mix_ch, mix_warps = (1, bd, 8) if normed else (chunks, split, 1)
+        attn_res_mix_kernel[(M, mix_chunks)](total if fused else partial, *ptrs, part, out, *strides, out.stride(0),
+                                             float(eps), K=K, STACKED=many, CH=mix_ch, BK=bk, CHUNKS=chunks,
+                                             BC=triton.next_power_of_2(chunks), **normed, num_warps=mix_warps,
+                                             **pdl(partial))
     elif M:
-        bd = triton.next_power_of_2(D)
         attn_res_kernel[(M,)](partial, *ptrs, proj, norm_weight, out, D,
                               partial.stride(0), M * D, D, out.stride(0), float(eps), K=K, STACKED=many, BD=bd,
-                              BK=triton.next_power_of_2(K), **fused, num_warps=min(16, max(1, bd // 512)),
+                              BK=triton.next_power_of_2(K), **fused, **normed, num_warps=min(16, max(1, bd // 512)),
                               **pdl(partial))
     return (out, total) if fused else out

@@ -334,3 +334,23 @@ def test_residual_adds_live_in_attn_res(k3_tiny_engine):
         assert residual(after) and after.input[1] == ffn
         # the sum the fused add writes is the running sum the next node reads
         assert after.input[0] == running
+
+
+def test_norms_after_attn_res_live_in_it(k3_tiny_engine):
+    """The RMSNorm that reads an AttnRes output is done by that node (norm=1: its weight the input after the node's
+    proj and norm, its eps norm_eps), so no RMSNorm node reads an AttnRes output; the one left is layer 0's input
+    norm, on the running sum itself (no snapshot yet: no AttnRes node)."""
+    model = onnx.load(k3_tiny_engine / "rank0" / "graph.onnx")
+    made_by = {o: n for n in model.graph.node for o in n.output}
+    attrs = lambda n: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
+    fused = [n for n in model.graph.node if n.op_type == "AttnRes"]
+    assert len(fused) == 2 * CFG.num_hidden_layers  # every layer's mlp_res, layers 1.. attn_res, out_res
+    weight = {"attn_res": "input_norm", "mlp_res": "post_norm"}
+    for n in fused:
+        a = attrs(n)
+        assert a["norm"] == 1 and a["norm_eps"] == pytest.approx(CFG.rms_norm_eps), n.name
+        layer, _, which = n.name.partition(".")
+        assert n.input[3 + a.get("residual", 0)] == (f"{layer}.{weight[which]}" if which else "norm"), n.name
+    norms = [n for n in model.graph.node if n.op_type == "RMSNorm"]
+    assert [n.name for n in norms] == ["l0.input_norm"]
+    assert made_by[norms[0].input[0]].op_type == "Embedding"

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from k3plugins.attn_res import attn_res
+from k3plugins.norm.reference import rms_norm
 
 
 def _naive(partial, blocks, proj, norm_weight, eps):
@@ -73,3 +74,24 @@ def test_attn_res_delta_is_the_add_then_the_mix():
     assert torch.equal(out, attn_res(partial + delta, blocks, proj.reshape(-1), nw, eps=1e-5))
     with pytest.raises(ValueError, match="delta must match"):
         attn_res(partial, blocks, proj.reshape(-1), nw, eps=1e-5, delta=delta[:3])
+
+
+@pytest.mark.parametrize("K", [0, 3], ids=["K0", "K3"])
+@pytest.mark.parametrize("fused_add", [False, True], ids=["plain", "delta"])
+def test_attn_res_out_norm_is_the_mix_then_rms_norm(K, fused_add):
+    """out_norm (the next RMSNorm fused into the op): exactly rms_norm of the output without it, in rms_norm's dtype
+    (fp32 weight on bf16 activations: fp32); the running sum is not normed. K = 0: the norm of the sum itself."""
+    partial, blocks, proj, nw = _inputs(9, K, 64, torch.bfloat16, seed=5)
+    delta = torch.randn(9, 64).to(torch.bfloat16) if fused_add else None
+    weight = torch.rand(64) + 0.5
+    got = attn_res(partial, blocks, proj.reshape(-1), nw, eps=1e-5, delta=delta, out_norm=weight, out_eps=1e-6)
+    mixed = attn_res(partial, blocks, proj.reshape(-1), nw, eps=1e-5, delta=delta)
+    if fused_add:
+        (got, total), (mixed, want_total) = got, mixed
+        assert torch.equal(total, want_total) and torch.equal(total, partial + delta)
+    want = rms_norm(mixed, weight, eps=1e-6)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    if K == 0:
+        assert torch.equal(got, rms_norm(partial + delta if fused_add else partial, weight, eps=1e-6))
+    else:  # the norm is applied: not the mix itself
+        assert not torch.allclose(got, mixed.float(), atol=1e-2)

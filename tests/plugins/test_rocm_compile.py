@@ -106,15 +106,26 @@ SPECS = {
     "attn_res_mix": (attn_res.attn_res_mix_kernel, dict(partial_ptr="*bf16", out_ptr="*bf16",
                                                         **{f"b{i}_ptr": "*bf16" for i in range(8)}),
                      dict(K=8, STACKED=False, CH=512, BK=16, CHUNKS=14, BC=16)),
+    # the next RMSNorm fused (NORM): one program a token, and the split form's mix over whole rows
+    "attn_res_norm_delta": (attn_res.attn_res_kernel, dict(partial_ptr="*bf16", delta_ptr="*bf16", sum_ptr="*bf16",
+                                                           out_norm_ptr="*bf16", out_ptr="*bf16",
+                                                           **{f"b{i}_ptr": "*bf16" for i in range(8)}),
+                            dict(K=8, STACKED=False, BD=8192, BK=8, DELTA=True, NORM=True)),
+    "attn_res_mix_norm": (attn_res.attn_res_mix_kernel, dict(partial_ptr="*bf16", out_norm_ptr="*bf16", out_ptr="*bf16",
+                                                             **{f"b{i}_ptr": "*bf16" for i in range(8)}),
+                          dict(K=8, STACKED=False, CH=8192, BK=16, CHUNKS=14, BC=16, NORM=True)),
     "moe_sort_pairs": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
                                                    inv_ptr="*i32"), dict(BLOCK=4096)),
+    "moe_sort_pairs_zeroing": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
+                                                           inv_ptr="*i32", done_ptr="*i32"),
+                               dict(BLOCK=4096, ZERO_DONE=True)),
     "router_logits": (router.router_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16"), dict(BM=16, BE=32, BK=64)),
     "router_logits_swap": (router.router_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16"),
                            dict(BM=32, BE=64, BK=128, SWAP=True)),
     "router_topk": (router.router_topk_kernel, dict(ids_ptr="*i64"),
                     dict(NUM_SPLITS=4, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True)),
 }
-_FLOATS = {"beta", "linear_beta", "sm_scale", "scale", "lower_bound", "eps", "scaling"}
+_FLOATS = {"beta", "linear_beta", "sm_scale", "scale", "lower_bound", "eps", "out_eps", "scaling"}
 TARGETS = {"gfx942": GPUTarget("hip", "gfx942", 64), "sm90": GPUTarget("cuda", 90, 32)}
 
 

@@ -253,7 +253,32 @@ def _norm_cases() -> dict:
                                           "rel_split_masked": rel_wide,
                                           "rel_delta": max(_rel(o, want_d) for o, _ in fused.values()),
                                           "sum_exact": all(torch.equal(t, want_sum) for _, t in fused.values())}
+            res[f"attnres-norm-{name}-{k}"] = _attn_res_norm_case(ar, ar_ref, norm, partial, blocks, proj, nw, delta, g)
     return res
+
+
+def _attn_res_norm_case(ar, ar_ref, norm, partial, blocks, proj, nw, delta, g) -> dict:
+    """The next RMSNorm fused into AttnRes (out_norm) in both forms (split=32: the mix of all three chunks in one
+    program a token), with and without delta, vs the reference, and vs the unfused path (the mix stored, then
+    norm.rms_norm): the same rounding at the same points, so under the interpreter the same values."""
+    ow = (1 + 0.1 * torch.randn(partial.shape[1], generator=g)).to(partial.dtype)
+    kw = dict(eps=1e-6, out_norm=ow, out_eps=1e-5)
+    want, (want_d, want_sum) = ar_ref.attn_res(partial, blocks, proj, nw, **kw), \
+        ar_ref.attn_res(partial, blocks, proj, nw, delta=delta, **kw)
+    rel, rel_d, exact, sum_exact, dtype_ok = [], [], True, True, True
+    for split in (0, 32):
+        got = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, split=split, **kw)
+        got_d, got_sum = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, split=split, delta=delta, **kw)
+        mixed = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6, split=split)
+        mixed_d, _ = ar.attn_res(partial, [b.clone() for b in blocks], proj, nw, eps=1e-6, split=split, delta=delta)
+        rel += [_rel(got, want)]
+        rel_d += [_rel(got_d, want_d)]
+        exact &= torch.equal(got, norm.rms_norm(mixed, ow, eps=1e-5))
+        exact &= torch.equal(got_d, norm.rms_norm(mixed_d, ow, eps=1e-5))
+        sum_exact &= torch.equal(got_sum, want_sum)
+        dtype_ok &= got.dtype == got_d.dtype == want.dtype
+    return {"rel": max(rel), "rel_delta": max(rel_d), "unfused_exact": bool(exact), "sum_exact": bool(sum_exact),
+            "dtype_ok": bool(dtype_ok)}
 
 
 def _glu_cases() -> dict:
@@ -457,6 +482,15 @@ def test_attn_res_interpreted(results, dtype, tol, k):
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_list"] < tol, r
     assert r["rel_split"] < tol and r["rel_split_masked"] < tol, r  # the split tactic, over 3 and 4 chunks
     assert r["rel_delta"] < tol and r["sum_exact"], r  # the residual add fused, in both forms
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 8, 11])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 1e-3)])
+def test_attn_res_out_norm_interpreted(results, dtype, tol, k):
+    """The next RMSNorm fused (out_norm), one program a token and split, with and without the residual add."""
+    r = results[f"attnres-norm-{dtype}-{k}"]
+    assert r["dtype_ok"] and r["rel"] < tol and r["rel_delta"] < tol and r["sum_exact"], r
+    assert r["unfused_exact"], r  # the mix stored, then the RMSNorm kernel: the same values
 
 
 @pytest.mark.parametrize("case", ["5-96-8", "17-64-4", "1-40-16"])
