@@ -36,6 +36,7 @@ def test_ab_switches_flip_and_undo():
     import bench_rank as br
     from k3build.config import preset
     from k3build.mapping import Mapping
+    from k3plugins.attn_res import triton as ar
     from k3plugins.moe import triton as moe
     from k3plugins.router import triton as router
     from k3runtime.executor import Executor, StepBatch
@@ -68,8 +69,8 @@ def test_ab_switches_flip_and_undo():
     for flip in (br.AB_SWITCHES["unfused-residual"][1], br.AB_SWITCHES["unfused-norm"][1]):
         flip(ex)  # both at once: the wrappers compose
     assert torch.equal(ex.run(batch)["logits"], fused)
-    before = (dict(moe.TACTICS), router.blocks_for, ex.side)
+    before = (dict(moe.TACTICS), router.blocks_for, ar.use_split, ex.side)
     for name, (_, flip) in br.AB_SWITCHES.items():
         if not name.startswith("unfused-"):
             flip(ex)()
-    assert (dict(moe.TACTICS), router.blocks_for, ex.side) == before
+    assert (dict(moe.TACTICS), router.blocks_for, ar.use_split, ex.side) == before

@@ -218,6 +218,14 @@ def _unfused_norm(executor):
     return undo
 
 
+def _attn_res_single(executor):
+    """AttnRes in one program a token (attn_res_kernel) at every size, not use_split's choice."""
+    from k3plugins.attn_res import triton as ar
+    choice = ar.use_split
+    ar.use_split = lambda M, K: 0
+    return lambda: setattr(ar, "use_split", choice)
+
+
 def _seventeenth_router_blocks(executor):
     from k3plugins.router import triton as router
     new = router.blocks_for
@@ -238,6 +246,7 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
+    "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
     "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
 }
 

@@ -77,11 +77,12 @@ def _bf16_ulps(a, b):
 @pytest.mark.parametrize("split", [0, ar.SPLIT_CHUNK])
 def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, split, fused_add):
     """The next RMSNorm fused (out_norm) vs the reference, and vs the unfused launches (the mix stored, then the
-    RMSNorm kernel) within one bf16 ulp of each value, or 2^-12 of the row's RMS where the mix cancels to near
-    zero: the split form's fused mix (one program a token) sums the chunks' partial scores in another order than
-    the chunked mix, and the row's sum of squares may be reduced in another order too (H200, nineteenth session:
-    up to 157 ulps on values that small at 8-11 snapshots). That comparison takes power-of-two weights, exact to
-    apply, so one ulp of the normalised value stays one ulp of the output. The running sum is exact."""
+    RMSNorm kernel) within 3 bf16 ulps of each value, or 2^-12 of the row's RMS near zero. The split form's fused
+    mix (one program a token) sums the chunks' partial scores in another order than the chunked mix, so a mix value
+    may round the other way (one ulp: up to 2^-7 relative), which the normalisation carries to the output, rounded
+    again (H200, nineteenth session: 103 of 917504 values differ at 128 tokens and 8 snapshots, by 1-2 ulps; the
+    single form and one token: none). That comparison takes power-of-two weights, exact to apply. The running sum
+    is exact."""
     g = torch.Generator(device="cuda").manual_seed(K * 1000 + M + 7)
     partial = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
     blocks = [torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(K)]
@@ -104,7 +105,7 @@ def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, split, fused_a
         a, b = got_pow2.float(), unfused.float()
         ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(1e-30))) - 7)
         rms = b.pow(2).mean(-1, keepdim=True).sqrt()
-        assert ((a - b).abs() <= torch.maximum(ulp, rms / 4096)).all(), (K, M, D, split, _bf16_ulps(a, b))
+        assert ((a - b).abs() <= torch.maximum(3 * ulp, rms / 4096)).all(), (K, M, D, split, _bf16_ulps(a, b))
 
 
 @pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (2048, 16, 56, 112), (7, 4, 3, 5)])
