@@ -32,6 +32,14 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_trigger(ON: tl.constexpr):
+    """Let the dependent grid launch now, with no wait for the previous one: for a kernel whose dependents wait for
+    the rows they read themselves (the MoE's overlapped launches), not for the grid."""
+    if ON:
+        gdc_launch_dependents()
+
+
 @functools.cache
 def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9

@@ -178,6 +178,18 @@ def _moe_decode(**changes):
     return flip
 
 
+def _wrap_nodes(executor, select, wrap):
+    """Replace the fn of the executor's nodes that `select` picks by wrap(fn); returns the undo."""
+    saved = [(b, b.fn) for b in executor.nodes if select(b)]
+    for b, fn in saved:
+        b.fn = wrap(fn)
+
+    def undo():
+        for b, fn in saved:
+            b.fn = fn
+    return undo
+
+
 def _unfused_residual(executor):
     """The AttnRes nodes that add the residual (residual=1) run it as a separate add first, as before the fusion."""
     def unfused(fn):
@@ -185,14 +197,7 @@ def _unfused_residual(executor):
             total = partial + delta
             return fn(total, blocks, proj, norm, **kw), total
         return run
-    saved = [(b, b.fn) for b in executor.nodes if b.kind == "attn_res_add"]
-    for b, fn in saved:
-        b.fn = unfused(fn)
-
-    def undo():
-        for b, fn in saved:
-            b.fn = fn
-    return undo
+    return _wrap_nodes(executor, lambda b: b.kind == "attn_res_add", unfused)
 
 
 def _unfused_norm(executor):
@@ -208,14 +213,7 @@ def _unfused_norm(executor):
             out, total = fn(*args, delta=delta, **kw)
             return rms_norm(out, out_norm, eps=out_eps), total
         return run
-    saved = [(b, b.fn) for b in executor.nodes if "out_eps" in b.attrs]  # what the executor binds for norm=1
-    for b, fn in saved:
-        b.fn = unfused(fn)
-
-    def undo():
-        for b, fn in saved:
-            b.fn = fn
-    return undo
+    return _wrap_nodes(executor, lambda b: "out_eps" in b.attrs, unfused)  # out_eps: what the executor binds for norm=1
 
 
 def _attn_res_single(executor):
@@ -244,6 +242,8 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
                   _moe_decode(rows_first=False, overlap=False)),
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
+    "moe-overlap-combine": ("the MoE decode's combine kernel overlapped too (MoETactic.overlap_combine)",
+                            _moe_decode(overlap_combine=True)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
