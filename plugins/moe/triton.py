@@ -41,7 +41,8 @@ class MoETactic:
     # with paired: the down kernel starts on an expert as soon as the gate/up kernel has all its rows of h (a count
     # per expert), launched with PDL on sm_90 so that it takes SMs while the gate/up kernel's last programs run
     overlap: bool = False
-    # with overlap: the combine kernel launched with PDL too, each program awaiting its token's pairs' rows of y
+    # with overlap: the combine kernel launched with PDL too, each program awaiting its token's pairs' rows of y.
+    # Off: interpreter- and compile-tested, not yet run on a GPU (tools/device/batch50.sh runs its GPU test and A/B)
     overlap_combine: bool = False
 
 

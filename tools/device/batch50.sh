@@ -1,4 +1,4 @@
-# Fiftieth device batch (nineteenth session): the MoE combine kernel overlapped too (MoETactic.overlap_combine: the
+# Fiftieth device batch (written in the nineteenth session, not run: no device time was left): the MoE combine kernel overlapped too (MoETactic.overlap_combine: the
 # down kernel counts each token's rows of y, the combine kernel launched with PDL awaits them): the overlap GPU
 # tests with it, the touched-experts sweep, then the rank A/B (--ab moe-overlap-combine).
 source tools/device/env.sh
