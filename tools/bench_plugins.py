@@ -1,6 +1,7 @@
 """Plugin benchmarks on one GPU: JSON lines, every figure a ratio to a floor or baseline measured in this run.
 
-    python tools/bench_plugins.py [--only moe,mla,kda,router,kda_prefill,kda_drift,attn_res,moe_out] [--sweep]
+    python tools/bench_plugins.py [--only SECTION,...] [--sweep]
+    sections: moe, mla, kda, router, kda_prefill, kda_drift, attn_res, moe_out, moe_touched (tools/bench/SECTION.py)
 
 Floors use the HBM read bandwidth measured first (sum of an 8 GiB bf16 tensor, ANCHORS.md). Times are
 medians of CUDA-event-timed CUDA-graph replays with the L2 flushed before each.
