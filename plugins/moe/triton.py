@@ -166,7 +166,8 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     inv = torch.empty(P, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
-    rows = dict(cnt_ptr=counts, RB=counts.shape[1], TOP_K=topk_ids.shape[1]) if counts is not None else {}
+    rows = dict(cnt_ptr=counts, RB=counts.shape[1], TOP_K=topk_ids.shape[1], ZERO_COUNTS=True) if counts is not None \
+        else {}
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
                                         done_ptr=done, ZERO_DONE=done is not None, **rows, **pdl(flat))
     return order, offsets, inv

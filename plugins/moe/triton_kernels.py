@@ -383,22 +383,22 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
 @triton.jit
 def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
                       done_ptr=None, ZERO_DONE: tl.constexpr = False, cnt_ptr=None, RB=0, TOP_K: tl.constexpr = 1,
-                      PDL: tl.constexpr = False):
+                      ZERO_COUNTS: tl.constexpr = False, PDL: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, placed last with inv -1). Its start is the count of smaller keys, so the
     programs need nothing from each other; within an expert, pairs keep their order (a prefix sum).
-    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL), and with RB > 0 the
-    down kernel's counts cnt [M, RB] (COUNT), a token's row e, e + E + 1, ... a program."""
+    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL); ZERO_COUNTS: the down
+    kernel's counts cnt [M, RB] (COUNT), a token's row e, e + E + 1, ... a program."""
     pdl_prologue(PDL)
     e = tl.program_id(0)
     if ZERO_DONE:
         if e < E:
             tl.store(done_ptr + e, 0)
-        if RB > 0:
-            rr = tl.arange(0, 64)
-            for t in range(e, P // TOP_K, E + 1):
-                for r0 in range(0, RB, 64):
-                    tl.store(cnt_ptr + t * RB + r0 + rr, 0, mask=r0 + rr < RB)
+    if ZERO_COUNTS:  # a constexpr: cnt_ptr is None otherwise, and no code may touch it
+        rr = tl.arange(0, 64)
+        for t in range(e, P // TOP_K, E + 1):
+            for r0 in range(0, RB, 64):
+                tl.store(cnt_ptr + t * RB + r0 + rr, 0, mask=r0 + rr < RB)
     offs = tl.arange(0, BLOCK)
     start = 0
     for c0 in range(0, P, BLOCK):  # pass 1: how many pairs sort before expert e
@@ -434,7 +434,8 @@ def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K:
         pairs = 0
         for j in range(TOP_K):
             pairs += (tl.load(inv_ptr + t * TOP_K + j) >= 0).to(tl.int32)
-        for rb in range(tl.program_id(1) * BD // ROWS, tl.minimum((tl.program_id(1) + 1) * BD, Dl) // ROWS):
+        # every row block that overlaps this program's BD columns
+        for rb in range(tl.program_id(1) * BD // ROWS, tl.cdiv(tl.minimum((tl.program_id(1) + 1) * BD, Dl), ROWS)):
             _await_rows(cnt_ptr + t * RB, rb, pairs)
     acc = tl.zeros((BD,), dtype=tl.float32)
     for j in range(TOP_K):

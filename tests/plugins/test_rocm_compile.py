@@ -124,7 +124,11 @@ SPECS = {
                                                    inv_ptr="*i32"), dict(BLOCK=4096)),
     "moe_sort_pairs_zeroing": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
                                                            inv_ptr="*i32", done_ptr="*i32", cnt_ptr="*i32"),
-                               dict(BLOCK=4096, ZERO_DONE=True, TOP_K=16)),
+                               dict(BLOCK=4096, ZERO_DONE=True, TOP_K=16, ZERO_COUNTS=True)),
+    # decode_p's launch: the per-expert counts only, no per-token counts (cnt_ptr None, as the host passes it)
+    "moe_sort_pairs_done": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
+                                                        inv_ptr="*i32", done_ptr="*i32"),
+                            dict(BLOCK=4096, ZERO_DONE=True, cnt_ptr=None)),
     "router_logits": (router.router_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16"), dict(BM=16, BE=32, BK=64)),
     "router_logits_swap": (router.router_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16"),
                            dict(BM=32, BE=64, BK=128, SWAP=True)),
