@@ -1,0 +1,120 @@
+"""The Triton launches the plugins' host code makes, compiled for sm_90 and gfx942 exactly as launched (no GPU).
+
+A host function runs on CPU tensors with every kernel launch recorded instead of run (JITFunction.run patched),
+then each recorded launch is compiled with the types and constexprs it was given. A None argument becomes a
+constexpr, as at a real launch: a kernel that touches such a pointer under a runtime branch runs in the
+interpreter (plain Python) and compiles from a hand-written spec that passes a pointer, yet fails at its real
+launch (the pair sort's per-token counts, nineteenth session). test_rocm_compile.py covers every kernel from
+specs; this covers the launch configurations of the engine's own tactics.
+"""
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
+_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+        torch.int64: "*i64", torch.uint8: "*u8"}
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+def _launches(monkeypatch, run, gpu_pdl: bool) -> list:
+    """(kernel, bound arguments, options) of every launch `run()` makes; gpu_pdl: the host sees an sm_90 GPU."""
+    from k3plugins import pdl
+    from k3plugins.moe import triton as moe
+    calls = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append((self, dict(bound.arguments), options))
+
+    monkeypatch.setattr(JITFunction, "run", record)
+    monkeypatch.setattr(moe, "_interpreting", lambda: True)  # supports(): CPU tensors stand in for the GPU's
+    monkeypatch.setattr(moe, "pdl_capable", lambda t: gpu_pdl)
+    monkeypatch.setattr(pdl, "_supported", lambda index: gpu_pdl)
+    run()
+    return calls
+
+
+def _source(kernel, args: dict) -> ASTSource:
+    sig, consts = {}, {}
+    for p in kernel.params:
+        value = args[p.name]
+        if p.is_constexpr or value is None:
+            sig[p.name], consts[p.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[p.name] = _PTR[value.dtype]
+        elif isinstance(value, bool):
+            sig[p.name] = "i1"
+        elif isinstance(value, int):
+            sig[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            sig[p.name] = "fp32"
+    return ASTSource(kernel, sig, consts, {})
+
+
+def _moe_decode(tactic: str, **changes):
+    from dataclasses import replace
+
+    from k3plugins.moe import triton as moe
+
+    def run():
+        g = torch.Generator().manual_seed(0)
+        E, dl, inter, M, k = 4, 512, 512, 5, 4
+        t = replace(moe.TACTICS[tactic], **changes)
+        w13 = moe.lay_out(t, torch.randint(0, 256, (E, 2 * inter, dl // 2), dtype=torch.uint8, generator=g))
+        s13 = moe.lay_out_scale(t, torch.randint(118, 126, (E, 2 * inter, dl // 32), dtype=torch.uint8, generator=g))
+        w2 = moe.lay_out(t, torch.randint(0, 256, (E, dl, inter // 2), dtype=torch.uint8, generator=g))
+        s2 = moe.lay_out_scale(t, torch.randint(118, 126, (E, dl, inter // 32), dtype=torch.uint8, generator=g))
+        ids = torch.randint(0, 2 * E, (M, k), generator=g)
+        moe.moe_experts(torch.randn(M, dl).to(torch.bfloat16), ids, torch.rand(M, k), w13, s13, w2, s2,
+                        expert_start=0, act="situ", tactic=t)
+    return run
+
+
+def _attn_res(split: int, delta: bool, norm: bool):
+    from k3plugins.attn_res import triton as ar
+
+    def run():
+        M, D, K = 3, 1024, 4
+        x = lambda: torch.randn(M, D).to(torch.bfloat16)  # noqa: E731
+        ar.attn_res(x(), [x() for _ in range(K)], torch.randn(D), torch.ones(D), eps=1e-6, split=split,
+                    delta=x() if delta else None, out_norm=torch.ones(D, dtype=torch.bfloat16) if norm else None)
+    return run
+
+
+CASES = {
+    "moe decode_p": _moe_decode("decode_p"),
+    "moe decode_p overlap_combine": _moe_decode("decode_p", overlap_combine=True),
+    "moe decode_p plain": _moe_decode("decode_p", overlap=False, rows_first=False),
+    "moe prefill_p": _moe_decode("prefill_p"),
+    **{f"attn_res split{s} delta{int(d)} norm{int(n)}": _attn_res(s, d, n)
+       for s in (0, 512) for d in (False, True) for n in (False, True)},
+}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_host_launches_compile(monkeypatch, case, target):
+    from triton.backends import backends
+    tgt = TARGETS[target]
+    if {"hip": "amd", "cuda": "nvidia"}[tgt.backend] not in backends:
+        pytest.skip(f"this Triton has no {tgt.backend} backend")
+    launches = _launches(monkeypatch, CASES[case], gpu_pdl=target == "sm90")
+    assert launches, f"{case}: no Triton launch recorded"
+    for kernel, args, options in launches:
+        opts = {"num_warps": options.get("num_warps", 4), "num_stages": options.get("num_stages", 3)}
+        if target == "sm90" and options.get("launch_pdl"):
+            opts["launch_pdl"] = True
+        try:
+            triton.compile(_source(kernel, args), target=tgt, options=opts)
+        except Exception as exc:
+            pytest.fail(f"{case}: {kernel.fn.__name__} as launched does not compile for {target}: "
+                        f"{type(exc).__name__}: {str(exc)[:1500]}")
