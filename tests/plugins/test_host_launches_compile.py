@@ -5,7 +5,7 @@ then each recorded launch is compiled with the types and constexprs it was given
 constexpr, as at a real launch: a kernel that touches such a pointer under a runtime branch runs in the
 interpreter (plain Python) and compiles from a hand-written spec that passes a pointer, yet fails at its real
 launch (the pair sort's per-token counts, nineteenth session). test_rocm_compile.py covers every kernel from
-specs; this covers the launch configurations of the engine's own tactics.
+specs; this covers the launch configurations of the engine's own tactics and batch sizes.
 """
 import inspect
 
@@ -90,7 +90,41 @@ def _attn_res(split: int, delta: bool, norm: bool):
     return run
 
 
+def _route(M: int):
+    from k3plugins.router import triton as router
+
+    def run():
+        E, D = 896, 1024
+        router.route(torch.randn(M, D).to(torch.bfloat16), torch.randn(E, D).to(torch.bfloat16), torch.randn(E),
+                     top_k=16, renormalize=True, scaling_factor=2.5)
+    return run
+
+
+def _mla_decode(B: int, H: int):
+    from k3plugins.mla import triton as mla
+
+    def run():
+        pages = torch.arange(4 * B, dtype=torch.int32).view(B, 4)
+        mla.mla_decode_attention(torch.randn(B, H, 512).to(torch.bfloat16), torch.randn(B, H, 64).to(torch.bfloat16),
+                                 torch.randn(4 * B, 64, 576).to(torch.bfloat16), pages,
+                                 torch.full((B,), 200, dtype=torch.int32), scale=192 ** -0.5)
+    return run
+
+
+def _norms():
+    from k3plugins.mlp import triton as mlp
+    from k3plugins.norm import triton as norm
+
+    def run():
+        norm.rms_norm(torch.randn(5, 7168).to(torch.bfloat16), torch.ones(7168, dtype=torch.bfloat16), eps=1e-5)
+        mlp.glu(torch.randn(5, 2 * 768).to(torch.bfloat16), act="situ", beta=4.0, linear_beta=25.0)
+    return run
+
+
 CASES = {
+    **{f"router {M} tokens": _route(M) for M in (8, 32, 64, 128, 512)},
+    **{f"mla decode {B}x{H}": _mla_decode(B, H) for B, H in ((4, 6), (64, 16), (2, 96))},
+    "rms_norm and glu": _norms(),
     "moe decode_p": _moe_decode("decode_p"),
     "moe decode_p overlap_combine": _moe_decode("decode_p", overlap_combine=True),
     "moe decode_p plain": _moe_decode("decode_p", overlap=False, rows_first=False),
