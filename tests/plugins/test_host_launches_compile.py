@@ -20,7 +20,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
         torch.int64: "*i64", torch.uint8: "*u8"}
-_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
 
 
 def _launches(monkeypatch, run, gpu_pdl: bool) -> list:
@@ -39,6 +39,8 @@ def _launches(monkeypatch, run, gpu_pdl: bool) -> list:
     monkeypatch.setattr(moe, "_interpreting", lambda: True)  # supports(): CPU tensors stand in for the GPU's
     monkeypatch.setattr(moe, "pdl_capable", lambda t: gpu_pdl)
     monkeypatch.setattr(pdl, "_supported", lambda index: gpu_pdl)
+    from k3plugins.kda import fla
+    monkeypatch.setattr(fla, "_sm_count", lambda device: 132 if gpu_pdl else 0)  # the fused decode's register cap
     run()
     return calls
 
@@ -121,7 +123,23 @@ def _norms():
     return run
 
 
+def _kda_decode(N: int, tactic: str, state_dtype=torch.float32):
+    from k3plugins.kda import fla
+
+    def run():
+        H, K = 6, 128
+        D, S = H * K, N + 1
+        x = lambda *shape: torch.randn(*shape).to(torch.bfloat16)  # noqa: E731
+        fla.kda_decode(x(N, 3 * D), x(N, D), x(N, H), x(N, D), torch.randn(3 * D, 4), torch.randn(H),
+                       torch.randn(D), torch.ones(K), torch.zeros(S, H, K, K, dtype=state_dtype),
+                       torch.zeros(S, 3 * D, 3).to(torch.bfloat16), torch.arange(N), num_heads=H, head_dim=K,
+                       lower_bound=-5.0, eps=1e-5, tactic=tactic)
+    return run
+
+
 CASES = {
+    **{f"kda decode {t} {N} seqs": _kda_decode(N, t) for t in ("fused", "split") for N in (3, 60)},
+    "kda decode fused bf16 state": _kda_decode(8, "fused", torch.bfloat16),
     **{f"router {M} tokens": _route(M) for M in (8, 32, 64, 128, 512)},
     **{f"mla decode {B}x{H}": _mla_decode(B, H) for B, H in ((4, 6), (64, 16), (2, 96))},
     "rms_norm and glu": _norms(),
@@ -147,6 +165,8 @@ def test_host_launches_compile(monkeypatch, case, target):
         opts = {"num_warps": options.get("num_warps", 4), "num_stages": options.get("num_stages", 3)}
         if target == "sm90" and options.get("launch_pdl"):
             opts["launch_pdl"] = True
+        if target == "sm90" and options.get("maxnreg"):
+            opts["maxnreg"] = options["maxnreg"]
         try:
             triton.compile(_source(kernel, args), target=tgt, options=opts)
         except Exception as exc:
