@@ -137,7 +137,21 @@ def _kda_decode(N: int, tactic: str, state_dtype=torch.float32):
     return run
 
 
+def _moe_out(norm: bool):
+    from k3plugins.moe_out import triton as moe_out
+
+    def run():
+        T, Dl, inter, size = 5, 3584, 48, 224
+        moe_out.moe_out_proj(torch.randn(T, Dl), torch.ones(Dl, dtype=torch.bfloat16) if norm else None,
+                             torch.randn(T, 2 * inter).to(torch.bfloat16),
+                             torch.randn(7168, size + inter).to(torch.bfloat16), start=size, size=size, eps=1e-5,
+                             act="situ")
+    return run
+
+
 CASES = {
+    "moe_out_proj": _moe_out(True),
+    "moe_out_proj without the latent norm": _moe_out(False),
     **{f"kda decode {t} {N} seqs": _kda_decode(N, t) for t in ("fused", "split") for N in (3, 60)},
     "kda decode fused bf16 state": _kda_decode(8, "fused", torch.bfloat16),
     **{f"router {M} tokens": _route(M) for M in (8, 32, 64, 128, 512)},
