@@ -60,9 +60,7 @@ class _Bound:
     inputs: list[str]
     outputs: list[str]
     attrs: dict
-    # "plain" | "kda" | "mla" | "comm" | "attn_res" | "attn_res_add" (AttnRes with residual=1: the add fused); an
-    # AttnRes of either kind may carry the next RMSNorm too (norm=1); _attn_res_inputs orders their inputs
-    kind: str
+    kind: str  # "plain" | "kda" | "mla" | "attn_res" | "comm"
     side: bool = False  # run on the executor's side stream (FORKED_OPS)
 
 
@@ -75,11 +73,11 @@ FORKED_OPS = ("Router",)
 FORK_MIN_TOKENS = 64
 
 
-def _attn_res_inputs(ins: list[str], attrs: dict) -> tuple[list[str], str]:
+def _attn_res_inputs(ins: list[str], attrs: dict) -> list[str]:
     """An AttnRes node's inputs in one order for every variant, (partial, proj, norm, delta, out_norm,
-    *snapshots) with "" (None) for the absent ones, and its kind; its residual, norm and norm_eps attributes are
-    consumed here. Graph order is (partial, [delta if residual], proj, norm, [out_norm if norm], *snapshots): the
-    variadic inputs come last in ONNX."""
+    *snapshots) with "" (None) for the absent ones: delta with residual=1 (the residual add fused), out_norm with
+    norm=1 (the next RMSNorm fused); those attributes and norm_eps are consumed here. Graph order is (partial,
+    [delta if residual], proj, norm, [out_norm if norm], *snapshots): the variadic inputs come last in ONNX."""
     residual, norm = attrs.pop("residual", 0), attrs.pop("norm", 0)
     partial, rest = ins[0], ins[1:]
     delta = rest.pop(0) if residual else ""
@@ -87,7 +85,7 @@ def _attn_res_inputs(ins: list[str], attrs: dict) -> tuple[list[str], str]:
     out_norm = rest[2] if norm else ""
     if norm:
         attrs["out_eps"] = attrs.pop("norm_eps")
-    return [partial, proj, res_norm, delta, out_norm, *rest[2 + norm:]], "attn_res_add" if residual else "attn_res"
+    return [partial, proj, res_norm, delta, out_norm, *rest[2 + norm:]]
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -122,7 +120,7 @@ class Executor:
         fn = registry.find(node.op_type, entry["tactic"]).load()
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
         if kind == "attn_res":
-            ins, kind = _attn_res_inputs(ins, attrs)
+            ins = _attn_res_inputs(ins, attrs)
         if node.op_type == "Router":
             attrs["renormalize"] = bool(attrs["renormalize"])
         return _Bound(node.name, fn, ins, outs, attrs, kind, side=node.op_type in FORKED_OPS)
@@ -166,7 +164,7 @@ class Executor:
                 kw = {k: v for k, v in b.attrs.items() if k != "cache_index"}
                 out = b.fn(*args, self.caches.mla_kv[ci], cu_seqlens=batch.cu_seqlens,
                            context_lens=batch.context_lens, page_table=batch.page_table, **kw)
-            elif b.kind in ("attn_res", "attn_res_add"):
+            elif b.kind == "attn_res":
                 # bound as (partial, proj, norm, delta, out_norm, *snapshots); the snapshots go as a list: the
                 # device kernel reads them in place (the reference stacks them)
                 out = b.fn(args[0], args[5:], args[1], args[2], delta=args[3], out_norm=args[4], **b.attrs)

@@ -197,7 +197,7 @@ def _unfused_residual(executor):
             total = partial + delta
             return fn(total, blocks, proj, norm, **kw), total
         return run
-    return _wrap_nodes(executor, lambda b: b.kind == "attn_res_add", unfused)
+    return _wrap_nodes(executor, lambda b: b.kind == "attn_res" and b.inputs[3], unfused)  # delta (_attn_res_inputs)
 
 
 def _unfused_norm(executor):
@@ -213,7 +213,7 @@ def _unfused_norm(executor):
             out, total = fn(*args, delta=delta, **kw)
             return rms_norm(out, out_norm, eps=out_eps), total
         return run
-    return _wrap_nodes(executor, lambda b: "out_eps" in b.attrs, unfused)  # out_eps: what the executor binds for norm=1
+    return _wrap_nodes(executor, lambda b: b.kind == "attn_res" and b.inputs[4], unfused)  # out_norm (_attn_res_inputs)
 
 
 def _attn_res_single(executor):
