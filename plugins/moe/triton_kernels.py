@@ -179,10 +179,8 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
         sc64 = tl.reshape(tl.broadcast_to(tl.join(s_a, s_b)[:, :, None], (BN, 2, 32)), (BN, 64))
         lo, hi = _halves(_paired_codes(w, i), BF16)  # bf16, or fp32 for fp32/fp16 activations (as the scales)
         vals = (tl.reshape(tl.join(lo, hi), (BN, 64)) * sc64).to(DTYPE)
-        if L2_ONLY:
-            x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0)
+        x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0,
+                    cache_modifier=".cg" if L2_ONLY else "")
         acc = tl.dot(vals, x, acc)
     return acc
 
@@ -441,10 +439,8 @@ def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K:
     for j in range(TOP_K):
         pos = tl.load(inv_ptr + t * TOP_K + j)
         if pos >= 0:
-            if AWAIT:
-                acc += tl.load(y_ptr + pos * stride_ym + offs_d, mask=d_mask, other=0.0, cache_modifier=".cg")
-            else:
-                acc += tl.load(y_ptr + pos * stride_ym + offs_d, mask=d_mask, other=0.0)
+            acc += tl.load(y_ptr + pos * stride_ym + offs_d, mask=d_mask, other=0.0,
+                           cache_modifier=".cg" if AWAIT else "")
     tl.store(out_ptr + t * stride_om + offs_d, acc, mask=d_mask)
 
 
