@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3plugins.norm.triton import rms_norm
+from k3plugins.norm.triton import rms_norm, rms_norm_row
 from k3plugins.pdl import pdl, pdl_prologue
 
 
@@ -81,12 +81,10 @@ def _running_sum(K: tl.constexpr, partial_ptr, delta_ptr, sum_ptr, b0, b1, b2, b
 @triton.jit
 def _out_norm(h, partial_ptr, out_norm_ptr, offs, mask, D, out_eps):
     """The RMSNorm that follows the op (NORM), on the whole output row h in fp32, as norm/triton.py's
-    rms_norm_kernel computes it on the stored output: h rounded to the activations' dtype, normalised in fp32,
-    rounded again, times the weight. Masked lanes of h must be 0."""
-    h = h.to(partial_ptr.dtype.element_ty).to(tl.float32)
-    y = h * tl.rsqrt(tl.sum(h * h, 0) / D + out_eps)
-    y = y.to(partial_ptr.dtype.element_ty).to(tl.float32)
-    return tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32) * y
+    rms_norm_kernel computes it on the stored output: h rounded to the activations' dtype first. Masked lanes of h
+    must be 0."""
+    dtype = partial_ptr.dtype.element_ty
+    return rms_norm_row(h.to(dtype).to(tl.float32), out_norm_ptr, offs, mask, D, out_eps, dtype)
 
 
 @triton.jit

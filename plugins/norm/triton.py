@@ -12,16 +12,23 @@ from k3plugins.pdl import pdl, pdl_prologue
 
 
 @triton.jit
+def rms_norm_row(x, w_ptr, offs, mask, D, eps, DTYPE: tl.constexpr):
+    """A whole row x in fp32 (values of DTYPE, masked lanes 0) -> w · (x · rsqrt(mean(x²) + eps)) in fp32, the
+    normalised values rounded to DTYPE before the weight (as HF). Also AttnRes's fused norm (attn_res/triton.py)."""
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    y = y.to(DTYPE).to(tl.float32)
+    return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * y
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BD: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    y = rms_norm_row(x, w_ptr, offs, mask, D, eps, x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
