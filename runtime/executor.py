@@ -16,7 +16,6 @@ from k3plugins import registry
 from k3plugins.step_scope import step_scope
 from onnx import helper
 
-from .l2_plan import l2_supported, prefetch_plan, step_prefetch
 from .loader import _ONNX_TO_TORCH, EngineError, RankEngine
 
 
@@ -62,7 +61,6 @@ class _Bound:
     outputs: list[str]
     attrs: dict
     kind: str  # "plain" | "kda" | "mla" | "attn_res" | "comm"
-    op: str  # the node's op_type
     side: bool = False  # run on the executor's side stream (FORKED_OPS)
 
 
@@ -104,22 +102,17 @@ class Executor:
         self.outputs = [o.name for o in engine.graph.output]
         self.nodes = [self._bind(n, plugins) for n in engine.graph.node]
         device = next((w.device for w in self.weights.values() if w is not None), torch.device("cpu"))
-        cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if cuda else None
-        # weights asked into L2 from a third stream in the windows between heavy nodes (l2_plan); CUDA sm_90+ only
-        self.l2_plan = prefetch_plan(self.nodes, self.weights) if l2_supported(device) else {}
-        self.l2_stream = torch.cuda.Stream(device) if cuda else None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _bind(self, node: onnx.NodeProto, plugins: dict) -> _Bound:
         attrs = _attrs(node)
         ins, outs = list(node.input), list(node.output)
         if node.domain == "":
-            return _Bound(node.name, _ONNX_OPS[node.op_type](attrs), ins, outs, {}, "plain", node.op_type)
+            return _Bound(node.name, _ONNX_OPS[node.op_type](attrs), ins, outs, {}, "plain")
         if node.op_type in _K3_STRUCTURE_OPS:
-            return _Bound(node.name, _K3_STRUCTURE_OPS[node.op_type](attrs), ins, outs, {}, "plain", node.op_type)
+            return _Bound(node.name, _K3_STRUCTURE_OPS[node.op_type](attrs), ins, outs, {}, "plain")
         if node.op_type in _COMM_OPS:
-            return _Bound(node.name, getattr(self.comm, _COMM_OPS[node.op_type]), ins, outs, attrs, "comm",
-                          node.op_type)
+            return _Bound(node.name, getattr(self.comm, _COMM_OPS[node.op_type]), ins, outs, attrs, "comm")
         entry = plugins.get(node.op_type)
         if entry is None:  # an op of a newer k3build, or a graph edited by hand
             raise EngineError(f"graph node {node.name!r}: op {node.domain}::{node.op_type} is neither a structure op "
@@ -130,7 +123,7 @@ class Executor:
             ins = _attn_res_inputs(ins, attrs)
         if node.op_type == "Router":
             attrs["renormalize"] = bool(attrs["renormalize"])
-        return _Bound(node.name, fn, ins, outs, attrs, kind, node.op_type, side=node.op_type in FORKED_OPS)
+        return _Bound(node.name, fn, ins, outs, attrs, kind, side=node.op_type in FORKED_OPS)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -145,10 +138,8 @@ class Executor:
         forked: set[str] = set()  # outputs of side-stream nodes that the main stream has not waited for yet
         first = batch.input_ids if "hidden_in" not in env else env["hidden_in"]
         side = self.side if first.shape[0] >= FORK_MIN_TOKENS else None
-        main = torch.cuda.current_stream() if self.l2_stream is not None else None
-        for idx, b in enumerate(self.nodes):
-            if idx in self.l2_plan:
-                step_prefetch(self.l2_plan[idx], env, self.l2_stream, main)
+        main = torch.cuda.current_stream() if side is not None else None
+        for b in self.nodes:
             if forked and not forked.isdisjoint(b.inputs):
                 main.wait_stream(side)
                 forked.clear()
@@ -185,8 +176,6 @@ class Executor:
                 env.update(zip(b.outputs, out))
         if forked:
             main.wait_stream(side)
-        if self.l2_plan:
-            main.wait_stream(self.l2_stream)
         return {name: env[name] for name in self.outputs}
 
 

@@ -166,16 +166,6 @@ def _one_stream(executor):
     return lambda: setattr(executor, "side", side)
 
 
-def _l2_prefetch(mb: float):
-    """A switch that replans the executor's L2 prefetches with another budget (0: none)."""
-    def flip(executor):
-        from k3runtime.l2_plan import prefetch_plan
-        plan = executor.l2_plan
-        executor.l2_plan = prefetch_plan(executor.nodes, executor.weights, budget=int(mb * 2**20))
-        return lambda: setattr(executor, "l2_plan", plan)
-    return flip
-
-
 def _moe_decode(**changes):
     """A switch that replaces fields of the MoE decode tactic (decode_p)."""
     def flip(executor):
@@ -247,9 +237,6 @@ def _seventeenth_router_blocks(executor):
 
 AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "one-stream": ("the executor's side stream off (the Router forked onto it by default)", _one_stream),
-    "no-l2-prefetch": ("no weights asked into L2 between heavy nodes (runtime/l2_plan.py)", _l2_prefetch(0)),
-    "l2-prefetch-6mb": ("6 MB of weights asked into L2 a window, not l2_plan.BUDGET_MB", _l2_prefetch(6)),
-    "l2-prefetch-24mb": ("24 MB of weights asked into L2 a window, not l2_plan.BUDGET_MB", _l2_prefetch(24)),
     "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps", _moe_decode(block_n=128, num_warps=8)),
     "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
