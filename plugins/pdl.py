@@ -11,8 +11,8 @@ dependents only after that wait, so at most one grid waits behind a running one.
 Off by default: on an H200 the GPU tests pass with it, but a real-size rank's decode step (bench_rank, side by side
 in both orders) was no faster with it (BENCHMARKS.md). `K3_PDL=1` turns it on. It stays off on ROCm, below sm_90,
 and for CPU tensors (Triton's interpreter). One pair launches with PDL on sm_90 whatever K3_PDL says, because its
-second kernel waits for less than the whole first one (`pdl_trigger`, `pdl_capable`): the MoE decode's down kernel,
-each program awaiting its own expert's rows (MoETactic.overlap, k3plugins/moe).
+second kernel waits for less than the whole first one (`pdl_capable`): the MoE decode's down kernel, each program
+awaiting its own expert's rows (MoETactic.overlap, k3plugins/moe).
 """
 
 from __future__ import annotations
@@ -31,14 +31,6 @@ def pdl_prologue(PDL: tl.constexpr):
     """The first statement of a kernel launched with `pdl(...)`'s options (nothing when PDL is False)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_trigger(ON: tl.constexpr):
-    """Let the dependent grid launch now, with no wait for the previous one: for a kernel whose dependents wait for
-    the rows they read themselves (the MoE's overlapped launches), not for the grid."""
-    if ON:
         gdc_launch_dependents()
 
 

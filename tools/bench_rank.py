@@ -242,8 +242,6 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
                   _moe_decode(rows_first=False, overlap=False)),
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
-    "moe-overlap-combine": ("the MoE decode's combine kernel overlapped too (MoETactic.overlap_combine)",
-                            _moe_decode(overlap_combine=True)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),

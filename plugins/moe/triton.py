@@ -41,9 +41,6 @@ class MoETactic:
     # with paired: the down kernel starts on an expert as soon as the gate/up kernel has all its rows of h (a count
     # per expert), launched with PDL on sm_90 so that it takes SMs while the gate/up kernel's last programs run
     overlap: bool = False
-    # with overlap: the combine kernel launched with PDL too, each program awaiting its token's pairs' rows of y.
-    # Off: interpreter- and compile-tested, not yet run on a GPU (tools/device/batch50.sh runs its GPU test and A/B)
-    overlap_combine: bool = False
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -119,8 +116,6 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                        "(and no FP8)")
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
-    if t.overlap_combine and not t.overlap:
-        return False, "overlap_combine needs overlap (the down kernel's counts)"
     if t.overlap and (not t.paired or t.fp8):
         return False, "overlap (the down kernel awaiting each expert's h) is implemented for the paired layout only"
     if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
@@ -150,10 +145,9 @@ def quantize_e4m3(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 4096,
-               done: torch.Tensor | None = None, counts: torch.Tensor | None = None):
+               done: torch.Tensor | None = None):
     """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
-    [num_local]) and `counts` (int32 [M, row blocks]), if given, are zeroed by the same launch (the MoE kernels'
-    per-expert and per-token counts, MoETactic.overlap and overlap_combine).
+    [num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert count, MoETactic.overlap).
 
     Returns:
         order int32 [P] (pair ids, local experts' pairs first, grouped by expert, in pair order within one),
@@ -166,10 +160,8 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     inv = torch.empty(P, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
-    rows = dict(cnt_ptr=counts, RB=counts.shape[1], TOP_K=topk_ids.shape[1], ZERO_COUNTS=True) if counts is not None \
-        else {}
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
-                                        done_ptr=done, ZERO_DONE=done is not None, **rows, **pdl(flat))
+                                        done_ptr=done, ZERO_DONE=done is not None, **pdl(flat))
     return order, offsets, inv
 
 
@@ -211,9 +203,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if z.stride(-1) != 1:  # rows may be strided (z is a column slice of the MoE input's fused GEMM): the kernels
         z = z.contiguous()  # take z.stride(0)
     done = torch.empty(E, dtype=torch.int32, device=z.device) if t.overlap else None
-    combine_early = t.overlap and t.overlap_combine
-    counts = torch.empty(M, Dl // t.block_n, dtype=torch.int32, device=z.device) if combine_early else None
-    order, offsets, inv = sort_pairs(topk_ids, expert_start, E, done=done, counts=counts)
+    order, offsets, inv = sort_pairs(topk_ids, expert_start, E, done=done)
     early = t.overlap and pdl_capable(z)  # the down kernel launched before the gate/up kernel ends
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
@@ -236,14 +226,11 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
         W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        AWAIT=inter // t.block_n if t.overlap else 0, cnt_ptr=counts, TOP_K=top_k, COUNT=combine_early,
-        EARLY=combine_early and early, num_warps=t.num_warps, num_stages=t.num_stages,
+        AWAIT=inter // t.block_n if t.overlap else 0, num_warps=t.num_warps, num_stages=t.num_stages,
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
-    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](
-        y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd, cnt_ptr=counts,
-        RB=Dl // t.block_n, ROWS=t.block_n, AWAIT=combine_early,
-        **(dict(PDL=False, launch_pdl=True) if combine_early and early else pdl(y)))
+    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
+                                                 **pdl(y))
     return out
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from k3plugins.mlp.triton import glu_act
 from k3plugins.moe import mxfp4
-from k3plugins.pdl import pdl_prologue, pdl_trigger
+from k3plugins.pdl import pdl_prologue
 
 
 @triton.jit
@@ -326,16 +326,12 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
                     ROWS_FIRST: tl.constexpr = False, done_ptr=None, AWAIT: tl.constexpr = 0,
-                    cnt_ptr=None, TOP_K: tl.constexpr = 1, COUNT: tl.constexpr = False, EARLY: tl.constexpr = False,
                     PDL: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
     kernel's). AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
     a program waits for the AWAIT gate/up programs of its own expert instead and reads h past L1, so that the
-    gate/up kernel's last programs and this kernel's first ones run together. COUNT: each program counts its pairs'
-    tokens at its row block in cnt [M, row blocks] once their y rows are stored (moe_combine_kernel's AWAIT);
-    EARLY (sm_90): the combine kernel, launched with PDL, may take SMs as soon as every program has started."""
+    gate/up kernel's last programs and this kernel's first ones run together."""
     pdl_prologue(PDL and AWAIT == 0)
-    pdl_trigger(EARLY)
     e, offs_n = _program(BN, ROWS_FIRST)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
@@ -370,33 +366,21 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         pair = tl.load(sorted_ptr + offs_p, mask=p_mask, other=0)
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
         tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])
-        if COUNT:
-            tl.debug_barrier()  # every thread's y stores before the counts' release
-            rb = tl.program_id(0) if ROWS_FIRST else tl.program_id(1)
-            tl.atomic_add(cnt_ptr + (pair // TOP_K) * tl.num_programs(0 if ROWS_FIRST else 1) + rb, 1, mask=p_mask,
-                          sem="release")
         m0 += BM
 
 
 @triton.jit
 def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
-                      done_ptr=None, ZERO_DONE: tl.constexpr = False, cnt_ptr=None, RB=0, TOP_K: tl.constexpr = 1,
-                      ZERO_COUNTS: tl.constexpr = False, PDL: tl.constexpr = False):
+                      done_ptr=None, ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, placed last with inv -1). Its start is the count of smaller keys, so the
     programs need nothing from each other; within an expert, pairs keep their order (a prefix sum).
-    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL); ZERO_COUNTS: the down
-    kernel's counts cnt [M, RB] (COUNT), a token's row e, e + E + 1, ... a program."""
+    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL)."""
     pdl_prologue(PDL)
     e = tl.program_id(0)
     if ZERO_DONE:
         if e < E:
             tl.store(done_ptr + e, 0)
-    if ZERO_COUNTS:  # a constexpr: cnt_ptr is None otherwise, and no code may touch it
-        rr = tl.arange(0, 64)
-        for t in range(e, P // TOP_K, E + 1):
-            for r0 in range(0, RB, 64):
-                tl.store(cnt_ptr + t * RB + r0 + rr, 0, mask=r0 + rr < RB)
     offs = tl.arange(0, BLOCK)
     start = 0
     for c0 in range(0, P, BLOCK):  # pass 1: how many pairs sort before expert e
@@ -418,29 +402,17 @@ def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E,
 
 @triton.jit
 def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K: tl.constexpr, BD: tl.constexpr,
-                       cnt_ptr=None, RB=0, ROWS: tl.constexpr = 1, AWAIT: tl.constexpr = False,
                        PDL: tl.constexpr = False):
-    """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic.
-    AWAIT (launched with PDL while the down kernel runs, its COUNT): no wait for the whole previous grid; the
-    program waits until each of its row blocks of ROWS rows has counted all the token's local pairs, and reads y
-    past L1."""
-    pdl_prologue(PDL and not AWAIT)
+    """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = offs_d < Dl
-    if AWAIT:
-        pairs = 0
-        for j in range(TOP_K):
-            pairs += (tl.load(inv_ptr + t * TOP_K + j) >= 0).to(tl.int32)
-        # every row block that overlaps this program's BD columns
-        for rb in range(tl.program_id(1) * BD // ROWS, tl.cdiv(tl.minimum((tl.program_id(1) + 1) * BD, Dl), ROWS)):
-            _await_rows(cnt_ptr + t * RB, rb, pairs)
     acc = tl.zeros((BD,), dtype=tl.float32)
     for j in range(TOP_K):
         pos = tl.load(inv_ptr + t * TOP_K + j)
         if pos >= 0:
-            acc += tl.load(y_ptr + pos * stride_ym + offs_d, mask=d_mask, other=0.0,
-                           cache_modifier=".cg" if AWAIT else "")
+            acc += tl.load(y_ptr + pos * stride_ym + offs_d, mask=d_mask, other=0.0)
     tl.store(out_ptr + t * stride_om + offs_d, acc, mask=d_mask)
 
 

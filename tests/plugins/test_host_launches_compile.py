@@ -158,7 +158,6 @@ CASES = {
     **{f"mla decode {B}x{H}": _mla_decode(B, H) for B, H in ((4, 6), (64, 16), (2, 96))},
     "rms_norm and glu": _norms(),
     "moe decode_p": _moe_decode("decode_p"),
-    "moe decode_p overlap_combine": _moe_decode("decode_p", overlap_combine=True),
     "moe decode_p plain": _moe_decode("decode_p", overlap=False, rows_first=False),
     "moe prefill_p": _moe_decode("prefill_p"),
     **{f"attn_res split{s} delta{int(d)} norm{int(n)}": _attn_res(s, d, n)

@@ -91,18 +91,16 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("combine", [False, True])
 @pytest.mark.parametrize("case", ["one_token", "ragged", "k3_dims"])
-def test_overlapped_down_equals_plain(case, combine):
+def test_overlapped_down_equals_plain(case):
     """MoETactic.overlap (the down kernel launched with PDL, each program awaiting its expert's gate/up programs) gives
     the plain launches' bits, replay after replay of one CUDA graph with new activations each time: a program that
-    read its expert's h before it was whole, or an L1 line of the last replay's, would differ. combine: the combine
-    kernel overlapped too (overlap_combine: each program awaits its token's rows of y)."""
+    read its expert's h before it was whole, or an L1 line of the last replay's, would differ."""
     from dataclasses import replace
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=11, empty=(1,))
-    over = replace(mt.TACTICS["decode_p"], overlap_combine=combine)
-    plain = replace(over, rows_first=False, overlap=False, overlap_combine=False)
+    over = mt.TACTICS["decode_p"]
+    plain = replace(over, rows_first=False, overlap=False)
     a, b = mt.lay_out(plain, w13), mt.lay_out(plain, w2)
     sa, sb = mt.lay_out_scale(plain, s13), mt.lay_out_scale(plain, s2)
     run = lambda t: mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act="situ", tactic=t)

@@ -24,7 +24,6 @@ VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode
     "plain": replace(_D, rows_first=False, overlap=False),
     "rows_first": replace(_D, rows_first=True, overlap=False),
     "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
-    "overlap_combine": replace(_D, overlap_combine=True),
 }
 
 
