@@ -92,6 +92,10 @@ class Mapping:
         """Ranks that split dense/shared MLPs and the vocabulary (replicated under attention-DP)."""
         return self.attn_tp_size
 
+    def dense_tp_rank(self, rank: int) -> int:
+        """This rank's slice of the dense/shared MLPs, the latent MoE's up-projection and the vocabulary."""
+        return self.attn_tp_rank(rank)
+
     def tp_group(self, rank: int) -> list[int]:
         base = self.pp_rank(rank) * self.tp_size
         return list(range(base, base + self.tp_size))
@@ -169,7 +173,7 @@ class Mapping:
         return self._layer_rule(rest, rank)
 
     def _dense(self, dim: int, rank: int) -> Shard:
-        return Shard(dim, self.dense_tp_size, 0 if self.attention_dp else self.tp_rank(rank))
+        return Shard(dim, self.dense_tp_size, self.dense_tp_rank(rank))
 
     def _attn(self, dim: int, rank: int) -> Shard:
         return Shard(dim, self.attn_tp_size, self.attn_tp_rank(rank))

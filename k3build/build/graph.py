@@ -65,7 +65,7 @@ def build_graph(cfg: K3Config, mapping: Mapping, rank: int, weights: dict[str, t
     if mapping.is_first_stage(rank):
         data_inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]))
         tp = mapping.dense_tp_size
-        vocab_start = mapping.tp_rank(rank) * (cfg.vocab_size // tp) if tp > 1 else 0
+        vocab_start = mapping.dense_tp_rank(rank) * (cfg.vocab_size // tp)
         p = b.op("Embedding", ["input_ids", "embed"], name="embed", vocab_start=vocab_start)
         p = b.reduce(p, "tp", tp, "embed.allreduce")
     else:
@@ -208,7 +208,7 @@ def _moe(b: _Builder, layer: int, x: str) -> str:
         # expert's down-projection as one GEMM over their inputs side by side; its TP partial sums in one all-reduce
         width = cfg.expert_hidden_size // tp
         out = b.op("MoEOutProj", [y, e + "latent_norm" if cfg.latent_moe_use_norm else "", shared_h, e + "out_proj"],
-                   name=e + "out_proj", start=mp.tp_rank(b.rank) * width, size=width, eps=cfg.rms_norm_eps,
+                   name=e + "out_proj", start=mp.dense_tp_rank(b.rank) * width, size=width, eps=cfg.rms_norm_eps,
                    **_mlp_attrs(cfg))
         return b.reduce(out, "tp", tp, e + "allreduce")
     y = b.op("Cast", [y], name=e + "experts.cast", domain="", to=_ONNX_DTYPE[b.act_dtype])

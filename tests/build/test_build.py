@@ -30,7 +30,8 @@ STRUCTURE_OPS = {"SplitColumns", "SliceColumns"}  # k3 ops the executor runs its
 _ST_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
 _ONNX_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
                onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.UINT8: torch.uint8}
-MAPPINGS = {"tp2": Mapping(tp_size=2), "pp2": Mapping(pp_size=2), "ep4": Mapping(tp_size=4, moe_ep_size=4)}
+MAPPINGS = {"tp2": Mapping(tp_size=2), "pp2": Mapping(pp_size=2), "ep4": Mapping(tp_size=4, moe_ep_size=4),
+            "dp2": Mapping(tp_size=2, attention_dp=True)}
 
 
 def _config(engine: Path) -> dict:
@@ -227,16 +228,27 @@ def test_multi_rank_graphs(multi_engines, name):
         attn = [n for n in reduces if n.name.endswith(".attn.allreduce")]
         experts_ar = [n for n in reduces if n.name.endswith(".moe.experts.allreduce")]
         assert len(attn) == (len(layers) if groups["tp"] > 1 else 0)
-        assert len(experts_ar) == (sum(CFG.is_moe_layer(i) for i in layers) if groups["moe"] > 1 else 0)
+        # (attention-DP exchanges the experts' rows instead: EPGather / EPScatter)
+        exchanged = [n for n in model.graph.node if n.op_type == "EPScatter"]
+        moe_count = sum(CFG.is_moe_layer(i) for i in layers)
+        assert len(experts_ar) == (moe_count if groups["moe"] > 1 and not mapping.attention_dp else 0)
+        assert len(exchanged) == (moe_count if mapping.attention_dp else 0)
         # the latent up-projection is row-parallel over TP: its partial sums share the shared experts' all-reduce
         moe_ar = [n for n in reduces if n.name.endswith(".moe.allreduce")]
         assert len(moe_ar) == (sum(CFG.is_moe_layer(i) for i in layers) if groups["tp"] > 1 else 0)
         assert not [n for n in reduces if n.name.endswith(".moe.shared.allreduce")]
         weights = _weights(engine, rank)
+        width = CFG.expert_hidden_size // groups["tp"]  # this rank's latent columns (replicated under attention-DP)
         for i in layers:
             if CFG.is_moe_layer(i):
                 out_cols = (CFG.expert_hidden_size + CFG.shared_intermediate_size) // groups["tp"]
                 assert weights[f"l{i}.moe.out_proj"].shape == (CFG.hidden_size, out_cols)
+        for n in model.graph.node:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            if n.op_type == "MoEOutProj":
+                assert (attrs["start"], attrs["size"]) == (mapping.dense_tp_rank(rank) * width, width), n.name
+            if n.op_type == "Embedding":
+                assert attrs["vocab_start"] == mapping.dense_tp_rank(rank) * CFG.vocab_size // groups["tp"]
         inputs = {i.name for i in model.graph.input}
         outputs = [o.name for o in model.graph.output]
         blocks = sum(CFG.takes_snapshot(i) for i in range(layers.start))
