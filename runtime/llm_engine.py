@@ -35,7 +35,7 @@ class EngineOptions:
     num_host_pages: int = 0
     num_host_slots: int = 0
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (one rank on a GPU; ignored elsewhere)
+    cuda_graphs: bool = True  # decode steps from CUDA graphs on GPUs (rank_runner.graph_blocker: where not)
     load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
 
 

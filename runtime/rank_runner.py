@@ -54,7 +54,8 @@ class RankRunner:
                  num_host_pages: int = 0, num_host_slots: int = 0, spare: tuple[int, int] | None = None,
                  cuda_graphs: bool = False):
         """spare: (page, slot) no request uses (padding rows of captured decode steps write there).
-        cuda_graphs: replay pure decode steps from CUDA graphs (one rank on a GPU, with a spare)."""
+        cuda_graphs: replay pure decode steps from CUDA graphs (on a GPU, with a spare, unless graph_blocker says
+        why not; `graphs_off` then holds that reason)."""
         self.engine, self.comm = engine, comm or Communicator()
         self.device = next(iter(engine.weights.values())).device
         self.cache = CacheTensors(cache_cfg, self.device)
@@ -66,7 +67,8 @@ class RankRunner:
         self.num_blocks_in = sum(1 for i in engine.graph.input if i.name.startswith("blocks_in."))
         self.act_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[engine.build["dtype"]]
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda" and engine.world_size == 1 and spare is not None:
+        self.graphs_off = graph_blocker(engine) if cuda_graphs and self.device.type == "cuda" else None
+        if cuda_graphs and self.device.type == "cuda" and spare is not None and self.graphs_off is None:
             from .cuda_graph import DecodeGraphs
 
             build = engine.build
@@ -112,6 +114,25 @@ class RankRunner:
         return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
                          context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
                          page_table=tensor(table), logits_indices=tensor(rows))
+
+
+def graph_blocker(engine: RankEngine) -> str | None:
+    """Why this rank's decode steps cannot replay CUDA graphs, or None when they can.
+
+    A captured step holds its collectives (NCCL records them into the graph like any kernel), so the ranks that
+    meet in them must all replay, or all run eagerly, the same step. That holds when every rank runs every step:
+    one pipeline stage, no attention-DP (TP attention, experts over EP: K3's TEP16). All of them capture the same
+    buckets in the same order at start-up, where the driver and the workers open their ranks in step."""
+    mapping = engine.config["mapping"]
+    if engine.world_size == 1:
+        return None
+    if mapping["pp_size"] > 1:
+        return (f"pp_size {mapping['pp_size']}: each stage hands its micro-batches to the next with point-to-point "
+                "sends, outside any one graph")
+    if mapping["attention_dp"]:
+        return ("attention-DP: each rank runs its own requests' step, so one rank could replay a graph while another "
+                "runs its step eagerly")
+    return None
 
 
 def _graphable(step: Step, graphs) -> bool:

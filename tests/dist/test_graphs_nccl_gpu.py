@@ -1,0 +1,79 @@
+"""A multi-rank engine's decode steps captured as CUDA graphs with their NCCL collectives inside, pytest -m gpu.
+
+One GPU holds one NCCL rank (NCCL refuses two ranks on a device), so this runs rank 0 of a TP2 engine on a
+one-process NCCL group: every AllReduce / AllGather node of its graph is a real NCCL call, recorded into the graphs
+at capture, and each replay must give the logits of the same step run eagerly. (Over one rank the collectives
+return their input, so the logits are rank 0's partial sums, not the model's: the comparison is replay against
+eager of the same program.) Whether all ranks of a real job replay in step is graph_blocker's rule
+(tests/runtime/test_graph_blocker.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or not dist.is_nccl_available():
+    pytest.skip("needs a CUDA GPU and NCCL", allow_module_level=True)
+
+from engines import build_engine  # noqa: E402
+from k3build.mapping import Mapping  # noqa: E402
+from k3runtime.dist.comm import DistCommunicator  # noqa: E402
+from k3runtime.executor import StepBatch  # noqa: E402
+from k3runtime.loader import load_rank  # noqa: E402
+from k3runtime.rank_runner import RankRunner, cache_config  # noqa: E402
+
+PAGES, SLOTS = 8, 4
+ROWS = [(5, 0, 1, [0]), (6, 1, 9, [1]), (7, 2, 70, [2, 3]), (8, 3, 3, [4])]  # (token, slot, context, pages)
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    yield
+    dist.destroy_process_group()
+
+
+def _batch(rows, device):
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)
+    width = max(len(r[3]) for r in rows)
+    return StepBatch(input_ids=t([r[0] for r in rows]), cu_seqlens=t(range(len(rows) + 1)),
+                     slot_ids=t([r[1] for r in rows]), context_lens=t([r[2] for r in rows]),
+                     page_table=t([r[3] + [-1] * (width - len(r[3])) for r in rows]),
+                     logits_indices=t(range(len(rows))))
+
+
+def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_group):
+    engine_dir = build_engine(k3_tiny_ckpt, tmp_path / "tp2", mapping=Mapping(tp_size=2), target="sm90",
+                              dtype="bf16", kv_dtype="bf16")
+    engine = load_rank(engine_dir, 0, "cuda")
+    assert engine.world_size == 2 and any(n.op_type == "AllReduce" for n in engine.graph.node)
+    ranks = {"0": {**engine.config["ranks"]["0"], "tp_group": [0], "moe_group": [0]}}  # the one-process group
+    comm = DistCommunicator(ranks, 0, 1, torch.device("cuda"))
+    calls = []
+    for name in ("all_reduce", "all_gather"):
+        real = getattr(comm, name)
+        setattr(comm, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+
+    runner = RankRunner(engine, cache_config(engine, num_pages=PAGES + 1, num_slots=SLOTS + 1), comm,
+                        spare=(PAGES, SLOTS), cuda_graphs=True)
+    assert runner.graphs_off is None and runner.graphs is not None
+    assert runner.graphs.bucket(len(ROWS)) == len(ROWS)  # no padding row: replay and eager run the same shapes
+    assert "all_reduce" in calls  # NCCL ran at capture (warm-up and recording)
+
+    cache = runner.cache
+    state = (cache.kda_state_all, cache.kda_conv_all, cache.mla_kv_all)
+    for t in state:
+        t.normal_(0, 0.1)
+    saved = [t.clone() for t in state]
+    calls.clear()
+    replayed = runner.graphs.replay(ROWS).clone()
+    assert calls == []  # a replay runs no Python collective: NCCL's calls are inside the graph
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    eager = runner.executor.run(_batch(ROWS, runner.device))["logits"]
+    assert calls  # the eager step made them itself
+    assert torch.isfinite(replayed).all()
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
