@@ -44,7 +44,9 @@ def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(JOB), str(engine), str(out), job]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # each rank's own error line first: torchrun's summary at the end names only the rank that exited first
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[rank") and "Error" in line]
+    assert proc.returncode == 0, "\n".join(errors[:8]) + "\n...\n" + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
