@@ -75,6 +75,9 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     if enable_deepep and ae.engine.world_size == 1:
         click.echo(f"k3runtime serve: {engine} is a single-rank engine; --enable-deepep was checked and has no "
                    "effect on it (no expert exchange)", err=True)
+    if ae.engine.runner.graphs_off:
+        click.echo(f"k3runtime serve: decode steps run eagerly, not from CUDA graphs: {ae.engine.runner.graphs_off}",
+                   err=True)
     app = create_app(ae, cfg)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so stop the engine inside it.
     app.router.on_shutdown.append(ae.shutdown)
