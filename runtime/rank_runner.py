@@ -9,6 +9,7 @@ micro-batch i while stage s+1 works on i-1.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -85,8 +86,11 @@ class RankRunner:
             self.host_store.apply(step.swap_out, step.swap_in)
         self.cache.zero_slots(list(step.reset_slot_ids))
         if self.graphs is not None and _graphable(step, self.graphs):
-            return self.graphs.replay([(it.token_ids[0], it.slot_id, it.start_pos + 1, list(it.page_ids))
-                                       for it in step.items])
+            logits = self.graphs.replay([(it.token_ids[0], it.slot_id, it.start_pos + 1, list(it.page_ids))
+                                         for it in step.items])
+            if self.engine.world_size > 1 and self.engine.rank == 0:
+                _await_replay(self.device)
+            return logits
         logits = []
         for items in _micro_batches(step.items, self.pp_size):
             batch = self.batch(items, step.all_logits)
@@ -126,6 +130,8 @@ def graph_blocker(engine: RankEngine) -> str | None:
     mapping = engine.config["mapping"]
     if engine.world_size == 1:
         return None
+    if torch.version.hip is not None:
+        return "RCCL collectives inside HIP graphs have not been run by k3runtime"
     if mapping["pp_size"] > 1:
         return (f"pp_size {mapping['pp_size']}: each stage hands its micro-batches to the next with point-to-point "
                 "sends, outside any one graph")
@@ -133,6 +139,28 @@ def graph_blocker(engine: RankEngine) -> str | None:
         return ("attention-DP: each rank runs its own requests' step, so one rank could replay a graph while another "
                 "runs its step eagerly")
     return None
+
+
+def _await_replay(device: torch.device) -> None:
+    """Rank 0 waits for a multi-rank replay with the collective timeout. The collectives inside a graph are not
+    watched by torch's NCCL watchdog, so a rank that hangs mid-replay would otherwise leave the driver blocked in
+    its next device sync for ever; this way it fails like a timed-out collective (launch.run then names the
+    rank whose heartbeat went stale). The driver reads the logits next anyway: this sync costs nothing extra."""
+    from .dist.comm import collective_timeout
+
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    wait_for(done.query, collective_timeout().total_seconds(), "a replayed decode step")
+
+
+def wait_for(done, limit_s: float, what: str) -> None:
+    """Poll done() until it is true; TimeoutError (worded as a collective timeout) after limit_s seconds."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} timed out after {limit_s:.0f} s (K3_DIST_TIMEOUT_S): a rank did not reach "
+                               "one of its collectives")
+        time.sleep(1e-4)
 
 
 def _graphable(step: Step, graphs) -> bool:

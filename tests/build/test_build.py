@@ -243,12 +243,17 @@ def test_multi_rank_graphs(multi_engines, name):
             if CFG.is_moe_layer(i):
                 out_cols = (CFG.expert_hidden_size + CFG.shared_intermediate_size) // groups["tp"]
                 assert weights[f"l{i}.moe.out_proj"].shape == (CFG.hidden_size, out_cols)
+        # the graph reads the latent columns and the vocabulary rows whose weights the rank holds (Mapping.shard)
         for n in model.graph.node:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
             if n.op_type == "MoEOutProj":
-                assert (attrs["start"], attrs["size"]) == (mapping.dense_tp_rank(rank) * width, width), n.name
+                layer = n.name.split(".")[0][1:]
+                up = mapping.shard(f"model.layers.{layer}.block_sparse_moe.routed_expert_up_proj.weight", rank, CFG)
+                start, stop = up.bounds(CFG.expert_hidden_size)
+                assert (attrs["start"], attrs["size"]) == (start, stop - start) and stop - start == width, n.name
             if n.op_type == "Embedding":
-                assert attrs["vocab_start"] == mapping.dense_tp_rank(rank) * CFG.vocab_size // groups["tp"]
+                embed = mapping.shard("model.embed_tokens.weight", rank, CFG)
+                assert attrs["vocab_start"] == embed.bounds(CFG.vocab_size)[0]
         inputs = {i.name for i in model.graph.input}
         outputs = [o.name for o in model.graph.output]
         blocks = sum(CFG.takes_snapshot(i) for i in range(layers.start))

@@ -22,7 +22,8 @@ from k3build.mapping import Mapping  # noqa: E402
 from k3runtime.dist.comm import DistCommunicator  # noqa: E402
 from k3runtime.executor import StepBatch  # noqa: E402
 from k3runtime.loader import load_rank  # noqa: E402
-from k3runtime.rank_runner import RankRunner, cache_config  # noqa: E402
+from k3runtime.rank_runner import RankRunner, Step, cache_config  # noqa: E402
+from k3runtime.scheduler import ScheduledItem  # noqa: E402
 
 PAGES, SLOTS = 8, 4
 ROWS = [(5, 0, 1, [0]), (6, 1, 9, [1]), (7, 2, 70, [2, 3]), (8, 3, 3, [4])]  # (token, slot, context, pages)
@@ -69,7 +70,15 @@ def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_grou
         t.normal_(0, 0.1)
     saved = [t.clone() for t in state]
     calls.clear()
-    replayed = runner.graphs.replay(ROWS).clone()
+    replays = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda rows: replays.append(len(rows)) or replay(rows)
+    # a pure decode step through the runner: replayed, and rank 0 waits for it with the collective timeout
+    step = Step(tuple(ScheduledItem(request_id=str(i), token_ids=(tok,), start_pos=ctx - 1, num_tokens=1, sample=True,
+                                    slot_id=slot, page_ids=tuple(pages), params=None, seed=0, sample_index=0)
+                      for i, (tok, slot, ctx, pages) in enumerate(ROWS)))
+    replayed = runner.run(step).clone()
+    assert replays == [len(ROWS)]
     assert calls == []  # a replay runs no Python collective: NCCL's calls are inside the graph
     for t, s in zip(state, saved):
         t.copy_(s)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 from k3build.mapping import Mapping
-from k3runtime.rank_runner import graph_blocker
+from k3runtime.rank_runner import graph_blocker, wait_for
 
 
 def _engine(mapping: Mapping):
@@ -23,3 +23,21 @@ def test_every_rank_runs_every_step_so_graphs_are_allowed(mapping):
                                           (Mapping(tp_size=2, attention_dp=True), "attention-DP")], ids=str)
 def test_stages_or_attention_dp_run_eagerly_and_say_why(mapping, why):
     assert why in graph_blocker(_engine(mapping))
+
+
+def test_multi_rank_graphs_stay_off_on_rocm(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert "RCCL" in graph_blocker(_engine(Mapping(tp_size=4)))
+    assert graph_blocker(_engine(Mapping())) is None  # one rank: no collective in its graphs
+
+
+def test_rank_zero_waits_for_a_replay_with_the_collective_timeout():
+    """A replayed step's collectives are outside torch's NCCL watchdog: rank 0 polls the step's completion
+    (wait_for) and fails like a timed-out collective, so launch.run can name the silent rank."""
+    wait_for(lambda: True, 0.0, "a step")  # done at once: no wait, no error
+    calls = []
+    with pytest.raises(TimeoutError) as err:
+        wait_for(lambda: calls.append(1) and False, 0.05, "a replayed decode step")
+    assert len(calls) > 1 and "a replayed decode step timed out after 0 s (K3_DIST_TIMEOUT_S)" in str(err.value)
+    assert "timed out" in str(err.value).lower()  # what heartbeat.explain_timeout looks for
