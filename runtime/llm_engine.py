@@ -165,13 +165,12 @@ class LLMEngine:
             self.comm.broadcast_step(steps)
         step = steps[0]
         logits = self.runner.run(step)
-        ndim, dtype = (2, torch.float32) if step.all_logits else (1, torch.int64)
         if logits is not None:
             results = [logits if step.all_logits else sample_step(step, logits)]
         else:
-            results = [self.comm.recv_result(self._last_stage_rank, ndim, dtype)]
-        # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens.
-        results += [self.comm.recv_result(d, ndim, dtype) for d in range(1, len(steps))]
+            results = [self.comm.recv_result(self._last_stage_rank)]
+        # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens (or its logits).
+        results += [self.comm.recv_result(d) for d in range(1, len(steps))]
         return results
 
     def step(self) -> list[TokenEvent]:

@@ -50,6 +50,9 @@ def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
     return mine
 
 
+_RESULT_DTYPES = (torch.int64, torch.float32)  # what send_result carries, by header code
+
+
 class ControlPlane:
     """Driver -> workers messages (options, steps) and last stage -> driver results, over gloo on the CPU.
 
@@ -65,15 +68,23 @@ class ControlPlane:
         return box[0]
 
     def send_result(self, t: torch.Tensor, dst: int = 0) -> None:
-        """Last stage -> driver: sampled token ids [M] int64, or logits [N, V] fp32 in score mode."""
+        """Last stage -> driver: sampled token ids [M] int64, or logits [N, V] fp32 in score mode. A fixed-size
+        header (dtype, ndim, shape) goes first, so the driver needs no guess of what each rank's step returns
+        (under attention-DP one rank may score while the others run idle steps and send empty token ids)."""
         t = t.detach().cpu().contiguous()
-        dist.send(torch.tensor(list(t.shape), dtype=torch.int64), dst, group=self.group)
+        if t.dtype not in _RESULT_DTYPES or t.dim() > 2:
+            raise TypeError(f"send_result: a result is int64 token ids or fp32 logits of at most 2 dims, got "
+                            f"{t.dtype} {tuple(t.shape)}")
+        shape = list(t.shape) + [0] * (2 - t.dim())
+        header = torch.tensor([_RESULT_DTYPES.index(t.dtype), t.dim(), *shape], dtype=torch.int64)
+        dist.send(header, dst, group=self.group)
         dist.send(t, dst, group=self.group)
 
-    def recv_result(self, src: int, ndim: int, dtype: torch.dtype) -> torch.Tensor:
-        shape = torch.empty(ndim, dtype=torch.int64)
-        dist.recv(shape, src, group=self.group)
-        t = torch.empty(*shape.tolist(), dtype=dtype)
+    def recv_result(self, src: int) -> torch.Tensor:
+        header = torch.zeros(4, dtype=torch.int64)
+        dist.recv(header, src, group=self.group)
+        code, ndim, *shape = header.tolist()
+        t = torch.empty(shape[:ndim], dtype=_RESULT_DTYPES[code])
         dist.recv(t, src, group=self.group)
         return t
 
@@ -126,5 +137,5 @@ class DistCommunicator(Communicator):
     def broadcast_step(self, step) -> None:
         self.control.broadcast(step)
 
-    def recv_result(self, src: int, ndim: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.control.recv_result(src, ndim, dtype)
+    def recv_result(self, src: int) -> torch.Tensor:
+        return self.control.recv_result(src)
