@@ -68,8 +68,9 @@ class RankRunner:
         self.num_blocks_in = sum(1 for i in engine.graph.input if i.name.startswith("blocks_in."))
         self.act_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[engine.build["dtype"]]
         self.graphs = None
-        self.graphs_off = graph_blocker(engine) if cuda_graphs and self.device.type == "cuda" else None
-        if cuda_graphs and self.device.type == "cuda" and spare is not None and self.graphs_off is None:
+        wanted = cuda_graphs and self.device.type == "cuda"
+        self.graphs_off = graph_blocker(engine) if wanted else None
+        if wanted and spare is not None and self.graphs_off is None:
             from .cuda_graph import DecodeGraphs
 
             build = engine.build

@@ -20,7 +20,6 @@ if not torch.cuda.is_available() or not dist.is_nccl_available():
 from engines import build_engine  # noqa: E402
 from k3build.mapping import Mapping  # noqa: E402
 from k3runtime.dist.comm import DistCommunicator  # noqa: E402
-from k3runtime.executor import StepBatch  # noqa: E402
 from k3runtime.loader import load_rank  # noqa: E402
 from k3runtime.rank_runner import RankRunner, Step, cache_config  # noqa: E402
 from k3runtime.scheduler import ScheduledItem  # noqa: E402
@@ -35,15 +34,6 @@ def nccl_group(tmp_path):
                             device_id=torch.device("cuda", torch.cuda.current_device()))
     yield
     dist.destroy_process_group()
-
-
-def _batch(rows, device):
-    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)
-    width = max(len(r[3]) for r in rows)
-    return StepBatch(input_ids=t([r[0] for r in rows]), cu_seqlens=t(range(len(rows) + 1)),
-                     slot_ids=t([r[1] for r in rows]), context_lens=t([r[2] for r in rows]),
-                     page_table=t([r[3] + [-1] * (width - len(r[3])) for r in rows]),
-                     logits_indices=t(range(len(rows))))
 
 
 def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_group):
@@ -82,7 +72,7 @@ def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_grou
     assert calls == []  # a replay runs no Python collective: NCCL's calls are inside the graph
     for t, s in zip(state, saved):
         t.copy_(s)
-    eager = runner.executor.run(_batch(ROWS, runner.device))["logits"]
+    eager = runner.executor.run(runner.batch(step.items))["logits"]  # the same step, not replayed
     assert calls  # the eager step made them itself
     assert torch.isfinite(replayed).all()
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
