@@ -56,12 +56,15 @@ IMPLS: list[Impl] = [
     Impl("AttnRes", _REF, 3, "k3plugins.attn_res.reference:attn_res"),  # v3: norm=1 (the next RMSNorm fused)
     Impl("GatedMLP", _REF, 2, "k3plugins.mlp.reference:gated_mlp"),  # v2: gate_up may be absent (x projected)
     Impl("Router", _REF, 1, "k3plugins.router.reference:route"),
+    Impl("MoEInProj", _REF, 1, "k3plugins.moe_in.reference:moe_in_proj"),
     Impl("MoEExperts", _REF, 1, "k3plugins.moe.reference:moe_experts"),
     Impl("MoEOutProj", _REF, 1, "k3plugins.moe_out.reference:moe_out_proj"),
     Impl("KDA", _REF, 2, "k3plugins.kda.reference:kda_mixer"),  # v2: in_proj rows padded (IN_PROJ_ROW_ALIGN)
     Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer"),  # v2: q_a, kv_a and g stacked in one in_proj
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
+    # one BLAS GEMM with fp32 output (torch.mm's out_dtype; run on CUDA only, not yet on ROCm), then the top-k launch
+    Impl("MoEInProj", "triton", 1, "k3plugins.moe_in.triton:moe_in_proj", _GPU, "triton", dtypes=("bf16", "fp16")),
     # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales); v4: each pair's bits
     # placed for plain shifts (mxfp4.PAIR_MAG_SHIFT), not rotations
     Impl("MoEExperts", "triton_p", 4, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,

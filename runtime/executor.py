@@ -61,16 +61,6 @@ class _Bound:
     outputs: list[str]
     attrs: dict
     kind: str  # "plain" | "kda" | "mla" | "attn_res" | "comm"
-    side: bool = False  # run on the executor's side stream (FORKED_OPS)
-
-
-# Ops a CUDA executor runs on a second stream, beside the main stream's next nodes, until a node reads their
-# outputs. The router's two small launches (logits, top-k) are latency, not bytes: beside the MoE's in_proj GEMM,
-# which reads the same x, they hid 6.5 of their 16.5 µs a layer at 64 tokens on the H200. In a real-size rank's
-# step, side by side: 0.6-1.0 ms faster at 64 requests, level at 128, 0.3-0.4 ms slower at 32 (BENCHMARKS.md); so
-# steps of fewer than FORK_MIN_TOKENS tokens keep one stream.
-FORKED_OPS = ("Router",)
-FORK_MIN_TOKENS = 64
 
 
 def _attn_res_inputs(ins: list[str], attrs: dict) -> list[str]:
@@ -101,8 +91,6 @@ class Executor:
         plugins = engine.build["plugins"]
         self.outputs = [o.name for o in engine.graph.output]
         self.nodes = [self._bind(n, plugins) for n in engine.graph.node]
-        device = next((w.device for w in self.weights.values() if w is not None), torch.device("cpu"))
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _bind(self, node: onnx.NodeProto, plugins: dict) -> _Bound:
         attrs = _attrs(node)
@@ -121,9 +109,9 @@ class Executor:
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
         if kind == "attn_res":
             ins = _attn_res_inputs(ins, attrs)
-        if node.op_type == "Router":
+        if node.op_type in ("Router", "MoEInProj"):
             attrs["renormalize"] = bool(attrs["renormalize"])
-        return _Bound(node.name, fn, ins, outs, attrs, kind, side=node.op_type in FORKED_OPS)
+        return _Bound(node.name, fn, ins, outs, attrs, kind)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -135,24 +123,8 @@ class Executor:
         env = dict(self.weights)
         env.update({"input_ids": batch.input_ids, "logits_indices": batch.logits_indices, **(extra or {})})
         env[""] = None
-        forked: set[str] = set()  # outputs of side-stream nodes that the main stream has not waited for yet
-        first = batch.input_ids if "hidden_in" not in env else env["hidden_in"]
-        side = self.side if first.shape[0] >= FORK_MIN_TOKENS else None
-        main = torch.cuda.current_stream() if side is not None else None
         for b in self.nodes:
-            if forked and not forked.isdisjoint(b.inputs):
-                main.wait_stream(side)
-                forked.clear()
             args = [env[i] for i in b.inputs]
-            if b.side and side is not None:
-                # Fork: the side stream starts where the main stream is (its inputs are written), and the main
-                # stream goes on. env keeps every tensor of the step alive, so no buffer of either stream is
-                # reused under the other before the join.
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    env.update(zip(b.outputs, b.fn(*args, **b.attrs)))
-                forked.update(b.outputs)
-                continue
             if b.kind == "kda":
                 ci = b.attrs["cache_index"]
                 kw = {k: v for k, v in b.attrs.items() if k != "cache_index"}
@@ -174,8 +146,6 @@ class Executor:
                 env[b.outputs[0]] = out
             else:
                 env.update(zip(b.outputs, out))
-        if forked:
-            main.wait_stream(side)
         return {name: env[name] for name in self.outputs}
 
 

@@ -28,7 +28,8 @@ def test_bench_rank_runs_a_tiny_tp2_rank():
 def test_ab_switches_flip_and_undo():
     """Each --ab switch changes what the next capture runs and its undo restores it; the unfused residual (the adds
     as separate launches) and the unfused norm (the RMSNorms after AttnRes as separate launches) give the fused
-    graph's logits exactly, from the same caches."""
+    graph's logits exactly, from the same caches; the separate router (MoEInProj as a Linear and a Router) within
+    fp32 rounding."""
     import torch
 
     sys.path.insert(0, str(TOOL.parent))
@@ -69,8 +70,16 @@ def test_ab_switches_flip_and_undo():
     for flip in (br.AB_SWITCHES["unfused-residual"][1], br.AB_SWITCHES["unfused-norm"][1]):
         flip(ex)  # both at once: the wrappers compose
     assert torch.equal(ex.run(batch)["logits"], fused)
-    before = (dict(moe.TACTICS), router.blocks_for, ar.use_split, ex.side)
+    ex = fresh()
+    fns = [b.fn for b in ex.nodes]
+    undo = br.AB_SWITCHES["separate-router"][1](ex)
+    moe_layers = sum(preset("tiny").is_moe_layer(i) for i in range(preset("tiny").num_hidden_layers))
+    assert sum(b.fn is not f for b, f in zip(ex.nodes, fns)) == moe_layers
+    # the engine's Linear and Router on the stacked weight's two row blocks: the same sums, in another GEMM
+    torch.testing.assert_close(ex.run(batch)["logits"], fused, rtol=1e-4, atol=1e-4)
+    undo()
+    before = (dict(moe.TACTICS), router.blocks_for, ar.use_split, [b.fn for b in ex.nodes])
     for name, (_, flip) in br.AB_SWITCHES.items():
         if not name.startswith("unfused-"):
             flip(ex)()
-    assert (dict(moe.TACTICS), router.blocks_for, ar.use_split, ex.side) == before
+    assert (dict(moe.TACTICS), router.blocks_for, ar.use_split, [b.fn for b in ex.nodes]) == before

@@ -161,11 +161,6 @@ def _interleaved_ms(variants: dict, rows, args, rounds: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _one_stream(executor):
-    side, executor.side = executor.side, None
-    return lambda: setattr(executor, "side", side)
-
-
 def _moe_decode(**changes):
     """A switch that replaces fields of the MoE decode tactic (decode_p)."""
     def flip(executor):
@@ -235,8 +230,42 @@ def _seventeenth_router_blocks(executor):
     return lambda: setattr(router, "blocks_for", new)
 
 
+def _separate_router(executor):
+    """Each MoEInProj node as the graph had it before the op: the engine's Linear tactic on the in_proj rows and its
+    Router tactic on the router's rows (views of the stacked weight), the router on a side stream beside the GEMM
+    from FORK_MIN_TOKENS tokens on (the executor's former fork), and the picks replaced as _balance_routing does."""
+    from k3plugins import registry
+    table = executor.engine.build["plugins"]
+    linear = registry.find("Linear", table["Linear"]["tactic"]).load()
+    route = registry.find("Router", table["Router"]["tactic"]).load()
+    streams = {}
+
+    def separate(fn):
+        def run(x, weight, bias, *, num_experts, **kw):
+            n = weight.shape[0] - num_experts
+            if x.is_cuda and x.shape[0] >= FORK_MIN_TOKENS:
+                side = streams.setdefault(x.device, torch.cuda.Stream(x.device))
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    ids, wts = route(x, weight[n:], bias, **kw)
+                zh = linear(x, weight[:n])
+                main.wait_stream(side)
+            else:
+                ids, wts = route(x, weight[n:], bias, **kw)
+                zh = linear(x, weight[:n])
+            balanced = getattr(executor, "balanced_ids", None)
+            return (ids if balanced is None else balanced[:x.shape[0]]), wts, zh
+        return run
+    return _wrap_nodes(executor, lambda b: b.name.endswith(".moe.in_proj"), separate)  # graph.py's name for it
+
+
+FORK_MIN_TOKENS = 64  # the executor forked the Router from this many tokens on (twentieth session)
+
+
 AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
-    "one-stream": ("the executor's side stream off (the Router forked onto it by default)", _one_stream),
+    "separate-router": ("each MoEInProj as before it: the engine's Linear and Router tactics on its two row blocks, "
+                        "the router on a side stream from 64 tokens on", _separate_router),
     "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps", _moe_decode(block_n=128, num_warps=8)),
     "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
@@ -250,17 +279,18 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
 
 
 def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, device) -> None:
-    """Wrap every Router node: same kernels run, then fixed random distinct experts per token row (uniform
-    over all experts, so each rank's share of the pairs is balanced) replace its picks."""
+    """Wrap every node that routes (Router, MoEInProj): same kernels run, then fixed random distinct experts per
+    token row (uniform over all experts, so each rank's share of the pairs is balanced) replace its picks."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(max_tokens)]).to(device)
-    routers = [n for n in executor.nodes if n.fn.__name__ == "route"]
+    executor.balanced_ids = ids  # for the switches that replace these nodes (separate-router)
+    routers = [n for n in executor.nodes if n.fn.__name__ in ("route", "moe_in_proj")]
     if not routers:
-        raise SystemExit("bench_rank: --routing uniform found no Router node to wrap")
+        raise SystemExit("bench_rank: --routing uniform found no Router or MoEInProj node to wrap")
     for node in routers:
         def balanced(*args, _route=node.fn, **kw):
-            _, weights = _route(*args, **kw)
-            return ids[:weights.shape[0]], weights
+            _, weights, *rest = _route(*args, **kw)
+            return ids[:weights.shape[0]], weights, *rest
         node.fn = balanced
 
 
@@ -309,9 +339,6 @@ def main() -> None:
     ap.add_argument("--moe-tactic", default=None,
                     help="MoE tactic instead of the one the build records (e.g. triton: the W4 decode on the "
                          "checkpoint's nibble order; triton_s: on the strided layout); the layout follows it")
-    ap.add_argument("--one-stream", action="store_true",
-                    help="the same as --ab one-stream: also time each step with the executor's side stream off (the "
-                         "Router forked onto it by default, runtime/executor.py FORKED_OPS), in the same process")
     ap.add_argument("--ab", action="append", default=[], choices=sorted(AB_SWITCHES),
                     help="also time each step with this switch flipped (step_ms_<switch>), in the same process, "
                          "its graphs replayed in turn with the default's over five rounds: "
@@ -387,7 +414,7 @@ def main() -> None:
         rec = dict(bench="rank_decode", batch=n, context=args.context)
         if cuda:
             variants = {}
-            for name in (["one-stream"] if args.one_stream else []) + args.ab:
+            for name in args.ab:
                 undo = AB_SWITCHES[name][1](executor)
                 variants[name] = _graphs(executor, n, pages_per_seq, spare)
                 undo()

@@ -175,17 +175,19 @@ def _mla(b: _Builder, layer: int, x: str, cache_index: int) -> str:
 
 def _moe(b: _Builder, layer: int, x: str) -> str:
     cfg, mp, e = b.cfg, b.mapping, f"l{layer}.moe."
-    ids, weights = b.op("Router", [x, e + "gate", e + "bias"], num_outputs=2, name=e + "router",
-                        top_k=cfg.num_experts_per_token, renormalize=int(cfg.moe_renormalize),
-                        scaling_factor=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group,
-                        topk_group=cfg.topk_group)
+    routing = dict(top_k=cfg.num_experts_per_token, renormalize=int(cfg.moe_renormalize),
+                   scaling_factor=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group,
+                   topk_group=cfg.topk_group)
     z, shared_h = x, None
     if cfg.is_latent_moe:
-        # One GEMM for the two projections of x: the latent down-projection's rows, then the shared expert's gate
-        # and up rows (layout.py stacks them in `in_proj`); a launch fewer a layer, and a wider GEMM
-        zh = b.op("Linear", [x, e + "in_proj"], name=e + "in_proj")
-        sizes = [cfg.expert_hidden_size, b.weights[e + "in_proj"][0][0] - cfg.expert_hidden_size]
+        # One GEMM for every projection of x: the latent down-projection, the shared expert's gate and up, and the
+        # router's rows (layout.py stacks them in `in_proj`); the router's logits come out of it in fp32
+        ids, weights, zh = b.op("MoEInProj", [x, e + "in_proj", e + "bias"], num_outputs=3, name=e + "in_proj",
+                                num_experts=cfg.num_experts, **routing)
+        sizes = [cfg.expert_hidden_size, b.weights[e + "in_proj"][0][0] - cfg.num_experts - cfg.expert_hidden_size]
         z, shared_h = b.op("SplitColumns", [zh], num_outputs=2, name=e + "in_proj.split", sizes=sizes)
+    else:
+        ids, weights = b.op("Router", [x, e + "gate", e + "bias"], num_outputs=2, name=e + "router", **routing)
     quant = cfg.quantization.method == "mxfp4"
     exchange = mp.attention_dp and mp.moe_ep_size > 1
     zs, ids_s, w_s = z, ids, weights

@@ -7,7 +7,8 @@ Passes, per layer:
 - MLA: absorb kv_b_proj into `w_uk` [H, nope, r] (q side) and `w_uv` [H, r, v] (o side), so decode reads
   only the 576-wide latent cache.
 - Dense / shared MLPs: fuse gate and up rows into `gate_up` [2I, D]. Latent MoE: the shared expert's gate and up
-  rows go under the latent down-projection's, in `in_proj` [latent + 2I, D] (one GEMM of the MoE input).
+  rows go under the latent down-projection's, then the router's, in `in_proj` [latent + 2I + E, D] (one GEMM of
+  the MoE input, MoEInProj).
 - MoE: stack the local experts into `w13` [E, 2I, K/2] (+ scales) and `w2` [E, D, I/2] (+ scales) — the
   layout k3plugins.moe reads; the MXFP4 bytes in the checkpoint's nibble order, or relaid for the tactic that
   reads them (EXPERT_LAYOUTS).
@@ -128,17 +129,20 @@ def _mla(cfg: K3Config, mapping: Mapping, a: str, e: str, get: Get):
 
 
 def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get, lay_out: LayOut):
-    yield e + "gate", get(m + "gate.weight")
     yield e + "bias", get(m + "gate.e_score_correction_bias")
     s = m + "shared_experts."
     shared_gate_up = [get(s + "gate_proj.weight"), get(s + "up_proj.weight")]
     if cfg.is_latent_moe:
-        # the two projections of the MoE input in one GEMM (graph.py splits its output)
-        yield e + "in_proj", torch.cat([get(m + "routed_expert_down_proj.weight"), *shared_gate_up])
+        # every projection of the MoE input in one GEMM: the latent down-projection, the shared expert's gate and
+        # up, then the router's rows (MoEInProj; graph.py splits the rest of its output)
+        rows = [get(m + "routed_expert_down_proj.weight"), *shared_gate_up, get(m + "gate.weight")]
+        yield e + "in_proj", torch.cat([r.to(rows[0].dtype) for r in rows])
         if cfg.latent_moe_use_norm:
             yield e + "latent_norm", get(m + "routed_expert_norm.weight")
         # the latent up-projection's columns (this rank's) beside the shared expert's down: one GEMM (MoEOutProj)
         yield e + "out_proj", torch.cat([get(m + "routed_expert_up_proj.weight"), get(s + "down_proj.weight")], dim=1)
+    else:
+        yield e + "gate", get(m + "gate.weight")
     experts = mapping.local_experts(rank, cfg.num_experts)
     x = m + "experts.{}.{}."
     if cfg.quantization.method == "mxfp4":

@@ -12,8 +12,8 @@ from .. import __version__
 
 # Ops of the graph that are plugins (Add/Cast/Identity are ONNX ops; AllReduce/AllGather belong to the runtime's
 # communicator, not to a plugin).
-PLUGIN_OPS = ("Embedding", "LMHead", "Linear", "RMSNorm", "AttnRes", "GatedMLP", "Router", "MoEExperts", "MoEOutProj",
-              "KDA", "MLA")
+PLUGIN_OPS = ("Embedding", "LMHead", "Linear", "RMSNorm", "AttnRes", "GatedMLP", "Router", "MoEInProj", "MoEExperts",
+              "MoEOutProj", "KDA", "MLA")
 TARGET_ARCH = {"cpu": "cpu", "sm90": "sm_90", "gfx942": "gfx942"}
 
 

@@ -20,16 +20,24 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
     Returns:
         (topk_ids int64 [M, top_k], topk_weights fp32 [M, top_k]), ids in descending biased score.
     """
-    E = gate_weight.shape[0]
     if gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[-1]:
         raise ValueError(f"route: gate_weight must be [E, {x.shape[-1]}], got {tuple(gate_weight.shape)}")
+    return select_experts(x.float() @ gate_weight.float().T, correction_bias, top_k=top_k, renormalize=renormalize,
+                          scaling_factor=scaling_factor, num_expert_group=num_expert_group, topk_group=topk_group)
+
+
+def select_experts(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, renormalize: bool,
+                   scaling_factor: float, num_expert_group: int = 1,
+                   topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() from the fp32 logits [M, E] on: sigmoid, bias for selection, (grouped) top-k, weights."""
+    E = logits.shape[-1]
     if correction_bias is not None and correction_bias.shape != (E,):
         raise ValueError(f"route: correction_bias must be [{E}], got {tuple(correction_bias.shape)}")
     if E % num_expert_group or not 1 <= topk_group <= num_expert_group:
         raise ValueError(f"route: {E} experts cannot form {num_expert_group} groups with topk_group={topk_group}")
     if not 1 <= top_k <= E:
         raise ValueError(f"route: top_k={top_k} must be in [1, {E}]")
-    scores = torch.sigmoid(x.float() @ gate_weight.float().T)                   # [M, E]
+    scores = torch.sigmoid(logits.float())                                      # [M, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group > 1:
         M = choice.shape[0]

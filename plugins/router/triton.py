@@ -67,12 +67,19 @@ def _summed_logits(part_ptr, m, offs, mask, stride_ps, stride_pm, NUM_SPLITS: tl
 @triton.jit
 def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pm, scaling, NUM_SPLITS: tl.constexpr,
                        TOP_K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       h_ptr=None, out_ptr=None, N_CAST=0, stride_h=0, stride_out=0, CAST: tl.constexpr = False,
+                       BC: tl.constexpr = 1, PDL: tl.constexpr = False):
     """One token a program: the TOP_K largest biased scores by one partial bitonic sort (tl.topk) of int64 keys
     (the score's bits made order-preserving, then the index inverted so the lowest index wins a tie, as a
-    stable sort picks); the weights are the unbiased scores of those experts."""
+    stable sort picks); the weights are the unbiased scores of those experts. CAST (MoEInProj, whose GEMM wrote
+    these logits as the last columns of fp32 rows h): also store the row's first N_CAST columns in out's dtype."""
     pdl_prologue(PDL)
     m = tl.program_id(0)
+    if CAST:
+        for c0 in range(0, N_CAST, BC):
+            cols = c0 + tl.arange(0, BC)
+            v = tl.load(h_ptr + m.to(tl.int64) * stride_h + cols, mask=cols < N_CAST, other=0.0)
+            tl.store(out_ptr + m.to(tl.int64) * stride_out + cols, v.to(out_ptr.dtype.element_ty), mask=cols < N_CAST)
     offs_e = tl.arange(0, BE)
     e_mask = offs_e < E
     choice = tl.sigmoid(_summed_logits(part_ptr, m, offs_e, e_mask, stride_ps, stride_pm, NUM_SPLITS))
@@ -93,17 +100,25 @@ def supports(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int, num_expe
              topk_group: int = 1) -> tuple[bool, str]:
     if not x.is_cuda:
         return False, "the Triton router needs CUDA tensors"
-    return _fits(x, gate_weight, top_k, num_expert_group, topk_group)
+    return fits(x, gate_weight, top_k, num_expert_group, topk_group)
 
 
-def _fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, str]:
+def fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, str]:
     """What the kernels need of the inputs, wherever they run (a GPU, or Triton's interpreter in the tests)."""
-    if num_expert_group != 1 or topk_group != 1:
-        return False, "the Triton router implements trivial groups only (K3: 1/1)"
-    if top_k & (top_k - 1) or top_k > gate_weight.shape[0]:
-        return False, f"top_k={top_k} must be a power of two <= {gate_weight.shape[0]}"
+    ok, why = selection_fits(gate_weight.shape[0], top_k, num_expert_group, topk_group)
+    if not ok:
+        return ok, why
     if x.dtype not in (torch.bfloat16, torch.float16) or gate_weight.dtype != x.dtype:
         return False, "x and gate_weight must share a bf16/fp16 dtype (fp32 logits come from the accumulator)"
+    return True, ""
+
+
+def selection_fits(num_experts: int, top_k: int, num_expert_group: int, topk_group: int) -> tuple[bool, str]:
+    """What the top-k kernel needs: trivial groups, a power-of-two top_k."""
+    if num_expert_group != 1 or topk_group != 1:
+        return False, "the Triton router implements trivial groups only (K3: 1/1)"
+    if top_k & (top_k - 1) or top_k > num_experts:
+        return False, f"top_k={top_k} must be a power of two <= {num_experts}"
     return True, ""
 
 
@@ -145,7 +160,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
     Returns:
         (topk_ids int64 [M, top_k], topk_weights fp32 [M, top_k]), ids in descending biased score.
     """
-    ok, why = _fits(x, gate_weight, top_k, num_expert_group, topk_group)
+    ok, why = fits(x, gate_weight, top_k, num_expert_group, topk_group)
     if not ok:
         raise ValueError(f"route (triton): {why}")
     M, D = x.shape
@@ -158,11 +173,28 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
     router_logits_kernel[(triton.cdiv(M, b.bm), triton.cdiv(E, b.be), splits)](
         x, gate_weight, part, M, E, D, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
         k_per_split, BM=b.bm, BE=b.be, BK=b.bk, SWAP=b.swap, num_warps=b.warps, num_stages=b.stages, **pdl(x))
-    ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
-    wts = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    return select_experts(part, correction_bias, top_k=top_k, renormalize=renormalize, scaling_factor=scaling_factor,
+                          splits=splits, num_warps=b.topk_warps)
+
+
+def select_experts(part: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, renormalize: bool,
+                   scaling_factor: float, splits: int = 1, num_warps: int = 8,
+                   cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k launch: fp32 logits as `splits` partials [splits, M, E] (route's logits kernel), or as a [M, E]
+    view with any row stride (splits 1). cast (h, out): the same launch stores h[:, :N] into out [M, N] in out's
+    dtype (MoEInProj: the rest of the GEMM's row)."""
+    M, E = part.shape[-2:]
+    ids = torch.empty(M, top_k, dtype=torch.int64, device=part.device)
+    wts = torch.empty(M, top_k, dtype=torch.float32, device=part.device)
+    if M == 0:
+        return ids, wts
     bias = correction_bias.float().contiguous() if correction_bias is not None else part
-    router_topk_kernel[(M,)](part, bias, ids, wts, E, part.stride(0), part.stride(1), float(scaling_factor),
-                             NUM_SPLITS=splits, TOP_K=top_k, BE=triton.next_power_of_2(E),
-                             HAS_BIAS=correction_bias is not None, RENORM=renormalize, num_warps=b.topk_warps,
-                             **pdl(part))
+    h, out = cast if cast is not None else (None, None)
+    n_cast = out.shape[1] if cast is not None else 0
+    router_topk_kernel[(M,)](part, bias, ids, wts, E, part.stride(0) if splits > 1 else 0, part.stride(-2),
+                             float(scaling_factor), NUM_SPLITS=splits, TOP_K=top_k, BE=triton.next_power_of_2(E),
+                             HAS_BIAS=correction_bias is not None, RENORM=renormalize, h_ptr=h, out_ptr=out,
+                             N_CAST=n_cast, stride_h=h.stride(0) if cast is not None else 0,
+                             stride_out=out.stride(0) if cast is not None else 0, CAST=cast is not None,
+                             BC=min(1024, triton.next_power_of_2(max(n_cast, 1))), num_warps=num_warps, **pdl(part))
     return ids, wts

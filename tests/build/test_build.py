@@ -113,7 +113,7 @@ def test_graph_is_valid_onnx_in_k3_domain(k3_tiny_engine):
     model = _graph(k3_tiny_engine, 0)
     _check_graph(model)
     ops = {n.op_type for n in model.graph.node}
-    assert {"Embedding", "KDA", "MLA", "MoEExperts", "Router", "AttnRes", "LMHead"} <= ops
+    assert {"Embedding", "KDA", "MLA", "MoEExperts", "MoEInProj", "AttnRes", "LMHead"} <= ops
     assert not ops & COMM_OPS  # one rank: nothing to reduce
     assert [o.name for o in model.graph.output] == ["logits"]
 
@@ -145,7 +145,8 @@ def test_mla_absorption(k3_tiny_engine):
 
 def test_latent_moe_projections_share_gemms(k3_tiny_engine):
     """Latent MoE: `moe.in_proj` stacks the latent down-projection's rows over the shared expert's gate and up rows,
-    and the graph splits that GEMM's output between the routed experts and the shared expert. On the way out,
+    then the router's; one MoEInProj node reads it (the picks from the router's fp32 columns) and the graph splits
+    the rest of its output between the routed experts and the shared expert. On the way out,
     `moe.out_proj` puts the latent up-projection's columns beside the shared expert's down-projection, for the one
     MoEOutProj node that reads the experts' sum, the latent norm and the shared expert's gate | up."""
     w = _weights(k3_tiny_engine, 0)
@@ -157,14 +158,21 @@ def test_latent_moe_projections_share_gemms(k3_tiny_engine):
         p, e = f"model.layers.{i}.block_sparse_moe.", f"l{i}.moe."
         src = [_converted(k3_tiny_engine, 0, p + n) for n in ("routed_expert_down_proj.weight",
                                                                "shared_experts.gate_proj.weight",
-                                                               "shared_experts.up_proj.weight")]
+                                                               "shared_experts.up_proj.weight", "gate.weight")]
+        assert src[3].shape[0] == CFG.num_experts
         torch.testing.assert_close(w[e + "in_proj"], torch.cat(src).to(w[e + "in_proj"].dtype), rtol=0, atol=0)
-        assert e + "down_proj" not in w and e + "shared.gate_up" not in w
+        assert e + "down_proj" not in w and e + "shared.gate_up" not in w and e + "gate" not in w
+        proj = nodes[e + "in_proj"]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in proj.attribute}
+        assert proj.op_type == "MoEInProj" and list(proj.input[1:]) == [e + "in_proj", e + "bias"]
+        assert attrs["num_experts"] == CFG.num_experts and attrs["top_k"] == CFG.num_experts_per_token
+        ids, weights, zh = proj.output
         split = nodes[e + "in_proj.split"]
         sizes = list(onnx.helper.get_attribute_value(split.attribute[0]))
-        assert split.domain == "k3" and sizes == [CFG.expert_hidden_size, src[1].shape[0] + src[2].shape[0]]
+        assert split.domain == "k3" and list(split.input) == [zh]
+        assert sizes == [CFG.expert_hidden_size, src[1].shape[0] + src[2].shape[0]]
         z, shared_h = split.output
-        assert nodes[e + "experts"].input[0] == z
+        assert list(nodes[e + "experts"].input[:3]) == [z, ids, weights]
         out = nodes[e + "out_proj"]
         assert out.op_type == "MoEOutProj" and out.input[2] == shared_h
         assert list(out.input[:2]) == [nodes[e + "experts"].output[0], e + "latent_norm"]

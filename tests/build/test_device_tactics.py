@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 pytest.importorskip("fla.ops.kda")
 
 DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "triton", "Linear": "blas",
-                  "LMHead": "blas", "GatedMLP": "blas", "RMSNorm": "triton", "AttnRes": "triton", "MoEOutProj": "triton"}
+                  "LMHead": "blas", "GatedMLP": "blas", "RMSNorm": "triton", "AttnRes": "triton", "MoEOutProj": "triton",
+                  "MoEInProj": "triton"}
 
 
 def _build(converted, out, target="sm90", dtype="bf16"):
@@ -119,7 +120,7 @@ def test_fp32_engine_keeps_the_reference_router():
     table, notes = resolve_plugins("sm90", dtype="fp32")
     assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton_p"
     assert table["GatedMLP"]["tactic"] == "reference"  # fp32 activations: the reference GEMMs are the fp32 ones
-    assert table["MoEOutProj"]["tactic"] == "reference"
+    assert table["MoEOutProj"]["tactic"] == table["MoEInProj"]["tactic"] == "reference"
     assert any("Router" in n and "fp32" in n for n in notes), notes
 
 

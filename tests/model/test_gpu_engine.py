@@ -147,27 +147,3 @@ def test_decode_step_has_no_host_sync(engines):
         torch.cuda.set_sync_debug_mode("default")
     assert eager.shape == graphed.shape == (n, llm.engine.runner.engine.facts.vocab_size)
     assert torch.isfinite(eager).all() and torch.isfinite(graphed).all()
-
-
-def test_forked_router_matches_one_stream(engines, monkeypatch):
-    """The executor runs the Router on its side stream (FORKED_OPS), joined before the MoE reads its picks. The
-    same step with the fork turned off gives the same logits, from the same caches."""
-    from k3runtime import executor
-
-    monkeypatch.setattr(executor, "FORK_MIN_TOKENS", 1)  # this step's 3 tokens fork too
-
-    runner = LLM(engines[1], device="cuda").engine.runner
-    ex = runner.executor
-    assert ex.side is not None and any(b.side for b in ex.nodes)
-    batch = _three_sequence_step()
-    caches = [runner.cache.kda_state_all, runner.cache.kda_conv_all, runner.cache.mla_kv_all]
-    saved = [t.clone() for t in caches]
-    forked = ex.run(batch)["logits"].clone()
-    for t, c in zip(caches, saved):
-        t.copy_(c)
-    side, ex.side = ex.side, None
-    try:
-        one_stream = ex.run(batch)["logits"]
-    finally:
-        ex.side = side
-    torch.testing.assert_close(forked, one_stream, rtol=1e-6, atol=1e-6)

@@ -355,6 +355,31 @@ def _router_cases() -> dict:
     return res
 
 
+def _moe_in_cases() -> dict:
+    """MoEInProj (the in_proj GEMM with the router's rows last, then the top-k launch that also casts the rest of
+    each row) against its reference: fp32 and fp16, E not a power of two, a row wider than one cast block, no
+    tokens."""
+    from k3plugins.moe_in import reference as ref
+    from k3plugins.moe_in import triton as mi
+    g = torch.Generator().manual_seed(9)
+    res = {}
+    for dtype in (torch.float32, torch.float16):
+        T, D, N, E = 6, 64, 1100, 40
+        x = torch.randn(T, D, generator=g).to(dtype)
+        w = (torch.randn(N + E, D, generator=g) * D ** -0.5).to(dtype)
+        b = torch.randn(E, generator=g) * 0.1
+        kw = dict(num_experts=E, top_k=8, renormalize=True, scaling_factor=2.5)
+        ids, wts, zh = mi.moe_in_proj(x, w, b, **kw)
+        ids_r, wts_r, zh_r = ref.moe_in_proj(x, w, b, **kw)
+        (ids, o), (ids_r, o_r) = ids.sort(1), ids_r.sort(1)
+        empty = mi.moe_in_proj(x[:0], w, b, **kw)
+        res[f"moe-in-{str(dtype)[6:]}"] = {"ids_equal": bool(torch.equal(ids, ids_r)),
+                                           "rel": _rel(wts.gather(1, o), wts_r.gather(1, o_r)),
+                                           "zh_equal": bool(torch.equal(zh, zh_r)), "zh_dtype_ok": zh.dtype == dtype,
+                                           "empty_ok": [tuple(t.shape) for t in empty] == [(0, 8), (0, 8), (0, N)]}
+    return res
+
+
 def _child() -> None:
     _patch_interpreter()
     from k3plugins.kda import fla as kd
@@ -391,6 +416,7 @@ def _child() -> None:
     res.update(_norm_cases())
     res.update(_glu_cases())
     res.update(_router_cases())
+    res.update(_moe_in_cases())
     res.update(_moe_out_cases())
     print("RESULTS " + json.dumps(res))
 
@@ -498,6 +524,12 @@ def test_router_interpreted(results, case):
     r = results[f"router-{case}"]
     assert r["ids_equal"] and r["tie_picked_together"] and r["rel"] < 1e-5, r
     assert r["swap_ids_equal"] and r["swap_rel"] < 1e-5, r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_moe_in_proj_interpreted(results, dtype):
+    r = results[f"moe-in-{dtype}"]
+    assert r["ids_equal"] and r["rel"] < 1e-5 and r["zh_equal"] and r["zh_dtype_ok"] and r["empty_ok"], r
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])

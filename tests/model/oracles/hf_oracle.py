@@ -154,8 +154,9 @@ class _Client:
     def __init__(self, env_overrides: dict[str, str] | None = None):
         self.tmp = tempfile.TemporaryDirectory(prefix="hf_oracle_")
         self.log = open(Path(self.tmp.name) / "worker.log", "w+")
+        # USE_HUB_KERNELS=0: transformers 5.25 asks for the (blocked) `kernels` package by default in from_pretrained
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   **(env_overrides or {}))
+                   USE_HUB_KERNELS="0", **(env_overrides or {}))
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.count = 0
