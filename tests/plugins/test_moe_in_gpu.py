@@ -30,4 +30,5 @@ def test_moe_in_proj_matches_reference(T, N, E, D, k):
     torch.testing.assert_close(wts[same].sort(1).values, wts_r[same].sort(1).values, rtol=1e-5, atol=1e-6)
     # the same fp32 sums rounded once to bf16: equal but for the odd value a different summation order moves by an ulp
     assert (zh == zh_r).float().mean().item() > 0.99
-    torch.testing.assert_close(zh.float(), zh_r.float(), rtol=8e-3, atol=1e-5)
+    # (and where a row's sum cancels to ~1e-4, the two fp32 orders differ by ~1e-5: an absolute bound)
+    torch.testing.assert_close(zh.float(), zh_r.float(), rtol=8e-3, atol=1e-4)
