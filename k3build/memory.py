@@ -78,7 +78,8 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
       kda   T x (5 proj outputs bf16 + fp32 gate) x D_tp + T x H_tp x (fp32 beta + 2 fp32 64-chunk rows);
       mla   T x H_tp x (q 192 + k_nope|v 256 + out 128 + gate 128) x bf16 + T x 576 x bf16;
       dense T x 3 x intermediate_tp x bf16;
-      moe   T x E x fp32 router + T x 3 x shared_tp x bf16 + rows x 3 x moe_intermediate_tp x bf16;
+      moe   latent (MoEInProj): T x (latent + 2 shared_tp + E) x fp32 + T x (latent + 3 shared_tp) x bf16; else
+            T x E x fp32 router + T x 3 x shared_tp x bf16; then + rows x 3 x moe_intermediate_tp x bf16;
       logits B x vocab x fp32 (gathered) + B x vocab_tp x fp32 (last stage).
     Returns {"residual", "exchange", "peak_kda", "peak_mla", "peak_dense", "peak_moe", "peak_logits"};
     `reserve_bytes` adds them up as overhead + residual + exchange + the largest peak (layers run one by one).
@@ -92,6 +93,12 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
     dense_tp = mapping.dense_tp_size
     has_moe = any(cfg.is_moe_layer(i) for i in layers)
     rows = exchange_capacity_rows(cfg, mapping, T) if has_moe else 0
+    shared_tp = cfg.shared_intermediate_size // dense_tp
+    if cfg.is_latent_moe:  # MoEInProj's fp32 row (in_proj | router logits), the bf16 rest of it, the shared GLU
+        in_cols = cfg.expert_hidden_size + 2 * shared_tp
+        moe_in = T * (in_cols + cfg.num_experts) * 4 + T * (in_cols + shared_tp) * 2
+    else:
+        moe_in = T * cfg.num_experts * 4 + T * 3 * shared_tp * 2
     return {
         "residual": T * cfg.hidden_size * 2 * (3 + snaps),
         "exchange": rows * cfg.expert_hidden_size * 2 * 2,
@@ -100,8 +107,7 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
                 + T * cfg.mla_cache_width * 2) if "mla" in kinds else 0,
         "peak_dense": T * 3 * (cfg.intermediate_size // dense_tp) * 2
         if any(not cfg.is_moe_layer(i) for i in layers) else 0,
-        "peak_moe": (T * cfg.num_experts * 4 + T * 3 * (cfg.shared_intermediate_size // dense_tp) * 2
-                + rows * 3 * (cfg.moe_intermediate_size // mapping.moe_tp_size) * 2) if has_moe else 0,
+        "peak_moe": moe_in + rows * 3 * (cfg.moe_intermediate_size // mapping.moe_tp_size) * 2 if has_moe else 0,
         "peak_logits": (max_batch_size * cfg.vocab_size * 4 + max_batch_size * (cfg.vocab_size // dense_tp) * 4)
         if mapping.is_last_stage(rank) else 0,
     }

@@ -63,7 +63,8 @@ IMPLS: list[Impl] = [
     Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer"),  # v2: q_a, kv_a and g stacked in one in_proj
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
-    # one BLAS GEMM with fp32 output (torch.mm's out_dtype; run on CUDA only, not yet on ROCm), then the top-k launch
+    # one BLAS GEMM with fp32 output (torch.mm's out_dtype), then the top-k launch; on ROCm (not run there) its two
+    # row blocks go to the blas GEMM and the Triton router instead (moe_in/triton.py)
     Impl("MoEInProj", "triton", 1, "k3plugins.moe_in.triton:moe_in_proj", _GPU, "triton", dtypes=("bf16", "fp16")),
     # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales); v4: each pair's bits
     # placed for plain shifts (mxfp4.PAIR_MAG_SHIFT), not rotations

@@ -96,7 +96,8 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
                       weights)
 
 
-# weights a decode step multiplies as x @ wᵀ with one row of x per request (the router's gate has its own kernel)
+# weights a decode step multiplies as x @ wᵀ with one row of x per request, timed here as bf16-out GEMMs (a latent
+# MoE's in_proj, router rows included, runs with fp32 output in MoEInProj: the probe in BENCHMARKS.md found it as fast)
 GEMM_WEIGHTS = ("in_proj", "f_b", "o_proj", "gate_up", "down", "out_proj", "q_b", "lm_head")
 
 
@@ -244,7 +245,9 @@ def _separate_router(executor):
         def run(x, weight, bias, *, num_experts, **kw):
             n = weight.shape[0] - num_experts
             if x.is_cuda and x.shape[0] >= FORK_MIN_TOKENS:
-                side = streams.setdefault(x.device, torch.cuda.Stream(x.device))
+                if x.device not in streams:
+                    streams[x.device] = torch.cuda.Stream(x.device)
+                side = streams[x.device]
                 main = torch.cuda.current_stream()
                 side.wait_stream(main)
                 with torch.cuda.stream(side):

@@ -1,4 +1,5 @@
-"""The plugins' dense GEMMs (x @ wᵀ): the one place they all go through."""
+"""The plugins' dense GEMMs (x @ wᵀ) in the activation dtype: the one place they all go through (MoEInProj's fp32-out
+GEMM is its own, moe_in/triton.py)."""
 
 import torch
 

@@ -74,12 +74,12 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
     stable sort picks); the weights are the unbiased scores of those experts. CAST (MoEInProj, whose GEMM wrote
     these logits as the last columns of fp32 rows h): also store the row's first N_CAST columns in out's dtype."""
     pdl_prologue(PDL)
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)  # MoEInProj's rows are N + E wide: m * stride_pm may pass 2^31
     if CAST:
         for c0 in range(0, N_CAST, BC):
             cols = c0 + tl.arange(0, BC)
-            v = tl.load(h_ptr + m.to(tl.int64) * stride_h + cols, mask=cols < N_CAST, other=0.0)
-            tl.store(out_ptr + m.to(tl.int64) * stride_out + cols, v.to(out_ptr.dtype.element_ty), mask=cols < N_CAST)
+            v = tl.load(h_ptr + m * stride_h + cols, mask=cols < N_CAST, other=0.0)
+            tl.store(out_ptr + m * stride_out + cols, v.to(out_ptr.dtype.element_ty), mask=cols < N_CAST)
     offs_e = tl.arange(0, BE)
     e_mask = offs_e < E
     choice = tl.sigmoid(_summed_logits(part_ptr, m, offs_e, e_mask, stride_ps, stride_pm, NUM_SPLITS))

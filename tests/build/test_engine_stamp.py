@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from k3plugins import registry
 from safetensors.torch import load_file, save_file
 
+from k3build.config import preset
 from k3runtime.cli import main as runtime_main
 from k3runtime.loader import EngineError, load_rank
 
@@ -133,3 +134,47 @@ def test_graph_op_unknown_to_this_runtime(engine):
     res = CliRunner().invoke(runtime_main, ["generate", str(engine), "--prompt", "hi", "--max-tokens", "1"])
     assert res.exit_code != 0 and "Traceback" not in res.output, res.output
     assert f"graph node {node.name!r}: op k3::SplitRows" in res.output and "rebuild" in res.output
+
+
+def test_an_engine_from_before_moe_in_proj_still_runs(k3_tiny_engine, engine):
+    """Engines built before MoEInProj ran a latent MoE's router as its own node on a separate `gate` weight, and the
+    in_proj without the router's rows. Rewritten to that form (graph and weights on disk), the engine loads and
+    scores a prompt as the new form does, up to fp32 rounding."""
+    import onnx
+    from onnx import helper
+
+    from k3runtime import LLM
+
+    rank = engine / "rank0"
+    model = onnx.load(rank / "graph.onnx")
+    weights = load_file(rank / "weights.safetensors")
+    inputs = {vi.name: vi for vi in model.graph.input}
+    nodes, rewritten = [], 0
+    for node in model.graph.node:
+        if node.op_type != "MoEInProj":
+            nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        x, in_proj, bias = node.input
+        ids, wts, zh = node.output
+        gate = in_proj.replace("in_proj", "gate")
+        stacked = weights.pop(in_proj)
+        n = stacked.shape[0] - attrs.pop("num_experts")
+        weights[in_proj], weights[gate] = stacked[:n].clone(), stacked[n:].clone()
+        for name in (in_proj, gate):
+            vi = helper.make_tensor_value_info(name, inputs[in_proj].type.tensor_type.elem_type, weights[name].shape)
+            model.graph.input.append(vi)
+        model.graph.input.remove(inputs[in_proj])
+        nodes.append(helper.make_node("Router", [x, gate, bias], [ids, wts], name=node.name + ".router",
+                                      domain=node.domain, **attrs))
+        nodes.append(helper.make_node("Linear", [x, in_proj], [zh], name=node.name, domain=node.domain))
+        rewritten += 1
+    cfg = preset("tiny")
+    assert rewritten == sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) > 0
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.save(model, rank / "graph.onnx")
+    save_file(weights, rank / "weights.safetensors")
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    old, new = LLM(engine).logits(prompt), LLM(k3_tiny_engine).logits(prompt)
+    torch.testing.assert_close(old, new, rtol=1e-4, atol=1e-4)

@@ -35,6 +35,7 @@ def test_device_plugins_are_recorded(engines):
     import json
     plugins = json.loads((engines[1] / "config.json").read_text())["build_config"]["plugins"]
     assert plugins["MoEExperts"]["tactic"] == "triton" and plugins["KDA"]["tactic"] == "fla"
+    assert plugins["MoEInProj"]["tactic"] == "triton"  # the tiny K3 is a latent MoE: its graph runs MoEInProj
 
 
 def test_prompt_logits_match_the_cpu_engine(engines):

@@ -102,6 +102,16 @@ def _route(M: int):
     return run
 
 
+def _moe_in(M: int):
+    from k3plugins.moe_in import triton as moe_in
+
+    def run():  # on CPU tensors the fp32 GEMM runs in torch; the top-k launch with its cast is what is recorded
+        N, E, D = 4352, 896, 256
+        moe_in.moe_in_proj(torch.randn(M, D).to(torch.bfloat16), torch.randn(N + E, D).to(torch.bfloat16),
+                           torch.randn(E), num_experts=E, top_k=16, renormalize=True, scaling_factor=2.5)
+    return run
+
+
 def _mla_decode(B: int, H: int):
     from k3plugins.mla import triton as mla
 
@@ -155,6 +165,7 @@ CASES = {
     **{f"kda decode {t} {N} seqs": _kda_decode(N, t) for t in ("fused", "split") for N in (3, 60)},
     "kda decode fused bf16 state": _kda_decode(8, "fused", torch.bfloat16),
     **{f"router {M} tokens": _route(M) for M in (8, 32, 64, 128, 512)},
+    **{f"moe_in_proj {M} tokens": _moe_in(M) for M in (1, 128)},
     **{f"mla decode {B}x{H}": _mla_decode(B, H) for B, H in ((4, 6), (64, 16), (2, 96))},
     "rms_norm and glu": _norms(),
     "moe decode_p": _moe_decode("decode_p"),

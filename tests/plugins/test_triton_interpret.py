@@ -356,9 +356,9 @@ def _router_cases() -> dict:
 
 
 def _moe_in_cases() -> dict:
-    """MoEInProj (the in_proj GEMM with the router's rows last, then the top-k launch that also casts the rest of
-    each row) against its reference: fp32 and fp16, E not a power of two, a row wider than one cast block, no
-    tokens."""
+    """MoEInProj's top-k launch with its cast (the rest of each fp32 row to the activation dtype) against the
+    reference: fp32 and fp16, E not a power of two, a row wider than one cast block, no tokens. On the CPU the GEMM
+    is the reference's own fp32 matmul; the cuBLAS fp32-out GEMM is tested on the GPU (test_moe_in_gpu.py)."""
     from k3plugins.moe_in import reference as ref
     from k3plugins.moe_in import triton as mi
     g = torch.Generator().manual_seed(9)
@@ -375,7 +375,7 @@ def _moe_in_cases() -> dict:
         empty = mi.moe_in_proj(x[:0], w, b, **kw)
         res[f"moe-in-{str(dtype)[6:]}"] = {"ids_equal": bool(torch.equal(ids, ids_r)),
                                            "rel": _rel(wts.gather(1, o), wts_r.gather(1, o_r)),
-                                           "zh_equal": bool(torch.equal(zh, zh_r)), "zh_dtype_ok": zh.dtype == dtype,
+                                           "zh_equal": bool(torch.equal(zh, zh_r)),
                                            "empty_ok": [tuple(t.shape) for t in empty] == [(0, 8), (0, 8), (0, N)]}
     return res
 
@@ -529,7 +529,7 @@ def test_router_interpreted(results, case):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_moe_in_proj_interpreted(results, dtype):
     r = results[f"moe-in-{dtype}"]
-    assert r["ids_equal"] and r["rel"] < 1e-5 and r["zh_equal"] and r["zh_dtype_ok"] and r["empty_ok"], r
+    assert r["ids_equal"] and r["rel"] < 1e-5 and r["zh_equal"] and r["empty_ok"], r
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
