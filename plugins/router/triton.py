@@ -96,13 +96,6 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
     tl.store(wts_ptr + m * TOP_K + rk, wts * scaling)
 
 
-def supports(x: torch.Tensor, gate_weight: torch.Tensor, *, top_k: int, num_expert_group: int = 1,
-             topk_group: int = 1) -> tuple[bool, str]:
-    if not x.is_cuda:
-        return False, "the Triton router needs CUDA tensors"
-    return fits(x, gate_weight, top_k, num_expert_group, topk_group)
-
-
 def fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, str]:
     """What the kernels need of the inputs, wherever they run (a GPU, or Triton's interpreter in the tests)."""
     ok, why = selection_fits(gate_weight.shape[0], top_k, num_expert_group, topk_group)
