@@ -155,11 +155,9 @@ def _interleaved_ms(variants: dict, rows, args, rounds: int) -> dict:
         for graphs in variants.values():
             graphs.replay(rows)
         torch.cuda.synchronize()
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, graphs in variants.items():
-            times[name].append(_median_ms(lambda: graphs.replay(rows), args.reps, True))
-    return {name: statistics.median(t) for name, t in times.items()}
+    from common import interleaved_replays_us
+    replays = {name: (lambda g=graphs: g.replay(rows)) for name, graphs in variants.items()}
+    return {name: us / 1e3 for name, us in interleaved_replays_us(replays, rounds=rounds, reps=args.reps).items()}
 
 
 def _moe_decode(**changes):

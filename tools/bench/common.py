@@ -55,6 +55,25 @@ def time_ms(fn, *, rep: int = 20, graph: bool = True, flush: bool = True) -> flo
     return statistics.median(times)
 
 
+def interleaved_replays_us(replays: dict, *, rounds: int = 5, reps: int = 10) -> dict:
+    """Median µs of each replay (a callable, e.g. a CUDA graph's replay) over `rounds` rounds that time every replay
+    in turn (one untimed call, then `reps` timed one by one), so that a drift of the clocks falls on all alike."""
+    times = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            one = []
+            for _ in range(reps):
+                start.record()
+                replay()
+                end.record()
+                torch.cuda.synchronize()
+                one.append(start.elapsed_time(end) * 1000)
+            times[name].append(statistics.median(one))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def hbm_read_tbps() -> float:
     """HBM read bandwidth (TB/s): the sum of an 8 GiB bf16 tensor, as in ANCHORS.md."""
     x = torch.empty(4 * 2**30, dtype=torch.bfloat16, device="cuda").normal_()

@@ -5,12 +5,15 @@ Graph per variant: flush L2 (copy 256 MB) -> [fork: prefetch first X MB of W] ->
 The GEMM's cost is T(variant) - T(flush + chain) in the same process, replays interleaved.
 """
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from common import interleaved_replays_us  # noqa: E402
 
 
 @triton.jit
@@ -95,20 +98,7 @@ def main():
         with torch.cuda.graph(g):
             body(name, pf)
         graphs.append(g)
-    times = [[] for _ in variants]
-    for _ in range(5):
-        for i, g in enumerate(graphs):
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            g.replay()
-            reps = []
-            for _ in range(10):
-                ev[0].record()
-                g.replay()
-                ev[1].record()
-                torch.cuda.synchronize()
-                reps.append(ev[0].elapsed_time(ev[1]) * 1000)
-            times[i].append(statistics.median(reps))
-    med = [statistics.median(t) for t in times]
+    med = list(interleaved_replays_us({i: g.replay for i, g in enumerate(graphs)}).values())
     base = med[0]
     for (name, pf), t in zip(variants, med):
         w = ws.get(name)

@@ -8,25 +8,18 @@ the engine would fold it into the top-k kernel: `nocast` bounds that). Eight lay
 variants captured once and replayed in turn over five rounds. JSON lines on stdout.
 """
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from k3plugins.router import triton as rt
-from tools.bench.common import hbm_read_tbps
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from common import hbm_read_tbps, interleaved_replays_us  # noqa: E402
 
 N_IN, E, D, TOP_K, LAYERS = 4352, 896, 7168, 16, 8
-
-
-def topk_from_logits(logits, bias, splits_stride_pm, M):
-    ids = torch.empty(M, TOP_K, dtype=torch.int64, device=logits.device)
-    wts = torch.empty(M, TOP_K, dtype=torch.float32, device=logits.device)
-    rt.router_topk_kernel[(M,)](logits, bias, ids, wts, E, 0, splits_stride_pm, 1.0, NUM_SPLITS=1, TOP_K=TOP_K,
-                                BE=triton.next_power_of_2(E), HAS_BIAS=True, RENORM=True, num_warps=8)
-    return ids, wts
 
 
 def main():
@@ -59,7 +52,7 @@ def main():
         def merged_run(cast=True):
             for i in range(LAYERS):
                 out = torch.mm(x, merged[i].t(), torch.float32)
-                topk_from_logits(out[:, N_IN:], bias[i], out.stride(0), M)
+                rt.select_experts(out[:, N_IN:], bias[i], **kw)
                 if cast:
                     out[:, :N_IN].to(torch.bfloat16)
 
@@ -73,7 +66,7 @@ def main():
         # the merged route picks what route() picks (both fp32 accumulations of the same bf16 products)
         ids_a, wts_a = rt.route(x, gate[0], bias[0], **kw)
         out = torch.mm(x, merged[0].t(), torch.float32)
-        ids_b, wts_b = topk_from_logits(out[:, N_IN:], bias[0], out.stride(0), M)
+        ids_b, wts_b = rt.select_experts(out[:, N_IN:], bias[0], **kw)
         same_rows = (ids_a.sort(1).values == ids_b.sort(1).values).all(1).float().mean().item()
         in_match = (out[:, :N_IN].to(torch.bfloat16) == F.linear(x, w_in[0])).float().mean().item()
         graphs = {}
@@ -85,21 +78,9 @@ def main():
             with torch.cuda.graph(g):
                 fn()
             graphs[name] = g
-        times = {n: [] for n in graphs}
-        for _ in range(5):
-            for n, g in graphs.items():
-                g.replay()
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                reps = []
-                for _ in range(10):
-                    ev[0].record()
-                    g.replay()
-                    ev[1].record()
-                    torch.cuda.synchronize()
-                    reps.append(ev[0].elapsed_time(ev[1]) * 1000 / LAYERS)
-                times[n].append(statistics.median(reps))
+        times = interleaved_replays_us({n: g.replay for n, g in graphs.items()})
         floor_us = (N_IN + E) * D * 2 / (bw * 1e12) * 1e6
-        rec = {n: round(statistics.median(t), 2) for n, t in times.items()}
+        rec = {n: round(t / LAYERS, 2) for n, t in times.items()}
         print(json.dumps({"probe": "router_merge", "M": M, "hbm_tbps": round(bw, 3), "floor_us_a_layer":
                           round(floor_us, 2), "us_a_layer": rec, "same_expert_rows": same_rows,
                           "in_proj_bits_equal": round(in_match, 4),
