@@ -93,7 +93,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a @ b / (a.norm() * b.norm()).clamp_min(1e-30)).item()
 
 
-def top_kernels(fn, top: int = 25) -> list:
+def top_kernels(fn, top: int = 80) -> list:
     """[kernel name, ms per step, launches per step] of the kernels taking most GPU time in one call of fn."""
     from torch.profiler import ProfilerActivity, profile
     fn()
