@@ -229,6 +229,29 @@ def _seventeenth_router_blocks(executor):
     return lambda: setattr(router, "blocks_for", new)
 
 
+def _unfused_mla_glue(executor):
+    """The MLA layers' glue as before its two launches: the latent RMSNorm, concat and indexed store of the cache
+    write; copies of the strided queries; the output's reshape copy, sigmoid and product."""
+    from k3plugins.mla import triton as mla
+    saved = mla.write_cache, mla.gate_heads, mla.mla_decode_attention
+
+    def write_cache(ckv, w, kv, page, row, *, eps):
+        r = w.shape[0]
+        kv[page, row] = torch.cat([mla.rms_norm(ckv[:, :r], w, eps=eps), ckv[:, r:]], -1).to(kv.dtype)
+
+    def gate_heads(o, gate):
+        o = o.transpose(0, 1).reshape(o.shape[1], -1)
+        return o if gate is None else o * torch.sigmoid(gate)
+
+    def attention(q_lat, q_pe, *args, **kw):
+        return saved[2](q_lat.contiguous(), q_pe.contiguous(), *args, **kw)
+    mla.write_cache, mla.gate_heads, mla.mla_decode_attention = write_cache, gate_heads, attention
+
+    def undo():
+        mla.write_cache, mla.gate_heads, mla.mla_decode_attention = saved
+    return undo
+
+
 def _separate_router(executor):
     """Each MoEInProj node as the graph had it before the op: the engine's Linear tactic on the in_proj rows and its
     Router tactic on the router's rows (views of the stacked weight), the router on a side stream beside the GEMM
@@ -275,6 +298,8 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
+    "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
+                         "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
     "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
 }
 

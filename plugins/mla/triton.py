@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from k3plugins.embed.dense import dense
-from k3plugins.norm.triton import rms_norm  # the latent norms: one launch each, not five
+from k3plugins.norm.triton import rms_norm, rms_norm_row  # the q latent norm: one launch, not five
 from k3plugins.pdl import pdl, pdl_prologue
 from k3plugins.step_scope import per_step
 
@@ -94,6 +94,49 @@ def mla_merge_kernel(o_part_ptr, lse_ptr, out_ptr, H, stride_pb, stride_ps, stri
     tl.store(out_ptr + b * stride_ob + h * stride_oh + rl, tl.sum(o * w[:, None], 0).to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def mla_cache_write_kernel(ckv_ptr, w_ptr, kv_ptr, page_ptr, row_ptr, R, DR, stride_t, stride_page, stride_row, eps,
+                           BR: tl.constexpr, BDR: tl.constexpr, NORM_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+    """kv[page[t], row[t]] = [rms_norm(ckv[t, :R]) | ckv[t, R:R+DR]], a token a program: the latent norm, the concat
+    and the paged store of the mixer in one launch (they were three). The norm rounds as norm/triton.py's and its
+    result goes through NORM_DTYPE (the dtype the separate norm returned) before the cache's dtype, so the cache
+    holds the same bits as before."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    src = ckv_ptr + t * stride_t
+    dst = kv_ptr + tl.load(page_ptr + t) * stride_page + tl.load(row_ptr + t) * stride_row
+    kv_dt = kv_ptr.dtype.element_ty
+    offs = tl.arange(0, BR)
+    mask = offs < R
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    y = rms_norm_row(x, w_ptr, offs, mask, R, eps, ckv_ptr.dtype.element_ty)
+    tl.store(dst + offs, y.to(NORM_DTYPE).to(kv_dt), mask=mask)
+    offs_r = tl.arange(0, BDR)
+    mask_r = offs_r < DR
+    pe = tl.load(src + R + offs_r, mask=mask_r, other=0.0)
+    tl.store(dst + R + offs_r, pe.to(NORM_DTYPE).to(kv_dt), mask=mask_r)
+
+
+@triton.jit
+def mla_gate_kernel(o_ptr, g_ptr, out_ptr, VD, stride_oh, stride_ot, stride_gt, stride_out,
+                    BV: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t, h·VD + v] = o[h, t, v] · sigmoid(g[t, h·VD + v]) (o as the value bmm leaves it, head-major), a
+    (token, head) a program: the reshape copy, the sigmoid and the product in one launch (they were three). The
+    sigmoid is rounded to g's dtype first, as torch's two launches did. Without HAS_GATE, only the copy."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BV)
+    mask = offs < VD
+    o = tl.load(o_ptr + h * stride_oh + t * stride_ot + offs, mask=mask, other=0.0)
+    col = h * VD + offs
+    if HAS_GATE:
+        g = tl.load(g_ptr + t * stride_gt + col, mask=mask, other=0.0)
+        s = tl.sigmoid(g.to(tl.float32)).to(g.dtype)
+        o = (o.to(tl.float32) * s.to(tl.float32))
+    tl.store(out_ptr + t * stride_out + col, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def num_splits_for(batch: int, num_heads: int, max_pages: int, *, block_h: int = 16, num_sms: int = 132) -> int:
     """Split count (a power of two) that gives the grid about 2 waves without slices under 4 pages."""
     programs = batch * triton.cdiv(num_heads, block_h)
@@ -151,7 +194,9 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     num_warps = num_warps or 4
     splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h)
     pps = triton.cdiv(max_pages, splits)
-    q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
+    # the kernel takes row and head strides: a bmm's transposed output or a column slice needs no copy
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     if query_seq is None:
         query_seq = torch.arange(B, dtype=torch.int32, device=q_lat.device)
     o_part = torch.empty(B, splits, H, dl, dtype=torch.float32, device=q_lat.device)
@@ -197,14 +242,44 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     if q_b_weight is not None:
         q_src = dense(rms_norm(q_src, q_a_norm_weight, eps=latent_eps), q_b_weight)
     q = q_src.view(T, H, nope + rope)
-    entries = torch.cat([rms_norm(ckv[:, :r], kv_a_norm_weight, eps=latent_eps), ckv[:, r:]], dim=-1)
     page, row, pages32, lens32, seq32 = per_step("mla_index", (cu_seqlens, context_lens, page_table),
                                                  lambda *src: _token_index(*src, T))
-    kv_cache[page, row] = entries.to(kv_cache.dtype)
-    q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk.to(q.dtype))          # [T, H, r]
+    write_cache(ckv, kv_a_norm_weight, kv_cache, page, row, eps=latent_eps)
+    # q_lat stays the bmm's head-major output ([H, T, r] seen as [T, H, r]): the attention kernel takes strides
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)
     o_lat = mla_decode_attention(q_lat.to(kv_cache.dtype), q[..., nope:].to(kv_cache.dtype), kv_cache, pages32,
                                  lens32, scale=scale, query_seq=seq32)
-    o = torch.einsum("thr,hrv->thv", o_lat.to(x.dtype), w_uv.to(x.dtype)).reshape(T, H * vd)
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return dense(o, o_weight)
+    o = torch.bmm(o_lat.transpose(0, 1).to(x.dtype), w_uv.to(x.dtype))                    # [H, T, v]
+    return dense(gate_heads(o, gate), o_weight)
+
+
+def write_cache(ckv: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Tensor, page: torch.Tensor,
+                row: torch.Tensor, *, eps: float) -> None:
+    """kv_cache[page, row] = [rms_norm(ckv[:, :r]) | ckv[:, r:]] in one launch (page, row: int64 [T])."""
+    T, width = ckv.shape
+    r = norm_weight.shape[0]
+    if ckv.stride(-1) != 1 or kv_cache.stride(-1) != 1 or width != kv_cache.shape[-1]:
+        raise ValueError(f"write_cache: ckv [T, {width}] and the cache's rows ({kv_cache.shape[-1]}) must match, "
+                         "with unit column strides")
+    if T:
+        norm_dtype = _TL[torch.promote_types(norm_weight.dtype, ckv.dtype)]
+        mla_cache_write_kernel[(T,)](ckv, norm_weight.contiguous(), kv_cache, page, row, r, width - r, ckv.stride(0),
+                                     kv_cache.stride(0), kv_cache.stride(1), float(eps),
+                                     BR=triton.next_power_of_2(r), BDR=triton.next_power_of_2(width - r),
+                                     NORM_DTYPE=norm_dtype, num_warps=4, **pdl(ckv))
+
+
+def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """o [H, T, v] (head-major) -> [T, H·v], times sigmoid(gate [T, H·v]) when the layer has the output gate."""
+    H, T, vd = o.shape
+    if o.stride(-1) != 1 or (gate is not None and gate.stride(-1) != 1):
+        raise ValueError("gate_heads: o and gate need unit column strides")
+    out = torch.empty(T, H * vd, dtype=o.dtype, device=o.device)
+    if T:
+        mla_gate_kernel[(T, H)](o, gate if gate is not None else o, out, vd, o.stride(0), o.stride(1),
+                                gate.stride(0) if gate is not None else 0, out.stride(0),
+                                BV=triton.next_power_of_2(vd), HAS_GATE=gate is not None, num_warps=1, **pdl(o))
+    return out
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -123,6 +123,16 @@ def _mla_decode(B: int, H: int):
     return run
 
 
+def _mla_glue(T: int, H: int):
+    from k3plugins.mla import triton as mla
+
+    def run():  # the cache write (latent norm, concat, paged store) and the gated output of a rank's MLA layer
+        mla.write_cache(torch.randn(T, 576).to(torch.bfloat16), torch.ones(512, dtype=torch.bfloat16),
+                        torch.zeros(T + 2, 64, 576).to(torch.bfloat16), torch.arange(T), torch.arange(T) % 64, eps=1e-6)
+        mla.gate_heads(torch.randn(H, T, 128).to(torch.bfloat16), torch.randn(T, H * 128).to(torch.bfloat16))
+    return run
+
+
 def _norms():
     from k3plugins.mlp import triton as mlp
     from k3plugins.norm import triton as norm
@@ -167,6 +177,7 @@ CASES = {
     **{f"router {M} tokens": _route(M) for M in (8, 32, 64, 128, 512)},
     **{f"moe_in_proj {M} tokens": _moe_in(M) for M in (1, 128)},
     **{f"mla decode {B}x{H}": _mla_decode(B, H) for B, H in ((4, 6), (64, 16), (2, 96))},
+    **{f"mla glue {T} tokens": _mla_glue(T, 6) for T in (1, 32)},
     "rms_norm and glu": _norms(),
     "moe decode_p": _moe_decode("decode_p"),
     "moe decode_p plain": _moe_decode("decode_p", overlap=False, rows_first=False),

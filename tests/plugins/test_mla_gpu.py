@@ -38,3 +38,68 @@ def test_mla_decode_matches_definition(H, lens, splits, block_h):
     ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
     assert out.shape == (B, H, 512) and torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 7, 128])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16_w", "fp32_w"])
+def test_write_cache_equals_the_torch_launches(T, w_dtype):
+    """The fused latent norm + concat + paged store writes the bits the three torch launches wrote."""
+    from k3plugins.mla.triton import write_cache
+    from k3plugins.norm.triton import rms_norm
+    g = torch.Generator(device="cuda").manual_seed(T)
+    ckv = torch.randn(T, 2 * 576, device="cuda", generator=g).to(torch.bfloat16)[:, :576]  # a column view, as split
+    w = (1 + 0.1 * torch.randn(512, device="cuda", generator=g)).to(w_dtype)
+    pages = torch.randperm(T + 3, device="cuda", generator=g)[:T]
+    rows = torch.randint(0, 64, (T,), device="cuda", generator=g)
+    fused = torch.randn(T + 3, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
+    plain = fused.clone()
+    write_cache(ckv, w, fused, pages, rows, eps=1e-6)
+    plain[pages, rows] = torch.cat([rms_norm(ckv[:, :512], w, eps=1e-6), ckv[:, 512:]], -1).to(plain.dtype)
+    assert torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("T", [1, 33])
+@pytest.mark.parametrize("gated", [True, False])
+def test_gate_heads_matches_the_torch_launches(T, gated):
+    from k3plugins.mla.triton import gate_heads
+    g = torch.Generator(device="cuda").manual_seed(T)
+    H, vd = 6, 128
+    o = torch.randn(H, T, vd, device="cuda", generator=g).to(torch.bfloat16)
+    gate = torch.randn(T, H * vd, device="cuda", generator=g).to(torch.bfloat16) if gated else None
+    expect = o.transpose(0, 1).reshape(T, H * vd)
+    expect = expect * torch.sigmoid(gate) if gated else expect
+    out = gate_heads(o, gate)
+    if not gated:
+        assert torch.equal(out, expect)
+    # the sigmoid's exp is Triton's, not torch's: a value may round the other way (one bf16 ulp)
+    torch.testing.assert_close(out, expect, rtol=2 ** -7, atol=0)
+    assert (out != expect).float().mean().item() < 0.01
+
+
+def test_mixer_matches_reference_at_a_ranks_shapes():
+    """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads, the 576-wide
+    cache, a decode batch with one prefill row; both caches end equal but for bf16 rounding."""
+    from k3plugins.mla import reference, triton as mla
+    g = torch.Generator(device="cuda").manual_seed(3)
+    r_ = lambda *sh, sc=1.0: (torch.randn(*sh, device="cuda", generator=g) * sc).to(torch.bfloat16)  # noqa: E731
+    H, nope, rope, r, vd, hid, ql = 6, 128, 64, 512, 128, 512, 256
+    in_proj = torch.cat([r_(ql, hid, sc=hid ** -0.5), r_(r + rope, hid, sc=hid ** -0.5),
+                         r_(H * vd, hid, sc=hid ** -0.5)])
+    args = (in_proj, 1 + 0.1 * r_(ql), r_(H * (nope + rope), ql, sc=ql ** -0.5), 1 + 0.1 * r_(r),
+            r_(H, nope, r, sc=nope ** -0.5), r_(H, r, vd, sc=r ** -0.5), r_(hid, H * vd, sc=(H * vd) ** -0.5))
+    new, ctx = [1, 1, 5, 1], [300, 1, 70, 64]
+    cu = torch.tensor([0] + new, device="cuda").cumsum(0)
+    pt = torch.tensor([[0, 1, 2, 3, 4], [5, -1, -1, -1, -1], [6, 7, -1, -1, -1], [8, -1, -1, -1, -1]],
+                      dtype=torch.int32, device="cuda")
+    x = r_(int(cu[-1]), hid)
+    cache = r_(10, 64, r + rope)
+    outs = []
+    for fn in (mla.mla_mixer, reference.mla_mixer):
+        c = cache.clone()
+        o = fn(x, *args, c, cu_seqlens=cu,
+               context_lens=torch.tensor(ctx, device="cuda"), page_table=pt, num_heads=H, qk_nope_head_dim=nope,
+               qk_rope_head_dim=rope, v_head_dim=vd, scale=(nope + rope) ** -0.5, latent_eps=1e-6, output_gate=1)
+        outs.append((o.float(), c.float()))
+    (o1, c1), (o2, c2) = outs
+    assert ((o1 - o2).norm() / o2.norm()).item() < 2e-2
+    assert ((c1 - c2).norm() / c2.norm()).item() < 1e-2
