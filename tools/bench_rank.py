@@ -252,6 +252,13 @@ def _unfused_mla_glue(executor):
     return undo
 
 
+def _pdl_everywhere(executor):
+    """K3_PDL=1 while the graphs are captured: every Triton kernel launched with PDL (k3plugins/pdl.py)."""
+    old = os.environ.get("K3_PDL")
+    os.environ["K3_PDL"] = "1"
+    return lambda: os.environ.pop("K3_PDL") if old is None else os.environ.__setitem__("K3_PDL", old)
+
+
 def _separate_router(executor):
     """Each MoEInProj node as the graph had it before the op: the engine's Linear tactic on the in_proj rows and its
     Router tactic on the router's rows (views of the stacked weight), the router on a side stream beside the GEMM
@@ -292,6 +299,11 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
                         "the router on a side stream from 64 tokens on", _separate_router),
     "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps", _moe_decode(block_n=128, num_warps=8)),
     "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
+    "moe-down-bn128": ("the MoE decode's down kernel (decode_p) in blocks of 128 rows, 8 warps",
+                       _moe_decode(down_block_n=128, down_num_warps=8)),
+    "moe-down-bn128-w4": ("the MoE decode's down kernel in blocks of 128 rows, 4 warps",
+                          _moe_decode(down_block_n=128, down_num_warps=4)),
+    "moe-down-stages4": ("the MoE decode's down kernel with 4 pipeline stages", _moe_decode(down_num_stages=4)),
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
                   _moe_decode(rows_first=False, overlap=False)),
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
@@ -300,6 +312,7 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
     "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
                          "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
+    "pdl": ("every Triton kernel launched with PDL (K3_PDL=1)", _pdl_everywhere),
     "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
 }
 

@@ -41,6 +41,15 @@ class MoETactic:
     # with paired: the down kernel starts on an expert as soon as the gate/up kernel has all its rows of h (a count
     # per expert), launched with PDL on sm_90 so that it takes SMs while the gate/up kernel's last programs run
     overlap: bool = False
+    # the down kernel's own rows per program, warps and stages (None: as the gate/up kernel's)
+    down_block_n: int | None = None
+    down_num_warps: int | None = None
+    down_num_stages: int | None = None
+
+    def down(self) -> "MoETactic":
+        """The blocks the down kernel takes."""
+        return replace(self, block_n=self.down_block_n or self.block_n, num_warps=self.down_num_warps or self.num_warps,
+                       num_stages=self.down_num_stages or self.num_stages)
 
 
 TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
@@ -87,7 +96,10 @@ def _tactic(tactic: str | MoETactic, dl: int, inter: int) -> MoETactic:
         bk //= 2
     while bn > 16 and (dl % bn or inter % bn):
         bn //= 2
-    return replace(t, block_k=bk, block_n=bn)
+    dbn = t.down_block_n
+    while dbn and dbn > 16 and dl % dbn:
+        dbn //= 2
+    return replace(t, block_k=bk, block_n=bn, down_block_n=dbn)
 
 
 def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
@@ -105,11 +117,13 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     for name, k in (("Dl", dl), ("I", inter)):
         if k % t.block_k:
             return False, f"{name}={k} must be a multiple of block_k={t.block_k}"
-    if inter % t.block_n or dl % t.block_n:
-        return False, f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n}"
+    if inter % t.block_n or dl % t.block_n or dl % t.down().block_n:
+        return False, (f"I={inter} and Dl={dl} must be multiples of block_n={t.block_n} (and Dl of the down kernel's "
+                       f"{t.down().block_n})")
     if t.strided and t.block_k != STRIDE_BLOCK_K:
         return False, f"strided tactics read K tiles of {STRIDE_BLOCK_K}, got block_k={t.block_k}"
-    if t.tiled and (not t.strided or t.fp8 or (t.block_n % TILE_ROWS and TILE_ROWS % t.block_n) or inter % TILE_ROWS
+    untileable = any(bn % TILE_ROWS and TILE_ROWS % bn for bn in (t.block_n, t.down().block_n))
+    if t.tiled and (not t.strided or t.fp8 or untileable or inter % TILE_ROWS
                     or dl % TILE_ROWS):
         return False, (f"tiled tactics read the strided or paired layout in row tiles of {TILE_ROWS}: block_n="
                        f"{t.block_n} must divide it or be a multiple of it, I={inter} and Dl={dl} multiples of it "
@@ -215,18 +229,19 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if t.fp8:
         z, zs = quantize_e4m3(z)
         f8 = _F8[z.dtype][0]
-    grid = lambda rows: (rows // t.block_n, E) if t.rows_first else (E, rows // t.block_n)
-    moe_gate_up_kernel[grid(inter)](
+    d = t.down()
+    grid = lambda rows, bn: (rows // bn, E) if t.rows_first else (E, rows // bn)
+    moe_gate_up_kernel[grid(inter, t.block_n)](
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
         SIGNAL=t.overlap, EARLY=early, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
-    moe_down_kernel[grid(Dl)](
+    moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=t.block_n, BK=t.block_k,
+        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,
         W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        AWAIT=inter // t.block_n if t.overlap else 0, num_warps=t.num_warps, num_stages=t.num_stages,
+        AWAIT=inter // t.block_n if t.overlap else 0, num_warps=d.num_warps, num_stages=d.num_stages,
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
