@@ -6,6 +6,11 @@ sets aside, so their writes land where nothing reads. Step inputs go through pin
 non-blocking copies into the graph's static tensors: the step has no device->host sync until the caller
 reads the logits. The plugins are sync-free by contract (shapes alone pick their paths); capture fails loudly
 if one is not.
+
+A pipeline stage's graphs take the previous stage's hidden state and snapshots (`stage_in`) in static buffers too,
+and hand back every graph output (the next stage's inputs, or the logits); the send and receive between stages
+stay outside the graphs. A step's micro-batches replay one after another with no sync between them, so each
+takes its own set of pinned host buffers (`host_sets`), rewritten only once its last copy has run.
 """
 
 from __future__ import annotations
@@ -23,30 +28,38 @@ def default_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, executor: Executor, *, max_batch: int, max_pages: int, spare_slot: int, spare_page: int,
-                 buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, stage_in: dict[str, tuple[int, torch.dtype]] | None = None,
+                 host_sets: int = 1):
+        """stage_in: the graph inputs a pipeline stage receives (name -> (width, dtype), a row a token);
+        host_sets: how many micro-batches a step replays before the caller syncs."""
         self.executor = executor
         self.spare_slot, self.spare_page = spare_slot, spare_page
         self.buckets = sorted(buckets or default_buckets(max_batch))
         B = self.buckets[-1]
         device = next(iter(executor.weights.values())).device
         # [ids | slot | context_len] and the page table, staged in pinned memory, copied without a sync
-        self.host_cols = torch.zeros(3, B, dtype=torch.int64).pin_memory()
-        self.host_pages = torch.zeros(B, max_pages, dtype=torch.int64).pin_memory()
+        self.host_cols = [torch.zeros(3, B, dtype=torch.int64).pin_memory() for _ in range(host_sets)]
+        self.host_pages = [torch.zeros(B, max_pages, dtype=torch.int64).pin_memory() for _ in range(host_sets)]
+        self.copied = [None] * host_sets  # the event after each host set's last copy
         self.cols = torch.zeros(3, B, dtype=torch.int64, device=device)
         self.pages = torch.zeros(B, max_pages, dtype=torch.int64, device=device)
         self.cu = torch.arange(B + 1, dtype=torch.int64, device=device)
+        self.stage_in = {name: torch.zeros(B, width, dtype=dtype, device=device)
+                         for name, (width, dtype) in (stage_in or {}).items()}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
 
     def _batch(self, n: int) -> StepBatch:
         return StepBatch(input_ids=self.cols[0, :n], cu_seqlens=self.cu[:n + 1], slot_ids=self.cols[1, :n],
                          context_lens=self.cols[2, :n], page_table=self.pages[:n], logits_indices=self.cu[:n])
 
-    def _stage(self, rows: list[tuple[int, int, int, list[int]]]) -> None:
+    def _stage(self, rows: list[tuple[int, int, int, list[int]]], host_set: int = 0) -> None:
         """rows: (token id, slot, context length, page ids) per sequence; the rest become padding."""
         if len(rows) > self.buckets[-1]:
             raise ValueError(f"{len(rows)} rows exceed the largest captured bucket {self.buckets[-1]}")
-        cols, pages = self.host_cols, self.host_pages
+        if self.copied[host_set] is not None:
+            self.copied[host_set].synchronize()  # its previous copy has run (at once, unless micro-batches wrap)
+        cols, pages = self.host_cols[host_set], self.host_pages[host_set]
         cols[0].zero_()
         cols[1].fill_(self.spare_slot)
         cols[2].fill_(1)
@@ -57,20 +70,22 @@ class DecodeGraphs:
             pages[i, :len(page_ids)] = torch.tensor(page_ids, dtype=torch.int64)
         self.cols.copy_(cols, non_blocking=True)
         self.pages.copy_(pages, non_blocking=True)
+        self.copied[host_set] = torch.cuda.Event()
+        self.copied[host_set].record()
 
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
         self._stage([])
         pool = None
         for n in reversed(self.buckets):
-            batch = self._batch(n)
-            self.executor.run(batch)  # warm-up: Triton compiles and autotunes outside the capture
+            batch, extra = self._batch(n), {name: t[:n] for name, t in self.stage_in.items()}
+            self.executor.run(batch, extra)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.executor.run(batch)
+                out = self.executor.run(batch, extra)
             pool = graph.pool()
-            self.graphs[n], self.logits[n] = graph, out["logits"]
+            self.graphs[n], self.outputs[n] = graph, out
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
@@ -79,10 +94,20 @@ class DecodeGraphs:
     def replay(self, rows: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
         """Logits [len(rows), V] fp32 of one decode step (a view of the graph's output: read it before the
         next replay)."""
+        return self.run(rows)["logits"]
+
+    def run(self, rows: list[tuple[int, int, int, list[int]]], stage_in: dict[str, torch.Tensor] | None = None,
+            host_set: int = 0) -> dict[str, torch.Tensor]:
+        """Every output of one decode step's graph, its first len(rows) rows (views: use them before the next
+        replay). stage_in: the received stage inputs, [len(rows), width] each."""
         n = len(rows)
         b = self.bucket(n)
         if b is None:
             raise ValueError(f"decode step of {n} sequences exceeds the largest captured bucket {self.buckets[-1]}")
-        self._stage(rows)
+        if set(stage_in or {}) != set(self.stage_in):
+            raise ValueError(f"stage inputs {sorted(stage_in or {})}, expected {sorted(self.stage_in)}")
+        self._stage(rows, host_set)
+        for name, t in (stage_in or {}).items():
+            self.stage_in[name][:n].copy_(t)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return {name: t[:n] for name, t in self.outputs[b].items()}

@@ -76,7 +76,8 @@ class RankRunner:
             build = engine.build
             self.graphs = DecodeGraphs(self.executor, max_batch=build["max_batch_size"],
                                        max_pages=-(-build["max_seq_len"] // build["page_size"]),
-                                       spare_page=spare[0], spare_slot=spare[1])
+                                       spare_page=spare[0], spare_slot=spare[1], stage_in=self._stage_inputs(),
+                                       host_sets=self.pp_size)
             self.graphs.capture()
 
     def run(self, step: Step) -> torch.Tensor | None:
@@ -87,8 +88,7 @@ class RankRunner:
             self.host_store.apply(step.swap_out, step.swap_in)
         self.cache.zero_slots(list(step.reset_slot_ids))
         if self.graphs is not None and _graphable(step, self.graphs):
-            logits = self.graphs.replay([(it.token_ids[0], it.slot_id, it.start_pos + 1, list(it.page_ids))
-                                         for it in step.items])
+            logits = self._replay(step)
             if self.engine.world_size > 1 and self.engine.rank == 0:
                 _await_replay(self.device)
             return logits
@@ -97,14 +97,37 @@ class RankRunner:
             batch = self.batch(items, step.all_logits)
             extra = {}
             if not self.first:
-                t = int(batch.input_ids.numel())
-                extra = self.comm.recv_stage(t, self.engine.facts.hidden_size, self.num_blocks_in, self.act_dtype)
+                extra = self._receive(int(batch.input_ids.numel()))
             out = self.executor.run(batch, extra)
             if self.last:
                 logits.append(out["logits"])
             else:
-                self.comm.send_stage(out["hidden_out"], [out[f"blocks_out.{i}"] for i in range(len(out) - 1)])
+                self._send_on(out)
         return torch.cat(logits) if self.last else None
+
+    def _receive(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        return self.comm.recv_stage(num_tokens, self.engine.facts.hidden_size, self.num_blocks_in, self.act_dtype)
+
+    def _send_on(self, out: dict[str, torch.Tensor]) -> None:
+        self.comm.send_stage(out["hidden_out"], [out[f"blocks_out.{i}"] for i in range(len(out) - 1)])
+
+    def _stage_inputs(self) -> dict[str, tuple[int, torch.dtype]]:
+        """What this stage receives from the previous one: the hidden state and the snapshots (none on stage 0)."""
+        names = [] if self.first else ["hidden_in"] + [f"blocks_in.{i}" for i in range(self.num_blocks_in)]
+        return {name: (self.engine.facts.hidden_size, self.act_dtype) for name in names}
+
+    def _replay(self, step: Step) -> torch.Tensor | None:
+        """A pure decode step from the captured graphs, a replay a micro-batch; the hand-offs between stages stay
+        outside them (the next replay overwrites the outputs, so each goes out, or is copied, first)."""
+        logits = []
+        for k, items in enumerate(_micro_batches(step.items, self.pp_size)):
+            rows = [(it.token_ids[0], it.slot_id, it.start_pos + 1, list(it.page_ids)) for it in items]
+            out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k)
+            if self.last:
+                logits.append(out["logits"] if self.pp_size == 1 else out["logits"].clone())
+            else:
+                self._send_on(out)
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)) if self.last else None
 
     def batch(self, items: tuple[ScheduledItem, ...], all_logits: bool = False) -> StepBatch:
         ids = list(itertools.chain.from_iterable(it.token_ids for it in items))
@@ -126,16 +149,15 @@ def graph_blocker(engine: RankEngine) -> str | None:
 
     A captured step holds its collectives (NCCL records them into the graph like any kernel), so the ranks that
     meet in them must all replay, or all run eagerly, the same step. That holds when every rank runs every step:
-    one pipeline stage, no attention-DP (TP attention, experts over EP: K3's TEP16). All of them capture the same
-    buckets in the same order at start-up, where the driver and the workers open their ranks in step."""
+    no attention-DP (TP attention, experts over EP: K3's TEP16). Pipeline stages qualify: every rank of every
+    stage runs every micro-batch of a step, and the point-to-point hand-offs between stages stay outside the
+    graphs (RankRunner._replay). All ranks capture the same buckets in the same order at start-up, where the
+    driver and the workers open their ranks in step."""
     mapping = engine.config["mapping"]
     if engine.world_size == 1:
         return None
     if torch.version.hip is not None:
         return "RCCL collectives inside HIP graphs have not been run by k3runtime"
-    if mapping["pp_size"] > 1:
-        return (f"pp_size {mapping['pp_size']}: each stage hands its micro-batches to the next with point-to-point "
-                "sends, outside any one graph")
     if mapping["attention_dp"]:
         return ("attention-DP: each rank runs its own requests' step, so one rank could replay a graph while another "
                 "runs its step eagerly")

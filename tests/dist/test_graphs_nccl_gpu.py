@@ -61,8 +61,8 @@ def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_grou
     saved = [t.clone() for t in state]
     calls.clear()
     replays = []
-    replay = runner.graphs.replay
-    runner.graphs.replay = lambda rows: replays.append(len(rows)) or replay(rows)
+    run = runner.graphs.run
+    runner.graphs.run = lambda rows, *a, **kw: replays.append(len(rows)) or run(rows, *a, **kw)
     # a pure decode step through the runner: replayed, and rank 0 waits for it with the collective timeout
     step = Step(tuple(ScheduledItem(request_id=str(i), token_ids=(tok,), start_pos=ctx - 1, num_tokens=1, sample=True,
                                     slot_id=slot, page_ids=tuple(pages), params=None, seed=0, sample_index=0)

@@ -112,8 +112,8 @@ def test_cuda_graph_decode_matches_eager(engines):
     runner = graphed.engine.runner
     assert runner.graphs is not None and runner.graphs.buckets[:3] == [1, 2, 4]
     replays = []
-    replay = runner.graphs.replay
-    runner.graphs.replay = lambda rows: replays.append(len(rows)) or replay(rows)
+    run = runner.graphs.run
+    runner.graphs.run = lambda rows, *a, **kw: replays.append(len(rows)) or run(rows, *a, **kw)
     got = [o.token_ids for o in graphed.generate(prompts, greedy)]
     eager = [o.token_ids for o in LLM(engines[1], device="cuda", cuda_graphs=False).generate(prompts, greedy)]
     assert 3 in replays
