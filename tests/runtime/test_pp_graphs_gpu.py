@@ -110,4 +110,6 @@ def test_two_stages_replay_their_graphs_as_their_eager_steps(k3_tiny_ckpt, tmp_p
         for t in _caches(r):
             t.zero_()
     whole = _run(one, step)
-    torch.testing.assert_close(_run(stages, step), whole, rtol=2e-2, atol=2e-2)
+    staged = _run(stages, step)
+    # micro-batches of two rows against one batch of four: kernels may take other blocks, so bf16 sums may differ
+    assert ((staged - whole).norm() / whole.norm()).item() < 1e-2
