@@ -26,6 +26,11 @@ def default_buckets(max_batch: int) -> list[int]:
     return sorted({*small, *range(16, max_batch, 16), max_batch})
 
 
+def bucket_for(buckets: list[int], n: int) -> int | None:
+    """The smallest of the (sorted) buckets that holds n sequences, or None."""
+    return next((b for b in buckets if b >= n), None)
+
+
 class DecodeGraphs:
     def __init__(self, executor: Executor, *, max_batch: int, max_pages: int, spare_slot: int, spare_page: int,
                  buckets: list[int] | None = None, stage_in: dict[str, tuple[int, torch.dtype]] | None = None,
@@ -89,7 +94,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+        return bucket_for(self.buckets, n)
 
     def replay(self, rows: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
         """Logits [len(rows), V] fp32 of one decode step (a view of the graph's output: read it before the
@@ -97,13 +102,16 @@ class DecodeGraphs:
         return self.run(rows)["logits"]
 
     def run(self, rows: list[tuple[int, int, int, list[int]]], stage_in: dict[str, torch.Tensor] | None = None,
-            host_set: int = 0) -> dict[str, torch.Tensor]:
+            host_set: int = 0, bucket: int | None = None) -> dict[str, torch.Tensor]:
         """Every output of one decode step's graph, its first len(rows) rows (views: use them before the next
-        replay). stage_in: the received stage inputs, [len(rows), width] each."""
+        replay). stage_in: the received stage inputs, [len(rows), width] each. bucket: replay this captured bucket
+        (attention-DP ranks share one) instead of the smallest that holds the rows."""
         n = len(rows)
-        b = self.bucket(n)
+        b = self.bucket(n) if bucket is None else bucket
         if b is None:
             raise ValueError(f"decode step of {n} sequences exceeds the largest captured bucket {self.buckets[-1]}")
+        if b not in self.graphs or n > b:
+            raise ValueError(f"bucket {b} cannot replay {n} sequences (captured buckets: {self.buckets})")
         if set(stage_in or {}) != set(self.stage_in):
             raise ValueError(f"stage inputs {sorted(stage_in or {})}, expected {sorted(self.stage_in)}")
         self._stage(rows, host_set)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
-from .rank_runner import RankRunner, Step, cache_config
+from .rank_runner import RankRunner, Step, cache_config, shared_bucket
 from .request import Request
 from .sampler import sample
 from .scheduler import Scheduler, ScheduledItem
@@ -60,7 +60,7 @@ def dummy_step(config: dict, options: EngineOptions) -> Step:
     pages, slots = cache_sizes(config, options)
     item = ScheduledItem(request_id="", token_ids=(0,), start_pos=0, num_tokens=1, sample=False, slot_id=slots,
                          page_ids=(pages,), params=None, seed=0, sample_index=0)
-    return Step((item,), reset_slot_ids=(slots,))
+    return Step((item,), reset_slot_ids=(slots,), idle=True)
 
 
 def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> RankRunner:
@@ -184,6 +184,9 @@ class LLMEngine:
                 s.update(p, {})
             return []
         steps = tuple(Step.from_plan(p) if not p.is_empty else dummy_step(self.config, self.options) for p in plans)
+        if self.dp_size > 1 and self.runner.graphs is not None:  # the DP ranks replay one bucket, or none
+            bucket = shared_bucket(steps, self.runner.graphs.buckets)
+            steps = tuple(replace(s, graph_bucket=bucket) for s in steps)
         events = []
         for sched, plan, tokens in zip(self.schedulers, plans, self._execute(steps)):
             sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens.tolist())}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_graph import DecodeGraphs, bucket_for
 from .executor import Communicator, Executor, StepBatch
 from .kv_cache import CacheTensors, HostStore
 from .kv_cache.cache_tensors import CacheConfig
@@ -32,6 +33,10 @@ class Step:
     all_logits: bool = False  # score mode: logits of every token, not only sampled ones
     stop: bool = False  # the driver is shutting down: workers leave their loop
     extra: dict = field(default_factory=dict)
+    idle: bool = False  # an attention-DP rank with no work of its own: it only meets the others' collectives
+    # attention-DP: the captured bucket every DP rank replays this step in, chosen by the driver from all their
+    # steps (shared_bucket); None: every rank runs it eagerly
+    graph_bucket: int | None = None
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> "Step":
@@ -68,11 +73,11 @@ class RankRunner:
         self.num_blocks_in = sum(1 for i in engine.graph.input if i.name.startswith("blocks_in."))
         self.act_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[engine.build["dtype"]]
         self.graphs = None
+        mapping = engine.config["mapping"]
+        self.attention_dp = mapping["attention_dp"] and mapping["tp_size"] > 1  # DP ranks: the stage's TP ranks
         wanted = cuda_graphs and self.device.type == "cuda"
         self.graphs_off = graph_blocker(engine) if wanted else None
         if wanted and spare is not None and self.graphs_off is None:
-            from .cuda_graph import DecodeGraphs
-
             build = engine.build
             self.graphs = DecodeGraphs(self.executor, max_batch=build["max_batch_size"],
                                        max_pages=-(-build["max_seq_len"] // build["page_size"]),
@@ -87,8 +92,14 @@ class RankRunner:
                 raise RuntimeError("the step swaps requests but this rank has no host store (num_host_pages = 0)")
             self.host_store.apply(step.swap_out, step.swap_in)
         self.cache.zero_slots(list(step.reset_slot_ids))
-        if self.graphs is not None and _graphable(step, self.graphs):
-            logits = self._replay(step)
+        if self.graphs is None:
+            bucket = None
+        elif self.attention_dp:  # the driver chose for every DP rank at once: they replay, or not, together
+            bucket = step.graph_bucket
+        else:
+            bucket = self.graphs.bucket(len(step.items)) if _graphable(step, self.graphs) else None
+        if bucket is not None:
+            logits = self._replay(step, bucket if self.attention_dp else None)
             if self.engine.world_size > 1 and self.engine.rank == 0:
                 _await_replay(self.device)
             return logits
@@ -116,13 +127,14 @@ class RankRunner:
         names = [] if self.first else ["hidden_in"] + [f"blocks_in.{i}" for i in range(self.num_blocks_in)]
         return {name: (self.engine.facts.hidden_size, self.act_dtype) for name in names}
 
-    def _replay(self, step: Step) -> torch.Tensor | None:
-        """A pure decode step from the captured graphs, a replay a micro-batch; the hand-offs between stages stay
-        outside them (the next replay overwrites the outputs, so each goes out, or is copied, first)."""
+    def _replay(self, step: Step, bucket: int | None = None) -> torch.Tensor | None:
+        """A pure decode step from the captured graphs, a replay a micro-batch (in `bucket` when given; an idle
+        step replays it with padding rows only); the hand-offs between stages stay outside the graphs (the next
+        replay overwrites the outputs, so each goes out, or is copied, first)."""
         logits = []
-        for k, items in enumerate(_micro_batches(step.items, self.pp_size)):
+        for k, items in enumerate(_micro_batches(() if step.idle else step.items, self.pp_size)):
             rows = [(it.token_ids[0], it.slot_id, it.start_pos + 1, list(it.page_ids)) for it in items]
-            out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k)
+            out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k, bucket=bucket)
             if self.last:
                 logits.append(out["logits"] if self.pp_size == 1 else out["logits"].clone())
             else:
@@ -149,18 +161,18 @@ def graph_blocker(engine: RankEngine) -> str | None:
 
     A captured step holds its collectives (NCCL records them into the graph like any kernel), so the ranks that
     meet in them must all replay, or all run eagerly, the same step. That holds when every rank runs every step:
-    no attention-DP (TP attention, experts over EP: K3's TEP16). Pipeline stages qualify: every rank of every
-    stage runs every micro-batch of a step, and the point-to-point hand-offs between stages stay outside the
-    graphs (RankRunner._replay). All ranks capture the same buckets in the same order at start-up, where the
-    driver and the workers open their ranks in step."""
+    TP attention with experts over EP (K3's TEP16), and pipeline stages: every rank of every stage runs every
+    micro-batch of a step, and the point-to-point hand-offs between stages stay outside the graphs
+    (RankRunner._replay). Attention-DP ranks run steps of their own, so the driver, which schedules them all,
+    picks one bucket for all of them or none (shared_bucket, Step.graph_bucket): the expert exchange moves a fixed
+    capacity of rows whatever each rank's batch, and an idle rank replays the bucket with padding rows only. All
+    ranks capture the same buckets in the same order at start-up, where the driver and the workers open their
+    ranks in step."""
     mapping = engine.config["mapping"]
     if engine.world_size == 1:
         return None
     if torch.version.hip is not None:
         return "RCCL collectives inside HIP graphs have not been run by k3runtime"
-    if mapping["attention_dp"]:
-        return ("attention-DP: each rank runs its own requests' step, so one rank could replay a graph while another "
-                "runs its step eagerly")
     return None
 
 
@@ -186,10 +198,23 @@ def wait_for(done, limit_s: float, what: str) -> None:
         time.sleep(1e-4)
 
 
+def shared_bucket(steps: tuple[Step, ...], buckets: list[int]) -> int | None:
+    """Attention-DP: the bucket all DP ranks replay their steps in (the smallest that holds the largest), or None
+    when any of them is not a pure decode step or fits no bucket (they all run eagerly then). Idle ranks' steps fit
+    any bucket."""
+    busy = [s for s in steps if not s.idle]
+    if not busy or not all(_pure_decode(s) for s in busy):
+        return None
+    return bucket_for(buckets, max(len(s.items) for s in busy))
+
+
+def _pure_decode(step: Step) -> bool:
+    return not step.all_logits and all(it.num_tokens == 1 and it.sample for it in step.items)
+
+
 def _graphable(step: Step, graphs) -> bool:
     """A pure decode step that fits a captured bucket."""
-    return (not step.all_logits and graphs.bucket(len(step.items)) is not None
-            and all(it.num_tokens == 1 and it.sample for it in step.items))
+    return _pure_decode(step) and graphs.bucket(len(step.items)) is not None
 
 
 def _micro_batches(items: tuple[ScheduledItem, ...], pp_size: int) -> list[tuple[ScheduledItem, ...]]:

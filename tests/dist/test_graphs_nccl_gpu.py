@@ -76,3 +76,47 @@ def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_grou
     assert calls  # the eager step made them itself
     assert torch.isfinite(replayed).all()
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_tiny_ckpt, tmp_path, nccl_group):
+    """Rank 0 of an attention-DP engine (TP2 attention as two DP ranks, experts over EP2) on the one-process NCCL
+    group, its expert exchange (fixed-capacity all-gather / reduce-scatter) real NCCL calls inside the graphs. It
+    replays only when the step carries the driver's bucket (Step.graph_bucket): in a larger bucket than its own
+    batch needs, with the eager step's logits, and as an idle rank with padding rows only."""
+    from dataclasses import replace
+
+    from k3runtime.dist.exchange import NcclExchange
+    from k3runtime.llm_engine import EngineOptions, dummy_step
+
+    engine_dir = build_engine(k3_tiny_ckpt, tmp_path / "dp2", mapping=Mapping(tp_size=2, moe_ep_size=2,
+                                                                             attention_dp=True),
+                              target="sm90", dtype="bf16", kv_dtype="bf16")
+    engine = load_rank(engine_dir, 0, "cuda")
+    assert any(n.op_type == "EPGather" for n in engine.graph.node)
+    ranks = {"0": {**engine.config["ranks"]["0"], "tp_group": [0], "moe_group": [0]}}
+    comm = DistCommunicator(ranks, 0, 1, torch.device("cuda"))
+    comm.use_exchange(NcclExchange(dist.group.WORLD, upcast=False))  # the 'moe' group of one rank
+    runner = RankRunner(engine, cache_config(engine, num_pages=PAGES + 1, num_slots=SLOTS + 1), comm,
+                        spare=(PAGES, SLOTS), cuda_graphs=True)
+    assert runner.graphs_off is None and runner.graphs is not None and runner.attention_dp
+    replays = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda rows, *a, **kw: replays.append((len(rows), kw.get("bucket"))) or run(rows, *a, **kw)
+
+    state = (runner.cache.kda_state_all, runner.cache.kda_conv_all, runner.cache.mla_kv_all)
+    for t in state:
+        t.normal_(0, 0.1)
+    saved = [t.clone() for t in state]
+    step = Step(tuple(ScheduledItem(request_id=str(i), token_ids=(tok,), start_pos=ctx - 1, num_tokens=1, sample=True,
+                                    slot_id=slot, page_ids=tuple(pages), params=None, seed=0, sample_index=0)
+                      for i, (tok, slot, ctx, pages) in enumerate(ROWS[:3])))
+    eager = runner.run(step).clone()  # no bucket from the driver: eager, though a pure decode step
+    assert replays == []
+    for bucket in (4, 8):
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        replayed = runner.run(replace(step, graph_bucket=bucket)).clone()
+        assert replays[-1] == (3, bucket)
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    idle = replace(dummy_step(engine.config, EngineOptions(num_pages=PAGES, num_slots=SLOTS)), graph_bucket=4)
+    assert runner.run(idle).shape == (0, engine.facts.vocab_size) and replays[-1] == (0, 4)

@@ -1,12 +1,14 @@
 """Which engines' decode steps may replay CUDA graphs (rank_runner.graph_blocker): the ranks that meet in a
-captured collective must all replay the same step, so only mappings where every rank runs every step qualify
-(pipeline stages do: the hand-offs between them stay outside the graphs, tests/runtime/test_pp_graphs_gpu.py)."""
+captured collective must all replay the same step: every mapping qualifies on CUDA (pipeline stages keep their
+hand-offs outside the graphs, tests/runtime/test_pp_graphs_gpu.py; attention-DP ranks replay the bucket the driver
+picks for all of them, shared_bucket)."""
 
 from types import SimpleNamespace
 
 import pytest
 from k3build.mapping import Mapping
-from k3runtime.rank_runner import graph_blocker, wait_for
+from k3runtime.rank_runner import Step, graph_blocker, shared_bucket, wait_for
+from k3runtime.scheduler import ScheduledItem
 
 
 def _engine(mapping: Mapping):
@@ -16,15 +18,37 @@ def _engine(mapping: Mapping):
 
 @pytest.mark.parametrize("mapping", [Mapping(), Mapping(tp_size=4), Mapping(tp_size=2, moe_ep_size=2),
                                      Mapping(tp_size=16, moe_ep_size=16), Mapping(tp_size=2, pp_size=2),
-                                     Mapping(tp_size=8, moe_ep_size=8, pp_size=2)], ids=str)
+                                     Mapping(tp_size=8, moe_ep_size=8, pp_size=2), Mapping(tp_size=2, attention_dp=True),
+                                     Mapping(tp_size=8, moe_ep_size=8, attention_dp=True)], ids=str)
 def test_every_rank_runs_every_step_so_graphs_are_allowed(mapping):
     assert graph_blocker(_engine(mapping)) is None
 
 
-@pytest.mark.parametrize("mapping", [Mapping(tp_size=2, attention_dp=True),
-                                     Mapping(tp_size=2, pp_size=2, attention_dp=True)], ids=str)
-def test_attention_dp_runs_eagerly_and_says_why(mapping):
-    assert "attention-DP" in graph_blocker(_engine(mapping))
+def _item(tokens: int = 1, sample: bool = True) -> ScheduledItem:
+    return ScheduledItem(request_id="r", token_ids=(1,) * tokens, start_pos=4, num_tokens=tokens, sample=sample,
+                         slot_id=0, page_ids=(0,), params=None, seed=0, sample_index=0)
+
+
+def _decode(n: int) -> Step:
+    return Step(tuple(_item() for _ in range(n)))
+
+
+IDLE = Step((_item(sample=False),), idle=True)  # llm_engine.dummy_step's shape: one throw-away token
+
+
+@pytest.mark.parametrize("steps, bucket", [
+    ((_decode(3), _decode(1)), 4),                  # the smallest bucket that holds the largest DP rank's batch
+    ((_decode(5), IDLE), 8),                        # an idle rank replays the others' bucket, padding rows only
+    ((IDLE, _decode(16)), 16),
+    ((_decode(2), Step((_item(tokens=7),))), None),  # one rank prefills: every rank runs eagerly
+    ((_decode(2), Step((_item(),), all_logits=True)), None),
+    ((_decode(17), _decode(1)), None),              # past the largest bucket
+    ((IDLE, IDLE), None),                           # nothing to decode
+], ids=["3+1", "5+idle", "idle+16", "prefill", "score", "too-large", "all-idle"])
+def test_attention_dp_ranks_share_one_bucket_or_none(steps, bucket):
+    """The driver's choice for all attention-DP ranks (they meet in every expert exchange, so they must replay the
+    same captured bucket or all run eagerly)."""
+    assert shared_bucket(steps, [1, 2, 4, 8, 16]) == bucket
 
 
 def test_multi_rank_graphs_stay_off_on_rocm(monkeypatch):
