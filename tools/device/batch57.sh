@@ -5,12 +5,4 @@ timeout 120 python3 -m pytest -q -m gpu tests/plugins/test_moe_in_gpu.py -p no:c
   > $OUT/pytest.txt 2>&1
 grep -E "^E |Error|passed|failed" $OUT/pytest.txt | tail -20
 timeout 300 python3 tools/bench_rank.py --batches 32,128 --reps 5 --profile 2>&1 | grep '^{' > $OUT/rank_profile.jsonl
-python3 - <<'PY'
-import json, os
-for l in open(os.environ["OUT"] + "/rank_profile.jsonl"):
-    d = json.loads(l)
-    if d["bench"] == "rank_decode":
-        print({k: d[k] for k in ("batch", "step_ms", "floor_ms", "step_x_floor")})
-    if d["bench"] == "rank_profile":
-        print(d["batch"], d["top"][:14])
-PY
+python3 tools/device/print_profile.py $OUT/rank_profile.jsonl 14

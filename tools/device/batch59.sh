@@ -2,13 +2,4 @@
 # every kernel (name, ms, launches), to pick the launches still worth fusing.
 source tools/device/env.sh
 timeout 400 python3 tools/bench_rank.py --batches 32,128 --reps 5 --profile 2>&1 | grep '^{' > $OUT/rank_profile.jsonl
-python3 - <<'PY'
-import json, os
-for l in open(os.environ["OUT"] + "/rank_profile.jsonl"):
-    d = json.loads(l)
-    if d["bench"] == "rank_decode":
-        print({k: d[k] for k in ("batch", "step_ms", "floor_ms", "step_x_floor")})
-    if d["bench"] == "rank_profile":
-        for row in d["top"]:
-            print(d["batch"], row)
-PY
+python3 tools/device/print_profile.py $OUT/rank_profile.jsonl
