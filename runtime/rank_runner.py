@@ -97,7 +97,7 @@ class RankRunner:
         elif self.attention_dp:  # the driver chose for every DP rank at once: they replay, or not, together
             bucket = step.graph_bucket
         else:
-            bucket = self.graphs.bucket(len(step.items)) if _graphable(step, self.graphs) else None
+            bucket = self.graphs.bucket(len(step.items)) if _pure_decode(step) else None
         if bucket is not None:
             logits = self._replay(step, bucket if self.attention_dp else None)
             if self.engine.world_size > 1 and self.engine.rank == 0:
@@ -212,14 +212,10 @@ def _pure_decode(step: Step) -> bool:
     return not step.all_logits and all(it.num_tokens == 1 and it.sample for it in step.items)
 
 
-def _graphable(step: Step, graphs) -> bool:
-    """A pure decode step that fits a captured bucket."""
-    return _pure_decode(step) and graphs.bucket(len(step.items)) is not None
-
 
 def _micro_batches(items: tuple[ScheduledItem, ...], pp_size: int) -> list[tuple[ScheduledItem, ...]]:
-    """Up to pp_size groups of whole sequences, in order (one group without pipeline parallelism)."""
-    if pp_size == 1 or len(items) == 1:
+    """Up to pp_size groups of whole sequences, in order (one group without pipeline parallelism, or of none)."""
+    if pp_size == 1 or len(items) <= 1:
         return [items]
     n = min(pp_size, len(items))
     size = -(-len(items) // n)

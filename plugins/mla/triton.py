@@ -33,7 +33,7 @@ def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o
     pdl_prologue(PDL)
     hb = tl.program_id(0)
     split = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)  # b * a row stride passes 2^31 at about 100K tokens of 96 heads
     ctx = tl.load(lens_ptr + b)
     pt_row = pt_ptr + tl.load(qseq_ptr + b).to(tl.int64) * stride_pb  # the query's sequence
     first_page = split * PAGES_PER_SPLIT
@@ -98,23 +98,26 @@ def mla_merge_kernel(o_part_ptr, lse_ptr, out_ptr, H, stride_pb, stride_ps, stri
 def mla_cache_write_kernel(ckv_ptr, w_ptr, kv_ptr, page_ptr, row_ptr, R, DR, stride_t, stride_page, stride_row, eps,
                            BR: tl.constexpr, BDR: tl.constexpr, NORM_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
     """kv[page[t], row[t]] = [rms_norm(ckv[t, :R]) | ckv[t, R:R+DR]], a token a program: the latent norm, the concat
-    and the paged store of the mixer in one launch (they were three). The norm rounds as norm/triton.py's and its
-    result goes through NORM_DTYPE (the dtype the separate norm returned) before the cache's dtype, so the cache
-    holds the same bits as before."""
+    and the paged store of the mixer in one launch (they were three). The norm rounds as norm/triton.py's (launched
+    with its warps, so its sum adds in the same order) and its result goes through NORM_DTYPE (the dtype the
+    separate norm returned) before the cache's dtype, so the cache holds the same bits as before. A token with no
+    page (page < 0: a scheduler's bug) writes nothing rather than outside the cache."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
+    page = tl.load(page_ptr + t)
+    paged = page >= 0
     src = ckv_ptr + t * stride_t
-    dst = kv_ptr + tl.load(page_ptr + t) * stride_page + tl.load(row_ptr + t) * stride_row
+    dst = kv_ptr + tl.maximum(page, 0) * stride_page + tl.load(row_ptr + t) * stride_row
     kv_dt = kv_ptr.dtype.element_ty
     offs = tl.arange(0, BR)
     mask = offs < R
     x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     y = rms_norm_row(x, w_ptr, offs, mask, R, eps, ckv_ptr.dtype.element_ty)
-    tl.store(dst + offs, y.to(NORM_DTYPE).to(kv_dt), mask=mask)
+    tl.store(dst + offs, y.to(NORM_DTYPE).to(kv_dt), mask=mask & paged)
     offs_r = tl.arange(0, BDR)
     mask_r = offs_r < DR
     pe = tl.load(src + R + offs_r, mask=mask_r, other=0.0)
-    tl.store(dst + R + offs_r, pe.to(NORM_DTYPE).to(kv_dt), mask=mask_r)
+    tl.store(dst + R + offs_r, pe.to(NORM_DTYPE).to(kv_dt), mask=mask_r & paged)
 
 
 @triton.jit
@@ -266,7 +269,8 @@ def write_cache(ckv: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Te
         mla_cache_write_kernel[(T,)](ckv, norm_weight.contiguous(), kv_cache, page, row, r, width - r, ckv.stride(0),
                                      kv_cache.stride(0), kv_cache.stride(1), float(eps),
                                      BR=triton.next_power_of_2(r), BDR=triton.next_power_of_2(width - r),
-                                     NORM_DTYPE=norm_dtype, num_warps=4, **pdl(ckv))
+                                     NORM_DTYPE=norm_dtype, num_warps=min(16, max(1, triton.next_power_of_2(r) // 512)),
+                                     **pdl(ckv))  # rms_norm_kernel's warps: its sum's order, so its bits
 
 
 def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -111,6 +111,7 @@ def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_tiny_ckpt, tmp
                                     slot_id=slot, page_ids=tuple(pages), params=None, seed=0, sample_index=0)
                       for i, (tok, slot, ctx, pages) in enumerate(ROWS[:3])))
     eager = runner.run(step).clone()  # no bucket from the driver: eager, though a pure decode step
+    eager_state = [t.clone() for t in state]
     assert replays == []
     for bucket in (4, 8):
         for t, s in zip(state, saved):
@@ -118,5 +119,7 @@ def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_tiny_ckpt, tmp
         replayed = runner.run(replace(step, graph_bucket=bucket)).clone()
         assert replays[-1] == (3, bucket)
         torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+        for t, want, n in zip(state, eager_state, (SLOTS, SLOTS, PAGES)):  # padding rows write the spare slot / page
+            torch.testing.assert_close(t[:, :n], want[:, :n], rtol=1e-5, atol=1e-5)
     idle = replace(dummy_step(engine.config, EngineOptions(num_pages=PAGES, num_slots=SLOTS)), graph_bucket=4)
     assert runner.run(idle).shape == (0, engine.facts.vocab_size) and replays[-1] == (0, 4)

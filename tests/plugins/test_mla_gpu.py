@@ -40,10 +40,12 @@ def test_mla_decode_matches_definition(H, lens, splits, block_h):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("T", [1, 7, 128])
+@pytest.mark.parametrize("T", [1, 7, 128, 16384])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16_w", "fp32_w"])
 def test_write_cache_equals_the_torch_launches(T, w_dtype):
-    """The fused latent norm + concat + paged store writes the bits the three torch launches wrote."""
+    """The fused latent norm + concat + paged store writes the bits the three torch launches wrote (at 16K tokens
+    some mean-squares round differently if the norm's sum adds in another order: 4 warps instead of
+    rms_norm_kernel's 1 flipped about 50 values)."""
     from k3plugins.mla.triton import write_cache
     from k3plugins.norm.triton import rms_norm
     g = torch.Generator(device="cuda").manual_seed(T)

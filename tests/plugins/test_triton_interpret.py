@@ -150,6 +150,20 @@ def _mla_mixer_case(mla):
     return {"rel": _rel(o1, o2), "cache_rel": _rel(c1, c2)}
 
 
+def _mla_cache_write_case(mla):
+    """The fused cache write against rms_norm + cat + index_put, fp32; a token with no page (-1) writes nothing."""
+    from k3plugins.norm.reference import rms_norm
+    g = torch.Generator().manual_seed(7)
+    ckv, w = torch.randn(3, 40, generator=g), 1 + 0.1 * torch.randn(32, generator=g)
+    page, row = torch.tensor([2, -1, 0]), torch.tensor([5, 6, 63])
+    cache = torch.randn(4, 64, 40, generator=g)
+    want = cache.clone()
+    keep = page >= 0
+    want[page[keep], row[keep]] = torch.cat([rms_norm(ckv[:, :32], w, eps=1e-6), ckv[:, 32:]], -1)[keep]
+    mla.write_cache(ckv, w, cache, page, row, eps=1e-6)
+    return {"rel": _rel(cache, want), "untouched": bool(torch.equal(cache[1], want[1]) and torch.equal(cache[3], want[3]))}
+
+
 def _kda_layer(g, N, H, K, hid, S):
     r = lambda *sh, sc=1.0: torch.randn(*sh, generator=g) * sc
     D = H * K
@@ -411,6 +425,7 @@ def _child() -> None:
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
     res["mla-mixer"] = _mla_mixer_case(mla)
+    res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
         for tactic in ("fused", "split", "split-wide"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
@@ -478,6 +493,11 @@ def test_mxfp4_dequant_interpreted(results):
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_mla_decode_interpreted(results, splits):
     assert results[f"mla-{splits}"]["rel"] < 1e-5
+
+
+def test_mla_cache_write_interpreted(results):
+    r = results["mla-cache-write"]
+    assert r["rel"] < 1e-6 and r["untouched"], r
 
 
 def test_mla_mixer_interpreted(results):
