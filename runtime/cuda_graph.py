@@ -1,8 +1,9 @@
 """Decode steps replayed from CUDA graphs, one graph per batch bucket (as nano-vllm does).
 
 A pure decode step of N sequences (one token each, every one sampled) replays the graph captured for the
-smallest bucket >= N (attention-DP ranks: the bucket the driver picked for all of them, which may be larger). The rows past N point at the spare KDA slot and the spare MLA page that `open_rank`
-sets aside, so their writes land where nothing reads. Step inputs go through pinned host buffers and
+smallest bucket >= N (attention-DP ranks: the bucket the driver picked for all of them, which may be larger). The
+rows past N point at the spare KDA slot and the spare MLA page that `open_rank` sets aside, so their writes land
+where nothing reads. Step inputs go through pinned host buffers and
 non-blocking copies into the graph's static tensors: the step has no device->host sync until the caller
 reads the logits. The plugins are sync-free by contract (shapes alone pick their paths); capture fails loudly
 if one is not.

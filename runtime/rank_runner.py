@@ -168,7 +168,6 @@ def graph_blocker(engine: RankEngine) -> str | None:
     capacity of rows whatever each rank's batch, and an idle rank replays the bucket with padding rows only. All
     ranks capture the same buckets in the same order at start-up, where the driver and the workers open their
     ranks in step."""
-    mapping = engine.config["mapping"]
     if engine.world_size == 1:
         return None
     if torch.version.hip is not None:
@@ -210,7 +209,6 @@ def shared_bucket(steps: tuple[Step, ...], buckets: list[int]) -> int | None:
 
 def _pure_decode(step: Step) -> bool:
     return not step.all_logits and all(it.num_tokens == 1 and it.sample for it in step.items)
-
 
 
 def _micro_batches(items: tuple[ScheduledItem, ...], pp_size: int) -> list[tuple[ScheduledItem, ...]]:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3plugins.norm.triton import rms_norm, rms_norm_row
+from k3plugins.norm.triton import rms_norm, rms_norm_row, row_warps
 from k3plugins.pdl import pdl, pdl_prologue
 
 
@@ -263,6 +263,6 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
     elif M:
         attn_res_kernel[(M,)](partial, *ptrs, proj, norm_weight, out, D,
                               partial.stride(0), M * D, D, out.stride(0), float(eps), K=K, STACKED=many, BD=bd,
-                              BK=triton.next_power_of_2(K), **fused, **normed, num_warps=min(16, max(1, bd // 512)),
+                              BK=triton.next_power_of_2(K), **fused, **normed, num_warps=row_warps(bd),
                               **pdl(partial))
     return (out, total) if fused else out

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from k3plugins.embed.dense import dense
-from k3plugins.norm.triton import rms_norm, rms_norm_row  # the q latent norm: one launch, not five
+from k3plugins.norm.triton import rms_norm, rms_norm_row, row_warps  # the q latent norm: one launch, not five
 from k3plugins.pdl import pdl, pdl_prologue
 from k3plugins.step_scope import per_step
 
@@ -269,8 +269,7 @@ def write_cache(ckv: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Te
         mla_cache_write_kernel[(T,)](ckv, norm_weight.contiguous(), kv_cache, page, row, r, width - r, ckv.stride(0),
                                      kv_cache.stride(0), kv_cache.stride(1), float(eps),
                                      BR=triton.next_power_of_2(r), BDR=triton.next_power_of_2(width - r),
-                                     NORM_DTYPE=norm_dtype, num_warps=min(16, max(1, triton.next_power_of_2(r) // 512)),
-                                     **pdl(ckv))  # rms_norm_kernel's warps: its sum's order, so its bits
+                                     NORM_DTYPE=norm_dtype, num_warps=row_warps(triton.next_power_of_2(r)), **pdl(ckv))
 
 
 def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -31,6 +31,12 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BD: tl.
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def row_warps(block: int) -> int:
+    """Warps of a program that normalises a row of `block` values. Kernels that fuse the norm (the MLA cache write)
+    launch with the same count, so the sum of squares adds in the same order and rounds to the same bits."""
+    return min(16, max(1, block // 512))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
     """See reference.rms_norm. x: [..., D]; weight: [D]."""
     D = x.shape[-1]
@@ -43,5 +49,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tens
     if x2.shape[0]:
         bd = triton.next_power_of_2(D)
         rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, D, x2.stride(0), out.stride(0), float(eps),
-                                        BD=bd, num_warps=min(16, max(1, bd // 512)), **pdl(x2))
+                                        BD=bd, num_warps=row_warps(bd), **pdl(x2))
     return out.reshape(x.shape)
