@@ -161,6 +161,38 @@ def pair_mxfp4(packed: torch.Tensor, block_k: int = STRIDE_BLOCK_K) -> torch.Ten
     return words.view(torch.uint8).reshape(packed.shape)
 
 
+def _lane_order() -> torch.Tensor:
+    """[256]: the K index (within a tile of STRIDE_BLOCK_K) that position m of lane_mxfp4's order holds. Position
+    m = 64i + 16c + 8u + 2q + b (sub-block i, MMA column 16c + 8u + 2q + b, read by lane q of each quad) holds
+    K = 32(2q + i//2) + 16(i%2) + 4c + 2u + b: lane q sees scale groups 2q and 2q + 1 only. A permutation of the
+    index's bits (triton_kernels._lane_pos is its inverse)."""
+    m = torch.arange(STRIDE_BLOCK_K)
+    return (m & 1) | (((m >> 3) & 31) << 1) | (((m >> 1) & 3) << 6)
+
+
+LANE_ORDER = _lane_order()
+
+
+def lane_permute(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x with its `dim` (a multiple of STRIDE_BLOCK_K) in lane_mxfp4's K order: what the "triton_l" tactic reads as
+    activations (the build permutes the rows of the GEMM that makes them)."""
+    n = x.shape[dim]
+    if n % STRIDE_BLOCK_K:
+        raise ValueError(f"lane_permute: dim {dim} has {n} entries, not a multiple of {STRIDE_BLOCK_K}")
+    index = (torch.arange(0, n, STRIDE_BLOCK_K)[:, None] + LANE_ORDER[None, :]).reshape(-1).to(x.device)
+    return x.index_select(dim, index)
+
+
+def lane_mxfp4(packed: torch.Tensor) -> torch.Tensor:
+    """MXFP4 bytes [..., R, K/2] -> the "*_l" tactics' layout: codes in LANE_ORDER along K, then pair_mxfp4's bits.
+    Scales are unchanged (each group's 32 codes stay one group)."""
+    K = packed.shape[-1] * 2
+    if K % STRIDE_BLOCK_K:
+        raise ValueError(f"lane_mxfp4: K={K} must be a multiple of {STRIDE_BLOCK_K}")
+    codes = lane_permute(unpack_e2m1(packed))
+    return pair_mxfp4((codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous())
+
+
 TILE_ROWS = 64  # rows of a tile_rows tile (the Triton kernels' TILE_ROWS)
 
 

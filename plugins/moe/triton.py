@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from k3plugins.mlp.triton import ACT_IDS
-from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, pair_mxfp4,  # noqa: F401
-                                  restride_mxfp4, tile_mxfp4, tile_scales)
+from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, lane_mxfp4,  # noqa: F401
+                                  pair_mxfp4, restride_mxfp4, tile_mxfp4, tile_scales)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 from k3plugins.pdl import pdl, pdl_capable
@@ -35,6 +35,8 @@ class MoETactic:
     w4: bool = True  # our bit-level MXFP4 decode + tl.dot (True) or Triton's tl.dot_scaled (False)
     strided: bool = False  # W4 on weights in `restride_mxfp4`'s layout (block_k 256); activations in natural order
     paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
+    # with paired: on `lane_mxfp4`'s layout (pair_mxfp4's bits on K in LANE_ORDER), z in that order too
+    lane: bool = False
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
     tiled: bool = False  # with strided: weights and scales in tile_rows' order (block_n a multiple of TILE_ROWS)
     rows_first: bool = False  # grid (row blocks, experts): programs that run together share an expert's tokens
@@ -73,6 +75,11 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # prefill_p's grid runs row blocks first (rows_first): 313 against 302 TFLOP/s at 128 tokens/expert, side by side;
     # level at decode sizes (BENCHMARKS.md, sixteenth session)
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True, rows_first=True),
+    # decode_p / prefill_p on lane_mxfp4's layout (the "triton_l" engine tactic): each thread loads its own scales,
+    # no shuffles; 667 sm_90 instructions a gate/up K step against 765
+    "decode_l": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
+                          overlap=True),
+    "prefill_l": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, lane=True, tiled=True, rows_first=True),
     # FP8 activations for the gate/up GEMM (strided weights); BN 64, as BN 128 spills registers in the sm_90 SASS.
     # On the H200, the best of its sweep: 231 TFLOP/s at 128 tokens/expert (1.25x slower than "prefill_p"; 8 warps
     # took 3.84 ms), rel-L2 0.041 against W4A16 on random activations
@@ -130,6 +137,8 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                        "(and no FP8)")
     if not t.w4 and z.dtype not in (torch.bfloat16, torch.float16):
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
+    if t.lane and not t.paired:
+        return False, "lane tactics read pair_mxfp4's bits (paired)"
     if t.overlap and (not t.paired or t.fp8):
         return False, "overlap (the down kernel awaiting each expert's h) is implemented for the paired layout only"
     if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
@@ -191,7 +200,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13: [E, 2I, Dl/2] u8; w13_scale: [E, 2I, Dl/32] u8; w2: [E, Dl, I/2] u8; w2_scale: [E, Dl, I/32] u8.
         expert_start: global id of local expert 0. act: "situ" | "silu".
         tactic: a key of TACTICS (the builder records it). The "*_s" tactics read w13/w2 in
-            `restride_mxfp4`'s layout, the "*_p" ones in `pair_mxfp4`'s (see `lay_out`).
+            `restride_mxfp4`'s layout, the "*_p" ones in `pair_mxfp4`'s, the "*_l" ones in `lane_mxfp4`'s (see
+            `lay_out`), with z's columns in its order too (`mxfp4.lane_permute`; the output is in natural order).
 
     Returns:
         [M, Dl] fp32.
@@ -224,7 +234,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     y = torch.empty(P, Dl, dtype=torch.float32, device=z.device)
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    layout = 2 if t.paired else int(t.strided)  # the kernels' STRIDED: checkpoint order, strided, paired
+    layout = 4 if t.lane else 2 if t.paired else int(t.strided)  # the kernels' STRIDED (3: FP8 below)
+    asm = z.is_cuda and torch.version.hip is None  # _lane_dot's packed multiply (PTX)
     zs, f8 = z, None  # token scales and F8 dtype: the FP8 path's only (unused pointer otherwise)
     if t.fp8:
         z, zs = quantize_e4m3(z)
@@ -236,12 +247,12 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        SIGNAL=t.overlap, EARLY=early, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
+        SIGNAL=t.overlap, EARLY=early, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,
         W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        AWAIT=inter // t.block_n if t.overlap else 0, num_warps=d.num_warps, num_stages=d.num_stages,
+        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, num_warps=d.num_warps, num_stages=d.num_stages,
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
@@ -279,7 +290,8 @@ moe_experts_ds = _by_step("decode_ds", "prefill_ds", "moe_experts_ds",
 def lay_out(tactic: str | MoETactic, packed: torch.Tensor) -> torch.Tensor:
     """Expert bytes in the checkpoint's order -> the layout `tactic` reads."""
     t = TACTICS[tactic] if isinstance(tactic, str) else tactic
-    out = pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided else packed
+    out = (lane_mxfp4(packed) if t.lane else pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided
+           else packed)
     return tile_mxfp4(out) if t.tiled else out
 
 

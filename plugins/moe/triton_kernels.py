@@ -186,6 +186,43 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
 
 
 @triton.jit
+def _lane_pos(n):
+    """Where K index n sits in lane_mxfp4's order (mxfp4.LANE_ORDER's inverse, bits of n within its tile of 256)."""
+    return (n & ~255) | (n & 1) | (((n >> 1) & 31) << 3) | (((n >> 6) & 3) << 1)
+
+
+@triton.jit
+def _lane_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
+              L2_ONLY: tl.constexpr = False):
+    """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in lane_mxfp4's layout: _paired_dot's bits on K permuted
+    (mxfp4.LANE_ORDER) so that in the MMA's operand layout, lane q of each quad holds K from scale groups 2q and
+    2q + 1 only (sub-blocks 0-1 and 2-3). Each thread then loads its own 4 scale bytes of the [BN, 8] tile; no
+    row reductions or shuffles build the multipliers (_paired_dot's). The activations come in the same order
+    (the build permutes the rows of the GEMM that makes them; the gate/up kernel stores h in it).
+    ASM (CUDA): the scale multiply as one packed bf16x2 multiply per register. Written as a Triton product, LLVM
+    splits about half of them into scalar multiplies and byte permutes (sm_90 SASS: 802 instructions a K step
+    against 667); ROCm and the interpreter take the product."""
+    BF16: tl.constexpr = DTYPE == tl.bfloat16
+    w = w.to(tl.uint32, bitcast=True)
+    sc_lo, sc_hi = tl.split(tl.reshape(_scale(s, BF16), (BN, 4, 2)))                     # groups 2q, 2q + 1
+    r64 = tl.arange(0, 64)
+    for i in tl.static_range(4):
+        sc = sc_lo if i < 2 else sc_hi
+        sc64 = tl.reshape(tl.broadcast_to(sc[:, None, :, None], (BN, 8, 4, 2)), (BN, 64))  # column 8a+2q+b: sc[q]
+        lo, hi = _halves(_paired_codes(w, i), BF16)
+        vals = tl.reshape(tl.join(lo, hi), (BN, 64))
+        if ASM and BF16:
+            vals = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [vals, sc64], dtype=tl.bfloat16,
+                                             is_pure=True, pack=2)
+        else:
+            vals = (vals * sc64).to(DTYPE)
+        x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0,
+                    cache_modifier=".cg" if L2_ONLY else "")
+        acc = tl.dot(vals, x, acc)
+    return acc
+
+
+@triton.jit
 def _fp8_dot(acc, w, s, s_row, zT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.constexpr, F8: tl.constexpr):
     """acc [BN, BM] += W[BN, 8·SUB] @ Z[8·SUB, BM] in F8, weights in the strided layout: sub-block q of the tile
     (nibble q of each word) is code × 2^(s[:, q] − s_row) in F8, via fp16 (× 2^(d + 14), d clamped at −28)."""
@@ -246,12 +283,12 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
                        ROWS_FIRST: tl.constexpr = False, done_ptr=None, SIGNAL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
     STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout (2: `pair_mxfp4`'s), z and h in natural
-    order. STRIDED 3 (experimental FP8 prefill): `restride_mxfp4`'s layout, z in F8 with per-token scales zs
+    order; 4: `lane_mxfp4`'s, z and h in its K order (mxfp4.LANE_ORDER; ASM: _lane_dot's). STRIDED 3 (experimental FP8 prefill): `restride_mxfp4`'s layout, z in F8 with per-token scales zs
     (`quantize_e4m3`), the weights decoded to F8 against each row's largest scale (_fp8_dot): code ×
     2^(s_group − s_row) is exact in e4m3 while s_group − s_row ≥ −8 and rounds past that, the drift this path
     trades for FP8 tensor cores. The row and token scales multiply the accumulators once, after the K loop.
@@ -267,7 +304,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
-    RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)  # activation rows a load adds itself
+    RK: tl.constexpr = 1 if STRIDED >= 2 and STRIDED != 3 else (BK // 8 if STRIDED else BK)  # activation rows a load adds itself
     rk = tl.arange(0, RK)
     KMUL: tl.constexpr = TILE_ROWS if TILED else 1  # a K offset's multiplier (tiled: a K step skips a whole tile)
     wg_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
@@ -275,7 +312,12 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     sg_ptrs = (s_ptr + e * stride_se + _row_offsets(offs_n, stride_sn, BK // 32, TILED)[:, None]
                + tl.arange(0, BK // 32)[None, :])
     su_ptrs = sg_ptrs + I * stride_sn
-    h_cols = swap01(offs_n) if W4 and not STRIDED else offs_n
+    if STRIDED == 4:
+        h_cols = _lane_pos(offs_n)
+    elif W4 and not STRIDED:
+        h_cols = swap01(offs_n)
+    else:
+        h_cols = offs_n
     if STRIDED == 3:
         sg_row = _row_exponent(sg_ptrs, Dl, BN, BK)
         su_row = _row_exponent(su_ptrs, Dl, BN, BK)
@@ -295,6 +337,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
                 acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), su_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
+            elif STRIDED == 4:
+                acc_g = _lane_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
+                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM)
+                acc_u = _lane_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
+                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM)
             elif STRIDED == 2:
                 acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                     p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
@@ -326,7 +373,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
                     ROWS_FIRST: tl.constexpr = False, done_ptr=None, AWAIT: tl.constexpr = 0,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
     kernel's). AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
     a program waits for the AWAIT gate/up programs of its own expert instead and reads h past L1, so that the
@@ -339,7 +386,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         if end > start:
             _await_rows(done_ptr, e, AWAIT)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
-    RK: tl.constexpr = 1 if STRIDED == 2 else (BK // 8 if STRIDED else BK)
+    RK: tl.constexpr = 1 if STRIDED >= 2 and STRIDED != 3 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)
     KMUL: tl.constexpr = TILE_ROWS if TILED else 1
     w_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
@@ -354,7 +401,10 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         for k0 in range(0, I, BK):
             kw = (k0 // 8 if W4 else k0 // 2) * KMUL
             ks = k0 // 32 * KMUL
-            if STRIDED == 2:
+            if STRIDED == 4:
+                acc = _lane_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
+                                BN, h_ptr.dtype.element_ty, ASM, AWAIT > 0)
+            elif STRIDED == 2:
                 acc = _paired_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
                                   BN, h_ptr.dtype.element_ty, AWAIT > 0)
             elif STRIDED:

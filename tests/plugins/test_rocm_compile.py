@@ -52,6 +52,14 @@ SPECS = {
     "moe_down_tiled": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
                                                  offs_ptr="*i32"), dict(BM=16, BN=64, BK=256, W4=True, STRIDED=2,
                                                                         TILED=True)),
+    # ASM: _lane_dot's packed PTX multiply on sm90, the plain product on gfx942 (what the host passes there)
+    "moe_gate_up_lane": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
+                                                      sorted_ptr="*i32", offs_ptr="*i32", done_ptr="*i32"),
+                         dict(_MOE, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, SIGNAL=True, ASM="ASM")),
+    "moe_down_lane": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
+                                                offs_ptr="*i32", done_ptr="*i32"),
+                      dict(BM=16, BN=64, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, AWAIT=48,
+                           ASM="ASM")),
     "moe_gate_up_signal": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
                                                         sorted_ptr="*i32", offs_ptr="*i32", done_ptr="*i32"),
                            dict(_MOE, BK=256, W4=True, STRIDED=2, TILED=True, ROWS_FIRST=True, SIGNAL=True)),
@@ -143,7 +151,7 @@ def _source(name, target="sm90"):
     fn, ptrs, consts = SPECS[name]
     f8_name, f8 = NATIVE_F8[target]
     ptrs = {k: v.replace("F8", f8_name) for k, v in ptrs.items()}
-    consts = {k: f8 if v == "F8" else v for k, v in consts.items()}
+    consts = {k: f8 if v == "F8" else (target == "sm90") if v == "ASM" else v for k, v in consts.items()}
     # constexprs the spec leaves out take their defaults (TILED, PDL: off), as at a launch that omits them
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts
                  and p.default is not inspect.Parameter.empty}, **consts}
