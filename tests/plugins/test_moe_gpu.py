@@ -7,6 +7,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from k3plugins.moe import triton as mt  # noqa: E402
+from k3plugins.moe.mxfp4 import lane_permute  # noqa: E402
 from k3plugins.moe.reference import moe_experts as moe_ref  # noqa: E402
 
 
@@ -43,10 +44,12 @@ def test_moe_matches_reference(case, tactic, act="situ"):
     ok, why = mt.supports(z, w13, w2, tactic=tactic)
     if not ok:
         pytest.skip(why)
-    # the "*_s" / "*_p" tactics read the strided / paired layouts: the reference keeps the originals
+    # the "*_s" / "*_p" / "*_l" tactics read the strided / paired / lane layouts (and "*_l" z in its K order): the
+    # reference keeps the originals
     a, b = mt.lay_out(tactic, w13), mt.lay_out(tactic, w2)
     sa, sb = mt.lay_out_scale(tactic, s13), mt.lay_out_scale(tactic, s2)
-    out = mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act=act, tactic=tactic)
+    zt = lane_permute(z) if mt.TACTICS[tactic].lane else z
+    out = mt.moe_experts(zt, ids, w, a, sa, b, sb, expert_start=start, act=act, tactic=tactic)
     if mt.TACTICS[tactic].fp8:  # the kernel sees e4m3 activations (the scales here keep the weights exact in e4m3)
         q, scale = mt.quantize_e4m3(z)
         z = (q.float() * scale[:, None]).to(z.dtype)
@@ -91,18 +94,21 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("over_name", ["decode_p", "decode_l"])
 @pytest.mark.parametrize("case", ["one_token", "ragged", "k3_dims"])
-def test_overlapped_down_equals_plain(case):
+def test_overlapped_down_equals_plain(case, over_name):
     """MoETactic.overlap (the down kernel launched with PDL, each program awaiting its expert's gate/up programs) gives
     the plain launches' bits, replay after replay of one CUDA graph with new activations each time: a program that
     read its expert's h before it was whole, or an L1 line of the last replay's, would differ."""
     from dataclasses import replace
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=11, empty=(1,))
-    over = mt.TACTICS["decode_p"]
+    over = mt.TACTICS[over_name]
     plain = replace(over, rows_first=False, overlap=False)
     a, b = mt.lay_out(plain, w13), mt.lay_out(plain, w2)
     sa, sb = mt.lay_out_scale(plain, s13), mt.lay_out_scale(plain, s2)
+    if over.lane:
+        z = lane_permute(z)
     run = lambda t: mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act="situ", tactic=t)
     run(over)
     torch.cuda.synchronize()

@@ -16,11 +16,12 @@ import torch
 from common import emit, rel_l2, time_ms
 from k3plugins.moe import triton as mt
 from k3plugins.moe.reference import moe_experts as moe_ref
-from moe import DL, E, E_GLOBAL, E_START, INTER, TOP_K, make_weights
+from moe import DL, E, E_GLOBAL, E_START, INTER, TOP_K, lane_input, make_weights
 
 _D = mt.TACTICS["decode_p"]
-VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p)
+VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
     "decode_p": _D,
+    "decode_l": mt.TACTICS["decode_l"],
     "plain": replace(_D, rows_first=False, overlap=False),
     "rows_first": replace(_D, rows_first=True, overlap=False),
     "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
@@ -41,19 +42,21 @@ def bench_moe_touched(bw_tbps: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, s13, w2, s2 = make_weights(gen)
     expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
-    t0 = mt.TACTICS["decode_p"]
-    laid = (mt.lay_out(t0, w13), mt.lay_out_scale(t0, s13), mt.lay_out(t0, w2), mt.lay_out_scale(t0, s2))
+    laid = {lane: (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
+            for lane, t in ((False, _D), (True, mt.TACTICS["decode_l"]))}
     z, ids, tw = make_touched(7, gen)
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
     for name, t in VARIANTS.items():
-        out = mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
+        out = mt.moe_experts(lane_input(t, z), ids, tw, *laid[t.lane], expert_start=E_START, act="situ", tactic=t)
         emit(bench="moe_touched_check", variant=name, rel_l2=rel_l2(out, ref))
     for touched in (8, 16, 20, 22, 24, 26, 28, 32, 40, 48, 56):
         z, ids, tw = make_touched(touched, gen)
         floor_ms = touched * expert_bytes / (bw_tbps * 1e12) * 1e3
         rec = dict(bench="moe_touched", touched=touched, floor_ms=round(floor_ms, 4))
         for name, t in VARIANTS.items():
-            ms = time_ms(lambda t=t: mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t))
+            zt = lane_input(t, z)
+            ms = time_ms(lambda t=t, zt=zt: mt.moe_experts(zt, ids, tw, *laid[t.lane], expert_start=E_START,
+                                                           act="situ", tactic=t))
             rec[name] = round(floor_ms / ms, 3)
             rec[name + "_ms"] = round(ms, 4)
         emit(**rec)
