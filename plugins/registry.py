@@ -25,7 +25,7 @@ class Impl:
     mxfp4_only: bool = False  # reads MXFP4 expert weights (an engine converted with float experts cannot use it)
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")  # engine activation dtypes it takes
     expert_layout: str = "natural"  # MXFP4 expert bytes as the build lays them out for it ("strided": restride_mxfp4,
-    # "paired": pair_tile_mxfp4 and tile_scales)
+    # "paired": pair_tile_mxfp4 and tile_scales, "lane": lane_tile_mxfp4 and tile_scales)
 
     def supports(self, target: str, quantization: str = "mxfp4", dtype: str = "bf16") -> tuple[bool, str]:
         if target not in self.targets:
@@ -68,6 +68,10 @@ IMPLS: list[Impl] = [
     Impl("MoEInProj", "triton", 1, "k3plugins.moe_in.triton:moe_in_proj", _GPU, "triton", dtypes=("bf16", "fp16")),
     # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales); v4: each pair's bits
     # placed for plain shifts (mxfp4.PAIR_MAG_SHIFT), not rotations
+    # pair_mxfp4's bits on K permuted so that each lane loads its own scales (mxfp4.lane_mxfp4); z in that K order:
+    # the build permutes the latent down-projection's rows (latent MoE only: tactics.fit_moe_tactic)
+    Impl("MoEExperts", "triton_l", 1, "k3plugins.moe.triton:moe_experts_lane", _GPU, "triton", mxfp4_only=True,
+         expert_layout="lane"),
     Impl("MoEExperts", "triton_p", 4, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
          expert_layout="paired"),
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,
@@ -92,10 +96,11 @@ IMPLS: list[Impl] = [
          dtypes=("bf16", "fp16")),
 ]
 
-# Preferred tactic per target, best first; the first that `supports` the target wins. triton_p (paired expert
-# bytes) measured fastest on the H200, ahead of triton_s and triton (BENCHMARKS.md); the builder steps down from
-# it where the expert dims or scales do not allow it (tactics.py).
-PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton_p", "triton", "fla", "blas", _REF),
+# Preferred tactic per target, best first; the first that `supports` the target wins. triton_l (lane expert bytes)
+# measured fastest on the H200 at decode, ahead of triton_p, triton_s and triton (BENCHMARKS.md); the builder steps
+# down from it where the MoE has no latent projection, or the expert dims or scales do not allow it (tactics.py).
+PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton_l", "triton_p", "triton", "fla", "blas",
+                                                                   _REF),
                                           "gfx942": ("triton", "blas", _REF)}
 
 

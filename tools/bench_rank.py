@@ -77,7 +77,8 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
 
     plugins, _ = resolve_plugins(target, overrides={"MoEExperts": moe_tactic} if moe_tactic else None,
                                  quantization=cfg.quantization.method, dtype="bf16")
-    fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), SYNTHETIC_MAX_SCALE)
+    fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), SYNTHETIC_MAX_SCALE,
+                   latent=cfg.is_latent_moe)
     weights, shapes = {}, {}
     for name, t in engine_tensors(cfg, mapping, rank, synthetic_get(cfg, mapping, rank, device), torch.bfloat16,
                                   expert_layout=expert_layout(plugins)):
@@ -161,14 +162,15 @@ def _interleaved_ms(variants: dict, rows, args, rounds: int) -> dict:
 
 
 def _moe_decode(**changes):
-    """A switch that replaces fields of the MoE decode tactic (decode_p)."""
+    """A switch that replaces fields of the engine's MoE decode tactic (decode_l or decode_p)."""
     def flip(executor):
         from dataclasses import replace
 
         from k3plugins.moe import triton as moe
-        old = moe.TACTICS["decode_p"]
-        moe.TACTICS["decode_p"] = replace(old, **changes)
-        return lambda: moe.TACTICS.__setitem__("decode_p", old)
+        key = {"triton_l": "decode_l", "triton_p": "decode_p"}[executor.engine.build["plugins"]["MoEExperts"]["tactic"]]
+        old = moe.TACTICS[key]
+        moe.TACTICS[key] = replace(old, **changes)
+        return lambda: moe.TACTICS.__setitem__(key, old)
     return flip
 
 
@@ -297,8 +299,8 @@ FORK_MIN_TOKENS = 64  # the executor forked the Router from this many tokens on 
 AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "separate-router": ("each MoEInProj as before it: the engine's Linear and Router tactics on its two row blocks, "
                         "the router on a side stream from 64 tokens on", _separate_router),
-    "moe-bn128": ("the MoE decode (decode_p) in blocks of 128 rows, 8 warps", _moe_decode(block_n=128, num_warps=8)),
-    "moe-stages4": ("the MoE decode (decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
+    "moe-bn128": ("the MoE decode (decode_l / decode_p) in blocks of 128 rows, 8 warps", _moe_decode(block_n=128, num_warps=8)),
+    "moe-stages4": ("the MoE decode (decode_l / decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
     "moe-down-bn128": ("the MoE decode's down kernel (decode_p) in blocks of 128 rows, 8 warps",
                        _moe_decode(down_block_n=128, down_num_warps=8)),
     "moe-down-bn128-w4": ("the MoE decode's down kernel in blocks of 128 rows, 4 warps",

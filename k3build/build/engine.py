@@ -32,7 +32,7 @@ from .tactics import (PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, rec
                       stamp_for)
 
 # W4A16 MoE tactics that --tune may replace with triton_f8 -> their prefill kernel tactic
-RELAID_W4 = {"triton_p": "prefill_p", "triton_s": "prefill_s"}
+RELAID_W4 = {"triton_l": "prefill_l", "triton_p": "prefill_p", "triton_s": "prefill_s"}
 
 ENGINE_FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -75,7 +75,8 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         raise BuildError(f"{flag}: {e}") from None
     if plugins.get("MoEExperts", {}).get("tactic") in W4_TACTICS:
         max_scale = _max_expert_scale(converted_dir, mapping, progress)
-        fit = fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), max_scale)
+        fit = fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), max_scale,
+                             latent=cfg.is_latent_moe)
         if fit and "MoEExperts" in forced:  # a tactic the user asked for is refused, not silently replaced
             raise BuildError(f"--tactic MoEExperts={forced['MoEExperts']}: cannot read this checkpoint's experts: "
                              + "; ".join(fit))

@@ -11,7 +11,8 @@ Passes, per layer:
   the MoE input, MoEInProj).
 - MoE: stack the local experts into `w13` [E, 2I, K/2] (+ scales) and `w2` [E, D, I/2] (+ scales) — the
   layout k3plugins.moe reads; the MXFP4 bytes in the checkpoint's nibble order, or relaid for the tactic that
-  reads them (EXPERT_LAYOUTS).
+  reads them (EXPERT_LAYOUTS). The "lane" layout's experts read z in its K order: the latent down-projection's
+  rows go into `in_proj` in that order (mxfp4.lane_permute).
 Tensor names in the engine are ours (`l{layer}.kda.in_proj`, …); the checkpoint's names stop here.
 """
 
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from k3plugins.kda.reference import IN_PROJ_ROW_ALIGN
-from k3plugins.moe.mxfp4 import pair_tile_mxfp4, restride_mxfp4, tile_scales
+from k3plugins.moe.mxfp4 import lane_permute, lane_tile_mxfp4, pair_tile_mxfp4, restride_mxfp4, tile_scales
 
 from ..config import KDA, K3Config
 from ..mapping import Mapping
@@ -40,7 +41,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 # MXFP4 expert layouts by name (k3plugins.registry.Impl.expert_layout) -> the passes that write them: (bytes, scales).
 LayOut = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 EXPERT_LAYOUTS: dict[str, LayOut] = {"natural": (_same, _same), "strided": (restride_mxfp4, _same),
-                                     "paired": (pair_tile_mxfp4, tile_scales)}
+                                     "paired": (pair_tile_mxfp4, tile_scales), "lane": (lane_tile_mxfp4, tile_scales)}
 
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,7 +87,7 @@ def _layer(cfg: K3Config, mapping: Mapping, rank: int, layer: int, get: Get,
     else:
         yield from _mla(cfg, mapping, a, e + "mla.", get)
     if cfg.is_moe_layer(layer):
-        yield from _moe(cfg, mapping, rank, p + "block_sparse_moe.", e + "moe.", get, EXPERT_LAYOUTS[expert_layout])
+        yield from _moe(cfg, mapping, rank, p + "block_sparse_moe.", e + "moe.", get, expert_layout)
     else:
         yield e + "mlp.gate_up", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         yield e + "mlp.down", get(p + "mlp.down_proj.weight")
@@ -128,14 +129,17 @@ def _mla(cfg: K3Config, mapping: Mapping, a: str, e: str, get: Get):
     yield e + "o_proj", get(a + "o_proj.weight")
 
 
-def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get, lay_out: LayOut):
+def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get, expert_layout: str):
+    lay_out = EXPERT_LAYOUTS[expert_layout]
     yield e + "bias", get(m + "gate.e_score_correction_bias")
     s = m + "shared_experts."
     shared_gate_up = [get(s + "gate_proj.weight"), get(s + "up_proj.weight")]
     if cfg.is_latent_moe:
         # every projection of the MoE input in one GEMM: the latent down-projection, the shared expert's gate and
         # up, then the router's rows (MoEInProj; graph.py splits the rest of its output)
-        rows = [get(m + "routed_expert_down_proj.weight"), *shared_gate_up, get(m + "gate.weight")]
+        # the lane layout's experts read z in its K order: the rows that make z are permuted to it
+        down = get(m + "routed_expert_down_proj.weight")
+        rows = [lane_permute(down, 0) if expert_layout == "lane" else down, *shared_gate_up, get(m + "gate.weight")]
         yield e + "in_proj", torch.cat([r.to(rows[0].dtype) for r in rows])
         if cfg.latent_moe_use_norm:
             yield e + "latent_norm", get(m + "routed_expert_norm.weight")

@@ -35,19 +35,26 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
     return table, notes
 
 
-W4_TACTICS = ("triton_s", "triton_p", "triton_f8", "triton")  # MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
+W4_TACTICS = ("triton_l", "triton_s", "triton_p", "triton_f8", "triton")  # MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
 
 
-def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None) -> list[str]:
+def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None,
+                   latent: bool = True) -> list[str]:
     """Step the MoE tactic down to one that reads these experts exactly (edits `table`; returns notes saying why).
 
-    Tactics reading a relaid expert layout (triton_s, triton_p) read K tiles of STRIDE_BLOCK_K: both expert dims
-    (input width, intermediate) must be multiples of it, else triton. The W4 decodes are exact for E8M0 scale
+    triton_l reads its activations in lane_mxfp4's K order, which the build gives the latent down-projection's
+    rows: without a latent projection (`latent` False) the experts read the hidden state itself, so triton_p.
+    Tactics reading a relaid expert layout (triton_l, triton_s, triton_p) read K tiles of STRIDE_BLOCK_K: both expert
+    dims (input width, intermediate) must be multiples of it, else triton. The W4 decodes are exact for E8M0 scale
     bytes up to W4_MAX_SCALE_BYTE: past it, triton_ds.
     """
     moe, notes = table.get("MoEExperts"), []
     if moe is None:
         return notes
+    if moe["tactic"] == "triton_l" and not latent:
+        notes.append("MoEExperts: using the 'triton_p' tactic, not 'triton_l' (it reads activations in a K order the "
+                     "build gives the latent down-projection; this MoE has none)")
+        record_tactic(moe, "MoEExperts", "triton_p")
     if expert_layout(table) != "natural" and any(d % STRIDE_BLOCK_K for d in expert_dims):
         notes.append(f"MoEExperts: using the 'triton' tactic, not {moe['tactic']!r} (expert dims {expert_dims} are "
                      f"not multiples of its K tile {STRIDE_BLOCK_K})")

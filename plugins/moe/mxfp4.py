@@ -213,6 +213,11 @@ def tile_mxfp4(packed: torch.Tensor) -> torch.Tensor:
     return tile_rows(packed, STRIDE_BLOCK_K // 2)
 
 
+def lane_tile_mxfp4(packed: torch.Tensor) -> torch.Tensor:
+    """The "triton_l" tactic's bytes: lane_mxfp4's, in tile_mxfp4's row tiles."""
+    return tile_mxfp4(lane_mxfp4(packed))
+
+
 def tile_scales(scale: torch.Tensor) -> torch.Tensor:
     """Expert scales [..., R, K/32] in the same tiles as tile_mxfp4's bytes."""
     return tile_rows(scale, STRIDE_BLOCK_K // 32)

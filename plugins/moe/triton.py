@@ -280,6 +280,10 @@ moe_experts_strided = _by_step("decode_s", "prefill_s", "moe_experts_strided",
 moe_experts_paired = _by_step("decode_p", "prefill_p", "moe_experts_paired",
                               "The engine's \"triton_p\" tactic (the sm90 default): on expert bytes the build wrote "
                               "in pair_mxfp4's layout (expert dims multiples of STRIDE_BLOCK_K).")
+moe_experts_lane = _by_step("decode_l", "prefill_l", "moe_experts_lane",
+                            "The engine's \"triton_l\" tactic (the sm90 default for latent MoE): on expert bytes the "
+                            "build wrote in lane_mxfp4's layout, z in its K order (the build permutes the latent "
+                            "down-projection's rows to match).")
 moe_experts_fp8 = _by_step("decode_s", "prefill_f8", "moe_experts_fp8",
                            "The \"triton_f8\" tactic (forced, or taken by --tune): triton_s for decode steps, FP8 "
                            "activations in the gate/up GEMM for prefill steps.")

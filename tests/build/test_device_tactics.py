@@ -44,7 +44,7 @@ def test_sm90_build_records_the_device_kernels(k3_tiny_engine, tmp_path):
         assert p["tactic"] == DEVICE_TACTICS.get(op, "reference"), (op, p)
         assert "sm90" in registry.find(op, p["tactic"]).targets
     # the tiny experts (64 wide) are too narrow for the paired layout's K tile: the build says so
-    assert build["plugin_notes"] == ["MoEExperts: using the 'triton' tactic, not 'triton_p' (expert dims (64, 64) "
+    assert build["plugin_notes"] == ["MoEExperts: using the 'triton' tactic, not 'triton_l' (expert dims (64, 64) "
                                      "are not multiples of its K tile 256)"]
     with pytest.raises(EngineError, match=r"built for target 'sm90'"):
         load_rank(tmp_path / "engine", 0, "cpu")
@@ -69,12 +69,15 @@ def test_large_expert_scale_moves_moe_to_dot_scaled(k3_tiny_engine, tmp_path):
     assert "triton_ds" in output  # the user sees the note
 
 
-@pytest.mark.parametrize("forced,relay,scales", [(None, "pair_tile_mxfp4", "tile_scales"),
+@pytest.mark.parametrize("forced,relay,scales", [(None, "lane_tile_mxfp4", "tile_scales"),
+                                                  ("triton_p", "pair_tile_mxfp4", "tile_scales"),
                                                   ("triton_s", "restride_mxfp4", None)])
 def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, forced, relay, scales):
-    """Expert dims that are multiples of 256: the sm90 build records triton_p (or the forced triton_s) and writes
-    each expert's MXFP4 bytes in the layout it reads (the CPU build of the same checkpoint keeps the checkpoint's
-    order); triton_p's scales are in its row tiles too, triton_s's unchanged."""
+    """Expert dims that are multiples of 256: the sm90 build records triton_l (or the forced triton_p / triton_s)
+    and writes each expert's MXFP4 bytes in the layout it reads (the CPU build of the same checkpoint keeps the
+    checkpoint's order); triton_l's and triton_p's scales are in their row tiles too, triton_s's unchanged.
+    triton_l also gets the latent down-projection's rows of the MoE in_proj in its K order (lane_permute); the
+    rest of the in_proj as the CPU build has it."""
     from engines import build_engine
     from k3plugins.moe import mxfp4
 
@@ -83,7 +86,7 @@ def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, for
     tactics = (("MoEExperts", forced),) if forced else ()
     gpu = build_engine(k3_wide_experts_ckpt, tmp_path / "sm90", target="sm90", tactics=tactics, **opts)
     build = json.loads((gpu / "config.json").read_text())["build_config"]
-    assert build["plugins"]["MoEExperts"]["tactic"] == (forced or "triton_p") and build["plugin_notes"] == []
+    assert build["plugins"]["MoEExperts"]["tactic"] == (forced or "triton_l") and build["plugin_notes"] == []
     natural = load_file(cpu / "rank0" / "weights.safetensors")
     relaid = load_file(gpu / "rank0" / "weights.safetensors")
     experts = [n for n in natural if n.endswith((".moe.w13", ".moe.w2"))]
@@ -93,20 +96,32 @@ def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, for
         assert torch.equal(relaid[name], getattr(mxfp4, relay)(natural[name])), name
         scale = natural[name + "_scale"]
         assert torch.equal(relaid[name + "_scale"], getattr(mxfp4, scales)(scale) if scales else scale), name
+    in_projs = [n for n in natural if n.endswith(".moe.in_proj")]
+    assert in_projs
+    for name in in_projs:
+        a, b, latent = relaid[name], natural[name], 256
+        assert torch.equal(a[:latent], mxfp4.lane_permute(b[:latent], 0) if forced is None else b[:latent]), name
+        assert torch.equal(a[latent:], b[latent:]), name
 
 
-@pytest.mark.parametrize("dims,scale,want", [((256, 512), 128, "triton_p"), ((256, 96), 128, "triton"),
-                                             ((256, 512), 129, "triton_ds"), ((64, 64), 200, "triton_ds"),
-                                             ((256, 512), None, "triton_p")])
-def test_moe_tactic_steps_down_for_dims_and_scales(dims, scale, want):
+@pytest.mark.parametrize("dims,scale,latent,want", [((256, 512), 128, True, "triton_l"), ((256, 96), 128, True, "triton"),
+                                                    ((256, 512), 129, True, "triton_ds"),
+                                                    ((64, 64), 200, True, "triton_ds"),
+                                                    ((256, 512), None, True, "triton_l"),
+                                                    ((256, 512), 128, False, "triton_p"),
+                                                    ((256, 96), 128, False, "triton")])
+def test_moe_tactic_steps_down_for_dims_and_scales(dims, scale, latent, want):
+    """triton_l needs a latent MoE (its activations' K order comes from the latent rows), the relaid layouts expert
+    dims in K tiles of 256, the W4 decodes scale bytes up to 128: a note for each step down."""
     from k3build.build.tactics import expert_layout, fit_moe_tactic
 
     table, _ = resolve_plugins("sm90")
-    notes = fit_moe_tactic(table, dims, scale)
+    notes = fit_moe_tactic(table, dims, scale, latent=latent)
     assert table["MoEExperts"]["tactic"] == want
     assert table["MoEExperts"]["version"] == registry.find("MoEExperts", want).version  # what the loader checks
-    assert len(notes) == (want != "triton_p") + (want == "triton_ds" and dims[1] % 256 != 0), notes
-    assert expert_layout(table) == ("paired" if want == "triton_p" else "natural")
+    steps = (not latent) + (dims[1] % 256 != 0) + (scale is not None and scale > 128)
+    assert len(notes) == steps, notes
+    assert expert_layout(table) == {"triton_l": "lane", "triton_p": "paired"}.get(want, "natural")
 
 
 def test_float_experts_keep_the_reference_moe():
@@ -118,7 +133,7 @@ def test_float_experts_keep_the_reference_moe():
 
 def test_fp32_engine_keeps_the_reference_router():
     table, notes = resolve_plugins("sm90", dtype="fp32")
-    assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton_p"
+    assert table["Router"]["tactic"] == "reference" and table["MoEExperts"]["tactic"] == "triton_l"
     assert table["GatedMLP"]["tactic"] == "reference"  # fp32 activations: the reference GEMMs are the fp32 ones
     assert table["MoEOutProj"]["tactic"] == table["MoEInProj"]["tactic"] == "reference"
     assert any("Router" in n and "fp32" in n for n in notes), notes

@@ -63,16 +63,19 @@ def test_decode_steps_match_the_cpu_engine(engines):
             assert row[tok] >= row.max() - 0.05 * row.std(), (step, tok, int(row.argmax()))
 
 
-def test_strided_moe_engine_matches_fp32(k3_wide_experts_ckpt, tmp_path):
-    """Expert dims of 256: the sm90 build records triton_p (paired expert bytes), and its prompt logits are no
-    further from the fp32 engine than 1.5x the CPU bf16 engine's own distance. This synthetic model is far less
+@pytest.mark.parametrize("forced", [None, "triton_p"])
+def test_strided_moe_engine_matches_fp32(k3_wide_experts_ckpt, tmp_path, forced):
+    """Expert dims of 256: the sm90 build records triton_l (lane expert bytes, the latent down-projection's rows in
+    its K order) or the forced triton_p (paired), and its prompt logits are no further from the fp32 engine than
+    1.5x the CPU bf16 engine's own distance. This synthetic model is far less
     stable in bf16 than the tiny one (on the H200: CPU bf16 cos 0.926 / rel-L2 0.387 against fp32, while the GPU
     engine was at 0.951 / 0.313), so the tiny model's absolute bar (cos > 0.999) cannot apply to it."""
     import json
     opts = dict(dtype="bf16", kv_dtype="bf16")
-    gpu_dir = build_engine(k3_wide_experts_ckpt, tmp_path / "sm90", target="sm90", **opts)
+    tactics = (("MoEExperts", forced),) if forced else ()
+    gpu_dir = build_engine(k3_wide_experts_ckpt, tmp_path / "sm90", target="sm90", tactics=tactics, **opts)
     assert json.loads((gpu_dir / "config.json").read_text())["build_config"]["plugins"]["MoEExperts"]["tactic"] \
-        == "triton_p"
+        == (forced or "triton_l")
     cpu = LLM(build_engine(k3_wide_experts_ckpt, tmp_path / "cpu", **opts))
     exact, gpu = LLM(build_engine(k3_wide_experts_ckpt, tmp_path / "fp32")), LLM(gpu_dir, device="cuda")
     for ids in PROMPTS:
@@ -84,8 +87,8 @@ def test_strided_moe_engine_matches_fp32(k3_wide_experts_ckpt, tmp_path):
 
 
 def test_tune_takes_fp8_only_within_the_bar_and_faster(k3_wide_experts_ckpt, tmp_path):
-    """--tune measures the FP8 prefill tactic against W4A16 (triton_p) on the checkpoint's experts and records
-    triton_f8 exactly when its drift is within the parity bar and it is faster (else triton_p), saying so in a
+    """--tune measures the FP8 prefill tactic against W4A16 (triton_l) on the checkpoint's experts and records
+    triton_f8 exactly when its drift is within the parity bar and it is faster (else triton_l), saying so in a
     note; the engine then loads and runs."""
     import json
 
@@ -96,7 +99,7 @@ def test_tune_takes_fp8_only_within_the_bar_and_faster(k3_wide_experts_ckpt, tmp
     trial = build["tuning"]
     assert 0 < trial["moe_fp8_rel"] < 1 and trial["moe_fp8_cos"] > 0.9, trial
     assert trial["moe_fp8_prefill_ms"] > 0 and trial["moe_w4a16_prefill_ms"] > 0, trial
-    want = "triton_f8" if fp8_wins(trial) else "triton_p"
+    want = "triton_f8" if fp8_wins(trial) else "triton_l"
     assert build["plugins"]["MoEExperts"]["tactic"] == want
     assert any("FP8 prefill" in n and want in n for n in build["plugin_notes"]), build["plugin_notes"]
     out = LLM(eng, device="cuda").generate([PROMPTS[1]], SamplingParams(max_tokens=2, temperature=0))

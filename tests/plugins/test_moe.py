@@ -157,6 +157,30 @@ def test_pair_mxfp4_puts_neighbours_along_k_where_the_decode_reads_them():
         pair_mxfp4(packed[..., :64])
 
 
+def test_lane_order_gives_each_quad_lane_two_scale_groups():
+    """LANE_ORDER is a permutation of each K tile's 256 indices whose inverse is the kernel's _lane_pos bit formula;
+    position m = 64i + k is read by lane q = (k // 2) % 4 of each quad of the MMA's operand layout, and holds a K
+    index of scale group 2q + i // 2 (so a lane needs its own two scale bytes a row). lane_mxfp4 is pair_mxfp4 of
+    the codes in that order, lane_permute the same order on activations."""
+    from k3plugins.moe.mxfp4 import LANE_ORDER, lane_mxfp4, lane_permute, pair_mxfp4, unpack_e2m1
+
+    m = torch.arange(256)
+    assert torch.equal(LANE_ORDER.sort().values, m)
+    pos = (LANE_ORDER & 1) | (((LANE_ORDER >> 1) & 31) << 3) | (((LANE_ORDER >> 6) & 3) << 1)  # _lane_pos
+    assert torch.equal(pos, m)
+    assert torch.equal(LANE_ORDER // 32, 2 * ((m // 2) % 4) + m // 128)
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (2, 3, 512 // 2), dtype=torch.uint8, generator=g)  # K = 512: two tiles
+    codes = unpack_e2m1(packed)
+    moved = codes.reshape(2, 3, 2, 256)[..., LANE_ORDER].reshape(2, 3, 512)
+    assert torch.equal(lane_permute(codes), moved)
+    assert torch.equal(lane_mxfp4(packed), pair_mxfp4((moved[..., 0::2] | (moved[..., 1::2] << 4)).contiguous()))
+    x = torch.randn(5, 512, generator=g)
+    assert torch.equal(lane_permute(x.T.contiguous(), 0).T, lane_permute(x))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        lane_permute(x[:, :100])
+
+
 def test_tile_rows_stores_each_row_tile_contiguously():
     """Row tiles of 64 × one K tile: element (r, c) of an expert sits at ((r // 64) · (C / tc) + c // tc) · 64 · tc
     + (r % 64) · tc + c % tc, so a program's K step over 64 rows reads one contiguous block."""
