@@ -37,6 +37,8 @@ class MoETactic:
     paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
     # with paired: on `lane_mxfp4`'s layout (pair_mxfp4's bits on K in LANE_ORDER), z in that order too
     lane: bool = False
+    # with lane, on CUDA: the scale multiply as one PTX bf16x2 multiply a register (_lane_dot's ASM)
+    packed_mul: bool = True
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
     tiled: bool = False  # with strided: weights and scales in tile_rows' order (block_n a multiple of TILE_ROWS)
     rows_first: bool = False  # grid (row blocks, experts): programs that run together share an expert's tokens
@@ -235,7 +237,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     layout = 4 if t.lane else 2 if t.paired else int(t.strided)  # the kernels' STRIDED (3: FP8 below)
-    asm = z.is_cuda and torch.version.hip is None  # _lane_dot's packed multiply (PTX)
+    asm = t.packed_mul and z.is_cuda and torch.version.hip is None  # _lane_dot's packed multiply (PTX)
     zs, f8 = z, None  # token scales and F8 dtype: the FP8 path's only (unused pointer otherwise)
     if t.fp8:
         z, zs = quantize_e4m3(z)

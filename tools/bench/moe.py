@@ -134,6 +134,11 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(bm, bn, 256, nw, st,
                                                                                        strided=True, paired=True,
                                                                                        tiled=True)
+        for bm, bn, nw, st, mul in ((128, 128, 8, 2, False), (64, 128, 8, 2, True), (64, 128, 8, 3, True),
+                                    (64, 128, 8, 2, False), (128, 128, 8, 3, False)):
+            prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_lane{'_mul' if mul else ''}"] = mt.MoETactic(
+                bm, bn, 256, nw, st, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
+                packed_mul=mul)
         for bm, bn, nw, st in ((128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_fp8"] = mt.MoETactic(bm, bn, 256, nw, st, strided=True,
                                                                                     fp8=True)
