@@ -77,11 +77,15 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # prefill_p's grid runs row blocks first (rows_first): 313 against 302 TFLOP/s at 128 tokens/expert, side by side;
     # level at decode sizes (BENCHMARKS.md, sixteenth session)
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True, rows_first=True),
-    # decode_p / prefill_p on lane_mxfp4's layout (the "triton_l" engine tactic): each thread loads its own scales,
-    # no shuffles; 667 sm_90 instructions a gate/up K step against 765
+    # decode_p on lane_mxfp4's layout (the "triton_l" engine tactic): each thread loads its own scales, no shuffles;
+    # sm_90 loops of 682 / 395 instructions a K step (gate/up / down) against 766 / 441. On the H200, 0.78-0.83 of
+    # the weight floor at 1-8 tokens/expert against 0.70-0.73 (BENCHMARKS.md, twenty-third session)
     "decode_l": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                           overlap=True),
-    "prefill_l": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, lane=True, tiled=True, rows_first=True),
+    # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
+    # 306 without (registers: 10 spill instructions); BM 64 with 3 stages and the packed multiply 315 against
+    # prefill_p's 307, side by side (BENCHMARKS.md, twenty-third session)
+    "prefill_l": MoETactic(64, 128, 256, 8, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True),
     # FP8 activations for the gate/up GEMM (strided weights); BN 64, as BN 128 spills registers in the sm_90 SASS.
     # On the H200, the best of its sweep: 231 TFLOP/s at 128 tokens/expert (1.25x slower than "prefill_p"; 8 warps
     # took 3.84 ms), rel-L2 0.041 against W4A16 on random activations
