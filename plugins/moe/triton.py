@@ -49,8 +49,6 @@ class MoETactic:
     down_block_n: int | None = None
     down_num_warps: int | None = None
     down_num_stages: int | None = None
-    # split-K of the down kernel: its programs sum I/down_splits each into their own y (the combine adds them)
-    down_splits: int = 1
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -147,8 +145,6 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
     if t.lane and not t.paired:
         return False, "lane tactics read pair_mxfp4's bits (paired)"
-    if inter % (t.down_splits * t.block_k):
-        return False, f"I={inter} must be a multiple of down_splits × block_k = {t.down_splits * t.block_k}"
     if t.overlap and (not t.paired or t.fp8):
         return False, "overlap (the down kernel awaiting each expert's h) is implemented for the paired layout only"
     if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
@@ -241,7 +237,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     early = t.overlap and pdl_capable(z)  # the down kernel launched before the gate/up kernel ends
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
-    y = torch.empty(t.down_splits, P, Dl, dtype=torch.float32, device=z.device)
+    y = torch.empty(P, Dl, dtype=torch.float32, device=z.device)
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     layout = 4 if t.lane else 2 if t.paired else int(t.strided)  # the kernels' STRIDED (3: FP8 below)
@@ -258,16 +254,15 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
         SIGNAL=t.overlap, EARLY=early, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
-    moe_down_kernel[grid(Dl * t.down_splits, d.block_n)](
+    moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        w2_scale.stride(0), w2_scale.stride(1), y.stride(1), BM=t.block_m, BN=d.block_n, BK=t.block_k,
+        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,
         W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, SPLITS=t.down_splits, stride_ys=y.stride(0),
-        num_warps=d.num_warps, num_stages=d.num_stages,
+        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, num_warps=d.num_warps, num_stages=d.num_stages,
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
-    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(1), out.stride(0), TOP_K=top_k, BD=bd,
-                                                 SPLITS=t.down_splits, stride_ys=y.stride(0), **pdl(y))
+    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
+                                                 **pdl(y))
     return out
 
 

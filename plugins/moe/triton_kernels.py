@@ -373,21 +373,13 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
                     ROWS_FIRST: tl.constexpr = False, done_ptr=None, AWAIT: tl.constexpr = 0,
-                    PDL: tl.constexpr = False, ASM: tl.constexpr = False, SPLITS: tl.constexpr = 1,
-                    stride_ys=0):
+                    PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
-    kernel's). SPLITS > 1: split-K, the grid's row-block axis SPLITS times longer; split s sums K in
-    [s·I/SPLITS, (s+1)·I/SPLITS) into y[s] (stride_ys apart; the combine adds them), so that the last experts'
-    programs, which run after the gate/up kernel's drain, take 1/SPLITS of the time. AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
+    kernel's). AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
     a program waits for the AWAIT gate/up programs of its own expert instead and reads h past L1, so that the
     gate/up kernel's last programs and this kernel's first ones run together."""
     pdl_prologue(PDL and AWAIT == 0)
     e, offs_n = _program(BN, ROWS_FIRST)
-    split = 0
-    if SPLITS > 1:  # the row-block axis holds SPLITS programs a row block
-        rb = tl.program_id(0) if ROWS_FIRST else tl.program_id(1)
-        split = rb % SPLITS
-        offs_n = (rb // SPLITS) * BN + tl.arange(0, BN)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     if AWAIT:
@@ -406,7 +398,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         p_mask = offs_p < end
         h_ptrs = h_ptr + offs_p[None, :] * stride_hm + rk[:, None]
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(split * (I // SPLITS), (split + 1) * (I // SPLITS), BK):
+        for k0 in range(0, I, BK):
             kw = (k0 // 8 if W4 else k0 // 2) * KMUL
             ks = k0 // 32 * KMUL
             if STRIDED == 4:
@@ -423,7 +415,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
                 acc = _mx_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), hT, BN, BK, W4)
         pair = tl.load(sorted_ptr + offs_p, mask=p_mask, other=0)
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
-        tl.store(y_ptr + split * stride_ys + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])
+        tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])
         m0 += BM
 
 
@@ -460,9 +452,8 @@ def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E,
 
 @triton.jit
 def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K: tl.constexpr, BD: tl.constexpr,
-                       PDL: tl.constexpr = False, SPLITS: tl.constexpr = 1, stride_ys=0):
-    """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic.
-    SPLITS > 1: y holds the down kernel's K splits one after the other (stride_ys apart), summed here too."""
+                       PDL: tl.constexpr = False):
+    """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic."""
     pdl_prologue(PDL)
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -471,8 +462,7 @@ def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K:
     for j in range(TOP_K):
         pos = tl.load(inv_ptr + t * TOP_K + j)
         if pos >= 0:
-            for s in tl.static_range(SPLITS):
-                acc += tl.load(y_ptr + s * stride_ys + pos * stride_ym + offs_d, mask=d_mask, other=0.0)
+            acc += tl.load(y_ptr + pos * stride_ym + offs_d, mask=d_mask, other=0.0)
     tl.store(out_ptr + t * stride_om + offs_d, acc, mask=d_mask)
 
 

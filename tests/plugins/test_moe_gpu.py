@@ -94,30 +94,23 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("over_name,splits", [("decode_p", 1), ("decode_l", 1), ("decode_l", 2)])
+@pytest.mark.parametrize("over_name", ["decode_p", "decode_l"])
 @pytest.mark.parametrize("case", ["one_token", "ragged", "k3_dims"])
-def test_overlapped_down_equals_plain(case, over_name, splits):
+def test_overlapped_down_equals_plain(case, over_name):
     """MoETactic.overlap (the down kernel launched with PDL, each program awaiting its expert's gate/up programs) gives
     the plain launches' bits, replay after replay of one CUDA graph with new activations each time: a program that
-    read its expert's h before it was whole, or an L1 line of the last replay's, would differ. With the down kernel
-    split along K (down_splits 2), the same, and the first result within the reference's bar."""
+    read its expert's h before it was whole, or an L1 line of the last replay's, would differ."""
     from dataclasses import replace
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=11, empty=(1,))
-    over = replace(mt.TACTICS[over_name], down_splits=splits)
-    if inter % (splits * over.block_k):
-        pytest.skip(f"I={inter}: no split-K of {splits}")
+    over = mt.TACTICS[over_name]
     plain = replace(over, rows_first=False, overlap=False)
     a, b = mt.lay_out(plain, w13), mt.lay_out(plain, w2)
     sa, sb = mt.lay_out_scale(plain, s13), mt.lay_out_scale(plain, s2)
     if over.lane:
         z = lane_permute(z)
     run = lambda t: mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act="situ", tactic=t)
-    first = run(over)
-    if splits > 1:
-        ref = moe_ref(_case(M, k, E, eg, start, dl, inter, seed=11, empty=(1,))[0], ids, w, w13, s13, w2, s2,
-                      expert_start=start, act="situ")
-        assert ((first - ref).norm() / ref.norm()).item() < 1e-2
+    run(over)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

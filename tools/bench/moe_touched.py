@@ -22,8 +22,6 @@ _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
     "decode_p": _D,
     "decode_l": mt.TACTICS["decode_l"],
-    "decode_l_split2": replace(mt.TACTICS["decode_l"], down_splits=2),
-    "decode_l_split3": replace(mt.TACTICS["decode_l"], down_splits=3),
     "plain": replace(_D, rows_first=False, overlap=False),
     "rows_first": replace(_D, rows_first=True, overlap=False),
     "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
