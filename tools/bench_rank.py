@@ -306,8 +306,6 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-down-bn128-w4": ("the MoE decode's down kernel in blocks of 128 rows, 4 warps",
                           _moe_decode(down_block_n=128, down_num_warps=4)),
     "moe-down-stages4": ("the MoE decode's down kernel with 4 pipeline stages", _moe_decode(down_num_stages=4)),
-    "moe-hi-shift": ("the lane MoE decode's right shift as a high multiply (MoETactic.hi_shift)",
-                     _moe_decode(hi_shift=True)),
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
                   _moe_decode(rows_first=False, overlap=False)),
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),

@@ -39,8 +39,6 @@ class MoETactic:
     lane: bool = False
     # with lane, on CUDA: the scale multiply as one PTX bf16x2 multiply a register (_lane_dot's ASM)
     packed_mul: bool = True
-    # with lane: pair 3's right shift as a high multiply (FMA pipe instead of ALU; _paired_codes' HI)
-    hi_shift: bool = False
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
     tiled: bool = False  # with strided: weights and scales in tile_rows' order (block_n a multiple of TILE_ROWS)
     rows_first: bool = False  # grid (row blocks, experts): programs that run together share an expert's tokens
@@ -255,14 +253,12 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        SIGNAL=t.overlap, EARLY=early, ASM=asm, HI_SHIFT=t.hi_shift, num_warps=t.num_warps,
-        num_stages=t.num_stages, **pdl(z))
+        SIGNAL=t.overlap, EARLY=early, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,
         W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, HI_SHIFT=t.hi_shift, num_warps=d.num_warps,
-        num_stages=d.num_stages,
+        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, num_warps=d.num_warps, num_stages=d.num_stages,
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,

@@ -139,7 +139,7 @@ def _strided_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, SUB: tl.const
 
 
 @triton.jit
-def _paired_codes(w, I: tl.constexpr, HI: tl.constexpr = False):
+def _paired_codes(w, I: tl.constexpr):
     """Pair I of each word in pair_mxfp4's layout as two bf16 bit patterns (values × 2^-126, as _code_pair's MAG
     6): the shifts of mxfp4.PAIR_MAG_SHIFT / PAIR_SIGN_SHIFT (pairs 0 and 1: one shift for both masks). ptxas
     makes the left shifts IMAD.SHL (FMA pipe), so the ALU pipe keeps six masks and one shift a word."""
@@ -152,10 +152,7 @@ def _paired_codes(w, I: tl.constexpr, HI: tl.constexpr = False):
     elif I == 2:
         p = (w & MAG) | ((w << 5) & SIGN)
     else:
-        if HI:  # the right shift as a high multiply: the FMA pipe's, not the ALU's (ptxas rebalances the rest)
-            p = (tl.umulhi(w, 1 << 25) & MAG) | ((w << 4) & SIGN)
-        else:
-            p = ((w >> 7) & MAG) | ((w << 4) & SIGN)
+        p = ((w >> 7) & MAG) | ((w << 4) & SIGN)
     return p
 
 
@@ -196,7 +193,7 @@ def _lane_pos(n):
 
 @triton.jit
 def _lane_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
-              L2_ONLY: tl.constexpr = False, HI: tl.constexpr = False):
+              L2_ONLY: tl.constexpr = False):
     """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in lane_mxfp4's layout: _paired_dot's bits on K permuted
     (mxfp4.LANE_ORDER) so that in the MMA's operand layout, lane q of each quad holds K from scale groups 2q and
     2q + 1 only (sub-blocks 0-1 and 2-3). Each thread then loads its own 4 scale bytes of the [BN, 8] tile; no
@@ -212,7 +209,7 @@ def _lane_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.conste
     for i in tl.static_range(4):
         sc = sc_lo if i < 2 else sc_hi
         sc64 = tl.reshape(tl.broadcast_to(sc[:, None, :, None], (BN, 8, 4, 2)), (BN, 64))  # column 8a+2q+b: sc[q]
-        lo, hi = _halves(_paired_codes(w, i, HI), BF16)
+        lo, hi = _halves(_paired_codes(w, i), BF16)
         vals = tl.reshape(tl.join(lo, hi), (BN, 64))
         if ASM and BF16:
             vals = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [vals, sc64], dtype=tl.bfloat16,
@@ -286,8 +283,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
                        ROWS_FIRST: tl.constexpr = False, done_ptr=None, SIGNAL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False,
-                       HI_SHIFT: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -343,9 +339,9 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
             elif STRIDED == 4:
                 acc_g = _lane_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
-                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM, HI=HI_SHIFT)
+                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM)
                 acc_u = _lane_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
-                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM, HI=HI_SHIFT)
+                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM)
             elif STRIDED == 2:
                 acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                     p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
@@ -377,7 +373,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
                     ROWS_FIRST: tl.constexpr = False, done_ptr=None, AWAIT: tl.constexpr = 0,
-                    PDL: tl.constexpr = False, ASM: tl.constexpr = False, HI_SHIFT: tl.constexpr = False):
+                    PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
     kernel's). AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
     a program waits for the AWAIT gate/up programs of its own expert instead and reads h past L1, so that the
@@ -407,7 +403,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
             ks = k0 // 32 * KMUL
             if STRIDED == 4:
                 acc = _lane_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
-                                BN, h_ptr.dtype.element_ty, ASM, AWAIT > 0, HI_SHIFT)
+                                BN, h_ptr.dtype.element_ty, ASM, AWAIT > 0)
             elif STRIDED == 2:
                 acc = _paired_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
                                   BN, h_ptr.dtype.element_ty, AWAIT > 0)

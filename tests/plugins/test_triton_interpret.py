@@ -81,13 +81,12 @@ def _sort_pairs_case(moe):
 
 
 def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, block_n=None, overlap=False,
-                      down_block_n=None, lane=False, hi_shift=False):
+                      down_block_n=None, lane=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
     pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K, or
     block_n rows: half a tile at 32) vs the reference on the originals. rows_first: the grid (row blocks, experts).
     overlap: the down kernel awaits each expert's count of gate/up programs (the counts must add up, or it hangs).
-    down_block_n: the down kernel's own rows per program. lane: lane_mxfp4's layout, z given in its K order;
-    hi_shift: its decode's right shift as a high multiply."""
+    down_block_n: the down kernel's own rows per program. lane: lane_mxfp4's layout, z given in its K order."""
     from k3plugins.moe.mxfp4 import lane_permute
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
@@ -101,7 +100,7 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
     tactic = moe.MoETactic(block_m=16, block_n=block_n or (128 if tiled else 32), block_k=256, num_warps=4,
                            num_stages=1, strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first,
-                           overlap=overlap, down_block_n=down_block_n, lane=lane, hi_shift=hi_shift)
+                           overlap=overlap, down_block_n=down_block_n, lane=lane)
     out = moe.moe_experts(lane_permute(z) if lane else z, ids, w, moe.lay_out(tactic, w13), moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2),
                           moe.lay_out_scale(tactic, s2), expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
@@ -422,7 +421,6 @@ def _child() -> None:
     res["moe-lane-float32"] = _moe_strided_case(moe, torch.float32, tiled=True, block_n=64, rows_first=True,
                                                 overlap=True, lane=True)
     res["moe-lane-float16"] = _moe_strided_case(moe, torch.float16, paired=True, lane=True)
-    res["moe-lane-hi-float32"] = _moe_strided_case(moe, torch.float32, paired=True, lane=True, hi_shift=True)
     res["sort-pairs"] = _sort_pairs_case(moe)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
@@ -484,12 +482,10 @@ def test_moe_overlapped_down_interpreted(results, case):
     assert results[case]["rel"] < 1e-5, results[case]
 
 
-@pytest.mark.parametrize("case,tol", [("moe-lane-float32", 1e-5), ("moe-lane-float16", 3e-3),
-                                      ("moe-lane-hi-float32", 1e-5)])
+@pytest.mark.parametrize("case,tol", [("moe-lane-float32", 1e-5), ("moe-lane-float16", 3e-3)])
 def test_moe_lane_layout_interpreted(results, case, tol):
     """lane_mxfp4's layout (K permuted so that each lane loads its own scales), z in its order, against the
-    reference on the checkpoint's bytes: overlapped and tiled (fp32), plain paired grid (fp16), and with the decode's
-    right shift as a high multiply (MoETactic.hi_shift)."""
+    reference on the checkpoint's bytes: overlapped and tiled (fp32), plain paired grid (fp16)."""
     assert results[case]["rel"] < tol, results[case]
 
 

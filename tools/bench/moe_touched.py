@@ -22,7 +22,6 @@ _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
     "decode_p": _D,
     "decode_l": mt.TACTICS["decode_l"],
-    "decode_l_hi": replace(mt.TACTICS["decode_l"], hi_shift=True),
     "plain": replace(_D, rows_first=False, overlap=False),
     "rows_first": replace(_D, rows_first=True, overlap=False),
     "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
