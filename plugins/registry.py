@@ -66,12 +66,12 @@ IMPLS: list[Impl] = [
     # one BLAS GEMM with fp32 output (torch.mm's out_dtype), then the top-k launch; on ROCm (not run there) its two
     # row blocks go to the blas GEMM and the Triton router instead (moe_in/triton.py)
     Impl("MoEInProj", "triton", 1, "k3plugins.moe_in.triton:moe_in_proj", _GPU, "triton", dtypes=("bf16", "fp16")),
-    # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales); v4: each pair's bits
-    # placed for plain shifts (mxfp4.PAIR_MAG_SHIFT), not rotations
     # pair_mxfp4's bits on K permuted so that each lane loads its own scales (mxfp4.lane_mxfp4); z in that K order:
     # the build permutes the latent down-projection's rows (latent MoE only: tactics.fit_moe_tactic)
     Impl("MoEExperts", "triton_l", 1, "k3plugins.moe.triton:moe_experts_lane", _GPU, "triton", mxfp4_only=True,
          expert_layout="lane"),
+    # v3: the paired bytes and the scales in row tiles (mxfp4.pair_tile_mxfp4 / tile_scales); v4: each pair's bits
+    # placed for plain shifts (mxfp4.PAIR_MAG_SHIFT), not rotations
     Impl("MoEExperts", "triton_p", 4, "k3plugins.moe.triton:moe_experts_paired", _GPU, "triton", mxfp4_only=True,
          expert_layout="paired"),
     Impl("MoEExperts", "triton_s", 1, "k3plugins.moe.triton:moe_experts_strided", _GPU, "triton", mxfp4_only=True,

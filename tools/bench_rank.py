@@ -77,8 +77,8 @@ def make_rank(cfg, mapping, rank: int, *, target: str, device: torch.device, max
 
     plugins, _ = resolve_plugins(target, overrides={"MoEExperts": moe_tactic} if moe_tactic else None,
                                  quantization=cfg.quantization.method, dtype="bf16")
-    fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), SYNTHETIC_MAX_SCALE,
-                   latent=cfg.is_latent_moe)
+    fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size // mapping.moe_tp_size),
+                   SYNTHETIC_MAX_SCALE, latent=cfg.is_latent_moe)
     weights, shapes = {}, {}
     for name, t in engine_tensors(cfg, mapping, rank, synthetic_get(cfg, mapping, rank, device), torch.bfloat16,
                                   expert_layout=expert_layout(plugins)):
@@ -162,15 +162,15 @@ def _interleaved_ms(variants: dict, rows, args, rounds: int) -> dict:
 
 
 def _moe_decode(**changes):
-    """A switch that replaces fields of the engine's MoE decode tactic (decode_l or decode_p)."""
+    """A switch that replaces fields of the MoE decode tactics decode_l and decode_p (the triton_l and triton_p
+    engines'; no effect on other MoE tactics)."""
     def flip(executor):
         from dataclasses import replace
 
         from k3plugins.moe import triton as moe
-        key = {"triton_l": "decode_l", "triton_p": "decode_p"}[executor.engine.build["plugins"]["MoEExperts"]["tactic"]]
-        old = moe.TACTICS[key]
-        moe.TACTICS[key] = replace(old, **changes)
-        return lambda: moe.TACTICS.__setitem__(key, old)
+        old = {key: moe.TACTICS[key] for key in ("decode_l", "decode_p")}
+        moe.TACTICS.update({key: replace(t, **changes) for key, t in old.items()})
+        return lambda: moe.TACTICS.update(old)
     return flip
 
 
@@ -299,9 +299,10 @@ FORK_MIN_TOKENS = 64  # the executor forked the Router from this many tokens on 
 AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "separate-router": ("each MoEInProj as before it: the engine's Linear and Router tactics on its two row blocks, "
                         "the router on a side stream from 64 tokens on", _separate_router),
-    "moe-bn128": ("the MoE decode (decode_l / decode_p) in blocks of 128 rows, 8 warps", _moe_decode(block_n=128, num_warps=8)),
+    "moe-bn128": ("the MoE decode (decode_l / decode_p) in blocks of 128 rows, 8 warps",
+                  _moe_decode(block_n=128, num_warps=8)),
     "moe-stages4": ("the MoE decode (decode_l / decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
-    "moe-down-bn128": ("the MoE decode's down kernel (decode_p) in blocks of 128 rows, 8 warps",
+    "moe-down-bn128": ("the MoE decode's down kernel in blocks of 128 rows, 8 warps",
                        _moe_decode(down_block_n=128, down_num_warps=8)),
     "moe-down-bn128-w4": ("the MoE decode's down kernel in blocks of 128 rows, 4 warps",
                           _moe_decode(down_block_n=128, down_num_warps=4)),

@@ -75,8 +75,8 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         raise BuildError(f"{flag}: {e}") from None
     if plugins.get("MoEExperts", {}).get("tactic") in W4_TACTICS:
         max_scale = _max_expert_scale(converted_dir, mapping, progress)
-        fit = fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size), max_scale,
-                             latent=cfg.is_latent_moe)
+        fit = fit_moe_tactic(plugins, (cfg.expert_hidden_size, cfg.moe_intermediate_size // mapping.moe_tp_size),
+                             max_scale, latent=cfg.is_latent_moe)
         if fit and "MoEExperts" in forced:  # a tactic the user asked for is refused, not silently replaced
             raise BuildError(f"--tactic MoEExperts={forced['MoEExperts']}: cannot read this checkpoint's experts: "
                              + "; ".join(fit))

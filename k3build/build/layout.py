@@ -130,6 +130,9 @@ def _mla(cfg: K3Config, mapping: Mapping, a: str, e: str, get: Get):
 
 
 def _moe(cfg: K3Config, mapping: Mapping, rank: int, m: str, e: str, get: Get, expert_layout: str):
+    if expert_layout == "lane" and not (cfg.is_latent_moe and cfg.quantization.method == "mxfp4"):
+        raise ValueError("expert_layout 'lane' reads z in its K order, which only a latent MoE's MXFP4 experts get "
+                         "(tactics.fit_moe_tactic steps other MoEs down to triton_p)")
     lay_out = EXPERT_LAYOUTS[expert_layout]
     yield e + "bias", get(m + "gate.e_score_correction_bias")
     s = m + "shared_experts."

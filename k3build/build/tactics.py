@@ -35,15 +35,17 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
     return table, notes
 
 
-W4_TACTICS = ("triton_l", "triton_s", "triton_p", "triton_f8", "triton")  # MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
+# MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
+W4_TACTICS = ("triton_l", "triton_s", "triton_p", "triton_f8", "triton")
 
 
-def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None,
-                   latent: bool = True) -> list[str]:
+def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None, *,
+                   latent: bool) -> list[str]:
     """Step the MoE tactic down to one that reads these experts exactly (edits `table`; returns notes saying why).
 
     triton_l reads its activations in lane_mxfp4's K order, which the build gives the latent down-projection's
     rows: without a latent projection (`latent` False) the experts read the hidden state itself, so triton_p.
+    expert_dims are one rank's (input width, intermediate / moe_tp_size): what the layout pass relays.
     Tactics reading a relaid expert layout (triton_l, triton_s, triton_p) read K tiles of STRIDE_BLOCK_K: both expert
     dims (input width, intermediate) must be multiples of it, else triton. The W4 decodes are exact for E8M0 scale
     bytes up to W4_MAX_SCALE_BYTE: past it, triton_ds.

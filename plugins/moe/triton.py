@@ -11,6 +11,7 @@ tl.dot_scaled.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,7 +66,8 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # tokens/expert against 0.37 for "decode", 297 TFLOP/s at 128 tokens/expert against 254 (BENCHMARKS.md)
     "decode_s": MoETactic(16, 64, 256, 4, 3, strided=True),
     "prefill_s": MoETactic(128, 128, 256, 8, 2, strided=True),
-    # on pair_mxfp4's weights in row tiles (tile_mxfp4; the "triton_p" engine tactic, the sm90 default): no byte
+    # on pair_mxfp4's weights in row tiles (tile_mxfp4; the "triton_p" engine tactic, the sm90 default for a MoE
+    # without latent projection): no byte
     # permutes to build the MMA operands; each K step of a program reads one contiguous 8 KB block instead of 64 runs
     # of 128 bytes 1.8 KB apart. Untiled, 0.60-0.63 of the weight floor at 1-8 tokens/expert (0.52-0.56 for "*_s");
     # tiled, 6 % faster: 0.64-0.69 (BENCHMARKS.md). Its loops take 2.99 / 3.52 / 3.05 sm_90 instructions a weight
@@ -157,6 +159,16 @@ def swap01(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2, 2)).transpose(-1, -2).flatten(-3)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _sm90_ptx(z: torch.Tensor) -> bool:
+    """Whether z's device takes _lane_dot's inline PTX (mul.rn.bf16x2 needs sm_90; not on ROCm or the CPU)."""
+    return z.is_cuda and torch.version.hip is None and _sm90_capable(z.device.index or 0)
+
+
 def _interpreting() -> bool:
     # decided when the kernels were decorated (TRITON_INTERPRET=1 at import), not by the variable now
     return type(moe_gate_up_kernel).__name__ == "InterpretedFunction"
@@ -241,7 +253,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     layout = 4 if t.lane else 2 if t.paired else int(t.strided)  # the kernels' STRIDED (3: FP8 below)
-    asm = t.packed_mul and z.is_cuda and torch.version.hip is None  # _lane_dot's packed multiply (PTX)
+    asm = t.lane and t.packed_mul and _sm90_ptx(z)  # _lane_dot's packed multiply
     zs, f8 = z, None  # token scales and F8 dtype: the FP8 path's only (unused pointer otherwise)
     if t.fp8:
         z, zs = quantize_e4m3(z)
@@ -284,8 +296,9 @@ moe_experts_strided = _by_step("decode_s", "prefill_s", "moe_experts_strided",
                                "The engine's \"triton_s\" tactic: on expert bytes the build wrote in restride_mxfp4's "
                                "layout (expert dims multiples of STRIDE_BLOCK_K).")
 moe_experts_paired = _by_step("decode_p", "prefill_p", "moe_experts_paired",
-                              "The engine's \"triton_p\" tactic (the sm90 default): on expert bytes the build wrote "
-                              "in pair_mxfp4's layout (expert dims multiples of STRIDE_BLOCK_K).")
+                              "The engine's \"triton_p\" tactic (the sm90 default without latent projection): on "
+                              "expert bytes the build wrote in pair_mxfp4's layout (expert dims multiples of "
+                              "STRIDE_BLOCK_K).")
 moe_experts_lane = _by_step("decode_l", "prefill_l", "moe_experts_lane",
                             "The engine's \"triton_l\" tactic (the sm90 default for latent MoE): on expert bytes the "
                             "build wrote in lane_mxfp4's layout, z in its K order (the build permutes the latent "

@@ -200,8 +200,8 @@ def _lane_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.conste
     row reductions or shuffles build the multipliers (_paired_dot's). The activations come in the same order
     (the build permutes the rows of the GEMM that makes them; the gate/up kernel stores h in it).
     ASM (CUDA): the scale multiply as one packed bf16x2 multiply per register. Written as a Triton product, LLVM
-    splits about half of them into scalar multiplies and byte permutes (sm_90 SASS: 802 instructions a K step
-    against 667); ROCm and the interpreter take the product."""
+    splits about half of them into scalar multiplies and byte permutes (sm_90 SASS of the gate/up loop: 802
+    instructions a K step against 682); ROCm and the interpreter take the product."""
     BF16: tl.constexpr = DTYPE == tl.bfloat16
     w = w.to(tl.uint32, bitcast=True)
     sc_lo, sc_hi = tl.split(tl.reshape(_scale(s, BF16), (BN, 4, 2)))                     # groups 2q, 2q + 1
@@ -288,7 +288,8 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
     STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout (2: `pair_mxfp4`'s), z and h in natural
-    order; 4: `lane_mxfp4`'s, z and h in its K order (mxfp4.LANE_ORDER; ASM: _lane_dot's). STRIDED 3 (experimental FP8 prefill): `restride_mxfp4`'s layout, z in F8 with per-token scales zs
+    order; 4: `lane_mxfp4`'s, z and h in its K order (mxfp4.LANE_ORDER; ASM: _lane_dot's). STRIDED 3
+    (experimental FP8 prefill): `restride_mxfp4`'s layout, z in F8 with per-token scales zs
     (`quantize_e4m3`), the weights decoded to F8 against each row's largest scale (_fp8_dot): code ×
     2^(s_group − s_row) is exact in e4m3 while s_group − s_row ≥ −8 and rounds past that, the drift this path
     trades for FP8 tensor cores. The row and token scales multiply the accumulators once, after the K loop.
@@ -304,7 +305,8 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
-    RK: tl.constexpr = 1 if STRIDED >= 2 and STRIDED != 3 else (BK // 8 if STRIDED else BK)  # activation rows a load adds itself
+    # activation rows a load adds itself
+    RK: tl.constexpr = 1 if STRIDED >= 2 and STRIDED != 3 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)
     KMUL: tl.constexpr = TILE_ROWS if TILED else 1  # a K offset's multiplier (tiled: a K step skips a whole tile)
     wg_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
