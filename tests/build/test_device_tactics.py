@@ -124,6 +124,26 @@ def test_moe_tactic_steps_down_for_dims_and_scales(dims, scale, latent, want):
     assert expert_layout(table) == {"triton_l": "lane", "triton_p": "paired"}.get(want, "natural")
 
 
+@pytest.mark.parametrize("change", [dict(routed_expert_hidden_size=None), dict(quantization="none")])
+def test_lane_layout_refused_where_z_cannot_follow(change):
+    """The layout pass refuses the lane expert layout for a MoE without latent projection (the experts would read
+    the hidden state, whose order nothing permutes) or with float experts, before reading any tensor."""
+    import dataclasses
+
+    from k3build.build.layout import _moe
+    from k3build.config import QuantConfig, preset
+    from k3build.mapping import Mapping
+
+    if "quantization" in change:
+        change = dict(quantization=QuantConfig(method="none"))
+    tiny = preset("tiny")
+    assert tiny.is_latent_moe and tiny.quantization.method == "mxfp4"  # the lane layout's case, but for `change`
+    cfg = dataclasses.replace(tiny, **change)
+    with pytest.raises(ValueError, match="lane"):
+        next(_moe(cfg, Mapping(tp_size=1), 0, "m.", "e.", lambda name: pytest.fail(name), "lane"))
+    next(_moe(tiny, Mapping(tp_size=1), 0, "m.", "e.", lambda name: torch.zeros(1), "lane"))  # takes the tiny one
+
+
 def test_float_experts_keep_the_reference_moe():
     table, notes = resolve_plugins("sm90", quantization="none")
     assert table["MoEExperts"]["tactic"] == "reference"

@@ -63,6 +63,21 @@ def test_moe_matches_reference(case, tactic, act="situ"):
     assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("name", ["decode_l", "prefill_l"])
+@pytest.mark.parametrize("case", ["ragged", "k3_dims"])
+def test_lane_plain_product_matches_reference(case, name):
+    """The lane tactics with the plain bf16 product instead of the packed PTX multiply (packed_mul off: the branch
+    ROCm runs) against the reference."""
+    from dataclasses import replace
+    M, k, E, eg, start, dl, inter = CASES[case]
+    z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=5, empty=(1,))
+    t = replace(mt.TACTICS[name], packed_mul=False)
+    out = mt.moe_experts(lane_permute(z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
+                         mt.lay_out_scale(t, s2), expert_start=start, act="situ", tactic=t)
+    ref = moe_ref(z, ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_moe_silu():
     test_moe_matches_reference("ragged", "decode", act="silu")
 
