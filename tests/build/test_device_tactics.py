@@ -104,7 +104,8 @@ def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, for
         assert torch.equal(a[latent:], b[latent:]), name
 
 
-@pytest.mark.parametrize("dims,scale,latent,want", [((256, 512), 128, True, "triton_l"), ((256, 96), 128, True, "triton"),
+@pytest.mark.parametrize("dims,scale,latent,want", [((256, 512), 128, True, "triton_l"),
+                                                    ((256, 96), 128, True, "triton"),
                                                     ((256, 512), 129, True, "triton_ds"),
                                                     ((64, 64), 200, True, "triton_ds"),
                                                     ((256, 512), None, True, "triton_l"),
