@@ -101,8 +101,9 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     tactic = moe.MoETactic(block_m=16, block_n=block_n or (128 if tiled else 32), block_k=256, num_warps=4,
                            num_stages=1, strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first,
                            overlap=overlap, down_block_n=down_block_n, lane=lane)
-    out = moe.moe_experts(lane_permute(z) if lane else z, ids, w, moe.lay_out(tactic, w13), moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2),
-                          moe.lay_out_scale(tactic, s2), expert_start=start, act="situ", tactic=tactic)
+    out = moe.moe_experts(lane_permute(z) if lane else z, ids, w, moe.lay_out(tactic, w13),
+                          moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
+                          expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
     return {"rel": _rel(out, expect)}
 
