@@ -69,8 +69,9 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # on pair_mxfp4's weights in row tiles (tile_mxfp4; the "triton_p" engine tactic, the sm90 default for a MoE
     # without latent projection): no byte permutes to build the MMA operands; each K step of a program reads one
     # contiguous 8 KB block instead of 64 runs of 128 bytes 1.8 KB apart. Untiled, 0.60-0.63 of the weight floor at
-    # 1-8 tokens/expert (0.52-0.56 for "*_s"); tiled, 6 % faster: 0.64-0.69 (BENCHMARKS.md). Its loops take 2.99 / 3.52 / 3.05 sm_90 instructions a weight
-    # (gate/up, down, prefill gate/up); the 17 % cut that got them there gave 1.5 % less time
+    # 1-8 tokens/expert (0.52-0.56 for "*_s"); tiled, 6 % faster: 0.64-0.69 (BENCHMARKS.md). Its loops take 2.99 /
+    # 3.52 / 3.05 sm_90 instructions a weight (gate/up, down, prefill gate/up); the 17 % cut that got them there gave
+    # 1.5 % less time
     # rows first with the down kernel awaiting each expert's h (overlap): at one token on each of 16-32 of the 56
     # experts (a rank's decode at 32-64 requests) 6-8 % faster than the plain launches, 3 % at all 56, bit-identical
     # (bench_plugins moe_touched, nineteenth session); the grid rows first alone: 1 %
