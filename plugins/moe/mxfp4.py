@@ -185,12 +185,17 @@ def lane_permute(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def lane_mxfp4(packed: torch.Tensor) -> torch.Tensor:
     """MXFP4 bytes [..., R, K/2] -> the "*_l" tactics' layout: codes in LANE_ORDER along K, then pair_mxfp4's bits.
-    Scales are unchanged (each group's 32 codes stay one group)."""
+    Scales are unchanged (each group's 32 codes stay one group).
+
+    LANE_ORDER keeps each byte's two codes together (bit 0 of the index is its own), so the codes move as whole
+    bytes: byte 32a + 8i + c of a checkpoint tile of 128 bytes becomes byte 32i + 4c + a, a transpose of the tile as
+    [4, 4, 8]. A permuted copy costs far less than a gather of the bytes or an unpack and repack of the nibbles:
+    the build's pass over a rank's experts then takes about what pair_mxfp4 alone takes."""
     K = packed.shape[-1] * 2
     if K % STRIDE_BLOCK_K:
         raise ValueError(f"lane_mxfp4: K={K} must be a multiple of {STRIDE_BLOCK_K}")
-    codes = lane_permute(unpack_e2m1(packed))
-    return pair_mxfp4((codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous())
+    tiles = packed.unflatten(-1, (-1, 4, 4, 8))                                       # [..., tile, a, i, c]
+    return pair_mxfp4(tiles.permute(*range(tiles.dim() - 3), -2, -1, -3).contiguous().flatten(-4))
 
 
 TILE_ROWS = 64  # rows of a tile_rows tile (the Triton kernels' TILE_ROWS)
