@@ -15,12 +15,9 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def _best_s(fn, reps: int, sync) -> float:

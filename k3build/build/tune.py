@@ -46,7 +46,6 @@ def fp8_trial(w13, s13, w2, s2, cfg: K3Config, base: str, *, seed: int = 0, reps
     one layer's local experts (natural bytes, laid out here for each), for a prefill step of random tokens routed
     uniformly: rel-L2 and cosine of FP8's output against base's, and each one's median time."""
     from k3plugins.moe import triton as mt
-    from k3plugins.moe.mxfp4 import lane_permute
 
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -62,7 +61,7 @@ def fp8_trial(w13, s13, w2, s2, cfg: K3Config, base: str, *, seed: int = 0, reps
     for tactic in (base, "prefill_f8"):
         weights = (mt.lay_out(tactic, w13.to(dev)), mt.lay_out_scale(tactic, s13), mt.lay_out(tactic, w2.to(dev)),
                    mt.lay_out_scale(tactic, s2))
-        zt = lane_permute(z) if mt.TACTICS[tactic].lane else z  # as the build's latent rows make it
+        zt = mt.lay_out_input(tactic, z)  # as the build's latent rows make it
         fn = lambda: mt.moe_experts(zt, ids, w, *weights, tactic=tactic, **kw)  # noqa: E731
         runs[tactic] = (fn().double().flatten(), _median_ms(fn, reps))
         del weights

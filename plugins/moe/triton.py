@@ -11,7 +11,6 @@ tl.dot_scaled.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,7 +19,7 @@ import triton.language as tl
 
 from k3plugins.mlp.triton import ACT_IDS
 from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, lane_mxfp4,  # noqa: F401
-                                  pair_mxfp4, restride_mxfp4, tile_mxfp4, tile_scales)
+                                  lane_permute, pair_mxfp4, restride_mxfp4, tile_mxfp4, tile_scales)
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 from k3plugins.pdl import pdl, pdl_capable
@@ -38,7 +37,7 @@ class MoETactic:
     paired: bool = False  # with strided: on `pair_mxfp4`'s layout instead
     # with paired: on `lane_mxfp4`'s layout (pair_mxfp4's bits on K in LANE_ORDER), z in that order too
     lane: bool = False
-    # with lane, on CUDA: the scale multiply as one PTX bf16x2 multiply a register (_lane_dot's ASM)
+    # with lane, on CUDA: the scale multiply as one PTX bf16x2 multiply a register (_paired_dot's ASM)
     packed_mul: bool = True
     fp8: bool = False  # with strided: gate/up from e4m3 activations on FP8 tensor cores (the down GEMM stays W4A16)
     tiled: bool = False  # with strided: weights and scales in tile_rows' order (block_n a multiple of TILE_ROWS)
@@ -159,16 +158,6 @@ def swap01(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2, 2)).transpose(-1, -2).flatten(-3)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def _sm90_ptx(z: torch.Tensor) -> bool:
-    """Whether z's device takes _lane_dot's inline PTX (mul.rn.bf16x2 needs sm_90; not on ROCm or the CPU)."""
-    return z.is_cuda and torch.version.hip is None and _sm90_capable(z.device.index or 0)
-
-
 def _interpreting() -> bool:
     # decided when the kernels were decorated (TRITON_INTERPRET=1 at import), not by the variable now
     return type(moe_gate_up_kernel).__name__ == "InterpretedFunction"
@@ -219,7 +208,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         expert_start: global id of local expert 0. act: "situ" | "silu".
         tactic: a key of TACTICS (the builder records it). The "*_s" tactics read w13/w2 in
             `restride_mxfp4`'s layout, the "*_p" ones in `pair_mxfp4`'s, the "*_l" ones in `lane_mxfp4`'s (see
-            `lay_out`), with z's columns in its order too (`mxfp4.lane_permute`; the output is in natural order).
+            `lay_out`), with z's columns in its order too (`lay_out_input`; the output is in natural order).
 
     Returns:
         [M, Dl] fp32.
@@ -253,7 +242,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     layout = 4 if t.lane else 2 if t.paired else int(t.strided)  # the kernels' STRIDED (3: FP8 below)
-    asm = t.lane and t.packed_mul and _sm90_ptx(z)  # _lane_dot's packed multiply
+    # _paired_dot's packed multiply: mul.rn.bf16x2 needs CUDA sm_90+, the devices PDL needs too
+    asm = t.lane and t.packed_mul and pdl_capable(z)
     zs, f8 = z, None  # token scales and F8 dtype: the FP8 path's only (unused pointer otherwise)
     if t.fp8:
         z, zs = quantize_e4m3(z)
@@ -316,6 +306,13 @@ def lay_out(tactic: str | MoETactic, packed: torch.Tensor) -> torch.Tensor:
     out = (lane_mxfp4(packed) if t.lane else pair_mxfp4(packed) if t.paired else restride_mxfp4(packed) if t.strided
            else packed)
     return tile_mxfp4(out) if t.tiled else out
+
+
+def lay_out_input(tactic: str | MoETactic, z: torch.Tensor) -> torch.Tensor:
+    """The MoE input z [M, Dl] with its columns in the checkpoint's order -> the order `tactic` reads (the lane
+    tactics': mxfp4.lane_permute). An engine gets z in that order from its latent rows (k3build's layout pass)."""
+    t = TACTICS[tactic] if isinstance(tactic, str) else tactic
+    return lane_permute(z) if t.lane else z
 
 
 def lay_out_scale(tactic: str | MoETactic, scale: torch.Tensor) -> torch.Tensor:

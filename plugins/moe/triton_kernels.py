@@ -157,7 +157,14 @@ def _paired_codes(w, I: tl.constexpr):
 
 
 @triton.jit
-def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr, L2_ONLY: tl.constexpr = False):
+def _lane_pos(n):
+    """Where K index n sits in lane_mxfp4's order (mxfp4.LANE_ORDER's inverse, bits of n within its tile of 256)."""
+    return (n & ~255) | (n & 1) | (((n >> 1) & 31) << 3) | (((n >> 6) & 3) << 1)
+
+
+@triton.jit
+def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr, L2_ONLY: tl.constexpr = False,
+                LANE: tl.constexpr = False, ASM: tl.constexpr = False):
     """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in the paired layout (`pair_mxfp4`): pair i of word j
     holds K indices 64i + 2j and 64i + 2j + 1, so each decoded 32-bit pair is already two neighbours along K
     of one sub-block: the register the MMA takes (no byte permutes to build operands, unlike _strided_dot). Sub-block
@@ -165,51 +172,35 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
     packed two a column ([BN, 4]) and taken out by masked row reductions: in the sm_90 SASS, per-column loads or a
     split per sub-block instead put the scales in a layout that costs a byte permute per operand register, and
     packing halves the reductions (2.99 instructions a weight in the gate/up loop, against 3.04 unpacked).
-    L2_ONLY: the activations are read past L1 (written by programs still running: _await_rows)."""
+    L2_ONLY: the activations are read past L1 (written by programs still running: _await_rows).
+
+    LANE: weights in lane_mxfp4's layout, the same bits on K permuted (mxfp4.LANE_ORDER) so that in the MMA's
+    operand layout, lane q of each quad holds K from scale groups 2q and 2q + 1 only (sub-blocks 0-1 and 2-3). Each
+    thread then loads its own 4 scale bytes of the [BN, 8] tile; no row reductions or shuffles build the
+    multipliers. The activations come in the same order (the build permutes the rows of the GEMM that makes them;
+    the gate/up kernel stores h in it). ASM (CUDA): the scale multiply as one packed bf16x2 multiply per register.
+    Written as a Triton product, LLVM splits about half of the lane layout's into scalar multiplies and byte
+    permutes (sm_90 SASS of the gate/up loop: 802 instructions a K step against 682); ROCm and the interpreter take
+    the product."""
     BF16: tl.constexpr = DTYPE == tl.bfloat16
     w = w.to(tl.uint32, bitcast=True)
-    s_even, s_odd = tl.split(tl.reshape(s, (BN, 4, 2)))
-    s2 = s_even.to(tl.int32) | (s_odd.to(tl.int32) << 8)                                 # [BN, 4]: 2i | 2i+1 << 8
-    col = tl.arange(0, 4)[None, :]
+    if LANE:
+        sc_lo, sc_hi = tl.split(tl.reshape(_scale(s, BF16), (BN, 4, 2)))                 # groups 2q, 2q + 1
+    else:
+        s_even, s_odd = tl.split(tl.reshape(s, (BN, 4, 2)))
+        s2 = s_even.to(tl.int32) | (s_odd.to(tl.int32) << 8)                             # [BN, 4]: 2i | 2i+1 << 8
+        col = tl.arange(0, 4)[None, :]
     r64 = tl.arange(0, 64)
     for i in tl.static_range(4):
-        both = tl.max(tl.where(col == i, s2, 0), 1)                                      # [BN]
-        s_a = _scale(both & 0xFF, BF16)                                                  # group 2i
-        s_b = _scale(both >> 8, BF16)                                                    # group 2i + 1
-        sc64 = tl.reshape(tl.broadcast_to(tl.join(s_a, s_b)[:, :, None], (BN, 2, 32)), (BN, 64))
+        if LANE:
+            sc = sc_lo if i < 2 else sc_hi
+            sc64 = tl.reshape(tl.broadcast_to(sc[:, None, :, None], (BN, 8, 4, 2)), (BN, 64))  # col 8a+2q+b: sc[q]
+        else:
+            both = tl.max(tl.where(col == i, s2, 0), 1)                                  # [BN]
+            s_a = _scale(both & 0xFF, BF16)                                              # group 2i
+            s_b = _scale(both >> 8, BF16)                                                # group 2i + 1
+            sc64 = tl.reshape(tl.broadcast_to(tl.join(s_a, s_b)[:, :, None], (BN, 2, 32)), (BN, 64))
         lo, hi = _halves(_paired_codes(w, i), BF16)  # bf16, or fp32 for fp32/fp16 activations (as the scales)
-        vals = (tl.reshape(tl.join(lo, hi), (BN, 64)) * sc64).to(DTYPE)
-        x = tl.load(xT_ptrs + (k0 + 64 * i) + r64[:, None], mask=x_mask, other=0.0,
-                    cache_modifier=".cg" if L2_ONLY else "")
-        acc = tl.dot(vals, x, acc)
-    return acc
-
-
-@triton.jit
-def _lane_pos(n):
-    """Where K index n sits in lane_mxfp4's order (mxfp4.LANE_ORDER's inverse, bits of n within its tile of 256)."""
-    return (n & ~255) | (n & 1) | (((n >> 1) & 31) << 3) | (((n >> 6) & 3) << 1)
-
-
-@triton.jit
-def _lane_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
-              L2_ONLY: tl.constexpr = False):
-    """acc [BN, BM] += W[BN, 256] @ X[256, BM] for weights in lane_mxfp4's layout: _paired_dot's bits on K permuted
-    (mxfp4.LANE_ORDER) so that in the MMA's operand layout, lane q of each quad holds K from scale groups 2q and
-    2q + 1 only (sub-blocks 0-1 and 2-3). Each thread then loads its own 4 scale bytes of the [BN, 8] tile; no
-    row reductions or shuffles build the multipliers (_paired_dot's). The activations come in the same order
-    (the build permutes the rows of the GEMM that makes them; the gate/up kernel stores h in it).
-    ASM (CUDA): the scale multiply as one packed bf16x2 multiply per register. Written as a Triton product, LLVM
-    splits about half of them into scalar multiplies and byte permutes (sm_90 SASS of the gate/up loop: 802
-    instructions a K step against 682); ROCm and the interpreter take the product."""
-    BF16: tl.constexpr = DTYPE == tl.bfloat16
-    w = w.to(tl.uint32, bitcast=True)
-    sc_lo, sc_hi = tl.split(tl.reshape(_scale(s, BF16), (BN, 4, 2)))                     # groups 2q, 2q + 1
-    r64 = tl.arange(0, 64)
-    for i in tl.static_range(4):
-        sc = sc_lo if i < 2 else sc_hi
-        sc64 = tl.reshape(tl.broadcast_to(sc[:, None, :, None], (BN, 8, 4, 2)), (BN, 64))  # column 8a+2q+b: sc[q]
-        lo, hi = _halves(_paired_codes(w, i), BF16)
         vals = tl.reshape(tl.join(lo, hi), (BN, 64))
         if ASM and BF16:
             vals = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [vals, sc64], dtype=tl.bfloat16,
@@ -288,7 +279,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
     STRIDED (with W4, BK = 256): weights in `restride_mxfp4`'s layout (2: `pair_mxfp4`'s), z and h in natural
-    order; 4: `lane_mxfp4`'s, z and h in its K order (mxfp4.LANE_ORDER; ASM: _lane_dot's). STRIDED 3
+    order; 4: `lane_mxfp4`'s, z and h in its K order (mxfp4.LANE_ORDER; ASM: _paired_dot's). STRIDED 3
     (experimental FP8 prefill): `restride_mxfp4`'s layout, z in F8 with per-token scales zs
     (`quantize_e4m3`), the weights decoded to F8 against each row's largest scale (_fp8_dot): code ×
     2^(s_group − s_row) is exact in e4m3 while s_group − s_row ≥ −8 and rounds past that, the drift this path
@@ -306,7 +297,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     end = tl.load(offs_ptr + e + 1)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
     # activation rows a load adds itself
-    RK: tl.constexpr = 1 if STRIDED >= 2 and STRIDED != 3 else (BK // 8 if STRIDED else BK)
+    RK: tl.constexpr = 1 if STRIDED == 2 or STRIDED == 4 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)
     KMUL: tl.constexpr = TILE_ROWS if TILED else 1  # a K offset's multiplier (tiled: a K step skips a whole tile)
     wg_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
@@ -339,16 +330,11 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
                 acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), su_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
-            elif STRIDED == 4:
-                acc_g = _lane_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
-                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM)
-                acc_u = _lane_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
-                                  p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, ASM)
-            elif STRIDED == 2:
+            elif STRIDED == 2 or STRIDED == 4:
                 acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
-                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
                 acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
-                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty)
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
             elif STRIDED:
                 acc_g = _strided_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                      p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)
@@ -388,7 +374,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         if end > start:
             _await_rows(done_ptr, e, AWAIT)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
-    RK: tl.constexpr = 1 if STRIDED >= 2 and STRIDED != 3 else (BK // 8 if STRIDED else BK)
+    RK: tl.constexpr = 1 if STRIDED == 2 or STRIDED == 4 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)
     KMUL: tl.constexpr = TILE_ROWS if TILED else 1
     w_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
@@ -403,12 +389,9 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         for k0 in range(0, I, BK):
             kw = (k0 // 8 if W4 else k0 // 2) * KMUL
             ks = k0 // 32 * KMUL
-            if STRIDED == 4:
-                acc = _lane_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
-                                BN, h_ptr.dtype.element_ty, ASM, AWAIT > 0)
-            elif STRIDED == 2:
+            if STRIDED == 2 or STRIDED == 4:
                 acc = _paired_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :], k0,
-                                  BN, h_ptr.dtype.element_ty, AWAIT > 0)
+                                  BN, h_ptr.dtype.element_ty, AWAIT > 0, STRIDED == 4, ASM)
             elif STRIDED:
                 acc = _strided_dot(acc, tl.load(w_ptrs + kw), tl.load(s_ptrs + ks), h_ptrs, p_mask[None, :],
                                    k0, BN, BK // 8, h_ptr.dtype.element_ty)

@@ -7,7 +7,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from k3plugins.moe import triton as mt  # noqa: E402
-from k3plugins.moe.mxfp4 import lane_permute  # noqa: E402
 from k3plugins.moe.reference import moe_experts as moe_ref  # noqa: E402
 
 
@@ -48,7 +47,7 @@ def test_moe_matches_reference(case, tactic, act="situ"):
     # reference keeps the originals
     a, b = mt.lay_out(tactic, w13), mt.lay_out(tactic, w2)
     sa, sb = mt.lay_out_scale(tactic, s13), mt.lay_out_scale(tactic, s2)
-    zt = lane_permute(z) if mt.TACTICS[tactic].lane else z
+    zt = mt.lay_out_input(tactic, z)
     out = mt.moe_experts(zt, ids, w, a, sa, b, sb, expert_start=start, act=act, tactic=tactic)
     if mt.TACTICS[tactic].fp8:  # the kernel sees e4m3 activations (the scales here keep the weights exact in e4m3)
         q, scale = mt.quantize_e4m3(z)
@@ -72,7 +71,7 @@ def test_lane_plain_product_matches_reference(case, name):
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=5, empty=(1,))
     t = replace(mt.TACTICS[name], packed_mul=False)
-    out = mt.moe_experts(lane_permute(z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
+    out = mt.moe_experts(mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
                          mt.lay_out_scale(t, s2), expert_start=start, act="situ", tactic=t)
     ref = moe_ref(z, ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
@@ -122,8 +121,7 @@ def test_overlapped_down_equals_plain(case, over_name):
     plain = replace(over, rows_first=False, overlap=False)
     a, b = mt.lay_out(plain, w13), mt.lay_out(plain, w2)
     sa, sb = mt.lay_out_scale(plain, s13), mt.lay_out_scale(plain, s2)
-    if over.lane:
-        z = lane_permute(z)
+    z = mt.lay_out_input(over, z)
     run = lambda t: mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act="situ", tactic=t)
     run(over)
     torch.cuda.synchronize()

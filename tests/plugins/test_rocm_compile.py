@@ -52,7 +52,7 @@ SPECS = {
     "moe_down_tiled": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
                                                  offs_ptr="*i32"), dict(BM=16, BN=64, BK=256, W4=True, STRIDED=2,
                                                                         TILED=True)),
-    # ASM: _lane_dot's packed PTX multiply on sm90, the plain product on gfx942 (what the host passes there)
+    # ASM: _paired_dot's packed PTX multiply (lane layout) on sm90, the plain product on gfx942 (what the host passes there)
     "moe_gate_up_lane": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
                                                       sorted_ptr="*i32", offs_ptr="*i32", done_ptr="*i32"),
                          dict(_MOE, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, SIGNAL=True, ASM="ASM")),

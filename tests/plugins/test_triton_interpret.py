@@ -87,7 +87,6 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     block_n rows: half a tile at 32) vs the reference on the originals. rows_first: the grid (row blocks, experts).
     overlap: the down kernel awaits each expert's count of gate/up programs (the counts must add up, or it hangs).
     down_block_n: the down kernel's own rows per program. lane: lane_mxfp4's layout, z given in its K order."""
-    from k3plugins.moe.mxfp4 import lane_permute
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
@@ -101,7 +100,7 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     tactic = moe.MoETactic(block_m=16, block_n=block_n or (128 if tiled else 32), block_k=256, num_warps=4,
                            num_stages=1, strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first,
                            overlap=overlap, down_block_n=down_block_n, lane=lane)
-    out = moe.moe_experts(lane_permute(z) if lane else z, ids, w, moe.lay_out(tactic, w13),
+    out = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
                           moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
                           expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")

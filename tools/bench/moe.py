@@ -8,7 +8,6 @@ import triton.language as tl
 
 from common import cosine, emit, rel_l2, time_ms
 from k3plugins.moe import triton as mt
-from k3plugins.moe.mxfp4 import lane_permute
 from k3plugins.moe.reference import moe_experts as moe_ref
 
 E, DL, INTER, TOP_K, E_GLOBAL, E_START = 56, 3584, 3072, 16, 896, 112
@@ -89,13 +88,6 @@ def grouped_mm_baseline(z, ids, w13b, w2b):
     return run
 
 
-def lane_input(tactic, z: torch.Tensor) -> torch.Tensor:
-    """z as `tactic` reads it: in lane_mxfp4's K order for the "*_l" tactics (in an engine the GEMM that makes z
-    writes it so; here it is permuted before the timed calls)."""
-    t = mt.TACTICS[tactic] if isinstance(tactic, str) else tactic
-    return lane_permute(z) if t.lane else z
-
-
 def bench_moe(bw_tbps: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, s13, w2, s2 = make_weights(gen)
@@ -122,7 +114,7 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
     for name in mt.TACTICS:
         a, sa, b, sb = weights(name)
-        out = mt.moe_experts(lane_input(name, z), ids, tw, a, sa, b, sb, expert_start=E_START, act="situ", tactic=name)
+        out = mt.moe_experts(mt.lay_out_input(name, z), ids, tw, a, sa, b, sb, expert_start=E_START, act="situ", tactic=name)
         emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     decode_sweep, prefill_sweep = {}, {}
     if sweep:  # the relaid layouts' blocks (the checkpoint-order tactics are known slower: TACTICS keeps them)
@@ -155,7 +147,7 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         for name in names:
             try:
                 a, sa, b, sb = weights(tactics[name])
-                zt = lane_input(tactics[name], z)
+                zt = mt.lay_out_input(tactics[name], z)  # permuted before the timed calls
                 fn = lambda name=name, a=a, sa=sa, b=b, sb=sb, zt=zt: mt.moe_experts(zt, ids, tw, a, sa, b, sb,
                                                                               expert_start=E_START, act="situ",
                                                                               tactic=tactics[name])

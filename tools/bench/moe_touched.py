@@ -16,7 +16,7 @@ import torch
 from common import emit, rel_l2, time_ms
 from k3plugins.moe import triton as mt
 from k3plugins.moe.reference import moe_experts as moe_ref
-from moe import DL, E, E_GLOBAL, E_START, INTER, TOP_K, lane_input, make_weights
+from moe import DL, E, E_GLOBAL, E_START, INTER, TOP_K, make_weights
 
 _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
@@ -47,14 +47,14 @@ def bench_moe_touched(bw_tbps: float, sweep: bool) -> None:
     z, ids, tw = make_touched(7, gen)
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
     for name, t in VARIANTS.items():
-        out = mt.moe_experts(lane_input(t, z), ids, tw, *laid[t.lane], expert_start=E_START, act="situ", tactic=t)
+        out = mt.moe_experts(mt.lay_out_input(t, z), ids, tw, *laid[t.lane], expert_start=E_START, act="situ", tactic=t)
         emit(bench="moe_touched_check", variant=name, rel_l2=rel_l2(out, ref))
     for touched in (8, 16, 20, 22, 24, 26, 28, 32, 40, 48, 56):
         z, ids, tw = make_touched(touched, gen)
         floor_ms = touched * expert_bytes / (bw_tbps * 1e12) * 1e3
         rec = dict(bench="moe_touched", touched=touched, floor_ms=round(floor_ms, 4))
         for name, t in VARIANTS.items():
-            zt = lane_input(t, z)
+            zt = mt.lay_out_input(t, z)
             ms = time_ms(lambda t=t, zt=zt: mt.moe_experts(zt, ids, tw, *laid[t.lane], expert_start=E_START,
                                                            act="situ", tactic=t))
             rec[name] = round(floor_ms / ms, 3)
