@@ -1,0 +1,82 @@
+"""Where the lane MoE decode's fixed cost goes (device probe, JSON lines): `touched` experts with `tpe` tokens each
+on the rank's grid of 56, each launch's start and end (µs from the call's first kernel) inside CUDA-graph replays,
+medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes; for
+decode_l as it is and with the combine as a launch of its own (no fused_combine)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+import torch  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from common import _flush_l2, emit, hbm_read_tbps, time_ms  # noqa: E402
+from k3plugins.moe import triton as mt  # noqa: E402
+from moe import DL, E, E_GLOBAL, E_START, TOP_K, make_weights  # noqa: E402
+
+
+def tokens(touched: int, tpe: int, gen):
+    M = touched * tpe
+    z = torch.randn(M, DL, device="cuda", generator=gen).to(torch.bfloat16)
+    local = (torch.arange(M, device="cuda") % touched) + E_START
+    others = torch.randint(0, E_GLOBAL - E, (M, TOP_K - 1), device="cuda", generator=gen)
+    others = torch.where(others >= E_START, others + E, others)
+    w = torch.rand(M, TOP_K, device="cuda", generator=gen)
+    return z, torch.cat([local[:, None], others], 1), w / w.sum(1, keepdim=True)
+
+
+def graph_timeline(fn, replays: int = 15) -> list:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    calls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            _flush_l2()
+            torch.cuda.synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    ev = [e for e in ev if "elementwise" not in e.name and "fill" not in e.name.lower()]  # the L2 flush
+    n = len(ev) // replays
+    for r in range(replays):
+        one = ev[r * n:(r + 1) * n]
+        t0 = one[0].time_range.start
+        calls.append([(e.name[:20], e.time_range.start - t0, e.time_range.end - t0) for e in one])
+    names = [c[0] for c in calls[0]]
+    return [[names[i], round(statistics.median(c[i][1] for c in calls), 1),
+             round(statistics.median(c[i][2] for c in calls), 1)] for i in range(len(names))]
+
+
+def main() -> None:
+    bw = hbm_read_tbps()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, s13, w2, s2 = make_weights(gen)
+    expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
+    t = mt.TACTICS["decode_l"]
+    laid = (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
+    emit(bench="moe_fixed_env", hbm_read_tbps=round(bw, 3))
+    for touched, tpe in ((0, 1), (8, 1), (24, 1), (56, 1), (24, 2), (56, 8)):
+        z, ids, tw = tokens(max(touched, 1), tpe, gen)
+        if touched == 0:  # one token, no local expert
+            ids = ids.clone()
+            ids[:, 0] = 0
+        z = mt.lay_out_input(t, z)
+        for name, tac in (("fused", t), ("separate", replace(t, fused_combine=False))):
+            fn = lambda tac=tac: mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=tac)
+            ms = time_ms(fn)
+            floor = touched * expert_bytes / (bw * 1e12) * 1e3
+            emit(bench="moe_fixed", variant=name, touched=touched, tpe=tpe, ms=round(ms, 4), floor_ms=round(floor, 4),
+                 of_floor=round(floor / ms, 3), timeline=graph_timeline(fn))
+
+
+if __name__ == "__main__":
+    main()
