@@ -309,8 +309,6 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-down-stages4": ("the MoE decode's down kernel with 4 pipeline stages", _moe_decode(down_num_stages=4)),
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
                   _moe_decode(rows_first=False, overlap=False)),
-    "moe-separate-combine": ("the MoE decode's combine as a launch of its own (no MoETactic.fused_combine)",
-                             _moe_decode(fused_combine=False)),
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),

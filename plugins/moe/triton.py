@@ -45,9 +45,6 @@ class MoETactic:
     # with paired: the down kernel starts on an expert as soon as the gate/up kernel has all its rows of h (a count
     # per expert), launched with PDL on sm_90 so that it takes SMs while the gate/up kernel's last programs run
     overlap: bool = False
-    # the combine in the down kernel, by each column block's last program (steps of at most FUSED_COMBINE_MAX_TOKENS
-    # tokens: that program sums the block's columns of every token alone)
-    fused_combine: bool = False
     # the down kernel's own rows per program, warps and stages (None: as the gate/up kernel's)
     down_block_n: int | None = None
     down_num_warps: int | None = None
@@ -77,8 +74,7 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # rows first with the down kernel awaiting each expert's h (overlap): at one token on each of 16-32 of the 56
     # experts (a rank's decode at 32-64 requests) 6-8 % faster than the plain launches, 3 % at all 56, bit-identical
     # (bench_plugins moe_touched, nineteenth session); the grid rows first alone: 1 %
-    "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True, rows_first=True, overlap=True,
-                          fused_combine=True),
+    "decode_p": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, tiled=True, rows_first=True, overlap=True),
     # prefill_p's grid runs row blocks first (rows_first): 313 against 302 TFLOP/s at 128 tokens/expert, side by side;
     # level at decode sizes (BENCHMARKS.md, sixteenth session)
     "prefill_p": MoETactic(128, 128, 256, 8, 2, strided=True, paired=True, tiled=True, rows_first=True),
@@ -86,7 +82,7 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # sm_90 loops of 682 / 395 instructions a K step (gate/up / down) against 766 / 441. On the H200, 0.78-0.83 of
     # the weight floor at 1-8 tokens/expert against 0.70-0.73 (BENCHMARKS.md, twenty-third session)
     "decode_l": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
-                          overlap=True, fused_combine=True),
+                          overlap=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
     # 306 without (registers: 10 spill instructions); BM 64 with 3 stages and the packed multiply 315 against
     # prefill_p's 307, side by side (BENCHMARKS.md, twenty-third session)
@@ -96,8 +92,6 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # took 3.84 ms), rel-L2 0.041 against W4A16 on random activations
     "prefill_f8": MoETactic(128, 64, 256, 4, 3, strided=True, fp8=True),
 }
-# The most tokens a step may have for MoETactic.fused_combine to apply (else the combine is a launch of its own)
-FUSED_COMBINE_MAX_TOKENS = 512
 # Steps of at least this many tokens take the prefill blocks: between the H200 sweep's decode points (M <= 448)
 # and its prefill point (M = 7168); the crossover itself has not been measured.
 PREFILL_MIN_TOKENS = 1024
@@ -181,14 +175,15 @@ def quantize_e4m3(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 8192,
-               zero: torch.Tensor | None = None):
-    """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `zero` (int32), if
-    given, is zeroed by the same launch (the MoE kernels' counters: MoETactic.overlap, MoETactic.fused_combine).
+               done: torch.Tensor | None = None):
+    """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
+    [num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert count, MoETactic.overlap).
 
     Returns:
         order int32 [P] (pair ids, local experts' pairs first, grouped by expert, in pair order within one; past
-        offsets[E] unset), offsets int32 [E+1] (expert e owns order[offsets[e]:offsets[e+1]]), inv int32 [P]
-        (sorted position of each pair, -1 if the expert is not local).
+        offsets[E] unset),
+        offsets int32 [E+1] (expert e owns order[offsets[e]:offsets[e+1]]), inv int32 [P] (sorted position of
+        each pair, -1 if the expert is not local).
     """
     flat = topk_ids.reshape(-1).contiguous()
     P = flat.numel()
@@ -196,11 +191,9 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     inv = torch.empty(P, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
-    nzero = 0 if zero is None else zero.numel()
-    zb = triton.next_power_of_2(triton.cdiv(nzero, num_local + 1)) if nzero else 0  # counters a program zeroes
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
-                                        zero_ptr=zero, nzero=nzero, ZB=zb, num_warps=4 if block <= 2048 else 8,
-                                        **pdl(flat))
+                                        done_ptr=done, ZERO_DONE=done is not None,
+                                        num_warps=4 if block <= 2048 else 8, **pdl(flat))
     return order, offsets, inv
 
 
@@ -242,13 +235,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         z = z if t.strided else swap01(z)
     if z.stride(-1) != 1:  # rows may be strided (z is a column slice of the MoE input's fused GEMM): the kernels
         z = z.contiguous()  # take z.stride(0)
-    d = t.down()
-    fused = t.fused_combine and M <= FUSED_COMBINE_MAX_TOKENS
-    # the kernels' counters, zeroed by the sort: each expert's finished gate/up programs (overlap), then each
-    # column block's finished down programs (fused combine)
-    counters = torch.empty(E * t.overlap + Dl // d.block_n * fused, dtype=torch.int32, device=z.device)
-    order, offsets, inv = sort_pairs(topk_ids, expert_start, E, zero=counters if counters.numel() else None)
-    done, arrive = (counters[:E] if t.overlap else None), (counters[E * t.overlap:] if fused else None)
+    done = torch.empty(E, dtype=torch.int32, device=z.device) if t.overlap else None
+    order, offsets, inv = sort_pairs(topk_ids, expert_start, E, done=done)
     early = t.overlap and pdl_capable(z)  # the down kernel launched before the gate/up kernel ends
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
@@ -262,6 +250,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if t.fp8:
         z, zs = quantize_e4m3(z)
         f8 = _F8[z.dtype][0]
+    d = t.down()
     grid = lambda rows, bn: (rows // bn, E) if t.rows_first else (E, rows // bn)
     moe_gate_up_kernel[grid(inter, t.block_n)](
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
@@ -273,11 +262,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,
         W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, inv_ptr=inv, out_ptr=out, M=M, stride_om=out.stride(0),
-        arrive_ptr=arrive, COMBINE=top_k if fused else 0, num_warps=d.num_warps, num_stages=d.num_stages,
+        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, num_warps=d.num_warps, num_stages=d.num_stages,
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
-    if fused:
-        return out
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
                                                  **pdl(y))

@@ -361,13 +361,11 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
                     ROWS_FIRST: tl.constexpr = False, done_ptr=None, AWAIT: tl.constexpr = 0,
-                    PDL: tl.constexpr = False, ASM: tl.constexpr = False, inv_ptr=None, out_ptr=None, M=0,
-                    stride_om=0, arrive_ptr=None, COMBINE: tl.constexpr = 0, BT: tl.constexpr = 16):
+                    PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
     kernel's). AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
     a program waits for the AWAIT gate/up programs of its own expert instead and reads h past L1, so that the
-    gate/up kernel's last programs and this kernel's first ones run together. COMBINE (the top-k, > 0): the
-    combine too, by the last of each column block's programs (_combine_last), into out [M, Dl]."""
+    gate/up kernel's last programs and this kernel's first ones run together."""
     pdl_prologue(PDL and AWAIT == 0)
     e, offs_n = _program(BN, ROWS_FIRST)
     start = tl.load(offs_ptr + e)
@@ -404,66 +402,59 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
         tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])
         m0 += BM
-    if COMBINE:
-        _combine_last(y_ptr, inv_ptr, out_ptr, arrive_ptr, M, stride_ym, stride_om, offs_n, ROWS_FIRST, COMBINE, BT)
-
-
-@triton.jit
-def _combine_last(y_ptr, inv_ptr, out_ptr, arrive_ptr, M, stride_ym, stride_om, offs_n, ROWS_FIRST: tl.constexpr,
-                  TOP_K: tl.constexpr, BT: tl.constexpr):
-    """Count this program in its column block's arrivals (every expert's program, empty or not, arrives once); the
-    last to arrive sums the block's columns of each token's local pairs into out, in moe_combine_kernel's order
-    (fixed: the same bits), reading y past L1 (stored by programs on other SMs)."""
-    blk = tl.program_id(0) if ROWS_FIRST else tl.program_id(1)
-    experts = tl.num_programs(1) if ROWS_FIRST else tl.num_programs(0)
-    tl.debug_barrier()  # every thread's rows of y stored before the release
-    if tl.atomic_add(arrive_ptr + blk, 1, sem="acq_rel") == experts - 1:
-        for t0 in range(0, M, BT):
-            offs_t = t0 + tl.arange(0, BT)
-            acc = tl.zeros((BT, offs_n.shape[0]), dtype=tl.float32)
-            for j in range(TOP_K):
-                pos = tl.load(inv_ptr + offs_t * TOP_K + j, mask=offs_t < M, other=-1)
-                acc += tl.load(y_ptr + pos[:, None] * stride_ym + offs_n[None, :], mask=(pos >= 0)[:, None],
-                               other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_t[:, None] * stride_om + offs_n[None, :], acc, mask=(offs_t < M)[:, None])
 
 
 @triton.jit
 def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
-                      zero_ptr=None, nzero=0, ZB: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      done_ptr=None, ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, marked inv -1 and left out of order). Its start is the count of smaller keys,
-    so the programs need nothing from each other; within an expert, pairs keep their order (a prefix sum), and a
-    block of pairs without one of its expert's costs no prefix sum.
-    ZB > 0: also zero zero[0:nzero] (the MoE kernels' counters: MoETactic.overlap's per expert, the fused
-    combine's per column block), ZB entries a program at most."""
+    so the programs need nothing from each other; within an expert, pairs keep their order (a prefix sum, taken
+    only on blocks that hold some of its pairs). P <= BLOCK: the pairs are read once.
+    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL)."""
     pdl_prologue(PDL)
     e = tl.program_id(0)
-    if ZB:
-        zi = e + tl.arange(0, ZB) * tl.num_programs(0)
-        tl.store(zero_ptr + zi, 0, mask=zi < nzero)
+    if ZERO_DONE:
+        if e < E:
+            tl.store(done_ptr + e, 0)
     offs = tl.arange(0, BLOCK)
-    start = 0
-    for c0 in range(0, P, BLOCK):  # pass 1: how many pairs sort before expert e
-        p = c0 + offs
-        key = tl.load(ids_ptr + p, mask=p < P, other=0) - expert_start
-        key = tl.where((key >= 0) & (key < E), key, E)
-        start += tl.sum(((key < e) & (p < P)).to(tl.int32), axis=0)
-    tl.store(offs_ptr + e, start)  # program E stores offsets[E], the count of local pairs
-    for c0 in range(0, P, BLOCK):  # pass 2: place expert e's pairs
-        p = c0 + offs
-        key = tl.load(ids_ptr + p, mask=p < P, other=0) - expert_start
-        key = tl.where((key >= 0) & (key < E), key, E)
-        hit = (key == e) & (p < P)
-        if e == E:
-            tl.store(inv_ptr + p, -1, mask=hit)
-        else:
-            n = tl.sum(hit.to(tl.int32), axis=0)
-            if n > 0:
-                pos = start + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-                tl.store(order_ptr + pos, p, mask=hit)
-                tl.store(inv_ptr + p, pos, mask=hit)
-                start += n
+    if P <= BLOCK:
+        key = _local_key(ids_ptr, offs, P, expert_start, E)
+        start = tl.sum((key < e).to(tl.int32), axis=0)
+        tl.store(offs_ptr + e, start)
+        _place(order_ptr, inv_ptr, offs, key, e, E, start)
+    else:
+        start = 0
+        for c0 in range(0, P, BLOCK):  # pass 1: how many pairs sort before expert e
+            start += tl.sum((_local_key(ids_ptr, c0 + offs, P, expert_start, E) < e).to(tl.int32), axis=0)
+        tl.store(offs_ptr + e, start)  # program E stores offsets[E], the count of local pairs
+        for c0 in range(0, P, BLOCK):  # pass 2: place expert e's pairs
+            start = _place(order_ptr, inv_ptr, c0 + offs, _local_key(ids_ptr, c0 + offs, P, expert_start, E), e,
+                           E, start)
+
+
+@triton.jit
+def _local_key(ids_ptr, p, P, expert_start, E):
+    """The local expert of pairs p (E: another rank's, or past P)."""
+    key = tl.load(ids_ptr + p, mask=p < P, other=0) - expert_start
+    return tl.where((key >= 0) & (key < E) & (p < P), key, E + (p >= P).to(tl.int32))
+
+
+@triton.jit
+def _place(order_ptr, inv_ptr, p, key, e, E, start):
+    """Store expert e's pairs among p from sorted position `start` on (program E: mark them inv -1); returns the
+    next position."""
+    hit = key == e
+    if e == E:
+        tl.store(inv_ptr + p, -1, mask=hit)
+    else:
+        n = tl.sum(hit.to(tl.int32), axis=0)
+        if n > 0:
+            pos = start + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(order_ptr + pos, p, mask=hit)
+            tl.store(inv_ptr + p, pos, mask=hit)
+            start += n
+    return start
 
 
 @triton.jit

@@ -31,7 +31,6 @@ CASES = {
     "all_local": (50, 4, 6, 6, 0, 256, 512),
     "none_local": (9, 4, 6, 30, 24, 256, 256),
     "k3_dims": (64, 16, 56, 896, 112, 3584, 3072),
-    "many_tokens": (600, 16, 56, 896, 112, 512, 256),  # past FUSED_COMBINE_MAX_TOKENS: the combine kernel again
 }
 
 
@@ -112,15 +111,14 @@ def test_deterministic():
 @pytest.mark.parametrize("over_name", ["decode_p", "decode_l"])
 @pytest.mark.parametrize("case", ["one_token", "ragged", "k3_dims"])
 def test_overlapped_down_equals_plain(case, over_name):
-    """MoETactic.overlap (the down kernel launched with PDL, each program awaiting its expert's gate/up programs) and
-    fused_combine (each column block's last down program sums the tokens' pairs) give the plain launches' bits,
-    replay after replay of one CUDA graph with new activations each time: a program that read its expert's h
-    before it was whole, y before all its pairs were stored, or an L1 line of the last replay's, would differ."""
+    """MoETactic.overlap (the down kernel launched with PDL, each program awaiting its expert's gate/up programs) gives
+    the plain launches' bits, replay after replay of one CUDA graph with new activations each time: a program that
+    read its expert's h before it was whole, or an L1 line of the last replay's, would differ."""
     from dataclasses import replace
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=11, empty=(1,))
     over = mt.TACTICS[over_name]
-    plain = replace(over, rows_first=False, overlap=False, fused_combine=False)
+    plain = replace(over, rows_first=False, overlap=False)
     a, b = mt.lay_out(plain, w13), mt.lay_out(plain, w2)
     sa, sb = mt.lay_out_scale(plain, s13), mt.lay_out_scale(plain, s2)
     z = mt.lay_out_input(over, z)

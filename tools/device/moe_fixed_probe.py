@@ -1,7 +1,6 @@
 """Where the lane MoE decode's fixed cost goes (device probe, JSON lines): `touched` experts with `tpe` tokens each
 on the rank's grid of 56, each launch's start and end (µs from the call's first kernel) inside CUDA-graph replays,
-medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes; for
-decode_l as it is and with the combine as a launch of its own (no fused_combine)."""
+medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 import torch  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from common import _flush_l2, emit, hbm_read_tbps, time_ms  # noqa: E402
 from k3plugins.moe import triton as mt  # noqa: E402
 from moe import DL, E, E_GLOBAL, E_START, TOP_K, make_weights  # noqa: E402
@@ -70,12 +68,11 @@ def main() -> None:
             ids = ids.clone()
             ids[:, 0] = 0
         z = mt.lay_out_input(t, z)
-        for name, tac in (("fused", t), ("separate", replace(t, fused_combine=False))):
-            fn = lambda tac=tac: mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=tac)
-            ms = time_ms(fn)
-            floor = touched * expert_bytes / (bw * 1e12) * 1e3
-            emit(bench="moe_fixed", variant=name, touched=touched, tpe=tpe, ms=round(ms, 4), floor_ms=round(floor, 4),
-                 of_floor=round(floor / ms, 3), timeline=graph_timeline(fn))
+        fn = lambda: mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
+        ms = time_ms(fn)
+        floor = touched * expert_bytes / (bw * 1e12) * 1e3
+        emit(bench="moe_fixed", touched=touched, tpe=tpe, ms=round(ms, 4), floor_ms=round(floor, 4),
+             of_floor=round(floor / ms, 3), timeline=graph_timeline(fn))
 
 
 if __name__ == "__main__":
