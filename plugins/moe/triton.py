@@ -323,6 +323,12 @@ def lay_out_scale(tactic: str | MoETactic, scale: torch.Tensor) -> torch.Tensor:
     return tile_scales(scale) if t.tiled else scale
 
 
+def lay_out_experts(tactic: str | MoETactic, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                    w2_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The experts' four tensors in the checkpoint's order -> the layout `tactic` reads (lay_out, lay_out_scale)."""
+    return lay_out(tactic, w13), lay_out_scale(tactic, w13_scale), lay_out(tactic, w2), lay_out_scale(tactic, w2_scale)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """MXFP4 [..., R, K/2] u8 + [..., R, K/32] u8 -> [..., R, K] `dtype` on the device (dequant-once tactic);
     exact for scale bytes up to W4_MAX_SCALE_BYTE."""

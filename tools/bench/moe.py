@@ -100,7 +100,7 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         t = mt.TACTICS[tactic] if isinstance(tactic, str) else tactic
         key = (t.strided, t.paired, t.lane, t.tiled)
         if key not in laid_out:
-            laid_out[key] = (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
+            laid_out[key] = mt.lay_out_experts(t, w13, s13, w2, s2)
         return laid_out[key]
     # the row-tiled layout's bytes read on the decode grid with no decode or MMA: how close this traffic can get,
     # and whether longer programs (several row blocks each) would get closer

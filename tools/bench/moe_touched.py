@@ -16,7 +16,7 @@ import torch
 from common import emit, rel_l2, time_ms
 from k3plugins.moe import triton as mt
 from k3plugins.moe.reference import moe_experts as moe_ref
-from moe import DL, E, E_GLOBAL, E_START, INTER, TOP_K, make_weights
+from moe import DL, E, E_GLOBAL, E_START, TOP_K, make_weights
 
 _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
@@ -42,7 +42,7 @@ def bench_moe_touched(bw_tbps: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, s13, w2, s2 = make_weights(gen)
     expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
-    laid = {lane: (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
+    laid = {lane: mt.lay_out_experts(t, w13, s13, w2, s2)
             for lane, t in ((False, _D), (True, mt.TACTICS["decode_l"]))}
     z, ids, tw = make_touched(7, gen)
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")

@@ -60,7 +60,7 @@ def main() -> None:
     w13, s13, w2, s2 = make_weights(gen)
     expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
     t = mt.TACTICS["decode_l"]
-    laid = (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
+    laid = mt.lay_out_experts(t, w13, s13, w2, s2)
     emit(bench="moe_fixed_env", hbm_read_tbps=round(bw, 3))
     for touched, tpe in ((0, 1), (8, 1), (24, 1), (56, 1), (24, 2), (56, 8)):
         z, ids, tw = tokens(max(touched, 1), tpe, gen)

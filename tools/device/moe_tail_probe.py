@@ -37,7 +37,7 @@ def main() -> None:
     w13, s13, w2, s2 = make_weights(gen)
     expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
     t = mt.TACTICS["decode_p"]
-    laid = (mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2), mt.lay_out_scale(t, s2))
+    laid = mt.lay_out_experts(t, w13, s13, w2, s2)
     for touched in (8, 24, 56):
         z, ids, tw = make_touched(touched, gen)
         spread = torch.randperm(E, generator=torch.Generator().manual_seed(touched))[:touched].to("cuda") + E_START
