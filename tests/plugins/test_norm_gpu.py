@@ -108,7 +108,8 @@ def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, split, fused_a
         assert ((a - b).abs() <= torch.maximum(3 * ulp, rms / 4096)).all(), (K, M, D, split, _bf16_ulps(a, b))
 
 
-@pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (2048, 16, 56, 112), (7, 4, 3, 5)])
+@pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (448, 16, 56, 112), (2048, 16, 56, 112),
+                                         (7, 4, 3, 5)])
 def test_sort_pairs_matches_a_stable_sort(M, k, E, start):
     g = torch.Generator(device="cuda").manual_seed(M)
     ids = torch.stack([torch.randperm(896, device="cuda", generator=g)[:k] for _ in range(M)]) % (E * 16)

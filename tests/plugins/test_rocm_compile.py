@@ -128,6 +128,8 @@ SPECS = {
                           dict(K=8, STACKED=False, CH=8192, BK=16, CHUNKS=14, BC=16, NORM=True)),
     "moe_sort_pairs": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
                                                    inv_ptr="*i32"), dict(BLOCK=4096)),
+    "moe_sort_pairs_8192": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
+                                                        inv_ptr="*i32"), dict(BLOCK=8192)),
     "moe_sort_pairs_done": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
                                                         inv_ptr="*i32", done_ptr="*i32"), dict(BLOCK=4096, ZERO_DONE=True)),
     "router_logits": (router.router_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16"), dict(BM=16, BE=32, BK=64)),

@@ -2,6 +2,7 @@
 # (MoETactic.fused_combine: each column block's last program sums it) and the sort without a prefix sum for
 # blocks that lack its expert: the GPU tests of the MoE and the sort, the fixed-cost probe (fused against the
 # combine kernel, one process), bench_plugins' moe and moe_touched.
+# Reproduces batch75 at commit 8c7d59f only: the fused combine and the probe's two variants were reverted after it.
 source tools/device/env.sh
 timeout 300 python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py tests/plugins/test_norm_gpu.py \
   -p no:cacheprovider --tb=short > $OUT/pytest.txt 2>&1

@@ -1,6 +1,6 @@
 """The MoE's pair sort alone (device probe, JSON lines): sort_pairs_kernel against the twenty-third session's
-(old_sort_pairs_kernel, copied here as it was), at a rank's decode sizes and bench_plugins' 8 tokens/expert,
-in blocks and warps around the host's choice; CUDA-graph medians, µs."""
+(old_sort_pairs_kernel, copied here as it was, less its PDL prologue), at a rank's decode sizes and
+bench_plugins' 8 tokens/expert, in blocks and warps around the host's choice; CUDA-graph medians, µs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from k3plugins.moe.triton_kernels import sort_pairs_kernel  # noqa: E402
 
 @triton.jit
 def old_sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
-                      done_ptr=None, ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
+                          done_ptr=None, ZERO_DONE: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, placed last with inv -1). Its start is the count of smaller keys, so the
     programs need nothing from each other; within an expert, pairs keep their order (a prefix sum).
@@ -57,8 +57,9 @@ def main() -> None:
         offs = torch.empty(E + 1, dtype=torch.int32, device="cuda")
         done = torch.empty(E, dtype=torch.int32, device="cuda")
         rec = dict(bench="moe_sort", M=M, P=P)
-        for block, warps in ((4096, 4), (8192, 4), (8192, 8), (8192, 16), (2048, 4), (1024, 4)):
-            block = min(block, triton.next_power_of_2(P))
+        configs = {(min(b, triton.next_power_of_2(P)), w)
+                   for b, w in ((4096, 4), (8192, 4), (8192, 8), (8192, 16), (2048, 4), (1024, 4))}
+        for block, warps in sorted(configs):
             for name, kern in (("new", sort_pairs_kernel), ("old", old_sort_pairs_kernel)):
                 run = lambda kern=kern, block=block, warps=warps: kern[(E + 1,)](
                     ids, order, offs, inv, P, start, E, BLOCK=block, done_ptr=done, ZERO_DONE=True, num_warps=warps)
