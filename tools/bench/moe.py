@@ -22,11 +22,12 @@ def make_weights(gen: torch.Generator):
     return w13, s13, w2, s2
 
 
-def make_tokens(tpe: int, gen: torch.Generator):
-    """tpe tokens on every local expert: slot 0 local, the other 15 slots on other ranks' experts."""
-    M = E * tpe
+def make_tokens(tpe: int, gen: torch.Generator, touched: int = E):
+    """tpe tokens on each of the first `touched` local experts (all of them by default): slot 0 local, the other
+    15 slots on other ranks' experts."""
+    M = touched * tpe
     z = torch.randn(M, DL, device="cuda", generator=gen).to(torch.bfloat16)
-    local = (torch.arange(M, device="cuda") % E) + E_START
+    local = (torch.arange(M, device="cuda") % touched) + E_START
     others = torch.randint(0, E_GLOBAL - E, (M, TOP_K - 1), device="cuda", generator=gen)
     others = torch.where(others >= E_START, others + E, others)
     ids = torch.cat([local[:, None], others], 1)

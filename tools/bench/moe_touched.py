@@ -16,7 +16,7 @@ import torch
 from common import emit, rel_l2, time_ms
 from k3plugins.moe import triton as mt
 from k3plugins.moe.reference import moe_experts as moe_ref
-from moe import DL, E, E_GLOBAL, E_START, TOP_K, make_weights
+from moe import E_START, make_tokens, make_weights
 
 _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
@@ -28,29 +28,19 @@ VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode
 }
 
 
-def make_touched(touched: int, gen: torch.Generator):
-    """`touched` tokens, token j's slot 0 on local expert j, its other 15 slots on other ranks' experts."""
-    z = torch.randn(touched, DL, device="cuda", generator=gen).to(torch.bfloat16)
-    local = torch.arange(touched, device="cuda") + E_START
-    others = torch.randint(0, E_GLOBAL - E, (touched, TOP_K - 1), device="cuda", generator=gen)
-    others = torch.where(others >= E_START, others + E, others)
-    w = torch.rand(touched, TOP_K, device="cuda", generator=gen)
-    return z, torch.cat([local[:, None], others], 1), w / w.sum(1, keepdim=True)
-
-
 def bench_moe_touched(bw_tbps: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, s13, w2, s2 = make_weights(gen)
     expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
     laid = {lane: mt.lay_out_experts(t, w13, s13, w2, s2)
             for lane, t in ((False, _D), (True, mt.TACTICS["decode_l"]))}
-    z, ids, tw = make_touched(7, gen)
+    z, ids, tw = make_tokens(1, gen, touched=7)
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
     for name, t in VARIANTS.items():
         out = mt.moe_experts(mt.lay_out_input(t, z), ids, tw, *laid[t.lane], expert_start=E_START, act="situ", tactic=t)
         emit(bench="moe_touched_check", variant=name, rel_l2=rel_l2(out, ref))
     for touched in (8, 16, 20, 22, 24, 26, 28, 32, 40, 48, 56):
-        z, ids, tw = make_touched(touched, gen)
+        z, ids, tw = make_tokens(1, gen, touched=touched)
         floor_ms = touched * expert_bytes / (bw_tbps * 1e12) * 1e3
         rec = dict(bench="moe_touched", touched=touched, floor_ms=round(floor_ms, 4))
         for name, t in VARIANTS.items():

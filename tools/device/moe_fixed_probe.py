@@ -13,17 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from common import _flush_l2, emit, hbm_read_tbps, time_ms  # noqa: E402
 from k3plugins.moe import triton as mt  # noqa: E402
-from moe import DL, E, E_GLOBAL, E_START, TOP_K, make_weights  # noqa: E402
-
-
-def tokens(touched: int, tpe: int, gen):
-    M = touched * tpe
-    z = torch.randn(M, DL, device="cuda", generator=gen).to(torch.bfloat16)
-    local = (torch.arange(M, device="cuda") % touched) + E_START
-    others = torch.randint(0, E_GLOBAL - E, (M, TOP_K - 1), device="cuda", generator=gen)
-    others = torch.where(others >= E_START, others + E, others)
-    w = torch.rand(M, TOP_K, device="cuda", generator=gen)
-    return z, torch.cat([local[:, None], others], 1), w / w.sum(1, keepdim=True)
+from moe import E_START, make_tokens, make_weights  # noqa: E402
 
 
 def graph_timeline(fn, replays: int = 15) -> list:
@@ -63,7 +53,7 @@ def main() -> None:
     laid = mt.lay_out_experts(t, w13, s13, w2, s2)
     emit(bench="moe_fixed_env", hbm_read_tbps=round(bw, 3))
     for touched, tpe in ((0, 1), (8, 1), (24, 1), (56, 1), (24, 2), (56, 8)):
-        z, ids, tw = tokens(max(touched, 1), tpe, gen)
+        z, ids, tw = make_tokens(tpe, gen, touched=max(touched, 1))
         if touched == 0:  # one token, no local expert
             ids = ids.clone()
             ids[:, 0] = 0

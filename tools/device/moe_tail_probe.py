@@ -14,8 +14,7 @@ import torch  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from common import emit, hbm_read_tbps, time_ms  # noqa: E402
 from k3plugins.moe import triton as mt  # noqa: E402
-from moe import E, E_START, make_weights  # noqa: E402
-from moe_touched import make_touched  # noqa: E402
+from moe import E, E_START, make_tokens, make_weights  # noqa: E402
 
 
 def timeline(fn) -> list:
@@ -39,7 +38,7 @@ def main() -> None:
     t = mt.TACTICS["decode_p"]
     laid = mt.lay_out_experts(t, w13, s13, w2, s2)
     for touched in (8, 24, 56):
-        z, ids, tw = make_touched(touched, gen)
+        z, ids, tw = make_tokens(1, gen, touched=touched)
         spread = torch.randperm(E, generator=torch.Generator().manual_seed(touched))[:touched].to("cuda") + E_START
         ids_spread = torch.cat([spread[:, None], ids[:, 1:]], 1)
         compact = tuple(x[:touched] for x in laid)
