@@ -336,6 +336,32 @@ def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, de
         node.fn = balanced
 
 
+def replay_timeline(replay, layer_window: tuple[int, int] = (700, 760)) -> dict:
+    """One profiled graph replay (after an unprofiled one): its span, the sum of its kernels' times (what is left is
+    gaps between launches), kernels grouped by name, and the launches in `layer_window` (a few layers mid-step) as
+    [name, µs from the window's first start, µs long]."""
+    from torch.profiler import ProfilerActivity, profile
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in ev)
+    groups: dict[str, list] = {}
+    for e in ev:
+        g = groups.setdefault(e.name[:70], [0, 0.0])
+        g[0] += 1
+        g[1] += e.time_range.end - e.time_range.start
+    window = ev[layer_window[0]:layer_window[1]]
+    t0 = window[0].time_range.start if window else 0
+    return {"launches": len(ev), "span_us": round(ev[-1].time_range.end - ev[0].time_range.start, 1),
+            "kernels_us": round(busy, 1),
+            "groups": sorted(([k, c, round(us, 1)] for k, (c, us) in groups.items()), key=lambda g: -g[2]),
+            "window": [[e.name[:40], round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1)]
+                       for e in window]}
+
+
 def floors(engine, cache, n: int, context: int, bw_bytes_per_ms: float) -> dict:
     cfg = engine.config["pretrained_config"]
     w = engine.weights
@@ -370,6 +396,9 @@ def main() -> None:
                     help="seconds of graph replays before each batch size is timed (GPU clocks and caches settle; "
                          "without it two processes run back to back differed by up to 1 ms, the second faster)")
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also profile one graph replay of each batch: kernels grouped by name (launches, µs), the "
+                         "replay's span against the sum of its kernels (the gaps), and the launches of one layer")
     ap.add_argument("--ncu-step", action="store_true",
                     help="run one more eager step of each batch between cudaProfilerStart and Stop, for Nsight Compute "
                          "started with --profile-from-start off (tools/device/batch29.sh)")
@@ -468,6 +497,8 @@ def main() -> None:
             graphs._stage(rows)
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
+            if args.timeline:
+                emit(bench="rank_timeline", batch=n, **replay_timeline(lambda: graphs.replay(rows)))
             if args.profile:
                 emit(bench="rank_profile", batch=n, top=top_kernels(lambda: executor.run(batch)))
             if args.ncu_step:

@@ -65,21 +65,11 @@ def _summed_logits(part_ptr, m, offs, mask, stride_ps, stride_pm, NUM_SPLITS: tl
 
 
 @triton.jit
-def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pm, scaling, NUM_SPLITS: tl.constexpr,
-                       TOP_K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       h_ptr=None, out_ptr=None, N_CAST=0, stride_h=0, stride_out=0, CAST: tl.constexpr = False,
-                       BC: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """One token a program: the TOP_K largest biased scores by one partial bitonic sort (tl.topk) of int64 keys
-    (the score's bits made order-preserving, then the index inverted so the lowest index wins a tie, as a
-    stable sort picks); the weights are the unbiased scores of those experts. CAST (MoEInProj, whose GEMM wrote
-    these logits as the last columns of fp32 rows h): also store the row's first N_CAST columns in out's dtype."""
-    pdl_prologue(PDL)
-    m = tl.program_id(0).to(tl.int64)  # MoEInProj's rows are N + E wide: m * stride_pm may pass 2^31
-    if CAST:
-        for c0 in range(0, N_CAST, BC):
-            cols = c0 + tl.arange(0, BC)
-            v = tl.load(h_ptr + m * stride_h + cols, mask=cols < N_CAST, other=0.0)
-            tl.store(out_ptr + m * stride_out + cols, v.to(out_ptr.dtype.element_ty), mask=cols < N_CAST)
+def _select(part_ptr, bias_ptr, ids_ptr, wts_ptr, m, E, stride_ps, stride_pm, scaling, NUM_SPLITS: tl.constexpr,
+            TOP_K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """Token m's TOP_K largest biased scores by one partial bitonic sort (tl.topk) of int64 keys (the score's bits
+    made order-preserving, then the index inverted so the lowest index wins a tie, as a stable sort picks); the
+    weights are the unbiased scores of those experts."""
     offs_e = tl.arange(0, BE)
     e_mask = offs_e < E
     choice = tl.sigmoid(_summed_logits(part_ptr, m, offs_e, e_mask, stride_ps, stride_pm, NUM_SPLITS))
@@ -94,6 +84,26 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
         wts = wts / (tl.sum(wts, 0) + 1e-20)
     tl.store(ids_ptr + m * TOP_K + rk, ids.to(tl.int64))
     tl.store(wts_ptr + m * TOP_K + rk, wts * scaling)
+
+
+@triton.jit
+def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pm, scaling, NUM_SPLITS: tl.constexpr,
+                       TOP_K: tl.constexpr, BE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                       h_ptr=None, out_ptr=None, N_CAST=0, stride_h=0, stride_out=0, CAST: tl.constexpr = False,
+                       BC: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Program (m, 0) selects token m's experts (_select). CAST (MoEInProj, whose GEMM wrote these logits as the
+    last columns of fp32 rows h): programs (m, c > 0) store columns [(c-1)·BC, c·BC) of the row's first N_CAST in
+    out's dtype, beside the selection instead of before it in the same program (a loop of dependent loads)."""
+    pdl_prologue(PDL)
+    m = tl.program_id(0).to(tl.int64)  # MoEInProj's rows are N + E wide: m * stride_pm may pass 2^31
+    c = tl.program_id(1)
+    if c == 0:
+        _select(part_ptr, bias_ptr, ids_ptr, wts_ptr, m, E, stride_ps, stride_pm, scaling, NUM_SPLITS, TOP_K, BE,
+                HAS_BIAS, RENORM)
+    elif CAST:
+        cols = (c - 1) * BC + tl.arange(0, BC)
+        v = tl.load(h_ptr + m * stride_h + cols, mask=cols < N_CAST, other=0.0)
+        tl.store(out_ptr + m * stride_out + cols, v.to(out_ptr.dtype.element_ty), mask=cols < N_CAST)
 
 
 def fits(x, gate_weight, top_k, num_expert_group, topk_group) -> tuple[bool, str]:
@@ -170,6 +180,9 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
                           splits=splits, num_warps=b.topk_warps)
 
 
+CAST_COLUMNS = 1024  # columns a cast program of the top-k launch stores
+
+
 def select_experts(part: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, renormalize: bool,
                    scaling_factor: float, splits: int = 1, num_warps: int = 8,
                    cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,10 +197,11 @@ def select_experts(part: torch.Tensor, correction_bias: torch.Tensor | None, *, 
     bias = correction_bias.float().contiguous() if correction_bias is not None else part
     h, out = cast if cast is not None else (None, None)
     n_cast = out.shape[1] if cast is not None else 0
-    router_topk_kernel[(M,)](part, bias, ids, wts, E, part.stride(0) if splits > 1 else 0, part.stride(-2),
+    bc = CAST_COLUMNS
+    router_topk_kernel[(M, 1 + triton.cdiv(n_cast, bc))](part, bias, ids, wts, E, part.stride(0) if splits > 1 else 0, part.stride(-2),
                              float(scaling_factor), NUM_SPLITS=splits, TOP_K=top_k, BE=triton.next_power_of_2(E),
                              HAS_BIAS=correction_bias is not None, RENORM=renormalize, h_ptr=h, out_ptr=out,
                              N_CAST=n_cast, stride_h=h.stride(0) if cast is not None else 0,
                              stride_out=out.stride(0) if cast is not None else 0, CAST=cast is not None,
-                             BC=min(1024, triton.next_power_of_2(max(n_cast, 1))), num_warps=num_warps, **pdl(part))
+                             BC=bc, num_warps=num_warps, **pdl(part))
     return ids, wts
