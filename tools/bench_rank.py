@@ -220,6 +220,14 @@ def _attn_res_single(executor):
     return lambda: setattr(ar, "use_split", choice)
 
 
+def _attn_res_two_launches(executor):
+    """AttnRes's split form in two launches (partials, then mix) at every size, not one synced launch."""
+    from k3plugins.attn_res import triton as ar
+    limit = ar.SYNCED_MAX_TOKENS
+    ar.SYNCED_MAX_TOKENS = 0
+    return lambda: setattr(ar, "SYNCED_MAX_TOKENS", limit)
+
+
 def _seventeenth_router_blocks(executor):
     from k3plugins.router import triton as router
     new = router.blocks_for
@@ -313,6 +321,8 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
+    "attn-res-two-launches": ("AttnRes's split form in two launches (partials, then mix), not one synced launch",
+                              _attn_res_two_launches),
     "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
                          "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
     "pdl": ("every Triton kernel launched with PDL (K3_PDL=1)", _pdl_everywhere),

@@ -1,0 +1,22 @@
+"""Counts in global memory by which the programs of Triton kernels wait for each other: a program signals after its
+stores (release: whoever sees the count sees them), another awaits a count (acquire: its loads after the wait see
+them). Used where one launch waits on part of another (the MoE decode's down kernel) or on its own other programs
+(AttnRes in one launch); the waiting programs must not keep the awaited ones from running (each user says why)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def signal_count(count_ptr):
+    """Add 1 to *count_ptr once every thread of this program has stored; returns the count before."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
+def await_count(count_ptr, n):
+    """Spin until *count_ptr >= n."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    while seen < n:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
