@@ -15,8 +15,16 @@ def signal_count(count_ptr):
 
 
 @triton.jit
-def await_count(count_ptr, n):
-    """Spin until *count_ptr >= n."""
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-    while seen < n:
+def await_count(count_ptr, n, LOADS: tl.constexpr = False):
+    """Spin until *count_ptr >= n: re-reading it by atomics (acquire); LOADS: by volatile loads, which do not queue
+    at L2's atomic unit behind the other waiters' reads, then one acquiring atomic (it reads the last of the
+    release sequence, so it sees every signaller's stores)."""
+    if LOADS:
+        seen = tl.load(count_ptr, volatile=True)
+        while seen < n:
+            seen = tl.load(count_ptr, volatile=True)
+        tl.atomic_add(count_ptr, 0, sem="acquire")
+    else:
         seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+        while seen < n:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire")

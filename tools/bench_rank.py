@@ -220,12 +220,15 @@ def _attn_res_single(executor):
     return lambda: setattr(ar, "use_split", choice)
 
 
-def _attn_res_two_launches(executor):
-    """AttnRes's split form in two launches (partials, then mix) at every size, not one synced launch."""
-    from k3plugins.attn_res import triton as ar
-    limit = ar.SYNCED_MAX_TOKENS
-    ar.SYNCED_MAX_TOKENS = 0
-    return lambda: setattr(ar, "SYNCED_MAX_TOKENS", limit)
+def _module_flag(module: str, name: str, value):
+    """A switch that sets a module global of k3plugins for the capture (the plugins read it at each call)."""
+    def flip(executor):
+        import importlib
+        mod = importlib.import_module(f"k3plugins.{module}")
+        old = getattr(mod, name)
+        setattr(mod, name, value)
+        return lambda: setattr(mod, name, old)
+    return flip
 
 
 def _seventeenth_router_blocks(executor):
@@ -322,7 +325,11 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
     "attn-res-two-launches": ("AttnRes's split form in two launches (partials, then mix), not one synced launch",
-                              _attn_res_two_launches),
+                              _module_flag("attn_res.triton", "SYNCED_MAX_TOKENS", 0)),
+    "attn-res-atomic-poll": ("the synced AttnRes waits by atomics, not loads",
+                             _module_flag("attn_res.triton", "SYNCED_POLL_LOADS", False)),
+    "attn-res-two-waits": ("the synced AttnRes's norm by a second wait for the chunks' sums of squares, not the Gram "
+                           "matrices", _module_flag("attn_res.triton", "SYNCED_GRAM", False)),
     "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
                          "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
     "pdl": ("every Triton kernel launched with PDL (K3_PDL=1)", _pdl_everywhere),

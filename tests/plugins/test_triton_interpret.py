@@ -298,7 +298,7 @@ def _attn_res_norm_case(ar, ar_ref, norm, partial, blocks, proj, nw, delta, g) -
         rel += [_rel(got, want)]
         rel_d += [_rel(got_d, want_d)]
         unfused = norm.rms_norm(mixed, ow, eps=1e-5), norm.rms_norm(mixed_d, ow, eps=1e-5)
-        if synced:  # the row's sum of squares added chunk by chunk: the norm's scale may differ in its last bit
+        if synced:  # the row's sum of squares in another order: the norm's scale may differ in its last bits
             ulps = max(ulps, _ulps(got, unfused[0]), _ulps(got_d, unfused[1]))
         else:
             exact &= torch.equal(got, unfused[0]) and torch.equal(got_d, unfused[1])
@@ -573,9 +573,10 @@ def test_attn_res_out_norm_interpreted(results, dtype, tol, k):
     r = results[f"attnres-norm-{dtype}-{k}"]
     assert r["dtype_ok"] and r["rel"] < tol and r["rel_delta"] < tol and r["sum_exact"], r
     assert r["unfused_exact"], r  # the mix stored, then the RMSNorm kernel: the same values
-    # the synced form adds the row's sum of squares chunk by chunk: the norm's scale moves by a few fp32 ulps, which
-    # an fp32 output shows and an fp16 one absorbs but at a rounding edge
-    assert r["synced_ulps"] <= (8 if dtype == "float32" else 1), r
+    # the synced form takes the row's sum of squares from the chunks' Gram matrices (of the unrounded output; a
+    # second wait adds the chunks' sums of squares instead, SYNCED_GRAM False): the norm's scale moves by a few fp32
+    # ulps, which an fp32 output shows, and an fp16 one at a rounding edge, once more after the weight
+    assert r["synced_ulps"] <= (8 if dtype == "float32" else 2), r
 
 
 @pytest.mark.parametrize("case", ["5-96-8", "17-64-4", "1-40-16"])
