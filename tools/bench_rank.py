@@ -220,17 +220,6 @@ def _attn_res_single(executor):
     return lambda: setattr(ar, "use_split", choice)
 
 
-def _module_flag(module: str, name: str, value):
-    """A switch that sets a module global of k3plugins for the capture (the plugins read it at each call)."""
-    def flip(executor):
-        import importlib
-        mod = importlib.import_module(f"k3plugins.{module}")
-        old = getattr(mod, name)
-        setattr(mod, name, value)
-        return lambda: setattr(mod, name, old)
-    return flip
-
-
 def _seventeenth_router_blocks(executor):
     from k3plugins.router import triton as router
     new = router.blocks_for
@@ -324,12 +313,6 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
-    "attn-res-two-launches": ("AttnRes's split form in two launches (partials, then mix), not one synced launch",
-                              _module_flag("attn_res.triton", "SYNCED_MAX_TOKENS", 0)),
-    "attn-res-atomic-poll": ("the synced AttnRes waits by atomics, not loads",
-                             _module_flag("attn_res.triton", "SYNCED_POLL_LOADS", False)),
-    "attn-res-two-waits": ("the synced AttnRes's norm by a second wait for the chunks' sums of squares, not the Gram "
-                           "matrices", _module_flag("attn_res.triton", "SYNCED_GRAM", False)),
     "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
                          "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
     "pdl": ("every Triton kernel launched with PDL (K3_PDL=1)", _pdl_everywhere),

@@ -19,7 +19,6 @@ Two ways to turn MXFP4 into MMA operands (constexpr W4):
 import triton
 import triton.language as tl
 
-from k3plugins.counts import await_count, signal_count
 from k3plugins.mlp.triton import glu_act
 from k3plugins.moe import mxfp4
 from k3plugins.pdl import pdl_prologue
@@ -173,7 +172,7 @@ def _paired_dot(acc, w, s, xT_ptrs, x_mask, k0, BN: tl.constexpr, DTYPE: tl.cons
     packed two a column ([BN, 4]) and taken out by masked row reductions: in the sm_90 SASS, per-column loads or a
     split per sub-block instead put the scales in a layout that costs a byte permute per operand register, and
     packing halves the reductions (2.99 instructions a weight in the gate/up loop, against 3.04 unpacked).
-    L2_ONLY: the activations are read past L1 (written by programs still running: await_count).
+    L2_ONLY: the activations are read past L1 (written by programs still running: _await_rows).
 
     LANE: weights in lane_mxfp4's layout, the same bits on K permuted (mxfp4.LANE_ORDER) so that in the MMA's
     operand layout, lane q of each quad holds K from scale groups 2q and 2q + 1 only (sub-blocks 0-1 and 2-3). Each
@@ -251,6 +250,22 @@ def _program(BN: tl.constexpr, ROWS_FIRST: tl.constexpr):
     if ROWS_FIRST:
         return tl.program_id(1), tl.program_id(0) * BN + tl.arange(0, BN)
     return tl.program_id(0), tl.program_id(1) * BN + tl.arange(0, BN)
+
+
+@triton.jit
+def _signal_rows(done_ptr, e):
+    """This program's rows of expert e are stored: count it in done[e] (a release after the whole program's stores,
+    so that a program that sees the count also sees the rows)."""
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr + e, 1, sem="release")
+
+
+@triton.jit
+def _await_rows(done_ptr, e, programs):
+    """Wait until `programs` programs of the previous kernel have signalled expert e (_signal_rows)."""
+    seen = tl.atomic_add(done_ptr + e, 0, sem="acquire")
+    while seen < programs:
+        seen = tl.atomic_add(done_ptr + e, 0, sem="acquire")
 
 
 @triton.jit
@@ -338,7 +353,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
         tl.store(h_ptrs, a.to(h_ptr.dtype.element_ty), mask=p_mask[None, :])
         m0 += BM
     if SIGNAL and end > start:
-        signal_count(done_ptr + e)
+        _signal_rows(done_ptr, e)
 
 
 @triton.jit
@@ -357,7 +372,7 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
     end = tl.load(offs_ptr + e + 1)
     if AWAIT:
         if end > start:
-            await_count(done_ptr + e, AWAIT)
+            _await_rows(done_ptr, e, AWAIT)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2
     RK: tl.constexpr = 1 if STRIDED == 2 or STRIDED == 4 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)

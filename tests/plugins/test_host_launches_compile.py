@@ -41,8 +41,6 @@ def _launches(monkeypatch, run, gpu_pdl: bool) -> list:
     monkeypatch.setattr(pdl, "_supported", lambda index: gpu_pdl)
     from k3plugins.kda import fla
     monkeypatch.setattr(fla, "_sm_count", lambda device: 132 if gpu_pdl else 0)  # the fused decode's register cap
-    from k3plugins.attn_res import triton as ar
-    monkeypatch.setattr(ar, "_side_by_side", lambda t: True)  # the synced form's one launch, as on a GPU
     run()
     return calls
 
@@ -83,14 +81,14 @@ def _moe_decode(tactic: str, **changes):
     return run
 
 
-def _attn_res(split: int, delta: bool, norm: bool, synced: bool | None = None):
+def _attn_res(split: int, delta: bool, norm: bool):
     from k3plugins.attn_res import triton as ar
 
     def run():
         M, D, K = 3, 1024, 4
         x = lambda: torch.randn(M, D).to(torch.bfloat16)  # noqa: E731
         ar.attn_res(x(), [x() for _ in range(K)], torch.randn(D), torch.ones(D), eps=1e-6, split=split,
-                    synced=synced, delta=x() if delta else None, out_norm=torch.ones(D, dtype=torch.bfloat16) if norm else None)
+                    delta=x() if delta else None, out_norm=torch.ones(D, dtype=torch.bfloat16) if norm else None)
     return run
 
 
@@ -188,9 +186,7 @@ CASES = {
     "moe decode_l": _moe_decode("decode_l"),
     "moe prefill_l": _moe_decode("prefill_l"),
     **{f"attn_res split{s} delta{int(d)} norm{int(n)}": _attn_res(s, d, n)
-       for s in (0, 512) for d in (False, True) for n in (False, True)},  # split 512: in one launch (synced)
-    **{f"attn_res split512 two launches delta{int(d)} norm{int(n)}": _attn_res(512, d, n, synced=False)
-       for d in (False, True) for n in (False, True)},
+       for s in (0, 512) for d in (False, True) for n in (False, True)},
 }
 
 

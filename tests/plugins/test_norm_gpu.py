@@ -43,30 +43,24 @@ def test_glu_matches_reference(M, inter, act):
         assert _rel(got, want) < 8e-3  # bf16 output rounding
 
 
-# (split, synced): one program a token; the split form in two launches; in one launch (its programs wait for each
-# other; taken up to SYNCED_MAX_TOKENS tokens)
-FORMS = {"single": (0, None), "split": (ar.SPLIT_CHUNK, False), "synced": (ar.SPLIT_CHUNK, True)}
-
-
 @pytest.mark.parametrize("K", [0, 1, 8, 11])
 @pytest.mark.parametrize("M,D", [(1, 7168), (128, 7168), (3, 96)])
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_attn_res_matches_reference(K, M, D, form):
+@pytest.mark.parametrize("split", [0, ar.SPLIT_CHUNK])
+def test_attn_res_matches_reference(K, M, D, split):
     """Snapshots as the executor passes them (K separate tensors, read in place; 11 are stacked) and stacked; one
-    program a token, or the split form (D 96: one part-masked chunk) in two launches or one."""
-    split, synced = FORMS[form]
+    program a token, or the split form (D 96: one part-masked chunk)."""
     g = torch.Generator(device="cuda").manual_seed(K * 1000 + M)
     partial = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
     blocks = [torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(K)]
     proj, nw = torch.randn(D, device="cuda", generator=g) * D ** -0.5, torch.ones(D, device="cuda")
     want = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6)
-    for snapshots in (blocks, torch.stack(blocks) if K else torch.empty(0, M, D, device="cuda", dtype=torch.bfloat16)):
-        got = ar.attn_res(partial, snapshots, proj, nw, eps=1e-6, split=split, synced=synced)
+    for form in (blocks, torch.stack(blocks) if K else torch.empty(0, M, D, device="cuda", dtype=torch.bfloat16)):
+        got = ar.attn_res(partial, form, proj, nw, eps=1e-6, split=split)
         assert got.dtype == torch.bfloat16 and _rel(got, want) < 8e-3, (K, M, D, split)
     # the residual add fused: the same mix of partial + delta, and exactly the separate add's running sum
     delta = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
     want_d, want_sum = ar_ref.attn_res(partial, blocks, proj, nw, eps=1e-6, delta=delta)
-    got_d, got_sum = ar.attn_res(partial, blocks, proj, nw, eps=1e-6, split=split, synced=synced, delta=delta)
+    got_d, got_sum = ar.attn_res(partial, blocks, proj, nw, eps=1e-6, split=split, delta=delta)
     assert torch.equal(got_sum, want_sum) and _rel(got_d, want_d) < 8e-3, (K, M, D, split)
 
 
@@ -80,8 +74,8 @@ def _bf16_ulps(a, b):
 @pytest.mark.parametrize("fused_add", [False, True], ids=["plain", "delta"])
 @pytest.mark.parametrize("K", [0, 1, 8, 11])
 @pytest.mark.parametrize("M,D", [(1, 7168), (128, 7168), (3, 96)])
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, form, fused_add):
+@pytest.mark.parametrize("split", [0, ar.SPLIT_CHUNK])
+def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, split, fused_add):
     """The next RMSNorm fused (out_norm) vs the reference, and vs the unfused launches (the mix stored, then the
     RMSNorm kernel) within 3 bf16 ulps of each value, or 2^-12 of the row's RMS near zero. The split form's fused
     mix (one program a token) sums the chunks' partial scores in another order than the chunked mix, so a mix value
@@ -89,7 +83,6 @@ def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, form, fused_ad
     again (H200, nineteenth session: 103 of 917504 values differ at 128 tokens and 8 snapshots, by 1-2 ulps; the
     single form and one token: none). That comparison takes power-of-two weights, exact to apply. The running sum
     is exact."""
-    split, synced = FORMS[form]
     g = torch.Generator(device="cuda").manual_seed(K * 1000 + M + 7)
     partial = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
     blocks = [torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(K)]
@@ -97,8 +90,8 @@ def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, form, fused_ad
     delta = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16) if fused_add else None
     weight = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
     pow2 = torch.exp2(torch.randint(-1, 2, (D,), device="cuda", generator=g).float()).to(torch.bfloat16)
-    kw = dict(eps=1e-6, delta=delta, synced=synced)
-    want = ar_ref.attn_res(partial, blocks, proj, nw, out_norm=weight, out_eps=1e-5, eps=1e-6, delta=delta)
+    kw = dict(eps=1e-6, delta=delta)
+    want = ar_ref.attn_res(partial, blocks, proj, nw, out_norm=weight, out_eps=1e-5, **kw)
     got = ar.attn_res(partial, blocks, proj, nw, out_norm=weight, out_eps=1e-5, split=split, **kw)
     got_pow2 = ar.attn_res(partial, blocks, proj, nw, out_norm=pow2, out_eps=1e-5, split=split, **kw)
     mixed = ar.attn_res(partial, blocks, proj, nw, split=split, **kw)
@@ -113,29 +106,6 @@ def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, form, fused_ad
         ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(1e-30))) - 7)
         rms = b.pow(2).mean(-1, keepdim=True).sqrt()
         assert ((a - b).abs() <= torch.maximum(3 * ulp, rms / 4096)).all(), (K, M, D, split, _bf16_ulps(a, b))
-
-
-def test_attn_res_synced_replays_leave_counts_zero():
-    """The one-launch form in a CUDA graph replayed 200 times (8 snapshots, the residual add and the norm fused, at
-    the engine's largest synced size): every replay gives the bits of the eager call, none hangs, and each launch
-    leaves its counts at zero for the next."""
-    M, D, K = ar.SYNCED_MAX_TOKENS, 7168, 8
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = lambda: torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
-    partial, blocks, delta = x(), [x() for _ in range(K)], x()
-    proj, nw, ow = torch.randn(D, device="cuda", generator=g) * D ** -0.5, torch.ones(D, device="cuda"), \
-        torch.ones(D, device="cuda", dtype=torch.bfloat16)
-    call = lambda: ar.attn_res(partial, blocks, proj, nw, eps=1e-6, delta=delta, out_norm=ow, synced=True)  # noqa
-    want, want_sum = call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, total = call()
-    for _ in range(200):
-        out.zero_()
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want) and torch.equal(total, want_sum)
-    assert not ar._COUNTS[partial.device].any()
 
 
 @pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (448, 16, 56, 112), (2048, 16, 56, 112),

@@ -1,5 +1,5 @@
 """Attention residuals of a decode step (bench_plugins --only attn_res): one program a token against the split
-form in two launches and in one (synced), and the torch reference, against the bytes floor (the K snapshots and the running sum read, the output
+form, and the torch reference, against the bytes floor (the K snapshots and the running sum read, the output
 written). K3: D 7168, up to 8 snapshots."""
 
 from __future__ import annotations
@@ -30,22 +30,9 @@ def bench_attn_res(bw_tbps: float, sweep: bool) -> None:
                 rec = dict(bench="attn_res", M=M, K=K, D=D, norm=norm is not None, floor_ms=round(floor_ms, 5),
                            torch_ref_ms=round(time_ms(lambda: ref.attn_res(partial, blocks, proj, nw, **kw)), 4))
                 chunks = (0, ar.SPLIT_CHUNK) + ((256, 1024) if sweep else ())
-                forms = [(split, False, {}) for split in chunks] + [(ar.SPLIT_CHUNK, True, {})]
-                if sweep:  # the synced form's waits by atomics; its norm by a second wait
-                    forms += [(ar.SPLIT_CHUNK, True, {"SYNCED_POLL_LOADS": False}),
-                              (ar.SPLIT_CHUNK, True, {"SYNCED_GRAM": False})]
-                for split, synced, flags in forms:
-                    def fn(split=split, synced=synced, flags=flags):
-                        saved = {k: getattr(ar, k) for k in flags}
-                        for k, v in flags.items():
-                            setattr(ar, k, v)
-                        try:
-                            return ar.attn_res(partial, blocks, proj, nw, split=split, synced=synced, **kw)
-                        finally:
-                            for k, v in saved.items():
-                                setattr(ar, k, v)
-                    name = ("synced" + "".join("_" + k[7:].lower() + str(int(v)) for k, v in flags.items())
-                            if synced else f"split{split}" if split else "token")
+                for split in chunks:
+                    fn = lambda split=split: ar.attn_res(partial, blocks, proj, nw, split=split, **kw)  # noqa: E731
+                    name = f"split{split}" if split else "token"
                     t = time_ms(fn)
                     rec[f"{name}_ms"] = round(t, 4)
                     rec[f"{name}_frac_of_floor"] = round(floor_ms / t, 3)
