@@ -1,3 +1,4 @@
+# Record only: the switches and the synced AttnRes it ran were reverted after this run (BENCHMARKS.md, twenty-fifth session).
 # Eighty-second device batch (twenty-fifth session): AttnRes's split form in one launch (attn_res_synced_kernel)
 # and the router top-k's cast in programs of its own: their GPU tests, then the rank with --ab
 # attn-res-two-launches (one process) and one profiled graph replay (--timeline).

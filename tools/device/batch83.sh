@@ -1,3 +1,4 @@
+# Record only: the switches and the synced AttnRes it ran were reverted after this run (BENCHMARKS.md, twenty-fifth session).
 # Eighty-third device batch (twenty-fifth session): the synced AttnRes with its waits polled by loads and its norm
 # from the Gram matrices (one wait): GPU tests, the op's forms side by side (bench_plugins --only attn_res
 # --sweep), and the rank with each change undone in one process (--ab).

@@ -1,0 +1,82 @@
+"""The rank's decode GEMMs by other routes than the engine's (device probe, JSON lines): cuBLAS through torch as the
+engine calls it, the transposed product, cuBLAS against cuBLASLt, and a split-K Triton kernel that leaves fp32
+partials for the consumer to sum (no reduce launch), each against the weight-bytes floor, in CUDA graphs with L2
+flushed (common.time_ms)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from common import emit, hbm_read_tbps, time_ms  # noqa: E402
+
+
+@triton.jit
+def split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """part[s, :M, n-block] = x[:, k-range] @ w[n-block, k-range]ᵀ (weights as the MMA's M side)."""
+    pn, ps = tl.program_id(0), tl.program_id(1)
+    rn = pn * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BN, BM), tl.float32)
+    for i in range(0, K_SPLIT // BK):
+        k = ps * K_SPLIT + i * BK
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + (k + rk)[None, :])
+        xT = tl.load(x_ptr + rm[None, :] * K + (k + rk)[:, None], mask=(rm < M)[None, :], other=0.0)
+        acc = tl.dot(w, xT, acc)
+    tl.store(part_ptr + (ps * M + rm[None, :]) * N + rn[:, None], acc, mask=(rm < M)[None, :])
+
+
+def split_k(x, w, splits, bn, bk, warps, stages):
+    M, K = x.shape
+    N = w.shape[0]
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    split_k_kernel[(N // bn, splits)](x, w, part, M, N, K, K // splits, BM=max(16, triton.next_power_of_2(M)), BN=bn,
+                                      BK=bk, num_warps=warps, num_stages=stages)
+    return part
+
+
+def main() -> None:
+    bw = hbm_read_tbps()
+    emit(bench="gemm_probe_env", hbm_read_tbps=round(bw, 3))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for N, K in ((5248, 7168), (3264, 7168), (2880, 7168), (7168, 768), (7168, 608)):
+        w = (torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).to(torch.bfloat16)
+        floor_ms = w.nbytes / (bw * 1e12) * 1e3
+        for M in (32, 64):
+            x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
+            want = x.float() @ w.float().T
+            rec = dict(bench="gemm_probe", N=N, K=K, M=M, floor_us=round(floor_ms * 1e3, 2))
+            rec["torch_us"] = time_ms(lambda: x @ w.T) * 1e3
+            rec["torch_f32out_us"] = time_ms(lambda: torch.mm(x, w.t(), out_dtype=torch.float32)) * 1e3
+            rec["transposed_us"] = time_ms(lambda: w @ x.T) * 1e3
+            for lib in ("cublas", "cublaslt"):
+                old = torch.backends.cuda.preferred_blas_library()
+                torch.backends.cuda.preferred_blas_library(lib)
+                rec[f"{lib}_us"] = time_ms(lambda: x @ w.T) * 1e3
+                torch.backends.cuda.preferred_blas_library(old)
+            best = None
+            for splits in (2, 4):
+                for bn, bk, warps, stages in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4)):
+                    if N % bn or K % (splits * bk) or (K // splits) // bk < 2:
+                        continue
+                    fn = lambda: split_k(x, w, splits, bn, bk, warps, stages)  # noqa: E731
+                    err = ((fn().sum(0) - want).norm() / want.norm()).item()
+                    t = time_ms(fn) * 1e3
+                    if best is None or t < best[0]:
+                        best = (t, dict(splits=splits, bn=bn, bk=bk, warps=warps, stages=stages), err)
+            if best:
+                rec["triton_splitk_us"], rec["triton_cfg"], rec["triton_rel"] = best[0], best[1], best[2]
+                rec["triton_of_floor"] = round(rec["floor_us"] / best[0], 3)
+            rec = {k: round(v, 2) if isinstance(v, float) and k.endswith("_us") else v for k, v in rec.items()}
+            rec["torch_of_floor"] = round(rec["floor_us"] / rec["torch_us"], 3)
+            emit(**rec)
+
+
+if __name__ == "__main__":
+    main()
