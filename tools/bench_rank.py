@@ -220,6 +220,28 @@ def _attn_res_single(executor):
     return lambda: setattr(ar, "use_split", choice)
 
 
+def _module_flag(module: str, name: str, value):
+    """A switch that sets a module global of k3plugins while its graphs are captured (the plugins read it at each
+    call)."""
+    def flip(executor):
+        import importlib
+        mod = importlib.import_module(f"k3plugins.{module}")
+        old = getattr(mod, name)
+        setattr(mod, name, value)
+        return lambda: setattr(mod, name, old)
+    return flip
+
+
+def _attn_res_chunk(values: int):
+    """A switch: AttnRes's split form in chunks of `values` wherever use_split takes it."""
+    def flip(executor):
+        from k3plugins.attn_res import triton as ar
+        choice = ar.use_split
+        ar.use_split = lambda M, K: values if choice(M, K) else 0
+        return lambda: setattr(ar, "use_split", choice)
+    return flip
+
+
 def _seventeenth_router_blocks(executor):
     from k3plugins.router import triton as router
     new = router.blocks_for
@@ -313,6 +335,14 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
+    "attn-res-chunk256": ("AttnRes's split form in chunks of 256 values, not 512", _attn_res_chunk(256)),
+    "attn-res-mix-warps4": ("the AttnRes mix with the norm fused in 4 warps, not 8",
+                            _module_flag("attn_res.triton", "NORM_MIX_WARPS", 4)),
+    "attn-res-mix-warps16": ("the AttnRes mix with the norm fused in 16 warps, not 8",
+                             _module_flag("attn_res.triton", "NORM_MIX_WARPS", 16)),
+    "topk-warps4": ("MoEInProj's top-k launch in 4 warps, not 8", _module_flag("router.triton", "SELECT_WARPS", 4)),
+    "topk-cast512": ("MoEInProj's top-k launch casting 512 columns a program, not 1024",
+                     _module_flag("router.triton", "CAST_COLUMNS", 512)),
     "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
                          "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
     "pdl": ("every Triton kernel launched with PDL (K3_PDL=1)", _pdl_everywhere),

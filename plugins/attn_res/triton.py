@@ -189,6 +189,7 @@ def attn_res_mix_kernel(partial_ptr, b0_ptr, b1_ptr, b2_ptr, b3_ptr, b4_ptr, b5_
 
 
 SPLIT_CHUNK = 512  # values of D a one-warp program takes in the split form (16 a thread)
+NORM_MIX_WARPS = 8  # warps of the split form's mix with the norm fused (one program a token)
 
 
 def use_split(M: int, K: int) -> int:
@@ -255,7 +256,7 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
         attn_res_partials_kernel[(M, chunks)](partial, *ptrs, proj, norm_weight, part, *strides, K=K, STACKED=many,
                                               CH=split, BK=bk, **fused, num_warps=1, **pdl(partial))
         # the norm needs the whole row: then one program of eight warps a token mixes every chunk
-        mix_chunks, mix_ch, mix_warps = (1, bd, 8) if normed else (chunks, split, 1)
+        mix_chunks, mix_ch, mix_warps = (1, bd, NORM_MIX_WARPS) if normed else (chunks, split, 1)
         attn_res_mix_kernel[(M, mix_chunks)](total if fused else partial, *ptrs, part, out, *strides, out.stride(0),
                                              float(eps), K=K, STACKED=many, CH=mix_ch, BK=bk, CHUNKS=chunks,
                                              BC=triton.next_power_of_2(chunks), **normed, num_warps=mix_warps,

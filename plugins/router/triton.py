@@ -181,10 +181,11 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
 
 
 CAST_COLUMNS = 1024  # columns a cast program of the top-k launch stores
+SELECT_WARPS = 8  # the top-k launch's warps when its caller names none (MoEInProj)
 
 
 def select_experts(part: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, renormalize: bool,
-                   scaling_factor: float, splits: int = 1, num_warps: int = 8,
+                   scaling_factor: float, splits: int = 1, num_warps: int | None = None,
                    cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k launch: fp32 logits as `splits` partials [splits, M, E] (route's logits kernel), or as a [M, E]
     view with any row stride (splits 1). cast (h, out): the same launch stores h[:, :N] into out [M, N] in out's
@@ -203,5 +204,5 @@ def select_experts(part: torch.Tensor, correction_bias: torch.Tensor | None, *, 
                              HAS_BIAS=correction_bias is not None, RENORM=renormalize, h_ptr=h, out_ptr=out,
                              N_CAST=n_cast, stride_h=h.stride(0) if cast is not None else 0,
                              stride_out=out.stride(0) if cast is not None else 0, CAST=cast is not None,
-                             BC=bc, num_warps=num_warps, **pdl(part))
+                             BC=bc, num_warps=num_warps or SELECT_WARPS, **pdl(part))
     return ids, wts
