@@ -343,6 +343,10 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "topk-warps4": ("MoEInProj's top-k launch in 4 warps, not 8", _module_flag("router.triton", "SELECT_WARPS", 4)),
     "topk-cast512": ("MoEInProj's top-k launch casting 512 columns a program, not 1024",
                      _module_flag("router.triton", "CAST_COLUMNS", 512)),
+    "topk-cast-rows": ("MoEInProj's top-k launch casting a whole row a program at every size",
+                       _module_flag("router.triton", "CAST_SPLIT_MAX_TOKENS", 0)),
+    "topk-cast-chunks": ("MoEInProj's top-k launch casting 1024 columns a program at every size",
+                         _module_flag("router.triton", "CAST_SPLIT_MAX_TOKENS", 1 << 30)),
     "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
                          "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
     "pdl": ("every Triton kernel launched with PDL (K3_PDL=1)", _pdl_everywhere),

@@ -140,6 +140,9 @@ SPECS = {
     # MoEInProj: the logits are a column view of the fp32 GEMM row, the rest of the row cast to bf16
     "router_topk_cast": (router.router_topk_kernel, dict(ids_ptr="*i64", h_ptr="*fp32", out_ptr="*bf16"),
                          dict(NUM_SPLITS=1, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True, CAST=True, BC=1024)),
+    # past CAST_SPLIT_MAX_TOKENS tokens: a whole row of the latent MoE's 4352 columns a cast program
+    "router_topk_cast_row": (router.router_topk_kernel, dict(ids_ptr="*i64", h_ptr="*fp32", out_ptr="*bf16"),
+                             dict(NUM_SPLITS=1, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True, CAST=True, BC=8192)),
 }
 _FLOATS = {"beta", "linear_beta", "sm_scale", "scale", "lower_bound", "eps", "out_eps", "scaling"}
 TARGETS = {"gfx942": GPUTarget("hip", "gfx942", 64), "sm90": GPUTarget("cuda", 90, 32)}

@@ -373,10 +373,12 @@ def _router_cases() -> dict:
 
 def _moe_in_cases() -> dict:
     """MoEInProj's top-k launch with its cast (the rest of each fp32 row to the activation dtype) against the
-    reference: fp32 and fp16, E not a power of two, a row wider than one cast block, no tokens. On the CPU the GEMM
+    reference: fp32 and fp16, E not a power of two, a row wider than one cast block (and a row a program), no
+    tokens. On the CPU the GEMM
     is the reference's own fp32 matmul; the cuBLAS fp32-out GEMM is tested on the GPU (test_moe_in_gpu.py)."""
     from k3plugins.moe_in import reference as ref
     from k3plugins.moe_in import triton as mi
+    from k3plugins.router import triton as router
     g = torch.Generator().manual_seed(9)
     res = {}
     for dtype in (torch.float32, torch.float16):
@@ -389,9 +391,14 @@ def _moe_in_cases() -> dict:
         ids_r, wts_r, zh_r = ref.moe_in_proj(x, w, b, **kw)
         (ids, o), (ids_r, o_r) = ids.sort(1), ids_r.sort(1)
         empty = mi.moe_in_proj(x[:0], w, b, **kw)
+        split_max, router.CAST_SPLIT_MAX_TOKENS = router.CAST_SPLIT_MAX_TOKENS, 0  # a whole row a cast program
+        try:
+            zh_rows = mi.moe_in_proj(x, w, b, **kw)[2]
+        finally:
+            router.CAST_SPLIT_MAX_TOKENS = split_max
         res[f"moe-in-{str(dtype)[6:]}"] = {"ids_equal": bool(torch.equal(ids, ids_r)),
                                            "rel": _rel(wts.gather(1, o), wts_r.gather(1, o_r)),
-                                           "zh_equal": bool(torch.equal(zh, zh_r)),
+                                           "zh_equal": bool(torch.equal(zh, zh_r) and torch.equal(zh_rows, zh_r)),
                                            "empty_ok": [tuple(t.shape) for t in empty] == [(0, 8), (0, 8), (0, N)]}
     return res
 
