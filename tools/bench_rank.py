@@ -212,14 +212,6 @@ def _unfused_norm(executor):
     return _wrap_nodes(executor, lambda b: b.kind == "attn_res" and b.inputs[4], unfused)  # out_norm (_attn_res_inputs)
 
 
-def _attn_res_single(executor):
-    """AttnRes in one program a token (attn_res_kernel) at every size, not use_split's choice."""
-    from k3plugins.attn_res import triton as ar
-    choice = ar.use_split
-    ar.use_split = lambda M, K: 0
-    return lambda: setattr(ar, "use_split", choice)
-
-
 def _module_flag(module: str, name: str, value):
     """A switch that sets a module global of k3plugins while its graphs are captured (the plugins read it at each
     call)."""
@@ -233,7 +225,8 @@ def _module_flag(module: str, name: str, value):
 
 
 def _attn_res_chunk(values: int):
-    """A switch: AttnRes's split form in chunks of `values` wherever use_split takes it."""
+    """A switch: AttnRes's split form in chunks of `values` wherever use_split takes it (0: one program a token at
+    every size)."""
     def flip(executor):
         from k3plugins.attn_res import triton as ar
         choice = ar.use_split
@@ -334,7 +327,7 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
-    "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_single),
+    "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_chunk(0)),
     "attn-res-chunk256": ("AttnRes's split form in chunks of 256 values, not 512", _attn_res_chunk(256)),
     "attn-res-mix-warps4": ("the AttnRes mix with the norm fused in 4 warps, not 8",
                             _module_flag("attn_res.triton", "NORM_MIX_WARPS", 4)),
@@ -392,8 +385,8 @@ def replay_timeline(replay, layer_window: tuple[int, int] = (700, 760)) -> dict:
     return {"launches": len(ev), "span_us": round(ev[-1].time_range.end - ev[0].time_range.start, 1),
             "kernels_us": round(busy, 1),
             "groups": sorted(([k, c, round(us, 1)] for k, (c, us) in groups.items()), key=lambda g: -g[2]),
-            "window": [[e.name[:40], round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1)]
-                       for e in window]}
+            "window": [[e.name[:40], round(e.time_range.start - t0, 1),
+                        round(e.time_range.end - e.time_range.start, 1)] for e in window]}
 
 
 def floors(engine, cache, n: int, context: int, bw_bytes_per_ms: float) -> dict:

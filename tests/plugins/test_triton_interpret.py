@@ -374,8 +374,8 @@ def _router_cases() -> dict:
 def _moe_in_cases() -> dict:
     """MoEInProj's top-k launch with its cast (the rest of each fp32 row to the activation dtype) against the
     reference: fp32 and fp16, E not a power of two, a row wider than one cast block (and a row a program), no
-    tokens. On the CPU the GEMM
-    is the reference's own fp32 matmul; the cuBLAS fp32-out GEMM is tested on the GPU (test_moe_in_gpu.py)."""
+    tokens. On the CPU the GEMM is the reference's own fp32 matmul; the cuBLAS fp32-out GEMM is tested on the GPU
+    (test_moe_in_gpu.py)."""
     from k3plugins.moe_in import reference as ref
     from k3plugins.moe_in import triton as mi
     from k3plugins.router import triton as router

@@ -18,9 +18,9 @@ from common import emit, hbm_read_tbps, time_ms  # noqa: E402
 
 
 @triton.jit
-def split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """part[s, :M, n-block] = x[:, k-range] @ w[n-block, k-range]ᵀ (weights as the MMA's M side)."""
-    pn, ps = tl.program_id(0), tl.program_id(1)
+def _split_acc(x_ptr, w_ptr, pn, ps, M, K, K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):
+    """x[:, k-range of split ps] @ w[n-block pn, same range]ᵀ as [BN, BM] fp32 (the weights the MMA's M side)."""
     rn = pn * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
@@ -30,6 +30,17 @@ def split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_SPLIT: tl.constexpr, BM: t
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + (k + rk)[None, :])
         xT = tl.load(x_ptr + rm[None, :] * K + (k + rk)[:, None], mask=(rm < M)[None, :], other=0.0)
         acc = tl.dot(w, xT, acc)
+    return acc
+
+
+@triton.jit
+def split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """part[s, :M, n-block] = x[:, k-range] @ w[n-block, k-range]ᵀ."""
+    pn, ps = tl.program_id(0), tl.program_id(1)
+    acc = _split_acc(x_ptr, w_ptr, pn, ps, M, K, K_SPLIT, BM, BN, BK)
+    rn = pn * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
     tl.store(part_ptr + (ps * M + rm[None, :]) * N + rn[:, None], acc, mask=(rm < M)[None, :])
 
 
@@ -39,15 +50,9 @@ def split_k_fixup_kernel(x_ptr, w_ptr, part_ptr, count_ptr, out_ptr, M, N, K, K_
     """split_k_kernel, then the last split program of each column block to finish sums the SPLITS partials in split
     order into out [M, N] (out's dtype) and zeroes the block's count: no reduce launch."""
     pn, ps = tl.program_id(0), tl.program_id(1)
+    acc = _split_acc(x_ptr, w_ptr, pn, ps, M, K, K_SPLIT, BM, BN, BK)
     rn = pn * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros((BN, BM), tl.float32)
-    for i in range(0, K_SPLIT // BK):
-        k = ps * K_SPLIT + i * BK
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + (k + rk)[None, :])
-        xT = tl.load(x_ptr + rm[None, :] * K + (k + rk)[:, None], mask=(rm < M)[None, :], other=0.0)
-        acc = tl.dot(w, xT, acc)
     at = (rm[None, :] * N + rn[:, None])
     m_ok = (rm < M)[None, :]
     tl.store(part_ptr + ps * M * N + at, acc, mask=m_ok)
