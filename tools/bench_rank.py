@@ -367,13 +367,8 @@ def replay_timeline(replay, layer_window: tuple[int, int] = (700, 760)) -> dict:
     """One profiled graph replay (after an unprofiled one): its span, the sum of its kernels' times (what is left is
     gaps between launches), kernels grouped by name, and the launches in `layer_window` (a few layers mid-step) as
     [name, µs from the window's first start, µs long]."""
-    from torch.profiler import ProfilerActivity, profile
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    from common import cuda_events
+    ev = cuda_events(replay)
     busy = sum(e.time_range.end - e.time_range.start for e in ev)
     groups: dict[str, list] = {}
     for e in ev:

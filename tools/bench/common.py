@@ -93,6 +93,17 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a @ b / (a.norm() * b.norm()).clamp_min(1e-30)).item()
 
 
+def cuda_events(fn) -> list:
+    """The GPU events (kernels, copies) of one call of fn, after an unprofiled one, in order of start."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+
+
 def top_kernels(fn, top: int = 80) -> list:
     """[kernel name, ms per step, launches per step] of the kernels taking most GPU time in one call of fn."""
     from torch.profiler import ProfilerActivity, profile

@@ -12,19 +12,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 from dataclasses import replace  # noqa: E402
-from common import emit, hbm_read_tbps, time_ms  # noqa: E402
+from common import cuda_events, emit, hbm_read_tbps, time_ms  # noqa: E402
 from k3plugins.moe import triton as mt  # noqa: E402
 from moe import E, E_START, make_tokens, make_weights  # noqa: E402
 
 
 def timeline(fn) -> list:
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    ev = cuda_events(fn)
     t0 = ev[0].time_range.start
     return [[e.name[:24], round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1)]
             for e in ev]
