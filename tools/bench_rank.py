@@ -6,6 +6,7 @@
     python tools/bench_rank.py --ab unfused-residual                              # A/B a switch in one process
     python tools/bench_rank.py --preset tiny --tp 1 --device cpu --target cpu --batches 2 --context 128
     python tools/bench_rank.py --gemms                                            # its dense GEMMs alone (GPU)
+    python tools/bench_rank.py --batches 32 --timeline                            # one graph replay profiled
 
 The rank is what `k3build build` would write for the recipe's mapping (all 93 layers, 1/16 of attention and
 shared experts, 56 local experts in MXFP4), with synthetic weights made on the device instead of read from a
@@ -334,7 +335,8 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "attn-res-mix-warps16": ("the AttnRes mix with the norm fused in 16 warps, not 8",
                              _module_flag("attn_res.triton", "NORM_MIX_WARPS", 16)),
     "topk-warps4": ("MoEInProj's top-k launch in 4 warps, not 8", _module_flag("router.triton", "SELECT_WARPS", 4)),
-    "topk-cast512": ("MoEInProj's top-k launch casting 512 columns a program, not 1024",
+    "topk-cast512": ("MoEInProj's top-k launch casting 512 columns a program, not 1024 (up to "
+                     "router.CAST_SPLIT_MAX_TOKENS tokens)",
                      _module_flag("router.triton", "CAST_COLUMNS", 512)),
     "topk-cast-rows": ("MoEInProj's top-k launch casting a whole row a program at every size",
                        _module_flag("router.triton", "CAST_SPLIT_MAX_TOKENS", 0)),
@@ -363,24 +365,36 @@ def _balance_routing(executor, num_experts: int, top_k: int, max_tokens: int, de
         node.fn = balanced
 
 
-def replay_timeline(replay, layer_window: tuple[int, int] = (700, 760)) -> dict:
-    """One profiled graph replay (after an unprofiled one): its span, the sum of its kernels' times (what is left is
-    gaps between launches), kernels grouped by name, and the launches in `layer_window` (a few layers mid-step) as
+def replay_timeline(replay, layer_window: tuple[int, int] = (700, 760), longest: int = 12) -> dict:
+    """One profiled graph replay (after an unprofiled one): its span; the time some kernel runs (the union of their
+    intervals: the MoE's down kernel overlaps its gate/up kernel, so the kernels' summed times count that twice) and
+    what is left, idle; the `longest` gaps between launches as [µs, the launch before, the launch after, µs from
+    the replay's start]; kernels grouped by name; and the launches in `layer_window` (a few layers mid-step) as
     [name, µs from the window's first start, µs long]."""
     from common import cuda_events
     ev = cuda_events(replay)
-    busy = sum(e.time_range.end - e.time_range.start for e in ev)
+    t0 = ev[0].time_range.start
+    busy, gaps, reach, last = 0.0, [], t0, ev[0].name
+    for e in ev:
+        start, end = e.time_range.start, e.time_range.end
+        if start > reach:
+            gaps.append([round(start - reach, 1), last[:40], e.name[:40], round(reach - t0, 1)])
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, last = end, e.name
     groups: dict[str, list] = {}
     for e in ev:
         g = groups.setdefault(e.name[:70], [0, 0.0])
         g[0] += 1
         g[1] += e.time_range.end - e.time_range.start
     window = ev[layer_window[0]:layer_window[1]]
-    t0 = window[0].time_range.start if window else 0
-    return {"launches": len(ev), "span_us": round(ev[-1].time_range.end - ev[0].time_range.start, 1),
-            "kernels_us": round(busy, 1),
+    w0 = window[0].time_range.start if window else 0
+    span = reach - t0
+    return {"launches": len(ev), "span_us": round(span, 1), "busy_us": round(busy, 1), "idle_us": round(span - busy, 1),
+            "kernels_us": round(sum(g[1] for g in groups.values()), 1),
+            "longest_gaps": sorted(gaps, key=lambda g: -g[0])[:longest],
             "groups": sorted(([k, c, round(us, 1)] for k, (c, us) in groups.items()), key=lambda g: -g[2]),
-            "window": [[e.name[:40], round(e.time_range.start - t0, 1),
+            "window": [[e.name[:40], round(e.time_range.start - w0, 1),
                         round(e.time_range.end - e.time_range.start, 1)] for e in window]}
 
 
@@ -419,8 +433,9 @@ def main() -> None:
                          "without it two processes run back to back differed by up to 1 ms, the second faster)")
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
     ap.add_argument("--timeline", action="store_true",
-                    help="also profile one graph replay of each batch: kernels grouped by name (launches, µs), the "
-                         "replay's span against the sum of its kernels (the gaps), and the launches of one layer")
+                    help="also profile one graph replay of each batch: its span against the time some kernel runs "
+                         "(the rest idle), its longest gaps, kernels grouped by name (launches, µs), and the launches "
+                         "of a few layers")
     ap.add_argument("--ncu-step", action="store_true",
                     help="run one more eager step of each batch between cudaProfilerStart and Stop, for Nsight Compute "
                          "started with --profile-from-start off (tools/device/batch29.sh)")

@@ -255,7 +255,7 @@ def attn_res(partial: torch.Tensor, blocks: torch.Tensor | Sequence[torch.Tensor
         strides = (D, partial.stride(0), M * D, D)
         attn_res_partials_kernel[(M, chunks)](partial, *ptrs, proj, norm_weight, part, *strides, K=K, STACKED=many,
                                               CH=split, BK=bk, **fused, num_warps=1, **pdl(partial))
-        # the norm needs the whole row: then one program of eight warps a token mixes every chunk
+        # the norm needs the whole row: then one program a token (NORM_MIX_WARPS) mixes every chunk
         mix_chunks, mix_ch, mix_warps = (1, bd, NORM_MIX_WARPS) if normed else (chunks, split, 1)
         attn_res_mix_kernel[(M, mix_chunks)](total if fused else partial, *ptrs, part, out, *strides, out.stride(0),
                                              float(eps), K=K, STACKED=many, CH=mix_ch, BK=bk, CHUNKS=chunks,

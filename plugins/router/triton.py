@@ -180,8 +180,12 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Ten
                           splits=splits, num_warps=b.topk_warps)
 
 
-CAST_COLUMNS = 1024  # columns a cast program of the top-k launch stores, up to CAST_SPLIT_MAX_TOKENS tokens
-CAST_SPLIT_MAX_TOKENS = 64  # past them one program casts a whole row (at 128 tokens 1024 a program was 1 µs slower)
+# Columns a cast program of the top-k launch stores, up to CAST_SPLIT_MAX_TOKENS tokens; past them one program casts
+# a whole row. H200 timelines (BENCHMARKS.md, twenty-fifth session): at 32 tokens the launch took 4.0 µs with 1024
+# columns a program against 4.9 with the cast inside the selecting program; at 128, 4.3 µs with a row a program
+# against 6.1 with 1024 columns and 5.1 inside. The threshold lies between those sizes; 64 itself was not timed.
+CAST_COLUMNS = 1024
+CAST_SPLIT_MAX_TOKENS = 64
 SELECT_WARPS = 8  # the top-k launch's warps when its caller names none (MoEInProj)
 
 
@@ -199,12 +203,14 @@ def select_experts(part: torch.Tensor, correction_bias: torch.Tensor | None, *, 
     bias = correction_bias.float().contiguous() if correction_bias is not None else part
     h, out = cast if cast is not None else (None, None)
     n_cast = out.shape[1] if cast is not None else 0
-    bc = CAST_COLUMNS if M <= CAST_SPLIT_MAX_TOKENS else triton.next_power_of_2(max(n_cast, 1))
+    if cast is None:
+        bc = 1  # no cast programs (CAST is a constexpr: BC is unused)
+    else:
+        bc = CAST_COLUMNS if M <= CAST_SPLIT_MAX_TOKENS else triton.next_power_of_2(n_cast)
     router_topk_kernel[(M, 1 + triton.cdiv(n_cast, bc))](
-                             part, bias, ids, wts, E, part.stride(0) if splits > 1 else 0, part.stride(-2),
-                             float(scaling_factor), NUM_SPLITS=splits, TOP_K=top_k, BE=triton.next_power_of_2(E),
-                             HAS_BIAS=correction_bias is not None, RENORM=renormalize, h_ptr=h, out_ptr=out,
-                             N_CAST=n_cast, stride_h=h.stride(0) if cast is not None else 0,
-                             stride_out=out.stride(0) if cast is not None else 0, CAST=cast is not None,
-                             BC=bc, num_warps=num_warps or SELECT_WARPS, **pdl(part))
+        part, bias, ids, wts, E, part.stride(0) if splits > 1 else 0, part.stride(-2), float(scaling_factor),
+        NUM_SPLITS=splits, TOP_K=top_k, BE=triton.next_power_of_2(E), HAS_BIAS=correction_bias is not None,
+        RENORM=renormalize, h_ptr=h, out_ptr=out, N_CAST=n_cast, stride_h=h.stride(0) if cast is not None else 0,
+        stride_out=out.stride(0) if cast is not None else 0, CAST=cast is not None, BC=bc,
+        num_warps=num_warps or SELECT_WARPS, **pdl(part))
     return ids, wts

@@ -93,25 +93,26 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a @ b / (a.norm() * b.norm()).clamp_min(1e-30)).item()
 
 
-def cuda_events(fn) -> list:
-    """The GPU events (kernels, copies) of one call of fn, after an unprofiled one, in order of start."""
+def _profiled(fn):
+    """A torch profile (GPU activity) of one call of fn, after an unprofiled one (compiles, caches)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    return prof
+
+
+def cuda_events(fn) -> list:
+    """The GPU events (kernels, copies) of one call of fn, after an unprofiled one, in order of start."""
+    return sorted((e for e in _profiled(fn).events() if e.device_type.name == "CUDA"),
+                  key=lambda e: e.time_range.start)
 
 
 def top_kernels(fn, top: int = 80) -> list:
     """[kernel name, ms per step, launches per step] of the kernels taking most GPU time in one call of fn."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    prof = _profiled(fn)
     rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)

@@ -1,9 +1,11 @@
-# Record only: the switches and the synced AttnRes it ran were reverted after this run (BENCHMARKS.md, twenty-fifth session).
+# Record only: the switches and the synced AttnRes it ran were reverted after this run (BENCHMARKS.md,
+# twenty-fifth session).
 # Eighty-third device batch (twenty-fifth session): the synced AttnRes with its waits polled by loads and its norm
 # from the Gram matrices (one wait): GPU tests, the op's forms side by side (bench_plugins --only attn_res
 # --sweep), and the rank with each change undone in one process (--ab).
 source tools/device/env.sh
-timeout 200 python3 -m pytest -q -m gpu tests/plugins/test_norm_gpu.py -k "attn_res" -p no:cacheprovider --tb=short 2>&1 | tail -4
+timeout 200 python3 -m pytest -q -m gpu tests/plugins/test_norm_gpu.py -k "attn_res" -p no:cacheprovider \
+  --tb=short 2>&1 | tail -4
 timeout 120 python3 tools/bench_plugins.py --only attn_res --sweep 2>&1 | grep '^{' > $OUT/attn_res.jsonl
 python3 -c "
 import json

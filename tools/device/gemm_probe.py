@@ -56,7 +56,7 @@ def split_k_fixup_kernel(x_ptr, w_ptr, part_ptr, count_ptr, out_ptr, M, N, K, K_
     at = (rm[None, :] * N + rn[:, None])
     m_ok = (rm < M)[None, :]
     tl.store(part_ptr + ps * M * N + at, acc, mask=m_ok)
-    tl.debug_barrier()
+    tl.debug_barrier()  # every thread's partials stored before the release that counts them
     if tl.atomic_add(count_ptr + pn, 1, sem="acq_rel") == SPLITS - 1:
         total = tl.zeros((BN, BM), tl.float32)
         for s in tl.static_range(SPLITS):
@@ -65,20 +65,33 @@ def split_k_fixup_kernel(x_ptr, w_ptr, part_ptr, count_ptr, out_ptr, M, N, K, K_
         tl.atomic_xchg(count_ptr + pn, 0)
 
 
-_COUNTS = {}
+_COUNTS = {}  # per device: a count per column block (zero between launches: the last program resets its own)
+COUNT_SLOTS = 4096
 
 
 def split_k_fixup(x, w, splits, bn, bk, warps, stages, out_dtype):
+    """x @ wᵀ in out_dtype by split_k_fixup_kernel (`splits` K ranges of bk steps, bn weight rows a program)."""
     M, K = x.shape
     N = w.shape[0]
+    assert N // bn <= COUNT_SLOTS, "more column blocks than counts"
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if x.device not in _COUNTS:
-        _COUNTS[x.device] = torch.zeros(4096, dtype=torch.int32, device=x.device)
+        _COUNTS[x.device] = torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=x.device)
     split_k_fixup_kernel[(N // bn, splits)](x, w, part, _COUNTS[x.device], out, M, N, K, K // splits, SPLITS=splits,
                                             BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=bk, num_warps=warps,
                                             num_stages=stages)
     return out
+
+
+def split_k(x, w, splits, bn, bk, warps, stages):
+    """fp32 partials [splits, M, N] of x @ wᵀ by split_k_kernel (the consumer sums them)."""
+    M, K = x.shape
+    N = w.shape[0]
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    split_k_kernel[(N // bn, splits)](x, w, part, M, N, K, K // splits, BM=max(16, triton.next_power_of_2(M)), BN=bn,
+                                      BK=bk, num_warps=warps, num_stages=stages)
+    return part
 
 
 def chained_us(fns) -> float:
@@ -106,15 +119,6 @@ def chain(N, K, M, out_dtype, gen, layers=16):
         rec[f"fixup_s{splits}_bn{bn}_rel"] = ((got - want).norm() / want.norm()).item()
     del ws
     return {k: round(v, 2) if isinstance(v, float) and k.endswith("_us") else v for k, v in rec.items()}
-
-
-def split_k(x, w, splits, bn, bk, warps, stages):
-    M, K = x.shape
-    N = w.shape[0]
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    split_k_kernel[(N // bn, splits)](x, w, part, M, N, K, K // splits, BM=max(16, triton.next_power_of_2(M)), BN=bn,
-                                      BK=bk, num_warps=warps, num_stages=stages)
-    return part
 
 
 def main() -> None:
