@@ -78,8 +78,33 @@ def test_ab_switches_flip_and_undo():
     # the engine's Linear and Router on the stacked weight's two row blocks: the same sums, in another GEMM
     torch.testing.assert_close(ex.run(batch)["logits"], fused, rtol=1e-4, atol=1e-4)
     undo()
-    before = (dict(moe.TACTICS), router.blocks_for, ar.use_split, [b.fn for b in ex.nodes])
+    state = lambda: (dict(moe.TACTICS), router.blocks_for, ar.use_split, ar.NORM_MIX_WARPS,  # noqa: E731
+                     router.SELECT_WARPS, router.CAST_COLUMNS, router.CAST_SPLIT_MAX_TOKENS, [b.fn for b in ex.nodes])
+    before = state()
     for name, (_, flip) in br.AB_SWITCHES.items():
         if not name.startswith("unfused-"):
-            flip(ex)()
-    assert (dict(moe.TACTICS), router.blocks_for, ar.use_split, [b.fn for b in ex.nodes]) == before
+            undo = flip(ex)
+            assert name == "pdl" or state() != before, name  # the switch changes something (pdl: the environment)
+            undo()
+    assert state() == before
+
+
+def test_replay_timeline_counts_overlapping_kernels_once(monkeypatch):
+    """--timeline's busy time is the union of the launches' intervals (the MoE down kernel starts inside its gate/up
+    kernel), the idle time the rest of the span, and the longest gaps name the launches on either side."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(TOOL.parent))
+    sys.path.insert(0, str(TOOL.parent / "bench"))
+    import bench_rank as br
+    import common
+
+    def launch(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+    events = [launch("norm", 0.0, 10.0), launch("gate_up", 11.0, 20.0), launch("down", 15.0, 30.0),
+              launch("combine", 30.0, 31.0), launch("gemm", 40.0, 41.0)]
+    monkeypatch.setattr(common, "cuda_events", lambda fn: events)
+    t = br.replay_timeline(None, layer_window=(1, 3), longest=1)
+    assert (t["span_us"], t["busy_us"], t["idle_us"], t["kernels_us"]) == (41.0, 31.0, 10.0, 36.0)
+    assert t["longest_gaps"] == [[9.0, "combine", "gemm", 31.0]]
+    assert t["window"] == [["gate_up", 0.0, 9.0], ["down", 4.0, 15.0]]
