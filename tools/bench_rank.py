@@ -14,8 +14,9 @@ checkpoint (the graph and layout passes are the builder's own). The expert excha
 graph's all-reduces return their input, so the figure is the rank's compute and memory alone.
 
 Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of garbage KV: the timing does
-not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py), timed after
-WARMUP_S seconds of replays; the eager step is timed too. Floors use the HBM bandwidth measured first in the same run:
+not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py) as the runtime
+calls it, the host staging of the rows included, timed after WARMUP_S seconds of replays; the eager step is timed
+too. Floors use the HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes
