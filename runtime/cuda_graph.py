@@ -39,9 +39,8 @@ def fill_rows(cols: torch.Tensor, pages: torch.Tensor, rows: list[tuple[int, int
               spare_slot: int, spare_page: int) -> None:
     """Write a step's rows into the host buffers, in place: cols [3, B] int64 (token id, slot, context length) and
     pages [B, max_pages] int64 (each row's page ids, then -1); rows past len(rows) are padding (token 0, the spare
-    slot, context 1, the spare page). Through numpy views and one flat copy of every page id: the step's time runs
-    from before this call to the end of the graph, and a Python loop over the rows took 1.4 ms at 32 rows of 129
-    pages (4.8 at 128) on the CI machine's CPU, this 0.17 (0.55)."""
+    slot, context 1, the spare page). Through numpy views and one flat copy of every page id: the GPU waits while
+    this runs, and a Python loop over the rows was 7-8x slower (BENCHMARKS.md, twenty-fifth session)."""
     c, p = cols.numpy(), pages.numpy()
     c[0], c[1], c[2] = 0, spare_slot, 1
     p.fill(-1)

@@ -101,10 +101,10 @@ def test_replay_timeline_counts_overlapping_kernels_once(monkeypatch):
 
     def launch(name, start, end):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
-    events = [launch("norm", 0.0, 10.0), launch("gate_up", 11.0, 20.0), launch("down", 15.0, 30.0),
-              launch("combine", 30.0, 31.0), launch("gemm", 40.0, 41.0)]
+    events = [launch("norm", 0.0, 10.0), launch("gate_up", 11.0, 20.0), launch("inner", 12.0, 14.0),
+              launch("down", 15.0, 30.0), launch("combine", 30.0, 31.0), launch("gemm", 40.0, 41.0)]
     monkeypatch.setattr(common, "cuda_events", lambda fn: events)
-    t = br.replay_timeline(None, layer_window=(1, 3), longest=1)
-    assert (t["span_us"], t["busy_us"], t["idle_us"], t["kernels_us"]) == (41.0, 31.0, 10.0, 36.0)
-    assert t["longest_gaps"] == [[9.0, "combine", "gemm", 31.0]]
-    assert t["window"] == [["gate_up", 0.0, 9.0], ["down", 4.0, 15.0]]
+    t = br.replay_timeline(None, layer_window=(1, 4), longest=2)
+    assert (t["span_us"], t["busy_us"], t["idle_us"], t["kernels_us"]) == (41.0, 31.0, 10.0, 38.0)
+    assert t["longest_gaps"] == [[9.0, "combine", "gemm", 31.0], [1.0, "norm", "gate_up", 10.0]]
+    assert t["window"] == [["gate_up", 0.0, 9.0], ["inner", 1.0, 2.0], ["down", 4.0, 15.0]]

@@ -24,8 +24,8 @@ def test_fill_rows_matches_a_row_by_row_fill(n):
     rows = []
     for i in range(n):
         count = int(torch.randint(0, max_pages + 1, (1,), generator=g)) if i != 1 else 0  # row 1: no pages
-        rows.append((int(torch.randint(0, 1000, (1,), generator=g)), i, 3 + i,
-                     torch.randperm(50, generator=g)[:count].tolist()))
+        page_ids = (torch.randperm(50, generator=g)[:count] + 2**40 * (i % 2)).tolist()  # ids past int32 too
+        rows.append((int(torch.randint(0, 1000, (1,), generator=g)), (7 * i + 3) % 17, 3 + i, page_ids))
     cols = torch.full((3, B), 12345, dtype=torch.int64)  # stale values from an earlier step
     pages = torch.full((B, max_pages), 12345, dtype=torch.int64)
     fill_rows(cols, pages, rows, spare_slot=spare_slot, spare_page=spare_page)

@@ -105,8 +105,10 @@ def _profiled(fn):
 
 
 def cuda_events(fn) -> list:
-    """The GPU events (kernels, copies) of one call of fn, after an unprofiled one, in order of start."""
-    return sorted((e for e in _profiled(fn).events() if e.device_type.name == "CUDA"),
+    """The GPU events (kernels, copies) of one call of fn, after an unprofiled one, in order of start (user
+    annotations, which span others, left out)."""
+    return sorted((e for e in _profiled(fn).events()
+                   if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)),
                   key=lambda e: e.time_range.start)
 
 
