@@ -17,6 +17,7 @@ takes its own set of pinned host buffers (`host_sets`), rewritten only once its 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ def bucket_for(buckets: list[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def fill_rows(cols: torch.Tensor, pages: torch.Tensor, rows: list[tuple[int, int, int, list[int]]], *,
+def fill_rows(cols: torch.Tensor, pages: torch.Tensor, rows: Sequence[tuple[int, int, int, Sequence[int]]], *,
               spare_slot: int, spare_page: int) -> None:
     """Write a step's rows into the host buffers, in place: cols [3, B] int64 (token id, slot, context length) and
     pages [B, max_pages] int64 (each row's page ids, then -1); rows past len(rows) are padding (token 0, the spare

@@ -133,7 +133,7 @@ class RankRunner:
         replay overwrites the outputs, so each goes out, or is copied, first)."""
         logits = []
         for k, items in enumerate(_micro_batches(() if step.idle else step.items, self.pp_size)):
-            rows = [(it.token_ids[0], it.slot_id, it.start_pos + 1, list(it.page_ids)) for it in items]
+            rows = [(it.token_ids[0], it.slot_id, it.start_pos + 1, it.page_ids) for it in items]
             out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k, bucket=bucket)
             if self.last:
                 logits.append(out["logits"] if self.pp_size == 1 else out["logits"].clone())
