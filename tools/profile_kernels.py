@@ -24,9 +24,7 @@ def moe_target(tokens_per_expert: int):
     import moe
     from k3plugins.moe import triton as mt
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, s13, w2, s2 = moe.make_weights(gen)
-    t = mt.TACTICS["decode_p"]
-    a, sa, b, sb = mt.lay_out_experts(t, w13, s13, w2, s2)
+    (a, sa, b, sb), _ = moe.laid_out_experts(gen, mt.TACTICS["decode_p"])
     z, ids, tw = moe.make_tokens(tokens_per_expert, gen)
     return lambda: mt.moe_experts(z, ids, tw, a, sa, b, sb, expert_start=moe.E_START, act="situ", tactic="decode_p")
 

@@ -22,6 +22,19 @@ def make_weights(gen: torch.Generator):
     return w13, s13, w2, s2
 
 
+def laid_out_experts(gen: torch.Generator, tactic) -> tuple[tuple[torch.Tensor, ...], int]:
+    """make_weights' experts in `tactic`'s layout (mt.lay_out_experts), and the bytes one of them holds
+    (expert_bytes): what a probe of one tactic sets up."""
+    w13, s13, w2, s2 = make_weights(gen)
+    return mt.lay_out_experts(tactic, w13, s13, w2, s2), expert_bytes(w13, s13, w2, s2)
+
+
+def expert_bytes(w13, s13, w2, s2) -> int:
+    """Bytes one expert's MXFP4 codes and scales hold (uint8: an element a byte): the weight floor of a call is this
+    times the experts it reads."""
+    return sum(t[0].numel() for t in (w13, s13, w2, s2))
+
+
 def make_tokens(tpe: int, gen: torch.Generator, touched: int = E):
     """tpe tokens on each of the first `touched` local experts (all of them by default): slot 0 local, the other
     15 slots on other ranks' experts."""
@@ -92,7 +105,7 @@ def grouped_mm_baseline(z, ids, w13b, w2b):
 def bench_moe(bw_tbps: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, s13, w2, s2 = make_weights(gen)
-    wbytes = sum(t.numel() for t in (w13, s13, w2, s2))
+    wbytes = E * expert_bytes(w13, s13, w2, s2)
     floor_ms = wbytes / (bw_tbps * 1e12) * 1e3
     w13b, w2b = mt.dequantize(w13, s13), mt.dequantize(w2, s2)
     laid_out = {}  # expert bytes and scales by the layout a tactic reads (restrided "*_s", paired "*_p", tiled "*_pt")
@@ -115,7 +128,8 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
     for name in mt.TACTICS:
         a, sa, b, sb = weights(name)
-        out = mt.moe_experts(mt.lay_out_input(name, z), ids, tw, a, sa, b, sb, expert_start=E_START, act="situ", tactic=name)
+        out = mt.moe_experts(mt.lay_out_input(name, z), ids, tw, a, sa, b, sb, expert_start=E_START, act="situ",
+                             tactic=name)
         emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     decode_sweep, prefill_sweep = {}, {}
     if sweep:  # the relaid layouts' blocks (the checkpoint-order tactics are known slower: TACTICS keeps them)

@@ -16,7 +16,7 @@ import torch
 from common import emit, rel_l2, time_ms
 from k3plugins.moe import triton as mt
 from k3plugins.moe.reference import moe_experts as moe_ref
-from moe import E_START, make_tokens, make_weights
+from moe import E_START, expert_bytes, make_tokens, make_weights
 
 _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
@@ -31,7 +31,7 @@ VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode
 def bench_moe_touched(bw_tbps: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, s13, w2, s2 = make_weights(gen)
-    expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
+    one_expert = expert_bytes(w13, s13, w2, s2)
     laid = {lane: mt.lay_out_experts(t, w13, s13, w2, s2)
             for lane, t in ((False, _D), (True, mt.TACTICS["decode_l"]))}
     z, ids, tw = make_tokens(1, gen, touched=7)
@@ -41,7 +41,7 @@ def bench_moe_touched(bw_tbps: float, sweep: bool) -> None:
         emit(bench="moe_touched_check", variant=name, rel_l2=rel_l2(out, ref))
     for touched in (8, 16, 20, 22, 24, 26, 28, 32, 40, 48, 56):
         z, ids, tw = make_tokens(1, gen, touched=touched)
-        floor_ms = touched * expert_bytes / (bw_tbps * 1e12) * 1e3
+        floor_ms = touched * one_expert / (bw_tbps * 1e12) * 1e3
         rec = dict(bench="moe_touched", touched=touched, floor_ms=round(floor_ms, 4))
         for name, t in VARIANTS.items():
             zt = mt.lay_out_input(t, z)

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from common import _flush_l2, emit, hbm_read_tbps, time_ms  # noqa: E402
 from k3plugins.moe import triton as mt  # noqa: E402
-from moe import E_START, make_tokens, make_weights  # noqa: E402
+from moe import E_START, laid_out_experts, make_tokens  # noqa: E402
 
 
 def graph_timeline(fn, replays: int = 15) -> list:
@@ -47,10 +47,8 @@ def graph_timeline(fn, replays: int = 15) -> list:
 def main() -> None:
     bw = hbm_read_tbps()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, s13, w2, s2 = make_weights(gen)
-    expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
     t = mt.TACTICS["decode_l"]
-    laid = mt.lay_out_experts(t, w13, s13, w2, s2)
+    laid, one_expert = laid_out_experts(gen, t)
     emit(bench="moe_fixed_env", hbm_read_tbps=round(bw, 3))
     for touched, tpe in ((0, 1), (8, 1), (24, 1), (56, 1), (24, 2), (56, 8)):
         z, ids, tw = make_tokens(tpe, gen, touched=max(touched, 1))
@@ -60,7 +58,7 @@ def main() -> None:
         z = mt.lay_out_input(t, z)
         fn = lambda: mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
         ms = time_ms(fn)
-        floor = touched * expert_bytes / (bw * 1e12) * 1e3
+        floor = touched * one_expert / (bw * 1e12) * 1e3
         emit(bench="moe_fixed", touched=touched, tpe=tpe, ms=round(ms, 4), floor_ms=round(floor, 4),
              of_floor=round(floor / ms, 3), timeline=graph_timeline(fn))
 

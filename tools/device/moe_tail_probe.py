@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from common import cuda_events, emit, hbm_read_tbps, time_ms  # noqa: E402
 from k3plugins.moe import triton as mt  # noqa: E402
-from moe import E, E_START, make_tokens, make_weights  # noqa: E402
+from moe import E, E_START, laid_out_experts, make_tokens  # noqa: E402
 
 
 def timeline(fn) -> list:
@@ -27,10 +27,8 @@ def timeline(fn) -> list:
 def main() -> None:
     bw = hbm_read_tbps()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, s13, w2, s2 = make_weights(gen)
-    expert_bytes = sum(t[0].numel() for t in (w13, s13, w2, s2))
     t = mt.TACTICS["decode_p"]
-    laid = mt.lay_out_experts(t, w13, s13, w2, s2)
+    laid, one_expert = laid_out_experts(gen, t)
     for touched in (8, 24, 56):
         z, ids, tw = make_tokens(1, gen, touched=touched)
         spread = torch.randperm(E, generator=torch.Generator().manual_seed(touched))[:touched].to("cuda") + E_START
@@ -43,7 +41,7 @@ def main() -> None:
             "compact": lambda: mt.moe_experts(z, ids, tw, *compact, expert_start=E_START, act="situ",
                                               tactic="decode_p"),
         }
-        floor = touched * expert_bytes / (bw * 1e12) * 1e3
+        floor = touched * one_expert / (bw * 1e12) * 1e3
         rec = dict(bench="moe_tail", touched=touched, floor_ms=round(floor, 4))
         for name, fn in run.items():
             rec[name + "_ms"] = round(time_ms(fn), 4)
