@@ -43,18 +43,18 @@ def fill_rows(cols: torch.Tensor, pages: torch.Tensor, rows: Sequence[tuple[int,
     slot, context 1, the spare page). Through numpy views and one flat copy of every page id: the GPU waits while
     this runs, and a Python loop over the rows was 7-8x slower (BENCHMARKS.md, twenty-fifth session)."""
     c, p = cols.numpy(), pages.numpy()
-    c[0], c[1], c[2] = 0, spare_slot, 1
-    p.fill(-1)
-    p[:, 0] = spare_page
-    if not rows:
-        return
     n = len(rows)
-    toks, slots, ctxs, page_lists = zip(*rows)
+    toks, slots, ctxs, page_lists = zip(*rows) if n else ((),) * 4
     lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=n)
-    if lens.max() > p.shape[1]:
+    if n and lens.max() > p.shape[1]:  # checked before anything is written
         i = int(lens.argmax())
         raise ValueError(f"row {i} (slot {slots[i]}) has {lens[i]} pages; the graphs were made for at most "
                          f"{p.shape[1]} (max_pages)")
+    c[0], c[1], c[2] = 0, spare_slot, 1
+    p.fill(-1)
+    p[:, 0] = spare_page
+    if not n:
+        return
     c[:, :n] = (toks, slots, ctxs)
     p[:n][np.arange(p.shape[1]) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(page_lists),
                                                                  dtype=np.int64, count=int(lens.sum()))

@@ -1,6 +1,6 @@
 """The decode graphs' host staging (cuda_graph.fill_rows) on the CPU: the same buffers a row-by-row fill writes,
 for ragged page lists, a row without pages, no rows and a full bucket; a row with more pages than the graphs hold is
-refused by name."""
+refused by name, with the buffers untouched."""
 import pytest
 import torch
 
@@ -34,6 +34,7 @@ def test_fill_rows_matches_a_row_by_row_fill(n):
 
 
 def test_fill_rows_refuses_more_pages_than_the_graphs_hold():
-    cols, pages = torch.zeros(3, 4, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.int64)
+    cols, pages = torch.full((3, 4), 5, dtype=torch.int64), torch.full((4, 3), 5, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"row 1 \(slot 7\) has 4 pages; .* at most 3 \(max_pages\)"):
         fill_rows(cols, pages, [(1, 2, 3, [0]), (1, 7, 3, [0, 1, 2, 3])], spare_slot=0, spare_page=0)
+    assert (cols == 5).all() and (pages == 5).all()  # refused before anything was written
