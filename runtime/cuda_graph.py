@@ -36,28 +36,48 @@ def bucket_for(buckets: list[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+_PADDING = object()  # in `written`: the row holds padding
+
+
 def fill_rows(cols: torch.Tensor, pages: torch.Tensor, rows: Sequence[tuple[int, int, int, Sequence[int]]], *,
-              spare_slot: int, spare_page: int) -> None:
+              spare_slot: int, spare_page: int, written: list | None = None) -> None:
     """Write a step's rows into the host buffers, in place: cols [3, B] int64 (token id, slot, context length) and
     pages [B, max_pages] int64 (each row's page ids, then -1); rows past len(rows) are padding (token 0, the spare
-    slot, context 1, the spare page). Through numpy views and one flat copy of every page id: the GPU waits while
-    this runs, and a Python loop over the rows was 7-8x slower (BENCHMARKS.md, twenty-fifth session)."""
+    slot, context 1, the spare page; a row without pages holds the spare page too). Through numpy views and one flat copy of the page ids: the GPU waits while
+    this runs, and a Python loop over the rows was 7-8x slower (BENCHMARKS.md, twenty-fifth session).
+
+    written: what each row of `pages` holds now (B entries: a tuple of page ids, or None when not known), kept up to
+    date by this call, which then rewrites only the rows whose ids changed. In steady decode a row's pages change
+    once in page_size steps, so most steps write the cols alone. Page lists are compared as tuples of their values
+    (a list is copied: its owner may grow it in place)."""
     c, p = cols.numpy(), pages.numpy()
-    n = len(rows)
+    B, n = p.shape[0], len(rows)
     toks, slots, ctxs, page_lists = zip(*rows) if n else ((),) * 4
-    lens = np.fromiter(map(len, page_lists), dtype=np.int64, count=n)
+    ids = [tuple(x) for x in page_lists]  # a tuple stays itself
+    lens = np.fromiter(map(len, ids), dtype=np.int64, count=n)
     if n and lens.max() > p.shape[1]:  # checked before anything is written
         i = int(lens.argmax())
         raise ValueError(f"row {i} (slot {slots[i]}) has {lens[i]} pages; the graphs were made for at most "
                          f"{p.shape[1]} (max_pages)")
     c[0], c[1], c[2] = 0, spare_slot, 1
-    p.fill(-1)
-    p[:, 0] = spare_page
-    if not n:
-        return
-    c[:, :n] = (toks, slots, ctxs)
-    p[:n][np.arange(p.shape[1]) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(page_lists),
-                                                                 dtype=np.int64, count=int(lens.sum()))
+    if n:
+        c[:, :n] = (toks, slots, ctxs)
+    if written is None:
+        written = [None] * B
+    pad = [i for i in range(n, B) if written[i] is not _PADDING]
+    if pad:
+        p[pad] = -1
+        p[pad, 0] = spare_page
+        written[n:] = [_PADDING] * (B - n)
+    todo = [i for i in range(n) if written[i] != ids[i]]
+    if todo:
+        block = np.full((len(todo), p.shape[1]), -1, dtype=np.int64)
+        block[:, 0] = spare_page  # what a row without pages keeps, as padding does
+        block[np.arange(p.shape[1]) < lens[todo, None]] = np.fromiter(
+            itertools.chain.from_iterable(ids[i] for i in todo), dtype=np.int64, count=int(lens[todo].sum()))
+        p[todo] = block
+        for i in todo:
+            written[i] = ids[i]
 
 
 class DecodeGraphs:
@@ -75,6 +95,7 @@ class DecodeGraphs:
         self.host_cols = [torch.zeros(3, B, dtype=torch.int64).pin_memory() for _ in range(host_sets)]
         self.host_pages = [torch.zeros(B, max_pages, dtype=torch.int64).pin_memory() for _ in range(host_sets)]
         self.copied = [None] * host_sets  # the event after each host set's last copy
+        self.written = [[None] * B for _ in range(host_sets)]  # each host set's page rows as written (fill_rows)
         self.cols = torch.zeros(3, B, dtype=torch.int64, device=device)
         self.pages = torch.zeros(B, max_pages, dtype=torch.int64, device=device)
         self.cu = torch.arange(B + 1, dtype=torch.int64, device=device)
@@ -94,7 +115,8 @@ class DecodeGraphs:
         if self.copied[host_set] is not None:
             self.copied[host_set].synchronize()  # its previous copy has run (at once, unless micro-batches wrap)
         cols, pages = self.host_cols[host_set], self.host_pages[host_set]
-        fill_rows(cols, pages, rows, spare_slot=self.spare_slot, spare_page=self.spare_page)
+        fill_rows(cols, pages, rows, spare_slot=self.spare_slot, spare_page=self.spare_page,
+                  written=self.written[host_set])
         self.cols.copy_(cols, non_blocking=True)
         self.pages.copy_(pages, non_blocking=True)
         self.copied[host_set] = torch.cuda.Event()

@@ -16,7 +16,8 @@ graph's all-reduces return their input, so the figure is the rank's compute and 
 Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of garbage KV: the timing does
 not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py) as the runtime
 calls it, the host staging of the rows included, timed after WARMUP_S seconds of replays; the eager step is timed
-too. Floors use the HBM bandwidth measured first in the same run:
+too. Its parts: stage_ms (the host staging alone, in steady decode: the same rows as the last step), graph_ms
+(the graph's replay on staged inputs) and launch_ms (the host's call that launches it). Floors use the HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes
@@ -138,6 +139,18 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _launch_ms(replay, reps: int) -> float:
+    """Median host ms of one call of replay (a graph launch) on an idle device."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replay()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -533,6 +546,9 @@ def main() -> None:
             rec.update({"step_ms_" + name.replace("-", "_"): round(t, 4) for name, t in times.items()})
             del variants
             rec["stage_ms"] = _median_ms(lambda: graphs._stage(rows), args.reps, cuda=False)  # host time alone
+            # the step's parts: the graph's replay alone on staged inputs (GPU time), and the host's launch of it
+            rec["graph_ms"] = _median_ms(graphs.graphs[n].replay, args.reps, cuda)
+            rec["launch_ms"] = _launch_ms(graphs.graphs[n].replay, args.reps)
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.timeline:
@@ -558,8 +574,9 @@ def main() -> None:
         rec["step_x_floor"] = round(rec["step_ms"] / f["floor_ms"], 3)
         rec["tokens_per_s"] = round(n / rec["step_ms"] * 1e3, 1)
         rec["step_ms"], rec["eager_ms"] = round(rec["step_ms"], 4), round(rec["eager_ms"], 4)
-        if "stage_ms" in rec:
-            rec["stage_ms"] = round(rec["stage_ms"], 4)
+        for key in ("stage_ms", "graph_ms", "launch_ms"):
+            if key in rec:
+                rec[key] = round(rec[key], 4)
         emit(**rec)
         if cuda:
             torch.cuda.empty_cache()
