@@ -16,8 +16,9 @@ graph's all-reduces return their input, so the figure is the rank's compute and 
 Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of garbage KV: the timing does
 not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py) as the runtime
 calls it, the host staging of the rows included, timed after WARMUP_S seconds of replays; the eager step is timed
-too. Its parts: stage_ms (the host staging alone, in steady decode: the same rows as the last step), graph_ms
-(the graph's replay on staged inputs) and launch_ms (the host's call that launches it). Floors use the HBM bandwidth measured first in the same run:
+too. Its parts: graph_ms (the graph's replay on staged inputs) and, in steps timed one by one as the runtime runs
+them (steady decode: the same rows as the last step), host_stage_ms (the staging and copies), host_launch_ms (the
+graph's launch call) and gpu_step_ms (as step_ms). Floors use the HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes
@@ -142,16 +143,25 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def _launch_ms(replay, reps: int) -> float:
-    """Median host ms of one call of replay (a graph launch) on an idle device."""
-    times = []
+def _step_parts(graphs, n: int, rows, reps: int) -> dict:
+    """The step as the runtime runs it (DecodeGraphs.run), timed in its parts, medians in ms: host_stage_ms (the
+    staging of the rows and their copies), host_launch_ms (the graph's launch call), both on the host clock, and
+    gpu_step_ms (CUDA events around both, as step_ms)."""
+    parts = {"host_stage_ms": [], "host_launch_ms": [], "gpu_step_ms": []}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
         torch.cuda.synchronize()
+        start.record()
         t0 = time.perf_counter()
-        replay()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+        graphs._stage(rows)
+        t1 = time.perf_counter()
+        graphs.graphs[n].replay()
+        t2 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        for key, v in zip(parts, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, start.elapsed_time(end))):
+            parts[key].append(v)
+    return {key: round(statistics.median(v), 4) for key, v in parts.items()}
 
 
 def _graphs(executor, n: int, pages_per_seq: int, spare: tuple[int, int]):
@@ -359,6 +369,8 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "unfused-mla-glue": ("the MLA layers' cache write, query copies and output gate as the torch launches before "
                          "mla_cache_write_kernel and mla_gate_kernel", _unfused_mla_glue),
     "pdl": ("every Triton kernel launched with PDL (K3_PDL=1)", _pdl_everywhere),
+    "kda-f-b-gemm": ("the KDA decode's gate from the f_b GEMM's output, not f_b applied inside the fused kernel",
+                     _module_flag("kda.fla", "F_B_FUSED_MAX_PROGRAMS", 0)),
     "old-router-blocks": ("the router logits kernel's blocks of the seventeenth session", _seventeenth_router_blocks),
 }
 
@@ -545,10 +557,8 @@ def main() -> None:
             rec["step_ms"] = times.pop("default")
             rec.update({"step_ms_" + name.replace("-", "_"): round(t, 4) for name, t in times.items()})
             del variants
-            rec["stage_ms"] = _median_ms(lambda: graphs._stage(rows), args.reps, cuda=False)  # host time alone
-            # the step's parts: the graph's replay alone on staged inputs (GPU time), and the host's launch of it
-            rec["graph_ms"] = _median_ms(graphs.graphs[n].replay, args.reps, cuda)
-            rec["launch_ms"] = _launch_ms(graphs.graphs[n].replay, args.reps)
+            rec["graph_ms"] = round(_median_ms(graphs.graphs[n].replay, args.reps, cuda), 4)  # on staged inputs
+            rec.update(_step_parts(graphs, n, rows, args.reps))
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.timeline:
@@ -574,9 +584,6 @@ def main() -> None:
         rec["step_x_floor"] = round(rec["step_ms"] / f["floor_ms"], 3)
         rec["tokens_per_s"] = round(n / rec["step_ms"] * 1e3, 1)
         rec["step_ms"], rec["eager_ms"] = round(rec["step_ms"], 4), round(rec["eager_ms"], 4)
-        for key in ("stage_ms", "graph_ms", "launch_ms"):
-            if key in rec:
-                rec[key] = round(rec[key], 4)
         emit(**rec)
         if cuda:
             torch.cuda.empty_cache()

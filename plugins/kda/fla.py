@@ -38,6 +38,12 @@ NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
 # capped against uncapped, ms: 0.0209 / 0.0230 at 64 x a rank's 6 heads (384 programs, 132 SMs), but 0.2377 /
 # 0.2247 at 64 x 96 and 0.928 / 0.876 at 256 x 96; level at 768 programs (BENCHMARKS.md)
 FUSED_MAXNREG = 168
+# The fused decode computes its head's gate from f_a (the f_b product, K x K multiply-adds a program, f_b's [K, K]
+# slice read from L2, F_B_CHUNK columns at a time beside the state in registers) instead of reading the f_b GEMM's
+# output: one launch less a KDA layer (2.6-2.8 µs in the rank's 32-request graph, BENCHMARKS.md), on grids of up to
+# F_B_FUSED_MAX_PROGRAMS programs
+F_B_CHUNK = 32
+F_B_FUSED_MAX_PROGRAMS = 1 << 30
 
 
 def fused_maxnreg(num_programs: int, num_sms: int) -> int:
@@ -101,16 +107,18 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor, recurrent_pool: torch.Tensor,
                conv_pool: torch.Tensor, slot_ids: torch.Tensor, *, num_heads: int, head_dim: int,
                lower_bound: float | None, eps: float, tactic: str | None = None, block_v: int | None = None,
-               num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
+               num_warps: int = 4, maxnreg: int | None = None, f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token per sequence, after the projections; slots are updated in place.
 
     Args:
-        qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output; b: [N, H] beta logits;
+        qkv: [N, 3D] raw (pre-conv) q|k|v; g_raw: [N, D] f_b output (with f_b_weight: its input f_a [N, K]);
+        b: [N, H] beta logits;
         g_out: [N, D] output-gate logits; conv_weight: [3D, 4] fp32; A_log: [H]; dt_bias: [D];
         o_norm_weight: [K]; recurrent_pool: [S, H, V, K]; conv_pool: [S, 3D, 3]; slot_ids: [N].
         block_v: the split tactic's state slice ([block_v, K] a program; None: decode_block_v);
         num_warps: the launch width of the split and fused kernels; maxnreg: their register cap (None: the
         tactic's default, fused_maxnreg's for fused, none for split; 0: none).
+        f_b_weight: [D, K]; given, the fused kernel applies it to f_a itself (other tactics run the GEMM first).
 
     Returns:
         [N, D] gated, normed output in qkv.dtype (the o_proj input).
@@ -125,12 +133,20 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     if maxnreg is None and tactic == "fused":
         maxnreg = fused_maxnreg(N * H, _sm_count(qkv.device))
     cap = {"maxnreg": maxnreg} if maxnreg else {}
+    if f_b_weight is not None:
+        if tuple(f_b_weight.shape) != (D, K) or tuple(g_raw.shape) != (N, K):
+            raise ValueError(f"kda_decode: with f_b_weight [{D}, {K}], g_raw must be f_a [{N}, {K}]; got "
+                             f"{tuple(f_b_weight.shape)} and {tuple(g_raw.shape)}")
+        if tactic != "fused":
+            g_raw = dense(g_raw, f_b_weight)
     if tactic == "fused":
+        fb = f_b_weight is not None
         kda_decode_fused_kernel[(N, H)](
             qkv, conv_weight, conv_pool, g_raw, A_log, dt_bias, b, g_out, o_norm_weight, recurrent_pool, slot_ids,
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
-            HAS_LOWER_BOUND=lower_bound is not None, num_warps=num_warps, **cap, **pdl(qkv))
+            HAS_LOWER_BOUND=lower_bound is not None, fb_ptr=f_b_weight.contiguous() if fb else None, FB=fb,
+            FB_RC=F_B_CHUNK, num_warps=num_warps, **cap, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),
@@ -212,14 +228,17 @@ def kda_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, conv_weight: torch.
     proj = dense(x, in_proj_weight)                   # [T, 3D + K + H + G], or padded (reference.IN_PROJ_ROW_ALIGN)
     qkv = proj[:, :3 * D]
     f_a, b, g_in = proj[:, 3 * D:3 * D + K + H + G].split([K, H, G], dim=-1)
-    g_raw = dense(f_a, f_b_weight)                                              # [T, D]
+    decode = T == slot_ids.shape[0]
+    # the fused decode applies f_b itself on grids up to F_B_FUSED_MAX_PROGRAMS (sequences x heads)
+    fuse_f_b = decode and (decode_tactic or DECODE_DEFAULT) == "fused" and T * H <= F_B_FUSED_MAX_PROGRAMS
+    g_raw = f_a if fuse_f_b else dense(f_a, f_b_weight)                         # [T, K] or [T, D]
     g_out = g_in if g_b_weight is None else dense(g_in, g_b_weight)
     # g_out stays a strided view of proj: every kernel that reads it takes its row stride (a copy was a launch a
     # layer)
     args = (qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight, recurrent_pool, conv_pool)
-    if T == slot_ids.shape[0]:
+    if decode:
         o = kda_decode(*args, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps,
-                       tactic=decode_tactic)
+                       tactic=decode_tactic, f_b_weight=f_b_weight if fuse_f_b else None)
     else:
         o = kda_prefill(*args, cu_seqlens, slot_ids, num_heads=H, head_dim=K, lower_bound=lower_bound, eps=eps)
     return dense(o, o_weight)

@@ -59,10 +59,26 @@ def _gate(raw, a_log, bias, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
+def _low_rank_gate(fa_row, fb_ptr, ch, K: tl.constexpr, RC: tl.constexpr):
+    """g_raw[ch] = Σ_r f_a[r] · f_b[ch, r] over the gate's K-wide low rank (f_b [D, K] row-major), RC values of r at a
+    time (a [K, RC] tile of f_b in registers beside the state), rounded to f_a's dtype as the f_b GEMM's output is."""
+    acc = tl.zeros([K], dtype=tl.float32)
+    rr = tl.arange(0, RC)
+    for r0 in tl.static_range(0, K, RC):
+        fa = tl.load(fa_row + r0 + rr).to(tl.float32)
+        w = tl.load(fb_ptr + ch[:, None] * K + (r0 + rr)[None, :]).to(tl.float32)
+        acc += tl.sum(w * fa[None, :], 1)
+    return acc.to(fa_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_ptr, dt_bias_ptr, b_ptr, gout_ptr,
                             norm_w_ptr, state_ptr, slot_ptr, out_ptr, stride_qkv, stride_cp, stride_graw, stride_b,
                             stride_gout, stride_st, stride_out, scale, lower_bound, eps, H: tl.constexpr,
-                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PDL: tl.constexpr = False):
+                            K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, fb_ptr=None,
+                            FB: tl.constexpr = False, FB_RC: tl.constexpr = 16, PDL: tl.constexpr = False):
+    """FB: graw_ptr holds f_a [N, K] (the gate's low-rank input) and the program applies f_b (fb_ptr, [H·K, K]) to
+    its head's channels itself: the f_b GEMM's launch saved (_low_rank_gate)."""
     pdl_prologue(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -82,7 +98,10 @@ def kda_decode_fused_kernel(qkv_ptr, conv_w_ptr, conv_pool_ptr, graw_ptr, a_log_
     cq = _conv_inputs(x_row, conv_w_ptr, pool, ch, full, W)
     ck = _conv_inputs(x_row, conv_w_ptr, pool, D + ch, full, W)
     cv = _conv_inputs(x_row, conv_w_ptr, pool, 2 * D + ch, full, W)
-    g_raw = tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32)
+    if FB:
+        g_raw = _low_rank_gate(graw_ptr + n * stride_graw, fb_ptr, ch, K, FB_RC)
+    else:
+        g_raw = tl.load(graw_ptr + n * stride_graw + ch).to(tl.float32)
     g_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     beta = tl.sigmoid(tl.load(b_ptr + n * stride_b + h).to(tl.float32))

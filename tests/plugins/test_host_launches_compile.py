@@ -143,17 +143,17 @@ def _norms():
     return run
 
 
-def _kda_decode(N: int, tactic: str, state_dtype=torch.float32):
+def _kda_decode(N: int, tactic: str, state_dtype=torch.float32, f_b: bool = False):
     from k3plugins.kda import fla
 
     def run():
         H, K = 6, 128
         D, S = H * K, N + 1
         x = lambda *shape: torch.randn(*shape).to(torch.bfloat16)  # noqa: E731
-        fla.kda_decode(x(N, 3 * D), x(N, D), x(N, H), x(N, D), torch.randn(3 * D, 4), torch.randn(H),
+        fla.kda_decode(x(N, 3 * D), x(N, K if f_b else D), x(N, H), x(N, D), torch.randn(3 * D, 4), torch.randn(H),
                        torch.randn(D), torch.ones(K), torch.zeros(S, H, K, K, dtype=state_dtype),
                        torch.zeros(S, 3 * D, 3).to(torch.bfloat16), torch.arange(N), num_heads=H, head_dim=K,
-                       lower_bound=-5.0, eps=1e-5, tactic=tactic)
+                       lower_bound=-5.0, eps=1e-5, tactic=tactic, f_b_weight=x(D, K) if f_b else None)
     return run
 
 
@@ -174,6 +174,7 @@ CASES = {
     "moe_out_proj without the latent norm": _moe_out(False),
     **{f"kda decode {t} {N} seqs": _kda_decode(N, t) for t in ("fused", "split") for N in (3, 60)},
     "kda decode fused bf16 state": _kda_decode(8, "fused", torch.bfloat16),
+    "kda decode fused, f_b inside": _kda_decode(8, "fused", f_b=True),
     **{f"router {M} tokens": _route(M) for M in (8, 32, 64, 128, 512)},
     **{f"moe_in_proj {M} tokens": _moe_in(M) for M in (1, 128)},
     **{f"mla decode {B}x{H}": _mla_decode(B, H) for B, H in ((4, 6), (64, 16), (2, 96))},

@@ -94,3 +94,30 @@ def test_decode_slices_agree(N, H):
         # fused's sums over K run in another order (bench_plugins measured rel-L2 1.4e-5 against split)
         tol = 1e-5 if config["tactic"] == "split" else 5e-5
         assert _rel(out, res[0][0]) < tol and _rel(rec, res[0][1]) < 1e-6, config
+
+
+@pytest.mark.parametrize("N,H", [(5, 3), (32, 6), (40, 96)])
+def test_fused_decode_applies_f_b_itself(N, H):
+    """The fused tactic given f_a and f_b's weight equals it given the f_b GEMM's output (the gate rounded to bf16
+    either way; the sums run in another order, so an element may differ by one bf16 ulp)."""
+    from k3plugins.embed.dense import dense
+    K = 128
+    g = torch.Generator(device="cuda").manual_seed(N + H)
+    D = H * K
+    r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=g) * sc
+    f_a, f_b = r(N, K).bfloat16(), r(D, K, sc=K ** -0.5).bfloat16()
+    qkv, b, g_out = r(N, 3 * D).bfloat16(), r(N, H).bfloat16(), r(N, D).bfloat16()
+    rest = [r(3 * D, 4, sc=0.5), r(H, sc=0.5), r(D, sc=0.5), 1 + 0.1 * r(K)]
+    pools = (r(N + 3, H, K, K, sc=0.05), r(N + 3, 3 * D, 3).bfloat16())
+    slots = torch.randperm(N + 3, device="cuda", generator=g)[:N].int()
+    res = []
+    for g_in, extra in ((dense(f_a, f_b), {}), (f_a, dict(f_b_weight=f_b))):
+        rec, conv = pools[0].clone(), pools[1].clone()
+        out = kda_dev.kda_decode(qkv, g_in, b, g_out, *rest, rec, conv, slots, num_heads=H, head_dim=K,
+                                 lower_bound=-5.0, eps=1e-5, tactic="fused", **extra)
+        res.append((out.float(), rec, conv))
+    assert _rel(res[1][0], res[0][0]) < 5e-3 and _rel(res[1][1], res[0][1]) < 5e-3
+    assert torch.equal(res[1][2], res[0][2])
+    with pytest.raises(ValueError, match=r"g_raw must be f_a"):
+        kda_dev.kda_decode(qkv, g_out, b, g_out, *rest, *pools, slots, num_heads=H, head_dim=K, lower_bound=-5.0,
+                           eps=1e-5, f_b_weight=f_b)

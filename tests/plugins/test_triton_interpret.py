@@ -173,11 +173,14 @@ def _kda_layer(g, N, H, K, hid, S):
 
 
 def _kda_decode_case(kd, lower_bound, tactic):
-    """tactic "split-wide": the split tactic with decode_block_v's wide slice (BLOCK_V) at this small grid."""
+    """tactic "split-wide": the split tactic with decode_block_v's wide slice (BLOCK_V) at this small grid;
+    "fused-f-b-gemm": the fused tactic on the f_b GEMM's output (past F_B_FUSED_MAX_PROGRAMS), not f_a."""
     from k3plugins.kda.reference import kda_mixer
-    narrow_below = kd.NARROW_BELOW
+    narrow_below, f_b_max = kd.NARROW_BELOW, kd.F_B_FUSED_MAX_PROGRAMS
     if tactic == "split-wide":
         tactic, kd.NARROW_BELOW = "split", 0
+    if tactic == "fused-f-b-gemm":
+        tactic, kd.F_B_FUSED_MAX_PROGRAMS = "fused", 0
     g = torch.Generator().manual_seed(3)
     N, H, K, hid, S = 3, 2, 64, 32, 5
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
@@ -190,7 +193,7 @@ def _kda_decode_case(kd, lower_bound, tactic):
                    eps=1e-5)
             outs.append((o, a, b))
     finally:
-        kd.NARROW_BELOW = narrow_below
+        kd.NARROW_BELOW, kd.F_B_FUSED_MAX_PROGRAMS = narrow_below, f_b_max
     (o1, a1, b1), (o2, a2, b2) = outs
     return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2))}
 
@@ -438,7 +441,7 @@ def _child() -> None:
     res["mla-mixer"] = _mla_mixer_case(mla)
     res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
-        for tactic in ("fused", "split", "split-wide"):
+        for tactic in ("fused", "fused-f-b-gemm", "split", "split-wide"):
             res[f"kda-decode-{lb}-{tactic}"] = _kda_decode_case(kd, lb, tactic)
     res["kda-conv-prefill"] = _kda_conv_prefill_case(kd)
     res["kda-conv-prefill-norm"] = _kda_conv_prefill_case(kd, norm_k=8)  # two heads a tile of 16 channels
@@ -524,7 +527,7 @@ def test_mla_mixer_interpreted(results):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("tactic", ["fused", "split", "split-wide"])
+@pytest.mark.parametrize("tactic", ["fused", "fused-f-b-gemm", "split", "split-wide"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "softplus"])
 def test_kda_decode_interpreted(results, lower_bound, tactic):
     r = results[f"kda-decode-{lower_bound}-{tactic}"]

@@ -81,6 +81,15 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             rec[f"{tactic}_ms"] = round(t, 4)
             rec[f"{tactic}_frac_of_floor"] = round(floor_ms / t, 3)
             rec[f"{tactic}_x_inplace_pass"] = round(t / t_pass, 3)
+        # the fused tactic's gate from f_a, f_b applied inside, against the f_b GEMM then the same kernel
+        from k3plugins.embed.dense import dense
+        f_a = torch.randn(N, K, device="cuda", generator=gen).to(torch.bfloat16)
+        f_b = (torch.randn(D, K, device="cuda", generator=gen) * K ** -0.5).to(torch.bfloat16)
+        kw = dict(num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic="fused")
+        t_gemm = time_ms(lambda: kda_dev.kda_decode(qkv, dense(f_a, f_b), *args[2:], **kw))
+        t_inside = time_ms(lambda: kda_dev.kda_decode(qkv, f_a, *args[2:], f_b_weight=f_b, **kw))
+        rec.update(fused_after_f_b_gemm_ms=round(t_gemm, 4), fused_f_b_inside_ms=round(t_inside, 4),
+                   fused_f_b_inside_frac_of_floor=round(floor_ms / t_inside, 3))
         base = kda_dev.DECODE_TACTICS[0]
         for tactic in kda_dev.DECODE_TACTICS[1:]:
             rec[f"{tactic}_vs_{base}_rel_l2"] = rel_l2(outs[tactic], outs[base])
