@@ -91,13 +91,16 @@ class DecodeGraphs:
         self.buckets = sorted(buckets or default_buckets(max_batch))
         B = self.buckets[-1]
         device = next(iter(executor.weights.values())).device
-        # [ids | slot | context_len] and the page table, staged in pinned memory, copied without a sync
-        self.host_cols = [torch.zeros(3, B, dtype=torch.int64).pin_memory() for _ in range(host_sets)]
-        self.host_pages = [torch.zeros(B, max_pages, dtype=torch.int64).pin_memory() for _ in range(host_sets)]
-        self.copied = [None] * host_sets  # the event after each host set's last copy
+        # [ids | slot | context_len] and the page table side by side in one buffer, staged in pinned memory, copied
+        # in one call without a sync
+        size = 3 * B + B * max_pages
+        self.host_inputs = [torch.zeros(size, dtype=torch.int64).pin_memory() for _ in range(host_sets)]
+        self.host_cols = [t[:3 * B].view(3, B) for t in self.host_inputs]
+        self.host_pages = [t[3 * B:].view(B, max_pages) for t in self.host_inputs]
+        self.copied = [None] * host_sets  # the event after each host set's last copy (made once, recorded again)
         self.written = [[None] * B for _ in range(host_sets)]  # each host set's page rows as written (fill_rows)
-        self.cols = torch.zeros(3, B, dtype=torch.int64, device=device)
-        self.pages = torch.zeros(B, max_pages, dtype=torch.int64, device=device)
+        self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
+        self.cols, self.pages = self.inputs[:3 * B].view(3, B), self.inputs[3 * B:].view(B, max_pages)
         self.cu = torch.arange(B + 1, dtype=torch.int64, device=device)
         self.stage_in = {name: torch.zeros(B, width, dtype=dtype, device=device)
                          for name, (width, dtype) in (stage_in or {}).items()}
@@ -110,16 +113,23 @@ class DecodeGraphs:
 
     def _stage(self, rows: list[tuple[int, int, int, list[int]]], host_set: int = 0) -> None:
         """rows: (token id, slot, context length, page ids) per sequence; the rest become padding."""
+        self._fill(rows, host_set)
+        self._upload(host_set)
+
+    def _fill(self, rows: list[tuple[int, int, int, list[int]]], host_set: int) -> None:
+        """The rows into the host set's pinned buffer, once its previous copy has run."""
         if len(rows) > self.buckets[-1]:
             raise ValueError(f"{len(rows)} rows exceed the largest captured bucket {self.buckets[-1]}")
         if self.copied[host_set] is not None:
-            self.copied[host_set].synchronize()  # its previous copy has run (at once, unless micro-batches wrap)
-        cols, pages = self.host_cols[host_set], self.host_pages[host_set]
-        fill_rows(cols, pages, rows, spare_slot=self.spare_slot, spare_page=self.spare_page,
-                  written=self.written[host_set])
-        self.cols.copy_(cols, non_blocking=True)
-        self.pages.copy_(pages, non_blocking=True)
-        self.copied[host_set] = torch.cuda.Event()
+            self.copied[host_set].synchronize()  # at once, unless micro-batches wrap
+        fill_rows(self.host_cols[host_set], self.host_pages[host_set], rows, spare_slot=self.spare_slot,
+                  spare_page=self.spare_page, written=self.written[host_set])
+
+    def _upload(self, host_set: int) -> None:
+        """The host set's buffer into the graphs' inputs, one non-blocking copy."""
+        self.inputs.copy_(self.host_inputs[host_set], non_blocking=True)
+        if self.copied[host_set] is None:
+            self.copied[host_set] = torch.cuda.Event()
         self.copied[host_set].record()
 
     def capture(self) -> None:

@@ -17,8 +17,8 @@ Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of g
 not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py) as the runtime
 calls it, the host staging of the rows included, timed after WARMUP_S seconds of replays; the eager step is timed
 too. Its parts: graph_ms (the graph's replay on staged inputs) and, in steps timed one by one as the runtime runs
-them (steady decode: the same rows as the last step), host_stage_ms (the staging and copies), host_launch_ms (the
-graph's launch call) and gpu_step_ms (as step_ms). Floors use the HBM bandwidth measured first in the same run:
+them (steady decode: the same rows as the last step), the host's fill, upload and launch calls and gpu_step_ms (as
+step_ms), with each step awaited by torch.cuda.synchronize and again by polling its end event (_poll). Floors use the HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes
@@ -143,25 +143,32 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def _step_parts(graphs, n: int, rows, reps: int) -> dict:
-    """The step as the runtime runs it (DecodeGraphs.run), timed in its parts, medians in ms: host_stage_ms (the
-    staging of the rows and their copies), host_launch_ms (the graph's launch call), both on the host clock, and
-    gpu_step_ms (CUDA events around both, as step_ms)."""
-    parts = {"host_stage_ms": [], "host_launch_ms": [], "gpu_step_ms": []}
+def _step_parts(graphs, n: int, rows, reps: int, poll: bool = False) -> dict:
+    """The step as the runtime runs it (DecodeGraphs.run: fill, upload, launch), timed in its parts, medians in ms:
+    host_fill_ms (the rows into the pinned buffer), host_upload_ms (its copy's call), host_launch_ms (the graph's
+    launch call), all on the host clock, and gpu_step_ms (CUDA events around the three, as step_ms). poll: wait for
+    each step by polling its end event instead of torch.cuda.synchronize (keys suffixed _poll)."""
+    parts = {"host_fill_ms": [], "host_upload_ms": [], "host_launch_ms": [], "gpu_step_ms": []}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
     for _ in range(reps):
-        torch.cuda.synchronize()
         start.record()
         t0 = time.perf_counter()
-        graphs._stage(rows)
+        graphs._fill(rows, 0)
         t1 = time.perf_counter()
-        graphs.graphs[n].replay()
+        graphs._upload(0)
         t2 = time.perf_counter()
+        graphs.graphs[n].replay()
+        t3 = time.perf_counter()
         end.record()
-        torch.cuda.synchronize()
-        for key, v in zip(parts, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, start.elapsed_time(end))):
+        if poll:
+            while not end.query():
+                pass
+        else:
+            torch.cuda.synchronize()
+        for key, v in zip(parts, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, start.elapsed_time(end))):
             parts[key].append(v)
-    return {key: round(statistics.median(v), 4) for key, v in parts.items()}
+    return {key + ("_poll" if poll else ""): round(statistics.median(v), 4) for key, v in parts.items()}
 
 
 def _graphs(executor, n: int, pages_per_seq: int, spare: tuple[int, int]):
@@ -559,6 +566,7 @@ def main() -> None:
             del variants
             rec["graph_ms"] = round(_median_ms(graphs.graphs[n].replay, args.reps, cuda), 4)  # on staged inputs
             rec.update(_step_parts(graphs, n, rows, args.reps))
+            rec.update(_step_parts(graphs, n, rows, args.reps, poll=True))
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.timeline:

@@ -40,10 +40,11 @@ NARROW_BLOCK_V, NARROW_BELOW = 32, 2048
 FUSED_MAXNREG = 168
 # The fused decode computes its head's gate from f_a (the f_b product, K x K multiply-adds a program, f_b's [K, K]
 # slice read from L2, F_B_CHUNK columns at a time beside the state in registers) instead of reading the f_b GEMM's
-# output: one launch less a KDA layer (2.6-2.8 µs in the rank's 32-request graph, BENCHMARKS.md), on grids of up to
-# F_B_FUSED_MAX_PROGRAMS programs
+# output: one launch less a KDA layer. On the H200 (BENCHMARKS.md, twenty-sixth session) that saved 0.18 / 0.28 /
+# 0.14 ms a rank step at 32 / 64 / 128 requests (192-768 programs) and 6 % at 8 x 96 heads (768), but cost 3 % at
+# 64 x 96 and 256 x 96 (6144 and 24576 programs, each re-reading its head's slice): so up to 1024 programs only
 F_B_CHUNK = 32
-F_B_FUSED_MAX_PROGRAMS = 1 << 30
+F_B_FUSED_MAX_PROGRAMS = 1024
 
 
 def fused_maxnreg(num_programs: int, num_sms: int) -> int:
