@@ -16,6 +16,7 @@ takes its own set of pinned host buffers (`host_sets`), rewritten only once its 
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence
 
@@ -43,8 +44,9 @@ def fill_rows(cols: torch.Tensor, pages: torch.Tensor, rows: Sequence[tuple[int,
               spare_slot: int, spare_page: int, written: list | None = None) -> None:
     """Write a step's rows into the host buffers, in place: cols [3, B] int64 (token id, slot, context length) and
     pages [B, max_pages] int64 (each row's page ids, then -1); rows past len(rows) are padding (token 0, the spare
-    slot, context 1, the spare page; a row without pages holds the spare page too). Through numpy views and one flat copy of the page ids: the GPU waits while
-    this runs, and a Python loop over the rows was 7-8x slower (BENCHMARKS.md, twenty-fifth session).
+    slot, context 1, the spare page; a row without pages holds the spare page too). Through numpy views and one
+    flat copy of the page ids: the GPU waits while this runs, and a Python loop over the rows was 7-8x slower
+    (BENCHMARKS.md, twenty-fifth session).
 
     written: what each row of `pages` holds now (B entries: a tuple of page ids, or None when not known), kept up to
     date by this call, which then rewrites only the rows whose ids changed. In steady decode a row's pages change
@@ -133,18 +135,27 @@ class DecodeGraphs:
         self.copied[host_set].record()
 
     def capture(self) -> None:
-        """Capture every bucket, largest first, sharing one memory pool."""
+        """Capture every bucket, largest first, sharing one memory pool. Python's cyclic GC is off meanwhile: a
+        collection inside a capture may destroy an earlier engine's graphs (CUDAGraph reset is not permitted while
+        a stream captures), which invalidates the capture; garbage is collected before it instead."""
         self._stage([])
         pool = None
-        for n in reversed(self.buckets):
-            batch, extra = self._batch(n), {name: t[:n] for name, t in self.stage_in.items()}
-            self.executor.run(batch, extra)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.executor.run(batch, extra)
-            pool = graph.pool()
-            self.graphs[n], self.outputs[n] = graph, out
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for n in reversed(self.buckets):
+                batch, extra = self._batch(n), {name: t[:n] for name, t in self.stage_in.items()}
+                self.executor.run(batch, extra)  # warm-up: Triton compiles and autotunes outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.executor.run(batch, extra)
+                pool = graph.pool()
+                self.graphs[n], self.outputs[n] = graph, out
+        finally:
+            if enabled:
+                gc.enable()
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:

@@ -38,6 +38,7 @@ def test_ab_switches_flip_and_undo():
     from k3build.config import preset
     from k3build.mapping import Mapping
     from k3plugins.attn_res import triton as ar
+    from k3plugins.kda import fla as kda
     from k3plugins.moe import triton as moe
     from k3plugins.router import triton as router
     from k3runtime.executor import Executor, StepBatch
@@ -79,7 +80,8 @@ def test_ab_switches_flip_and_undo():
     torch.testing.assert_close(ex.run(batch)["logits"], fused, rtol=1e-4, atol=1e-4)
     undo()
     state = lambda: (dict(moe.TACTICS), router.blocks_for, ar.use_split, ar.NORM_MIX_WARPS,  # noqa: E731
-                     router.SELECT_WARPS, router.CAST_COLUMNS, router.CAST_SPLIT_MAX_TOKENS, [b.fn for b in ex.nodes])
+                     router.SELECT_WARPS, router.CAST_COLUMNS, router.CAST_SPLIT_MAX_TOKENS,
+                     kda.F_B_FUSED_MAX_PROGRAMS, [b.fn for b in ex.nodes])
     before = state()
     for name, (_, flip) in br.AB_SWITCHES.items():
         if not name.startswith("unfused-"):

@@ -18,7 +18,8 @@ not depend on the values). The step is the runtime's CUDA-graph replay (runtime/
 calls it, the host staging of the rows included, timed after WARMUP_S seconds of replays; the eager step is timed
 too. Its parts: graph_ms (the graph's replay on staged inputs) and, in steps timed one by one as the runtime runs
 them (steady decode: the same rows as the last step), the host's fill, upload and launch calls and gpu_step_ms (as
-step_ms), with each step awaited by torch.cuda.synchronize and again by polling its end event (_poll). Floors use the HBM bandwidth measured first in the same run:
+step_ms), with each step awaited by torch.cuda.synchronize and again by polling its end event (_poll). Floors use
+the HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes

@@ -41,8 +41,9 @@ FUSED_MAXNREG = 168
 # The fused decode computes its head's gate from f_a (the f_b product, K x K multiply-adds a program, f_b's [K, K]
 # slice read from L2, F_B_CHUNK columns at a time beside the state in registers) instead of reading the f_b GEMM's
 # output: one launch less a KDA layer. On the H200 (BENCHMARKS.md, twenty-sixth session) that saved 0.18 / 0.28 /
-# 0.14 ms a rank step at 32 / 64 / 128 requests (192-768 programs) and 6 % at 8 x 96 heads (768), but cost 3 % at
-# 64 x 96 and 256 x 96 (6144 and 24576 programs, each re-reading its head's slice): so up to 1024 programs only
+# 0.14 ms a rank step at 32 / 64 / 128 requests (192-768 programs; one process) and 5 % at 8 x 96 heads (768), but
+# cost 3 % at 64 x 96 and 256 x 96 (6144 and 24576 programs, each re-reading its head's slice): so up to 1024
+# programs only
 F_B_CHUNK = 32
 F_B_FUSED_MAX_PROGRAMS = 1024
 
@@ -147,7 +148,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
             out, qkv.stride(0), conv_pool.stride(0), g_raw.stride(0), b.stride(0), g_out.stride(0),
             recurrent_pool.stride(0), out.stride(0), K ** -0.5, lb, float(eps), H=H, K=K, W=4,
             HAS_LOWER_BOUND=lower_bound is not None, fb_ptr=f_b_weight.contiguous() if fb else None, FB=fb,
-            FB_RC=F_B_CHUNK, num_warps=num_warps, **cap, **pdl(qkv))
+            FB_RC=min(F_B_CHUNK, K), num_warps=num_warps, **cap, **pdl(qkv))
         return out
     y = torch.empty(N, 3 * D, dtype=torch.float32, device=qkv.device)
     conv_update_kernel[(N, triton.cdiv(3 * D, 1024))](qkv, conv_weight, conv_pool, slot_ids, y, qkv.stride(0),

@@ -185,7 +185,9 @@ def _kda_decode_case(kd, lower_bound, tactic):
     N, H, K, hid, S = 3, 2, 64, 32, 5
     w, rec, conv, x = _kda_layer(g, N, H, K, hid, S)
     slots, cu = torch.tensor([4, 0, 2]), torch.arange(N + 1)
-    outs = []
+    outs, f_b_given = [], []
+    decode = kd.kda_decode  # spied on: was f_b applied inside the fused kernel?
+    kd.kda_decode = lambda *a, **kw: f_b_given.append(kw.get("f_b_weight") is not None) or decode(*a, **kw)
     try:  # the "fla" tactic runs fla-core's kernel: GPU only
         for fn in (functools.partial(kd.kda_mixer, decode_tactic=tactic), kda_mixer):
             a, b = rec.clone(), conv.clone()
@@ -193,9 +195,10 @@ def _kda_decode_case(kd, lower_bound, tactic):
                    eps=1e-5)
             outs.append((o, a, b))
     finally:
-        kd.NARROW_BELOW, kd.F_B_FUSED_MAX_PROGRAMS = narrow_below, f_b_max
+        kd.NARROW_BELOW, kd.F_B_FUSED_MAX_PROGRAMS, kd.kda_decode = narrow_below, f_b_max, decode
     (o1, a1, b1), (o2, a2, b2) = outs
-    return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2))}
+    return {"rel": _rel(o1, o2), "state_rel": _rel(a1, a2), "conv_equal": bool(torch.equal(b1, b2)),
+            "f_b_inside": f_b_given == [True]}
 
 
 def _kda_conv_prefill_case(kd, norm_k: int = 0, lens=(2, 0, 11, 1)):
@@ -532,6 +535,7 @@ def test_mla_mixer_interpreted(results):
 def test_kda_decode_interpreted(results, lower_bound, tactic):
     r = results[f"kda-decode-{lower_bound}-{tactic}"]
     assert r["rel"] < 1e-5 and r["state_rel"] < 1e-5 and r["conv_equal"], r
+    assert r["f_b_inside"] == (tactic == "fused"), r  # the small grid takes f_b inside, unless told otherwise
 
 
 @pytest.mark.parametrize("case", ["kda-conv-prefill", "kda-conv-prefill-norm", "kda-conv-prefill-tail"])
