@@ -16,10 +16,10 @@ graph's all-reduces return their input, so the figure is the rank's compute and 
 Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of garbage KV: the timing does
 not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py) as the runtime
 calls it, the host staging of the rows included, timed after WARMUP_S seconds of replays; the eager step is timed
-too. Its parts: graph_ms (the graph's replay on staged inputs) and, in steps timed one by one as the runtime runs
-them (steady decode: the same rows as the last step), the host's fill, upload and launch calls and gpu_step_ms (as
-step_ms), with each step awaited by torch.cuda.synchronize and again by polling its end event (_poll). Floors use
-the HBM bandwidth measured first in the same run:
+too. Its parts: graph_ms (the graph's replay on staged inputs) and, in steps timed one by one (steady decode: the
+same rows as the last step), the host's wait, fill, upload and launch calls and the GPU step: as the runtime runs
+them (_sync, _poll) and with the rows staged while the previous step runs (_ahead; see _step_parts). Floors use the
+HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes
@@ -144,32 +144,50 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def _step_parts(graphs, n: int, rows, reps: int, poll: bool = False) -> dict:
-    """The step as the runtime runs it (DecodeGraphs.run: fill, upload, launch), timed in its parts, medians in ms:
-    host_fill_ms (the rows into the pinned buffer), host_upload_ms (its copy's call), host_launch_ms (the graph's
-    launch call), all on the host clock, and gpu_step_ms (CUDA events around the three, as step_ms). poll: wait for
-    each step by polling its end event instead of torch.cuda.synchronize (keys suffixed _poll)."""
-    parts = {"host_fill_ms": [], "host_upload_ms": [], "host_launch_ms": [], "gpu_step_ms": []}
+def _step_parts(graphs, n: int, rows, reps: int, mode: str = "sync") -> dict:
+    """The step in its parts, medians in ms, keys suffixed _{mode}: host_wait_ms (the wait for the host set's last
+    copy), host_fill_ms (the rows into the pinned buffer), host_upload_ms (its copy's call), host_launch_ms (the
+    graph's launch call), all on the host clock, and gpu_step_ms (CUDA events).
+
+    mode "sync": as the runtime runs a step (DecodeGraphs.run: wait, fill, upload, launch, all inside the events),
+    each step awaited by torch.cuda.synchronize; "poll": the same, awaited by polling its end event; "ahead": each
+    step's rows staged while the previous step's graph runs (its copy queued behind that graph), so the events hold
+    the graph launch alone. The runtime cannot stage ahead yet: a step's token ids come from the previous step's
+    sampling on the host. "ahead" shows what staging off the critical path would give, and what the host calls cost
+    while the GPU is busy."""
+    parts = {"host_wait_ms": [], "host_fill_ms": [], "host_upload_ms": [], "host_launch_ms": [], "gpu_step_ms": []}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def stage() -> tuple[float, ...]:
+        t0 = time.perf_counter()
+        graphs.copied[0].synchronize()
+        t1 = time.perf_counter()
+        graphs._fill(rows, 0)
+        t2 = time.perf_counter()
+        graphs._upload(0)
+        return t0, t1, t2, time.perf_counter()
+
+    graphs._stage(rows)
     torch.cuda.synchronize()
     for _ in range(reps):
         start.record()
-        t0 = time.perf_counter()
-        graphs._fill(rows, 0)
-        t1 = time.perf_counter()
-        graphs._upload(0)
-        t2 = time.perf_counter()
+        if mode != "ahead":
+            marks = stage()
+        t_launch = time.perf_counter()
         graphs.graphs[n].replay()
-        t3 = time.perf_counter()
+        launched = time.perf_counter() - t_launch
         end.record()
-        if poll:
+        if mode == "ahead":
+            marks = stage()  # the next step's rows, behind this graph on the stream
+        if mode == "poll":
             while not end.query():
                 pass
         else:
             torch.cuda.synchronize()
-        for key, v in zip(parts, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, start.elapsed_time(end))):
+        spans = [b - a for a, b in zip(marks, marks[1:])] + [launched]
+        for key, v in zip(parts, [*(x * 1e3 for x in spans), start.elapsed_time(end)]):
             parts[key].append(v)
-    return {key + ("_poll" if poll else ""): round(statistics.median(v), 4) for key, v in parts.items()}
+    return {f"{key[:-3]}_{mode}_ms": round(statistics.median(v), 4) for key, v in parts.items()}
 
 
 def _graphs(executor, n: int, pages_per_seq: int, spare: tuple[int, int]):
@@ -566,8 +584,8 @@ def main() -> None:
             rec.update({"step_ms_" + name.replace("-", "_"): round(t, 4) for name, t in times.items()})
             del variants
             rec["graph_ms"] = round(_median_ms(graphs.graphs[n].replay, args.reps, cuda), 4)  # on staged inputs
-            rec.update(_step_parts(graphs, n, rows, args.reps))
-            rec.update(_step_parts(graphs, n, rows, args.reps, poll=True))
+            for mode in ("sync", "poll", "ahead"):
+                rec.update(_step_parts(graphs, n, rows, args.reps, mode))
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.timeline:
