@@ -2,6 +2,13 @@
 
 Seeding every draw by the request's seed and the index of the token being sampled makes sampling a pure
 function of the request, so batch composition and preemption-by-recompute cannot change the output.
+
+The whole batch is sampled in one pass of tensor ops on the logits' device, with one device->host copy (the
+token ids) at the end: rows are masked by their own top-k and top-p, then drawn by the Gumbel-max trick,
+argmax(log p + g), where g comes from a counter-based hash of (the row's draw seed, the token id). The noise of a
+row is thus a function of its seed alone, the same on any device and in any batch. (A torch.Generator a row would
+need a launch sequence and a host sync a row.) When every sampled row has a top-k, the rows are drawn from their
+k best logits only (_draw_top_k): the same masks and noise, so the same tokens, without sorting the vocabulary.
 """
 
 from __future__ import annotations
@@ -17,25 +24,87 @@ def _draw_seed(seed: int, position: int) -> int:
     return (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed int64 holding its bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> sign-extends)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 bits (products wrap mod 2^64, as uint64 ones do)."""
+    x = x + _i64(0x9E3779B97F4A7C15)
+    x = (x ^ _shr(x, 30)) * _i64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _i64(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
+def gumbel_noise(draw_seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise fp32 for token ids `ids` ([V], or [M, k]) of rows with draw seeds `draw_seeds` [M]
+    (int64): [M, V] or [M, k], each value a function of (its row's seed, its token id) alone."""
+    ids = ids if ids.dim() == 2 else ids[None, :]
+    bits = _splitmix64(draw_seeds[:, None] ^ (ids * _i64(0xD1B54A32D192ED03)))
+    u = (_shr(bits, 40).to(torch.float32) + 0.5) * 2.0 ** -24  # 24 random bits, strictly inside (0, 1)
+    return -torch.log(-torch.log(u))
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
     """Args: logits [M, V] fp32; per row its params, request seed and output-token index. Returns M token ids."""
-    out = []
-    greedy = logits.argmax(dim=-1).tolist()
-    for row, (p, seed, pos) in enumerate(zip(params, seeds, positions)):
-        if p.temperature == 0:
-            out.append(greedy[row])
-            continue
-        x = logits[row].float() / p.temperature
-        if p.top_k:
-            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-            probs = probs.scatter(0, order[drop], 0.0)
-            probs = probs / probs.sum()
-        gen = torch.Generator(device=logits.device).manual_seed(_draw_seed(seed, pos))
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return out
+    greedy = logits.argmax(dim=-1)
+    hot = [p.temperature > 0 for p in params]
+    if not any(hot):
+        return greedy.tolist()
+    dev = logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
+    x = logits.float() / temps[:, None]
+    draw_seeds = torch.tensor([_draw_seed(s, pos) for s, pos in zip(seeds, positions)], dtype=torch.int64,
+                              device=dev)
+    ks = [min(p.top_k, x.shape[1]) for p in params]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    if all(k or not h for k, h in zip(ks, hot)):  # every sampled row has a top-k: work on its k best only
+        drawn = _draw_top_k(x, ks, top_p, draw_seeds)
+    else:
+        drawn = _draw_full(x, ks, top_p, draw_seeds)
+    return torch.where(torch.tensor(hot, device=dev), drawn, greedy).tolist()
+
+
+def _top_p_drop(sorted_p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Of probabilities sorted descending a row, those past the smallest prefix whose mass reaches the row's top_p
+    (the first always stays; rows at 1.0 keep all)."""
+    return (sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]) & (top_p < 1.0)[:, None]
+
+
+def _draw_full(x: torch.Tensor, ks: list[int], top_p: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
+    """Tokens [M] drawn over the whole vocabulary: each row masked by its top-k (0: off; ties at the k-th kept)
+    and top-p, then argmax(log p + Gumbel noise)."""
+    dev = x.device
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks],
+                                                                            device=dev)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if (top_p < 1.0).any():
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        probs = probs.scatter(1, order, sorted_p.masked_fill(_top_p_drop(sorted_p, top_p), 0.0))
+    ids = torch.arange(x.shape[1], device=dev)
+    return (torch.log(probs) + gumbel_noise(draw_seeds, ids)).argmax(dim=-1)
+
+
+def _draw_top_k(x: torch.Tensor, ks: list[int], top_p: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
+    """_draw_full's tokens for rows that all have a top-k (greedy rows: any k), from each row's max(ks) best
+    logits: the same masks and the same noise a token id, so the same draws, without a pass over the vocabulary
+    past the top-k. Ties at a row's k-th value beyond max(ks) are the one difference (the full pass keeps them)."""
+    dev = x.device
+    kmax = max(ks)
+    vals, ids = torch.topk(x, kmax, dim=-1)                                    # descending
+    keep = torch.arange(kmax, device=dev)[None, :] < torch.tensor([max(k, 1) for k in ks], device=dev)[:, None]
+    kth = vals.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+    vals = vals.masked_fill(~keep & (vals < kth), float("-inf"))               # ties at the k-th stay, as in full
+    probs = torch.softmax(vals, dim=-1)                                         # still sorted descending
+    probs = probs.masked_fill(_top_p_drop(probs, top_p), 0.0)
+    best = (torch.log(probs) + gumbel_noise(draw_seeds, ids)).argmax(dim=-1)
+    return ids.gather(1, best[:, None])[:, 0]
