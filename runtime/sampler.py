@@ -13,6 +13,8 @@ k best logits only (_draw_top_k): the same masks and noise, so the same tokens, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .sampling_params import SamplingParams
@@ -52,23 +54,38 @@ def gumbel_noise(draw_seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
-    """Args: logits [M, V] fp32; per row its params, request seed and output-token index. Returns M token ids."""
+    """Args: logits [M, V] fp32; per row its params, request seed and output-token index. Returns M token ids (the
+    one device->host sync)."""
     greedy = logits.argmax(dim=-1)
     hot = [p.temperature > 0 for p in params]
     if not any(hot):
         return greedy.tolist()
-    dev = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
-    x = logits.float() / temps[:, None]
-    draw_seeds = torch.tensor([_draw_seed(s, pos) for s, pos in zip(seeds, positions)], dtype=torch.int64,
-                              device=dev)
-    ks = [min(p.top_k, x.shape[1]) for p in params]
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    dev, V = logits.device, logits.shape[1]
+    ks = [min(p.top_k, V) for p in params]
+    # the rows' parameters in two uploads, neither a sync (small pageable copies)
+    floats = torch.tensor([[p.temperature if p.temperature > 0 else 1.0, p.top_p] for p in params])
+    ints = torch.tensor([[k, h, _draw_seed(s, pos)] for k, h, s, pos in zip(ks, hot, seeds, positions)],
+                        dtype=torch.int64)
+    floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+    x = logits.float() / floats[:, :1]
+    rows = _Rows(k=ints[:, 0], top_p=floats[:, 1], draw_seeds=ints[:, 2], kmax=max(ks),
+                 any_top_p=any(p.top_p < 1.0 for p in params))
     if all(k or not h for k, h in zip(ks, hot)):  # every sampled row has a top-k: work on its k best only
-        drawn = _draw_top_k(x, ks, top_p, draw_seeds)
+        drawn = _draw_top_k(x, rows)
     else:
-        drawn = _draw_full(x, ks, top_p, draw_seeds)
-    return torch.where(torch.tensor(hot, device=dev), drawn, greedy).tolist()
+        drawn = _draw_full(x, rows)
+    return torch.where(ints[:, 1].bool(), drawn, greedy).tolist()
+
+
+@dataclass
+class _Rows:
+    """The rows' sampling parameters on the logits' device (k: top-k, 0 off; top_p: 1.0 off), and two facts about
+    them known on the host."""
+    k: torch.Tensor
+    top_p: torch.Tensor
+    draw_seeds: torch.Tensor
+    kmax: int
+    any_top_p: bool
 
 
 def _top_p_drop(sorted_p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -77,34 +94,33 @@ def _top_p_drop(sorted_p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return (sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]) & (top_p < 1.0)[:, None]
 
 
-def _draw_full(x: torch.Tensor, ks: list[int], top_p: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
-    """Tokens [M] drawn over the whole vocabulary: each row masked by its top-k (0: off; ties at the k-th kept)
-    and top-p, then argmax(log p + Gumbel noise)."""
-    dev = x.device
-    if any(ks):
-        kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks],
-                                                                            device=dev)[:, None])
-        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
-        x = x.masked_fill(x < kth, float("-inf"))
+def _kth(vals: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Each row's k-th largest value [M, 1] from its top values sorted descending (-inf where k is 0: no top-k)."""
+    kth = vals.gather(1, (k.clamp(min=1) - 1)[:, None])
+    return kth.masked_fill((k == 0)[:, None], float("-inf"))
+
+
+def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """Tokens [M] drawn over the whole vocabulary: each row masked by its top-k (ties at the k-th kept) and top-p,
+    then argmax(log p + Gumbel noise)."""
+    if rows.kmax:
+        x = x.masked_fill(x < _kth(torch.topk(x, rows.kmax, dim=-1).values, rows.k), float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if (top_p < 1.0).any():
+    if rows.any_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        probs = probs.scatter(1, order, sorted_p.masked_fill(_top_p_drop(sorted_p, top_p), 0.0))
-    ids = torch.arange(x.shape[1], device=dev)
-    return (torch.log(probs) + gumbel_noise(draw_seeds, ids)).argmax(dim=-1)
+        probs = probs.scatter(1, order, sorted_p.masked_fill(_top_p_drop(sorted_p, rows.top_p), 0.0))
+    ids = torch.arange(x.shape[1], device=x.device)
+    return (torch.log(probs) + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
 
 
-def _draw_top_k(x: torch.Tensor, ks: list[int], top_p: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
-    """_draw_full's tokens for rows that all have a top-k (greedy rows: any k), from each row's max(ks) best
-    logits: the same masks and the same noise a token id, so the same draws, without a pass over the vocabulary
-    past the top-k. Ties at a row's k-th value beyond max(ks) are the one difference (the full pass keeps them)."""
-    dev = x.device
-    kmax = max(ks)
-    vals, ids = torch.topk(x, kmax, dim=-1)                                    # descending
-    keep = torch.arange(kmax, device=dev)[None, :] < torch.tensor([max(k, 1) for k in ks], device=dev)[:, None]
-    kth = vals.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
-    vals = vals.masked_fill(~keep & (vals < kth), float("-inf"))               # ties at the k-th stay, as in full
+def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """_draw_full's tokens for rows that all have a top-k (greedy rows: any k), from each row's kmax best logits:
+    the same masks and the same noise a token id, so the same draws, without a pass over the vocabulary past the
+    top-k. Ties at a row's k-th value beyond kmax are the one difference (the full pass keeps them)."""
+    vals, ids = torch.topk(x, rows.kmax, dim=-1)                               # descending
+    vals = vals.masked_fill(vals < _kth(vals, rows.k), float("-inf"))          # ties at the k-th stay, as in full
     probs = torch.softmax(vals, dim=-1)                                         # still sorted descending
-    probs = probs.masked_fill(_top_p_drop(probs, top_p), 0.0)
-    best = (torch.log(probs) + gumbel_noise(draw_seeds, ids)).argmax(dim=-1)
+    if rows.any_top_p:
+        probs = probs.masked_fill(_top_p_drop(probs, rows.top_p), 0.0)
+    best = (torch.log(probs) + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
     return ids.gather(1, best[:, None])[:, 0]

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from k3runtime.sampler import _draw_full, _draw_seed, _draw_top_k, _i64, _splitmix64, gumbel_noise, sample
+from k3runtime.sampler import (_draw_full, _draw_seed, _draw_top_k, _i64, _Rows, _splitmix64, gumbel_noise,
+                               sample)
 from k3runtime.sampling_params import SamplingParams
 
 M64 = (1 << 64) - 1
@@ -100,8 +101,11 @@ def test_top_k_rows_draw_as_the_full_pass_does():
     g = torch.Generator().manual_seed(5)
     M, V = 6, 300
     ks = [1, 3, 7, 20, 50, 300]
-    top_p = torch.tensor([1.0, 0.5, 0.9, 0.3, 1.0, 0.95])
     for trial in range(20):
         x = torch.randn(M, V, generator=g) * (1 + trial % 3)
-        seeds = torch.tensor([_draw_seed(trial, m) for m in range(M)], dtype=torch.int64)
-        assert torch.equal(_draw_top_k(x, ks, top_p, seeds), _draw_full(x, ks, top_p, seeds)), trial
+        rows = _Rows(k=torch.tensor(ks), top_p=torch.tensor([1.0, 0.5, 0.9, 0.3, 1.0, 0.95]),
+                     draw_seeds=torch.tensor([_draw_seed(trial, m) for m in range(M)]), kmax=max(ks),
+                     any_top_p=trial % 2 == 0)
+        if not rows.any_top_p:
+            rows.top_p = torch.ones(M)
+        assert torch.equal(_draw_top_k(x, rows), _draw_full(x, rows)), trial

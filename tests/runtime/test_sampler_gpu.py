@@ -1,0 +1,43 @@
+"""The batched sampler on the GPU (pytest -m gpu): the same tokens as on the CPU for the same logits (its noise is
+integer hashing, the same on any device), and a whole batch sampled with one device->host sync, the token ids'."""
+import pytest
+import torch
+
+from k3runtime.sampler import sample
+from k3runtime.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+          SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8)]
+
+
+@pytest.mark.parametrize("top_k_only", [False, True], ids=["full", "top_k_rows"])
+def test_gpu_draws_equal_cpu_draws(top_k_only):
+    g = torch.Generator().manual_seed(3)
+    params = [p for p in PARAMS if p.top_k or p.temperature == 0] if top_k_only else PARAMS
+    M = len(params)
+    logits = torch.randn(M, 4096, generator=g) * 4  # gaps far above fp32 rounding between devices
+    for trial in range(10):
+        seeds, positions = [trial * 10 + m for m in range(M)], [trial] * M
+        assert sample(logits.cuda(), params, seeds, positions) == sample(logits, params, seeds, positions), trial
+
+
+def test_one_sync_for_the_batch():
+    """Under torch's sync debug mode every device->host sync warns; sampling 32 rows makes one (the token ids)."""
+    import warnings
+    logits = torch.randn(32, 4096, device="cuda")
+    params = [PARAMS[i % len(PARAMS)] for i in range(32)]
+    sample(logits, params, list(range(32)), [0] * 32)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sample(logits, params, list(range(32)), [0] * 32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message)[:100] for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, syncs  # the token ids to the host; the parameters go up without one
