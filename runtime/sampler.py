@@ -5,10 +5,11 @@ function of the request, so batch composition and preemption-by-recompute cannot
 
 The whole batch is sampled in one pass of tensor ops on the logits' device, with one device->host copy (the
 token ids) at the end: rows are masked by their own top-k and top-p, then drawn by the Gumbel-max trick,
-argmax(log p + g), where g comes from a counter-based hash of (the row's draw seed, the token id). The noise of a
-row is thus a function of its seed alone, the same on any device and in any batch. (A torch.Generator a row would
-need a launch sequence and a host sync a row.) When every sampled row has a top-k, the rows are drawn from their
-k best logits only (_draw_top_k): the same masks and noise, so the same tokens, without sorting the vocabulary.
+argmax(x + g) over the tokens left (x the tempered logits), where g comes from a counter-based hash of (the row's
+draw seed, the token id). The noise of a row is thus a function of its seed alone, the same on any device and in
+any batch. (A torch.Generator a row would need a launch sequence and a host sync a row.) When every sampled row
+has a top-k, the rows are drawn from their k best logits only (_draw_top_k): the same masks and noise, so the
+same tokens, without sorting the vocabulary.
 """
 
 from __future__ import annotations
@@ -88,10 +89,14 @@ class _Rows:
     any_top_p: bool
 
 
-def _top_p_drop(sorted_p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Of probabilities sorted descending a row, those past the smallest prefix whose mass reaches the row's top_p
-    (the first always stays; rows at 1.0 keep all)."""
-    return (sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]) & (top_p < 1.0)[:, None]
+def _top_p_drop(sorted_x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Of each row's tempered logits sorted descending (-inf past its top-k), those past the smallest prefix whose
+    probability mass reaches the row's top_p (the first always stays; rows at 1.0 keep all). The masses are summed
+    unnormalised, in fp64, in the sorted order: a row's verdict does not depend on how many -inf columns the batch
+    gave it (the two paths below, other rows' top-k)."""
+    w = torch.exp((sorted_x - sorted_x[:, :1]).double())  # the row's max first: weights in (0, 1], -inf -> 0
+    cum = w.cumsum(-1)
+    return (cum - w >= top_p.double()[:, None] * cum[:, -1:]) & (top_p < 1.0)[:, None]
 
 
 def _kth(vals: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -102,15 +107,15 @@ def _kth(vals: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     """Tokens [M] drawn over the whole vocabulary: each row masked by its top-k (ties at the k-th kept) and top-p,
-    then argmax(log p + Gumbel noise)."""
+    then argmax(x + Gumbel noise) over what is left (Gumbel-max needs no normalising: log p differs from x by a
+    constant a row)."""
     if rows.kmax:
         x = x.masked_fill(x < _kth(torch.topk(x, rows.kmax, dim=-1).values, rows.k), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
     if rows.any_top_p:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        probs = probs.scatter(1, order, sorted_p.masked_fill(_top_p_drop(sorted_p, rows.top_p), 0.0))
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        x = x.scatter(1, order, sorted_x.masked_fill(_top_p_drop(sorted_x, rows.top_p), float("-inf")))
     ids = torch.arange(x.shape[1], device=x.device)
-    return (torch.log(probs) + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
+    return (x + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
 
 
 def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
@@ -119,8 +124,7 @@ def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     top-k. Ties at a row's k-th value beyond kmax are the one difference (the full pass keeps them)."""
     vals, ids = torch.topk(x, rows.kmax, dim=-1)                               # descending
     vals = vals.masked_fill(vals < _kth(vals, rows.k), float("-inf"))          # ties at the k-th stay, as in full
-    probs = torch.softmax(vals, dim=-1)                                         # still sorted descending
     if rows.any_top_p:
-        probs = probs.masked_fill(_top_p_drop(probs, rows.top_p), 0.0)
-    best = (torch.log(probs) + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
+        vals = vals.masked_fill(_top_p_drop(vals, rows.top_p), float("-inf"))
+    best = (vals + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
     return ids.gather(1, best[:, None])[:, 0]

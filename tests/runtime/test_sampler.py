@@ -109,3 +109,17 @@ def test_top_k_rows_draw_as_the_full_pass_does():
         if not rows.any_top_p:
             rows.top_p = torch.ones(M)
         assert torch.equal(_draw_top_k(x, rows), _draw_full(x, rows)), trial
+
+
+def test_a_row_draws_alike_whichever_path_its_batch_takes():
+    """The same row (top-k and top-p) beside a row with a top-k (the k-best path, kmax from the batch) and beside a
+    row without one (the full pass): the same token for every seed."""
+    g = torch.Generator().manual_seed(9)
+    row = SamplingParams(temperature=0.9, top_k=40, top_p=0.7)
+    fast_mate, full_mate = SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.9)
+    for trial in range(5):
+        logits = torch.randn(2, 5000, generator=g) * 2
+        for s in range(40):
+            fast = sample(logits, [row, fast_mate], [s, 1], [trial, 0])[0]
+            full = sample(logits, [row, full_mate], [s, 1], [trial, 0])[0]
+            assert fast == full == sample(logits[:1], [row], [s], [trial])[0], (trial, s)
