@@ -6,9 +6,11 @@ function of the request, so batch composition and preemption-by-recompute cannot
 The whole batch is sampled in one pass of tensor ops on the logits' device, with one device->host copy (the
 token ids) at the end: rows are masked by their own top-k and top-p, then drawn by the Gumbel-max trick,
 argmax(x + g) over the tokens left (x the tempered logits), where g comes from a counter-based hash of (the row's
-draw seed, the token id). The noise of a row is thus a function of its seed alone, the same on any device and in
-any batch. (A torch.Generator a row would need a launch sequence and a host sync a row.) When every sampled row
-has a top-k, the rows are drawn from their k best logits only (_draw_top_k): the same masks and noise, so the
+draw seed, the token id). The noise of a row is thus a function of its seed alone, in any batch, and the same
+bits on any device (its logarithms may differ in the last bit between devices). A torch.Generator a row, as
+before, took a launch sequence and a host sync a row. Ties, common in logits upcast from bf16, are broken by
+token id at every step, so that nothing depends on the order a sort or top-k returns. When every row of a pass
+has a top-k, the rows are drawn from their kept tokens only (_draw_top_k): the same sets, order and noise, so the
 same tokens, without sorting the vocabulary.
 """
 
@@ -45,86 +47,119 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """23 of the hash's bits as fp32 uniforms strictly inside (0, 1): (n + 0.5) / 2^23 is exact in fp32 for every
+    n < 2^23 (24 bits would round the largest up to 1.0, whose noise is +inf)."""
+    return (_shr(bits, 41).to(torch.float32) + 0.5) * 2.0 ** -23
+
+
 def gumbel_noise(draw_seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise fp32 for token ids `ids` ([V], or [M, k]) of rows with draw seeds `draw_seeds` [M]
     (int64): [M, V] or [M, k], each value a function of (its row's seed, its token id) alone."""
     ids = ids if ids.dim() == 2 else ids[None, :]
-    bits = _splitmix64(draw_seeds[:, None] ^ (ids * _i64(0xD1B54A32D192ED03)))
-    u = (_shr(bits, 40).to(torch.float32) + 0.5) * 2.0 ** -24  # 24 random bits, strictly inside (0, 1)
+    u = _uniform(_splitmix64(draw_seeds[:, None] ^ (ids * _i64(0xD1B54A32D192ED03))))
     return -torch.log(-torch.log(u))
+
+
+# rows drawn together: bounds the [rows, V] int64 temporaries of a full pass (32 x 152k: 39 MB each)
+ROWS_PER_PASS = 32
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
     """Args: logits [M, V] fp32; per row its params, request seed and output-token index. Returns M token ids (the
-    one device->host sync)."""
+    one device->host sync).
+
+    A row keeps its top_k best tokens (0: all; ties at the k-th broken by token id), then the smallest prefix of
+    those, best first (ties by token id), whose probability reaches top_p (the first always stays); its token is
+    argmax(x + g) over them, the lowest id on a tie. Every step is a function of the row alone."""
     greedy = logits.argmax(dim=-1)
     hot = [p.temperature > 0 for p in params]
     if not any(hot):
         return greedy.tolist()
     dev, V = logits.device, logits.shape[1]
-    ks = [min(p.top_k, V) for p in params]
-    # the rows' parameters in two uploads, neither a sync (small pageable copies)
-    floats = torch.tensor([[p.temperature if p.temperature > 0 else 1.0, p.top_p] for p in params])
+    ks = [min(p.top_k, V) if h else 1 for p, h in zip(params, hot)]  # a greedy row's draw is thrown away
+    # the rows' parameters in two uploads from pinned memory: no sync (a pageable copy may wait for the stream)
+    floats = torch.tensor([[p.temperature if h else 1.0, p.top_p if h else 1.0] for p, h in zip(params, hot)])
     ints = torch.tensor([[k, h, _draw_seed(s, pos)] for k, h, s, pos in zip(ks, hot, seeds, positions)],
                         dtype=torch.int64)
+    if dev.type == "cuda":
+        floats, ints = floats.pin_memory(), ints.pin_memory()
     floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-    x = logits.float() / floats[:, :1]
-    rows = _Rows(k=ints[:, 0], top_p=floats[:, 1], draw_seeds=ints[:, 2], kmax=max(ks),
-                 any_top_p=any(p.top_p < 1.0 for p in params))
-    if all(k or not h for k, h in zip(ks, hot)):  # every sampled row has a top-k: work on its k best only
-        drawn = _draw_top_k(x, rows)
-    else:
-        drawn = _draw_full(x, rows)
-    return torch.where(ints[:, 1].bool(), drawn, greedy).tolist()
+    drawn = []
+    for r0 in range(0, len(params), ROWS_PER_PASS):
+        r1 = r0 + ROWS_PER_PASS
+        rows = _Rows(k=ints[r0:r1, 0], top_p=floats[r0:r1, 1], draw_seeds=ints[r0:r1, 2], kmax=max(ks[r0:r1]),
+                     any_top_k=any(ks[r0:r1]), any_top_p=any(p.top_p < 1.0 for p in params[r0:r1]))
+        x = logits[r0:r1].float() / floats[r0:r1, :1]
+        # every row with a top-k (greedy rows have 1): from each row's kept tokens only, no sort of the vocabulary
+        draw = _draw_top_k if all(ks[r0:r1]) else _draw_full
+        drawn.append(draw(x, rows))
+    return torch.where(ints[:, 1].bool(), torch.cat(drawn), greedy).tolist()
 
 
 @dataclass
 class _Rows:
-    """The rows' sampling parameters on the logits' device (k: top-k, 0 off; top_p: 1.0 off), and two facts about
-    them known on the host."""
+    """Some rows' sampling parameters on the logits' device (k: top-k, 0 off; top_p: 1.0 off), and what the host
+    knows of them."""
     k: torch.Tensor
     top_p: torch.Tensor
     draw_seeds: torch.Tensor
     kmax: int
+    any_top_k: bool
     any_top_p: bool
 
 
+def _top_k_mask(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """[M, V] bool: each row's k best tokens, exactly k (all where k is 0): those above the k-th largest value,
+    then the lowest ids among those equal to it."""
+    k = rows.k[:, None]
+    kth = torch.topk(x, rows.kmax, dim=-1).values.gather(1, k.clamp(min=1) - 1)  # the k-th value (ties or not)
+    above = x > kth
+    tied = x == kth
+    room = k - above.sum(-1, keepdim=True)                                       # how many tied ones fit
+    keep = above | (tied & (tied.cumsum(-1) <= room))
+    return keep | (k == 0)
+
+
 def _top_p_drop(sorted_x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Of each row's tempered logits sorted descending (-inf past its top-k), those past the smallest prefix whose
-    probability mass reaches the row's top_p (the first always stays; rows at 1.0 keep all). The masses are summed
-    unnormalised, in fp64, in the sorted order: a row's verdict does not depend on how many -inf columns the batch
-    gave it (the two paths below, other rows' top-k)."""
+    """Of each row's tempered logits sorted best first (-inf past its kept ones), those past the smallest prefix
+    whose probability mass reaches the row's top_p (the first always stays; rows at 1.0 keep all). The masses are
+    summed unnormalised, in fp64, in that order: trailing -inf columns (however many the batch gives a row) add
+    exact zeros."""
     w = torch.exp((sorted_x - sorted_x[:, :1]).double())  # the row's max first: weights in (0, 1], -inf -> 0
     cum = w.cumsum(-1)
     return (cum - w >= top_p.double()[:, None] * cum[:, -1:]) & (top_p < 1.0)[:, None]
 
 
-def _kth(vals: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Each row's k-th largest value [M, 1] from its top values sorted descending (-inf where k is 0: no top-k)."""
-    kth = vals.gather(1, (k.clamp(min=1) - 1)[:, None])
-    return kth.masked_fill((k == 0)[:, None], float("-inf"))
+def _best_first(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vals, ids) [M, n] reordered best first, ties by ascending id: sorted by id, then stably by value."""
+    by_id = ids.argsort(dim=-1)
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), ids.gather(1, order)
 
 
 def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
-    """Tokens [M] drawn over the whole vocabulary: each row masked by its top-k (ties at the k-th kept) and top-p,
-    then argmax(x + Gumbel noise) over what is left (Gumbel-max needs no normalising: log p differs from x by a
-    constant a row)."""
-    if rows.kmax:
-        x = x.masked_fill(x < _kth(torch.topk(x, rows.kmax, dim=-1).values, rows.k), float("-inf"))
+    """Tokens [M] drawn over the whole vocabulary: argmax(x + Gumbel noise) over each row's kept tokens (Gumbel-max
+    needs no normalising: log p differs from x by a constant a row)."""
+    if rows.any_top_k:
+        x = x.masked_fill(~_top_k_mask(x, rows), float("-inf"))
     if rows.any_top_p:
-        sorted_x, order = x.sort(dim=-1, descending=True)
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)           # ties by ascending id
         x = x.scatter(1, order, sorted_x.masked_fill(_top_p_drop(sorted_x, rows.top_p), float("-inf")))
     ids = torch.arange(x.shape[1], device=x.device)
-    return (x + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
+    return (x + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)              # the first (lowest id) on a tie
 
 
 def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
-    """_draw_full's tokens for rows that all have a top-k (greedy rows: any k), from each row's kmax best logits:
-    the same masks and the same noise a token id, so the same draws, without a pass over the vocabulary past the
-    top-k. Ties at a row's k-th value beyond kmax are the one difference (the full pass keeps them)."""
-    vals, ids = torch.topk(x, rows.kmax, dim=-1)                               # descending
-    vals = vals.masked_fill(vals < _kth(vals, rows.k), float("-inf"))          # ties at the k-th stay, as in full
+    """_draw_full's tokens for rows that all have a top-k, from the kmax columns that hold each row's kept ones
+    (the rest -inf): the same kept sets, the same order for top-p, the same noise a token id and the same tie-break,
+    so the same draws, without sorting the vocabulary."""
+    vals, ids = torch.topk(x.masked_fill(~_top_k_mask(x, rows), float("-inf")), rows.kmax, dim=-1)
     if rows.any_top_p:
+        vals, ids = _best_first(vals, ids)
         vals = vals.masked_fill(_top_p_drop(vals, rows.top_p), float("-inf"))
+    by_id = ids.argsort(dim=-1)                                                  # argmax's tie-break: lowest id
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
     best = (vals + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)
     return ids.gather(1, best[:, None])[:, 0]

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from k3runtime.sampler import (_draw_full, _draw_seed, _draw_top_k, _i64, _Rows, _splitmix64, gumbel_noise,
-                               sample)
+from k3runtime.sampler import (_draw_full, _draw_seed, _draw_top_k, _i64, _Rows, _splitmix64, _uniform,
+                               gumbel_noise, sample)
 from k3runtime.sampling_params import SamplingParams
 
 M64 = (1 << 64) - 1
@@ -25,6 +25,13 @@ def test_noise_hash_is_splitmix64_bit_for_bit():
     xs = [0, 1, (1 << 63) - 1, 1 << 62, 12345678901234567] + torch.randint(0, 1 << 62, (50,), generator=g).tolist()
     got = _splitmix64(torch.tensor([_i64(x) for x in xs], dtype=torch.int64)).tolist()
     assert [v & M64 for v in got] == [_splitmix64_ref(x) for x in xs]
+
+
+def test_every_uniform_is_strictly_inside_0_1():
+    """All 2^23 values the noise's uniform can take: none is 0 or 1 (whose noise would be infinite)."""
+    u = _uniform(torch.arange(1 << 23, dtype=torch.int64) << 41)
+    assert u.min() > 0 and u.max() < 1 and torch.isfinite(-torch.log(-torch.log(u))).all()
+    assert u.unique().numel() == 1 << 23
 
 
 def test_noise_is_gumbel_and_a_function_of_the_seed():
@@ -83,43 +90,67 @@ def test_draws_stay_inside_the_masks_and_cover_them(row):
     assert likely <= drawn  # every token kept with more than 5 % of the mass came up in 400 draws
 
 
-def test_draws_follow_the_distribution():
-    """2000 seeds on a four-token distribution: each frequency within 4 standard errors of its probability, with
-    the temperature applied."""
-    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+@pytest.mark.parametrize("kw,want", [({}, [0.4, 0.3, 0.2, 0.1]), ({"top_k": 3}, [4 / 9, 3 / 9, 2 / 9, 0.0]),
+                                     ({"top_p": 0.65}, [4 / 7, 3 / 7, 0.0, 0.0]),
+                                     ({"top_k": 3, "top_p": 0.8}, [4 / 9, 3 / 9, 2 / 9, 0.0])], ids=str)
+def test_draws_follow_the_distribution(kw, want):
+    """2000 seeds on a four-token distribution, with the temperature applied and the masks renormalised: each
+    frequency within 4 standard errors of its probability (0 exactly where masked)."""
+    probs, want = torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.tensor(want)
     logits = torch.log(probs)[None] * 2.0  # temperature 2 undoes the doubling
     n = 2000
-    counts = torch.bincount(torch.tensor([sample(logits, [SamplingParams(temperature=2.0)], [s], [7])[0]
+    counts = torch.bincount(torch.tensor([sample(logits, [SamplingParams(temperature=2.0, **kw)], [s], [7])[0]
                                           for s in range(n)]), minlength=4).float()
-    se = (probs * (1 - probs) / n).sqrt()
-    assert ((counts / n - probs).abs() < 4 * se).all(), counts / n
+    se = (want * (1 - want) / n).sqrt()
+    assert ((counts / n - want).abs() <= 4 * se).all(), counts / n
 
 
-def test_top_k_rows_draw_as_the_full_pass_does():
-    """Rows that all have a top-k take the k-best path; on logits without ties it draws exactly the tokens the
-    full-vocabulary pass draws, with top-p on top, over many seeds."""
+def _rows(ks, top_p, seeds, kmax=None):
+    return _Rows(k=torch.tensor(ks), top_p=torch.tensor(top_p), draw_seeds=torch.tensor(seeds, dtype=torch.int64),
+                 kmax=kmax or max(ks), any_top_k=any(ks), any_top_p=any(t < 1.0 for t in top_p))
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["fp32", "bf16_ties"])
+def test_top_k_rows_draw_as_the_full_pass_does(ties):
+    """Rows that all have a top-k take the k-best path: it draws exactly the full pass's tokens, top-p on top, over
+    many seeds, also on logits rounded to bf16 (ties everywhere, at the k-th value and inside the top-p prefix) and
+    with a larger window than the batch needs (another row's top-k)."""
     g = torch.Generator().manual_seed(5)
     M, V = 6, 300
     ks = [1, 3, 7, 20, 50, 300]
     for trial in range(20):
         x = torch.randn(M, V, generator=g) * (1 + trial % 3)
-        rows = _Rows(k=torch.tensor(ks), top_p=torch.tensor([1.0, 0.5, 0.9, 0.3, 1.0, 0.95]),
-                     draw_seeds=torch.tensor([_draw_seed(trial, m) for m in range(M)]), kmax=max(ks),
-                     any_top_p=trial % 2 == 0)
-        if not rows.any_top_p:
-            rows.top_p = torch.ones(M)
-        assert torch.equal(_draw_top_k(x, rows), _draw_full(x, rows)), trial
+        if ties:
+            x = (x * 4).round() / 4  # a few dozen distinct values a row
+        top_p = [1.0, 0.5, 0.9, 0.3, 1.0, 0.95] if trial % 2 else [1.0] * M
+        seeds = [_draw_seed(trial, m) for m in range(M)]
+        full = _draw_full(x, _rows(ks, top_p, seeds))
+        assert torch.equal(_draw_top_k(x, _rows(ks, top_p, seeds)), full), trial
+        small = [min(k, 20) for k in ks]
+        assert torch.equal(_draw_top_k(x, _rows(small, top_p, seeds, kmax=40)),
+                           _draw_full(x, _rows(small, top_p, seeds))), trial
 
 
-def test_a_row_draws_alike_whichever_path_its_batch_takes():
-    """The same row (top-k and top-p) beside a row with a top-k (the k-best path, kmax from the batch) and beside a
-    row without one (the full pass): the same token for every seed."""
+def test_top_k_keeps_exactly_k_with_ties_broken_by_id():
+    x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]])
+    for k, want in ((1, {1}), (2, {1, 3}), (3, {1, 3, 2}), (4, {1, 3, 2, 4}), (7, set(range(7)))):
+        drawn = {int(_draw_full(x, _rows([k], [1.0], [s]))) for s in range(300)}
+        assert drawn == want, (k, drawn)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["fp32", "bf16_ties"])
+def test_a_row_draws_alike_whichever_path_its_batch_takes(ties):
+    """The same row (top-k and top-p) beside a row with a top-k (the k-best path, the window from the batch), beside
+    a row without one (the full pass) and alone: the same token for every seed, on logits with ties too."""
     g = torch.Generator().manual_seed(9)
     row = SamplingParams(temperature=0.9, top_k=40, top_p=0.7)
-    fast_mate, full_mate = SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.9)
-    for trial in range(5):
+    mates = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_k=200),
+             SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.0)]
+    for trial in range(4):
         logits = torch.randn(2, 5000, generator=g) * 2
-        for s in range(40):
-            fast = sample(logits, [row, fast_mate], [s, 1], [trial, 0])[0]
-            full = sample(logits, [row, full_mate], [s, 1], [trial, 0])[0]
-            assert fast == full == sample(logits[:1], [row], [s], [trial])[0], (trial, s)
+        if ties:
+            logits = logits.bfloat16().float()
+        for s in range(30):
+            alone = sample(logits[:1], [row], [s], [trial])[0]
+            for mate in mates:
+                assert sample(logits, [row, mate], [s, 1], [trial, 0])[0] == alone, (trial, s, mate)
