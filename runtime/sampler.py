@@ -63,6 +63,11 @@ def gumbel_noise(draw_seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 # rows drawn together: bounds the [rows, V] int64 temporaries of a full pass (32 x 152k: 39 MB each)
 ROWS_PER_PASS = 32
+# below this a temperature samples greedily: the limit it tends to, and logits / T stay finite in fp32
+MIN_TEMPERATURE = 1e-5
+# top-p's weights in units of 2^-40 of the row's largest: int64 sums, exact in any order (CUDA's scan groups its
+# additions by row length), for up to 2^22 tokens a row
+TOP_P_SCALE = 2.0 ** 40
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
@@ -73,13 +78,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     those, best first (ties by token id), whose probability reaches top_p (the first always stays); its token is
     argmax(x + g) over them, the lowest id on a tie. Every step is a function of the row alone."""
     greedy = logits.argmax(dim=-1)
-    hot = [p.temperature > 0 for p in params]
+    hot = [p.temperature >= MIN_TEMPERATURE for p in params]
     if not any(hot):
         return greedy.tolist()
     dev, V = logits.device, logits.shape[1]
     ks = [min(p.top_k, V) if h else 1 for p, h in zip(params, hot)]  # a greedy row's draw is thrown away
-    # the rows' parameters in two uploads from pinned memory: no sync (a pageable copy may wait for the stream)
-    floats = torch.tensor([[p.temperature if h else 1.0, p.top_p if h else 1.0] for p, h in zip(params, hot)])
+    # the rows' parameters in two uploads from pinned memory: no sync (a pageable copy may wait for the stream);
+    # fp64, so that a top_p as small as SamplingParams takes stays above 0
+    floats = torch.tensor([[p.temperature if h else 1.0, p.top_p if h else 1.0] for p, h in zip(params, hot)],
+                          dtype=torch.float64)
     ints = torch.tensor([[k, h, _draw_seed(s, pos)] for k, h, s, pos in zip(ks, hot, seeds, positions)],
                         dtype=torch.int64)
     if dev.type == "cuda":
@@ -90,11 +97,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         r1 = r0 + ROWS_PER_PASS
         rows = _Rows(k=ints[r0:r1, 0], top_p=floats[r0:r1, 1], draw_seeds=ints[r0:r1, 2], kmax=max(ks[r0:r1]),
                      any_top_k=any(ks[r0:r1]), any_top_p=any(p.top_p < 1.0 for p in params[r0:r1]))
-        x = logits[r0:r1].float() / floats[r0:r1, :1]
+        x = logits[r0:r1].float() / floats[r0:r1, :1].float()
         # every row with a top-k (greedy rows have 1): from each row's kept tokens only, no sort of the vocabulary
         draw = _draw_top_k if all(ks[r0:r1]) else _draw_full
         drawn.append(draw(x, rows))
-    return torch.where(ints[:, 1].bool(), torch.cat(drawn), greedy).tolist()
+    # a row whose logits are all -inf (or that holds +inf / NaN) has nothing to draw from: its greedy token
+    drawable = ints[:, 1].bool() & torch.isfinite(logits.max(dim=-1).values)
+    return torch.where(drawable, torch.cat(drawn), greedy).tolist()
 
 
 @dataclass
@@ -123,12 +132,15 @@ def _top_k_mask(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
 
 def _top_p_drop(sorted_x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Of each row's tempered logits sorted best first (-inf past its kept ones), those past the smallest prefix
-    whose probability mass reaches the row's top_p (the first always stays; rows at 1.0 keep all). The masses are
-    summed unnormalised, in fp64, in that order: trailing -inf columns (however many the batch gives a row) add
-    exact zeros."""
+    whose probability mass reaches the row's top_p (fp64; the first always stays; rows at 1.0 keep all). The masses
+    are unnormalised integers (TOP_P_SCALE) summed in int64: exact, so trailing -inf columns (however many the
+    batch gives a row) and the order of the additions change nothing."""
     w = torch.exp((sorted_x - sorted_x[:, :1]).double())  # the row's max first: weights in (0, 1], -inf -> 0
-    cum = w.cumsum(-1)
-    return (cum - w >= top_p.double()[:, None] * cum[:, -1:]) & (top_p < 1.0)[:, None]
+    wi = (w * TOP_P_SCALE).round().long()
+    cum = wi.cumsum(-1)
+    drop = ((cum - wi).double() >= top_p[:, None] * cum[:, -1:].double()) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    return drop
 
 
 def _best_first(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,9 @@ class SamplingParams:
 
     Args:
         max_tokens: output tokens to generate at most, 1..MAX_TOKENS_LIMIT.
-        temperature: 0 = greedy; > 0 scales logits.
+        temperature: 0 = greedy (so is anything under sampler.MIN_TEMPERATURE, 1e-5); above, divides the logits.
         top_p: nucleus mass in (0, 1]; 1 = off.
-        top_k: keep the k most likely tokens; 0 = off.
+        top_k: keep the k most likely tokens (ties at the k-th broken by lower token id); 0 = off.
         seed: per-request seed in [0, 2**63); None = a random seed fixed at request creation.
         stop: strings that end generation (matched on detokenized text by the API layer).
         stop_token_ids: token ids that end generation (applied by the scheduler, even with ignore_eos).

@@ -106,7 +106,7 @@ def test_draws_follow_the_distribution(kw, want):
 
 
 def _rows(ks, top_p, seeds, kmax=None):
-    return _Rows(k=torch.tensor(ks), top_p=torch.tensor(top_p), draw_seeds=torch.tensor(seeds, dtype=torch.int64),
+    return _Rows(k=torch.tensor(ks), top_p=torch.tensor(top_p, dtype=torch.float64), draw_seeds=torch.tensor(seeds, dtype=torch.int64),
                  kmax=kmax or max(ks), any_top_k=any(ks), any_top_p=any(t < 1.0 for t in top_p))
 
 
@@ -154,3 +154,20 @@ def test_a_row_draws_alike_whichever_path_its_batch_takes(ties):
             alone = sample(logits[:1], [row], [s], [trial])[0]
             for mate in mates:
                 assert sample(logits, [row, mate], [s, 1], [trial, 0])[0] == alone, (trial, s, mate)
+
+
+def test_edge_parameters_and_rows():
+    """A top_p below fp32's range keeps the best token alone; a temperature under MIN_TEMPERATURE is greedy; a row
+    of -inf logits takes its greedy token, alone or in a batch (nothing to draw from)."""
+    logits = torch.zeros(1, 16)
+    logits[0, 5], logits[0, 9] = 3.0, -1.0
+    for s in range(20):
+        assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-46)], [s], [0]) == [5]
+        assert sample(torch.tensor([[3.0, 5.0, 0.0, -2.0]]), [SamplingParams(temperature=1e-50, top_k=1)], [s],
+                      [0]) == [1]
+    dead = torch.full((2, 16), float("-inf"))
+    dead[1] = torch.randn(16)
+    want = sample(dead[:1], [SamplingParams(temperature=1.0, top_k=3)], [0], [0])
+    assert want == [int(dead[0].argmax())]
+    for mate in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)):
+        assert sample(dead, [SamplingParams(temperature=1.0, top_k=3), mate], [0, 1], [0, 0])[0] == want[0]
