@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .executor import Executor, StepBatch
+from .executor import Executor, StepBatch, feed_tokens
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -167,10 +167,12 @@ class DecodeGraphs:
         return self.run(rows)["logits"]
 
     def run(self, rows: list[tuple[int, int, int, list[int]]], stage_in: dict[str, torch.Tensor] | None = None,
-            host_set: int = 0, bucket: int | None = None) -> dict[str, torch.Tensor]:
+            host_set: int = 0, bucket: int | None = None, fed: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Every output of one decode step's graph, its first len(rows) rows (views: use them before the next
         replay). stage_in: the received stage inputs, [len(rows), width] each. bucket: replay this captured bucket
-        (attention-DP ranks share one) instead of the smallest that holds the rows."""
+        (attention-DP ranks share one) instead of the smallest that holds the rows. fed: the previous step's
+        sampled ids on the device, which rows whose token id is FED - i take (executor.feed_tokens), after the
+        upload and before the replay: staging needs no token from the host."""
         n = len(rows)
         b = self.bucket(n) if bucket is None else bucket
         if b is None:
@@ -180,6 +182,8 @@ class DecodeGraphs:
         if set(stage_in or {}) != set(self.stage_in):
             raise ValueError(f"stage inputs {sorted(stage_in or {})}, expected {sorted(self.stage_in)}")
         self._stage(rows, host_set)
+        if fed is not None:
+            feed_tokens(self.cols[0, :n], fed)
         for name, t in (stage_in or {}).items():
             self.stage_in[name][:n].copy_(t)
         self.graphs[b].replay()

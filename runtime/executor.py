@@ -31,6 +31,17 @@ class StepBatch:
     logits_indices: torch.Tensor  # [M] int64, token rows whose logits are wanted
 
 
+# async scheduling: an input id FED - i (i >= 0) stands for the previous step's i-th sampled token, which is still
+# on the device when the step is staged (negative, so never a real id); feed_tokens puts it in
+FED = -1
+
+
+def feed_tokens(ids: torch.Tensor, fed: torch.Tensor) -> None:
+    """ids [T] int64, in place on their device: each FED - i becomes fed[i], without a host sync."""
+    src = (FED - ids).clamp(min=0)
+    ids.copy_(torch.where(ids < 0, fed.index_select(0, src), ids))
+
+
 class Communicator:
     """Collectives by group name; a single rank's communicator is the identity (runtime/dist/comm.py: many)."""
 

@@ -2,6 +2,13 @@
 
 The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
 worker.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
+
+Async scheduling (`EngineOptions.async_scheduling`, one rank): a step is scheduled and launched before the
+previous step's tokens reach the host: its decoding requests take those tokens on the device (`Step.feed`), and
+the host reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the
+host's share of a step (scheduling, staging, sampling's launches, the update); `step()` returns the previous
+step's tokens, and a request that stops on a token (EOS, stop ids or strings) runs one step more, its extra
+token dropped.
 """
 
 from __future__ import annotations
@@ -15,9 +22,9 @@ import torch
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket
-from .request import Request
-from .sampler import sample
-from .scheduler import Scheduler, ScheduledItem
+from .request import PLACEHOLDER, Request
+from .sampler import sample_tokens
+from .scheduler import Scheduler, ScheduledItem, StepPlan
 from .scheduler_config import SchedulerConfig
 
 
@@ -37,6 +44,7 @@ class EngineOptions:
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
     cuda_graphs: bool = True  # decode steps from CUDA graphs on GPUs (rank_runner.graph_blocker: where not)
     load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
+    async_scheduling: bool = False  # schedule a step while the previous one runs (one-rank engines; module doc)
 
 
 @dataclass(frozen=True)
@@ -78,10 +86,19 @@ def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> R
 
 
 def sample_step(step: Step, logits: torch.Tensor) -> torch.Tensor:
-    """Token ids [M] for the step's sampled items (the same on every rank that holds the logits)."""
+    """Token ids [M] int64 on the logits' device, for the step's sampled items (the same on every rank that holds
+    the logits); no host sync."""
     items = [it for it in step.items if it.sample]
-    return torch.tensor(sample(logits, [it.params for it in items], [it.seed for it in items],
-                               [it.sample_index for it in items]), dtype=torch.int64)
+    return sample_tokens(logits, [it.params for it in items], [it.seed for it in items],
+                         [it.sample_index for it in items])
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """An async step launched and not yet updated: its plan and its sampled ids, still on the device."""
+
+    plan: StepPlan
+    tokens: torch.Tensor
 
 
 class LLMEngine:
@@ -96,6 +113,10 @@ class LLMEngine:
         self.config, self.options = config, options
         mapping = config["mapping"]
         self.world_size = mapping["world_size"]
+        if options.async_scheduling and self.world_size > 1:
+            raise EngineError(f"{engine_dir}: async scheduling runs one-rank engines only (this one has "
+                              f"{self.world_size} ranks, whose workers would need the sampled tokens on their "
+                              "devices); leave async_scheduling off")
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
         self.dp_size = mapping["tp_size"] if mapping["attention_dp"] else 1
         if self.dp_size > 1 and mapping["pp_size"] > 1:
@@ -115,7 +136,8 @@ class LLMEngine:
             max_num_batched_tokens=options.max_num_batched_tokens or build["max_num_tokens"],
             max_prefill_chunk=options.max_prefill_chunk or build["max_num_tokens"], page_size=self.page_size,
             preemption_mode=options.preemption_mode, num_host_pages=options.num_host_pages,
-            num_host_slots=options.num_host_slots, max_model_len=build["max_seq_len"])
+            num_host_slots=options.num_host_slots, max_model_len=build["max_seq_len"],
+            async_scheduling=options.async_scheduling)
         self.schedulers = [Scheduler(sched_cfg, PagePool(num_pages, self.page_size), SlotPool(num_slots))
                            for _ in range(self.dp_size)]
         self.scheduler = self.schedulers[0]
@@ -123,6 +145,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"steps": 0, "preemptions": 0, "swaps_out": 0, "tokens": 0}
         self._last_stage_rank = self.world_size - mapping["tp_size"]
+        self._in_flight: _InFlight | None = None  # async scheduling's launched step
+        self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
 
     @property
     def facts(self):
@@ -156,7 +180,9 @@ class LLMEngine:
             sched.finish(request_id, reason)
 
     def has_unfinished(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        """Requests left, or (async scheduling) a launched step or its tokens not yet returned by step()."""
+        return any(s.has_unfinished() for s in self.schedulers) or self._in_flight is not None \
+            or bool(self._held_events)
 
     def _execute(self, steps: tuple[Step, ...]) -> list[torch.Tensor]:
         """Run one step per attention-DP rank on every rank; returns, per DP rank, its sampled ids [M]
@@ -174,6 +200,9 @@ class LLMEngine:
         return results
 
     def step(self) -> list[TokenEvent]:
+        """One engine step; the tokens it appended (async scheduling: the previous step's)."""
+        if self.options.async_scheduling:
+            return self._step_async()
         plans = [s.schedule() for s in self.schedulers]
         self.stats["steps"] += 1
         for plan in plans:
@@ -197,8 +226,55 @@ class LLMEngine:
             events += [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items()]
         return events
 
+    def _step_async(self) -> list[TokenEvent]:
+        """Schedule and launch a step, then read the previous step's tokens (waiting for that step only) and
+        update the scheduler with them, while the new one runs."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        self.stats["steps"] += 1
+        self.stats["preemptions"] += len(plan.preempted_ids)
+        self.stats["swaps_out"] += len(plan.swap_out)
+        launched = None
+        if not plan.is_empty:
+            step = replace(Step.from_plan(plan), feed=self._feed(plan))
+            logits = self.runner.run(step, self._in_flight.tokens if step.feed else None)
+            launched = _InFlight(plan, sample_step(step, logits))
+            self.stats["tokens"] += plan.num_batched_tokens
+        events, self._held_events = self._held_events + self._land(), []
+        if launched is None:
+            sched.update(plan, {})
+        self._in_flight = launched
+        return events
+
+    def _feed(self, plan: StepPlan) -> tuple[tuple[int, int], ...]:
+        """(item, index among the in-flight step's sampled tokens) for each item that feeds one (PLACEHOLDER)."""
+        wanted = [i for i, it in enumerate(plan.items) if PLACEHOLDER in it.token_ids]
+        if not wanted:
+            return ()
+        src = {} if self._in_flight is None else \
+            {it.request_id: j for j, it in enumerate(it for it in self._in_flight.plan.items if it.sample)}
+        missing = [plan.items[i].request_id for i in wanted if plan.items[i].request_id not in src]
+        if missing:
+            raise RuntimeError(f"scheduler: requests {missing} feed a token that no step in flight samples")
+        return tuple((i, src[plan.items[i].request_id]) for i in wanted)
+
+    def _land(self) -> list[TokenEvent]:
+        """The in-flight step's tokens to the host (its one sync) and into the scheduler; its events."""
+        if self._in_flight is None:
+            return []
+        plan, tokens = self._in_flight.plan, self._in_flight.tokens.tolist()
+        self._in_flight = None
+        sched = self.scheduler
+        sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens)}
+        live = {rid for rid in sampled if sched.get(rid) is not None}  # not finished while the step ran
+        finished = {r.request_id: r.finish_reason for r in sched.update(plan, sampled)}
+        for r in finished:
+            self._owner.pop(r, None)
+        return [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items() if rid in live]
+
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
+        self._held_events += self._land()  # async scheduling: no step in flight meanwhile; step() returns them
         pool, slots = self.scheduler.page_pool, self.scheduler.slot_pool
         pages = pool.allocate(math.ceil(len(token_ids) / self.page_size))
         slot = slots.allocate()

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .cuda_graph import DecodeGraphs, bucket_for
-from .executor import Communicator, Executor, StepBatch
+from .executor import FED, Communicator, Executor, StepBatch, feed_tokens
 from .kv_cache import CacheTensors, HostStore
 from .kv_cache.cache_tensors import CacheConfig
 from .loader import KDA, MLA, RankEngine
+from .request import PLACEHOLDER
 from .scheduler import ScheduledItem, StepPlan, SwapEntry
 
 
@@ -37,6 +38,9 @@ class Step:
     # attention-DP: the captured bucket every DP rank replays this step in, chosen by the driver from all their
     # steps (shared_bucket); None: every rank runs it eagerly
     graph_bucket: int | None = None
+    # async scheduling: (item index, index among the previous step's sampled tokens) for each item whose input is
+    # the PLACEHOLDER of a token sampled by the previous step; RankRunner.run feeds it on the device
+    feed: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> "Step":
@@ -85,8 +89,12 @@ class RankRunner:
                                        host_sets=self.pp_size)
             self.graphs.capture()
 
-    def run(self, step: Step) -> torch.Tensor | None:
-        """Apply the step's cache edits and run its tokens. Returns fp32 logits [M, V] on the last stage."""
+    def run(self, step: Step, fed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Apply the step's cache edits and run its tokens. Returns fp32 logits [M, V] on the last stage.
+        fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take."""
+        if step.feed and (fed is None or self.pp_size > 1 or self.engine.world_size > 1):
+            raise ValueError("a step that feeds sampled tokens needs them (fed) on its one rank: async scheduling "
+                             "runs single-rank engines")
         if step.swap_out or step.swap_in:
             if self.host_store is None:
                 raise RuntimeError("the step swaps requests but this rank has no host store (num_host_pages = 0)")
@@ -99,13 +107,15 @@ class RankRunner:
         else:
             bucket = self.graphs.bucket(len(step.items)) if _pure_decode(step) else None
         if bucket is not None:
-            logits = self._replay(step, bucket if self.attention_dp else None)
+            logits = self._replay(step, bucket if self.attention_dp else None, fed)
             if self.engine.world_size > 1 and self.engine.rank == 0:
                 _await_replay(self.device)
             return logits
         logits = []
         for items in _micro_batches(step.items, self.pp_size):
-            batch = self.batch(items, step.all_logits)
+            batch = self.batch(items, step.all_logits, step.feed)
+            if step.feed:
+                feed_tokens(batch.input_ids, fed)
             extra = {}
             if not self.first:
                 extra = self._receive(int(batch.input_ids.numel()))
@@ -127,23 +137,29 @@ class RankRunner:
         names = [] if self.first else ["hidden_in"] + [f"blocks_in.{i}" for i in range(self.num_blocks_in)]
         return {name: (self.engine.facts.hidden_size, self.act_dtype) for name in names}
 
-    def _replay(self, step: Step, bucket: int | None = None) -> torch.Tensor | None:
+    def _replay(self, step: Step, bucket: int | None = None, fed: torch.Tensor | None = None) -> torch.Tensor | None:
         """A pure decode step from the captured graphs, a replay a micro-batch (in `bucket` when given; an idle
         step replays it with padding rows only); the hand-offs between stages stay outside the graphs (the next
         replay overwrites the outputs, so each goes out, or is copied, first)."""
         logits = []
+        ids = _fed_ids(step.items, step.feed)
         for k, items in enumerate(_micro_batches(() if step.idle else step.items, self.pp_size)):
-            rows = [(it.token_ids[0], it.slot_id, it.start_pos + 1, it.page_ids) for it in items]
-            out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k, bucket=bucket)
+            rows = [(ids[it.request_id], it.slot_id, it.start_pos + 1, it.page_ids) for it in items]
+            out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k, bucket=bucket,
+                                  fed=fed if step.feed else None)
             if self.last:
                 logits.append(out["logits"] if self.pp_size == 1 else out["logits"].clone())
             else:
                 self._send_on(out)
         return (logits[0] if len(logits) == 1 else torch.cat(logits)) if self.last else None
 
-    def batch(self, items: tuple[ScheduledItem, ...], all_logits: bool = False) -> StepBatch:
+    def batch(self, items: tuple[ScheduledItem, ...], all_logits: bool = False,
+              feed: tuple[tuple[int, int], ...] = ()) -> StepBatch:
+        """The items' eager step (input ids < 0 are fed: feed_tokens)."""
         ids = list(itertools.chain.from_iterable(it.token_ids for it in items))
         cu = [0, *itertools.accumulate(it.num_tokens for it in items)]
+        for i, src in feed:
+            ids[cu[i] + items[i].token_ids.index(PLACEHOLDER)] = FED - src
         max_pages = max(len(it.page_ids) for it in items)
         table = [list(it.page_ids) + [-1] * (max_pages - len(it.page_ids)) for it in items]
         rows = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i, it in enumerate(items) if it.sample]
@@ -154,6 +170,12 @@ class RankRunner:
         return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
                          context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
                          page_table=tensor(table), logits_indices=tensor(rows))
+
+
+def _fed_ids(items: tuple[ScheduledItem, ...], feed: tuple[tuple[int, int], ...]) -> dict[str, int]:
+    """Each one-token item's input id by request id, FED - i where the feed gives it sampled token i."""
+    fed = dict(feed)
+    return {it.request_id: FED - fed[i] if i in fed else it.token_ids[0] for i, it in enumerate(items)}
 
 
 def graph_blocker(engine: RankEngine) -> str | None:

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from .sampling_params import SEED_LIMIT, SamplingParams
 
 
+# the token id of a position whose token is still being sampled on the device (async scheduling): the runner
+# takes it from the previous step's sampled ids
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never scheduled yet
     RUNNING = "running"  # holds a slot and pages on the device
@@ -52,6 +57,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose MLA KV and KDA state are in the cache (advanced when a chunk is scheduled).
     num_computed_tokens: int = 0
+    # Tokens sampled by steps scheduled but not yet updated (async scheduling feeds them to the next step on the
+    # device, as PLACEHOLDER ids): 1 from schedule() to update() of a sampling step, 2 while the next is planned.
+    num_pending: int = 0
     page_ids: list[int] = field(default_factory=list)
     slot_id: int | None = None
     host_page_ids: list[int] = field(default_factory=list)
@@ -99,8 +107,10 @@ class Request:
         return self.status.is_finished
 
     def token_slice(self, start: int, stop: int) -> tuple[int, ...]:
-        """Token ids at positions [start, stop) of prompt + output."""
+        """Token ids at positions [start, stop) of prompt + output; PLACEHOLDER past the known ones (tokens still
+        pending on the device)."""
         n = len(self.prompt_token_ids)
         if stop <= n:
             return tuple(self.prompt_token_ids[start:stop])
-        return tuple(self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):stop - n])
+        known = self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):stop - n]
+        return tuple(known) + (PLACEHOLDER,) * (stop - start - len(known))

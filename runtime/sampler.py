@@ -71,8 +71,14 @@ TOP_P_SCALE = 2.0 ** 40
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
-    """Args: logits [M, V] fp32; per row its params, request seed and output-token index. Returns M token ids (the
-    one device->host sync).
+    """sample_tokens' ids on the host (the one device->host sync)."""
+    return sample_tokens(logits, params, seeds, positions).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                  positions: list[int]) -> torch.Tensor:
+    """Args: logits [M, V] fp32; per row its params, request seed and output-token index. Returns the M token ids,
+    int64 on the logits' device, without a sync (async scheduling feeds them to the next step on the device).
 
     A row keeps its top_k best tokens (0: all; ties at the k-th broken by token id), then the smallest prefix of
     those, best first (ties by token id), whose probability reaches top_p (the first always stays); its token is
@@ -80,7 +86,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     greedy = logits.argmax(dim=-1)
     hot = [p.temperature >= MIN_TEMPERATURE for p in params]
     if not any(hot):
-        return greedy.tolist()
+        return greedy
     dev, V = logits.device, logits.shape[1]
     ks = [min(p.top_k, V) if h else 1 for p, h in zip(params, hot)]  # a greedy row's draw is thrown away
     # the rows' parameters in two uploads from pinned memory: no sync (a pageable copy may wait for the stream);
@@ -103,7 +109,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         drawn.append(draw(x, rows))
     # a row whose logits are all -inf (or that holds +inf / NaN) has nothing to draw from: its greedy token
     drawable = ints[:, 1].bool() & torch.isfinite(logits.max(dim=-1).values)
-    return torch.where(drawable, torch.cat(drawn), greedy).tolist()
+    return torch.where(drawable, torch.cat(drawn), greedy)
 
 
 @dataclass

@@ -8,6 +8,15 @@ not free, the most recently arrived running request is preempted ("recompute" or
 The executor runs a `StepPlan` in this order: swap_out copies, swap_in copies, zero reset_slot_ids,
 then the forward over `items`; it answers `update(plan, {request_id: token})` for every item with
 `sample=True`. `schedule()` advances `num_computed_tokens`, so `update()` must follow each plan.
+
+Async scheduling (`SchedulerConfig.async_scheduling`, vLLM v1's in spirit): the next plan may be made while one is
+in flight, before its tokens are known. A request sampled by the in-flight plan then gets its next position
+with a PLACEHOLDER token id (the executor feeds the sampled id on the device), and its sample_index counts the
+pending token. A request whose pending token is its last by length (max_tokens, max_model_len) is not scheduled
+again; one that stops on its pending token (EOS, stop ids) is found out one step late: the next plan already
+holds it, and update() drops that plan's token for it as it drops an aborted request's. The plans are updated in
+order; their device work runs in order on one stream, so pages and slots freed while a plan is in flight are
+reused only by later work.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from dataclasses import dataclass
 
 from .kv_cache.page_pool import PagePool
 from .kv_cache.slot_pool import SlotPool
-from .request import FINISH_STATUS, Request, RequestStatus
+from .request import FINISH_STATUS, PLACEHOLDER, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler_config import SchedulerConfig
 
@@ -102,8 +111,9 @@ class Scheduler:
         self.running: list[Request] = []  # RUNNING, sorted by arrival
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []
-        self._in_flight: StepPlan | None = None
-        self._in_flight_requests: dict[str, Request] = {}
+        # plans scheduled and not yet updated (oldest first), each with its requests by id
+        self._in_flight: list[tuple[StepPlan, dict[str, Request]]] = []
+        self._max_in_flight = 2 if config.async_scheduling else 1
 
     # --- queue state, for the engine and metrics ---
     def has_unfinished(self) -> bool:
@@ -160,8 +170,11 @@ class Scheduler:
     # --- one step ---
     def schedule(self) -> StepPlan:
         """Plan the next step (pages and slots are booked here)."""
-        if self._in_flight is not None:
-            raise RuntimeError("schedule: the previous StepPlan has not been passed to update() yet")
+        if len(self._in_flight) >= self._max_in_flight:
+            raise RuntimeError("schedule: the previous StepPlan has not been passed to update() yet"
+                               if self._max_in_flight == 1 else
+                               f"schedule: {len(self._in_flight)} StepPlans are in flight (async scheduling holds "
+                               f"at most {self._max_in_flight - 1} while planning); update() the oldest first")
         budget = self.config.max_num_batched_tokens
         items: list[tuple[int, ScheduledItem]] = []
         reset: list[int] = []
@@ -172,6 +185,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending and self._ends_by_length(request):
+                i += 1  # its pending token is its last
+                continue
             n = self._chunk(request, budget)
             if not self._reserve_pages(request, n, swap_out, preempted):
                 break  # the request preempted itself; every later one already was
@@ -196,30 +212,33 @@ class Scheduler:
                         finished_ids=tuple(self._finished_ids),
                         num_batched_tokens=self.config.max_num_batched_tokens - budget)
         self._finished_ids = []
-        self._in_flight = plan
-        self._in_flight_requests = {it.request_id: self.requests[it.request_id] for it in plan.items}
+        self._in_flight.append((plan, {it.request_id: self.requests[it.request_id] for it in plan.items}))
         return plan
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         """Apply the tokens sampled by the executor for `plan`.
 
         Args:
-            plan: the plan returned by the last `schedule()`.
+            plan: the oldest plan not yet updated (the one returned by the last `schedule()`, without async
+                scheduling).
             sampled: request_id -> token id, exactly for the items with sample=True.
         Returns:
             requests that finished in this update (stop token, EOS, max_tokens, max_model_len).
         """
-        if plan is not self._in_flight:
-            raise ValueError("update: plan is not the StepPlan returned by the last schedule()")
+        if not self._in_flight or plan is not self._in_flight[0][0]:
+            raise ValueError("update: plan is not the StepPlan returned by the last schedule()" if self._max_in_flight == 1
+                             else "update: plan is not the oldest StepPlan in flight")
         expected = {it.request_id for it in plan.items if it.sample}
         if set(sampled) != expected:
             missing, extra = sorted(expected - set(sampled)), sorted(set(sampled) - expected)
             raise ValueError(f"sampled: expected tokens for exactly the sampled items; missing {missing}, extra {extra}")
-        requests, self._in_flight, self._in_flight_requests = self._in_flight_requests, None, {}
+        requests = self._in_flight.pop(0)[1]
         finished = []
         for it in plan.items:
             request = requests[it.request_id]
-            # Aborted while the step ran: its token is dropped.
+            if it.sample:
+                request.num_pending -= 1
+            # Finished while the step ran (aborted, or stopped by an earlier plan's token): its token is dropped.
             if not it.sample or request.is_finished:
                 continue
             token = sampled[it.request_id]
@@ -241,16 +260,24 @@ class Scheduler:
         return total - 1
 
     def _chunk(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = request.num_tokens + request.num_pending - request.num_computed_tokens
         assert remaining > 0, f"request {request.request_id} has nothing to compute"
         return min(remaining, self.config.max_prefill_chunk, budget)
 
     def _item(self, request: Request, n: int) -> ScheduledItem:
-        start = request.num_computed_tokens
+        start, pending = request.num_computed_tokens, request.num_pending
         request.num_computed_tokens += n
-        return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n,
-                             start + n == request.num_tokens, request.slot_id, tuple(request.page_ids),
-                             request.params, request.sampling_seed, request.num_output_tokens)
+        sample = start + n == request.num_tokens + pending
+        request.num_pending += sample
+        return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n, sample,
+                             request.slot_id, tuple(request.page_ids), request.params, request.sampling_seed,
+                             request.num_output_tokens + pending)
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the request's pending tokens take it to max_tokens or max_model_len (it finishes on them)."""
+        out, total = request.num_output_tokens + request.num_pending, request.num_tokens + request.num_pending
+        max_len = self.config.max_model_len
+        return out >= request.params.max_tokens or (max_len is not None and total >= max_len)
 
     def _reserve_pages(self, request: Request, n: int, swap_out: list, preempted: list) -> bool:
         """Give a running request the pages for n more tokens, preempting the newest running requests if short."""

@@ -20,6 +20,7 @@ class SchedulerConfig:
         num_host_pages / num_host_slots: host-store capacity for "swap"; a victim that does not fit
             on the host is preempted by recompute instead.
         max_model_len: prompt + output tokens per request at most; None = bounded by the page pool only.
+        async_scheduling: the next step may be scheduled while one is in flight (scheduler.py).
     """
 
     max_num_seqs: int = 8
@@ -30,6 +31,7 @@ class SchedulerConfig:
     num_host_pages: int = 0
     num_host_slots: int = 0
     max_model_len: int | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):

@@ -127,3 +127,56 @@ def test_seeded_sampling_independent_of_batch(k3_tiny_engine):
     assert batched == single
     other = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.8, seed=7))[0].token_ids
     assert other != batched[0]
+
+
+@pytest.mark.parametrize("mode", [None, "recompute", "swap"])
+def test_async_scheduling_gives_identical_outputs(k3_tiny_engine, alone, mode, monkeypatch):
+    """Steps launched before the previous step's tokens reach the host, their decode inputs fed on the device:
+    the same tokens and logits as each request alone, with preemption too."""
+    rec = _LogitsRecorder(monkeypatch)
+    fed = []
+    feed = llm_engine.LLMEngine._feed
+    monkeypatch.setattr(llm_engine.LLMEngine, "_feed", lambda self, plan: fed.append(feed(self, plan)) or fed[-1])
+    sizes = {} if mode is None else dict(num_pages=8, max_prefill_chunk=32, preemption_mode=mode,
+                                         num_host_pages=16 if mode == "swap" else 0,
+                                         num_host_slots=8 if mode == "swap" else 0)
+    llm = LLM(k3_tiny_engine, async_scheduling=True, **{"max_prefill_chunk": 16, **sizes})
+    out, ids = _run_staggered(llm, GREEDY)
+    assert out == _tokens(alone)
+    _assert_logits_match(rec, ids, alone)
+    assert sum(map(len, fed)) > 100  # most decode inputs came from the device
+    sched = llm.engine.scheduler
+    assert sched.page_pool.num_used == 0 and sched.slot_pool.num_free == sched.slot_pool.num_slots
+    if mode is not None:
+        assert llm.engine.stats["preemptions"] > 0
+
+
+def test_async_scheduling_stops_and_samples_as_sync(k3_tiny_engine):
+    """Seeded sampling with EOS, stop ids and max_tokens: async scheduling finds a stop one step late and drops
+    the extra token, so outputs and finish reasons equal the synchronous engine's."""
+    def params(stops):
+        return [SamplingParams(max_tokens=6 + 3 * i, temperature=1.5, top_k=8, seed=11 + i, stop_token_ids=stop)
+                for i, stop in enumerate(stops)]
+
+    free = LLM(k3_tiny_engine).generate(PROMPTS, params([()] * 8))
+    # half the requests stop on a token they draw early
+    params = params([(o.token_ids[1 + i % 3],) if i % 2 else () for i, o in enumerate(free)])
+    sync = LLM(k3_tiny_engine).generate(PROMPTS, params)
+    llm = LLM(k3_tiny_engine, async_scheduling=True)
+    got = llm.generate(PROMPTS, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in sync]
+    assert {o.finish_reason for o in sync} == {"stop", "length"}
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.page_pool.num_used == 0
+    # a stream stopped early (aborted with a step in flight), then scoring, which lands that step first
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    stream = llm.stream(PROMPTS[0], greedy)
+    first = [next(stream).token_id for _ in range(3)]
+    stream.close()
+    assert llm.engine.has_unfinished()  # the step launched before the abort
+    assert first == LLM(k3_tiny_engine).generate(PROMPTS[0], greedy)[0].token_ids[:3]
+    torch.testing.assert_close(llm.logits(PROMPTS[1]), LLM(k3_tiny_engine).logits(PROMPTS[1]))
+    events = []
+    while llm.engine.has_unfinished():
+        events += llm.engine.step()
+    assert events == []  # the aborted request's in-flight token is not reported
+    assert llm.engine.scheduler.page_pool.num_used == 0

@@ -5,11 +5,16 @@ running hash of the tokens folded in (the KDA state). The next token is a functi
 read back through the page table, the slot state and the sampler's (seed, output index), so a wrong
 page table, a missed slot reset, a lost swap or a wrong RNG position changes the output.
 Freed pages and slots are poisoned after every step, so reading one is caught at once.
+
+With async scheduling, `run` keeps a plan in flight as the engine does: it executes each plan when it is made (a
+GPU would run it next on its stream) and updates the scheduler with the previous plan's tokens only after
+scheduling the next; PLACEHOLDER inputs are fed from the previous plan's sampled tokens, as the runner feeds them
+on the device.
 """
 
 from __future__ import annotations
 
-from k3runtime.request import Request
+from k3runtime.request import PLACEHOLDER, Request
 from k3runtime.scheduler import Scheduler, StepPlan
 
 VOCAB = 32
@@ -57,7 +62,8 @@ class FakeExecutor:
         self.host_slots = [None] * scheduler.config.num_host_slots
         self.num_swaps = 0
 
-    def step(self, plan: StepPlan) -> dict[str, int]:
+    def step(self, plan: StepPlan, fed: dict[str, int] | None = None) -> dict[str, int]:
+        """The plan's sampled tokens; fed: the previous plan's sampled tokens (PLACEHOLDER inputs take them)."""
         for e in plan.swap_out:
             for d, h in zip(e.page_ids, e.host_page_ids):
                 self.host_pages[h], self.pages[d] = self.pages[d], None
@@ -77,6 +83,9 @@ class FakeExecutor:
             assert count == it.start_pos, f"{it.request_id}: slot holds {count} tokens, item starts at {it.start_pos}"
             for k, tok in enumerate(it.token_ids):
                 pos = it.start_pos + k
+                if tok == PLACEHOLDER:
+                    assert fed is not None and it.request_id in fed, f"{it.request_id}: placeholder with nothing to feed"
+                    tok = fed[it.request_id]
                 page = it.page_ids[pos // self.P]
                 if self.pages[page] is None:
                     self.pages[page] = [None] * self.P
@@ -94,7 +103,9 @@ class FakeExecutor:
                     kv.append(tok)
                 # The plan alone carries what sampling needs; the Request is only cross-checked.
                 r = self.sched.get(it.request_id)
-                assert (it.seed, it.sample_index, it.params) == (r.sampling_seed, r.num_output_tokens, r.params)
+                # its own token is pending, and the in-flight plan's if it sampled this request
+                index = r.num_output_tokens + r.num_pending - 1
+                assert (it.seed, it.sample_index, it.params) == (r.sampling_seed, index, r.params)
                 sampled[it.request_id] = next_token(kv, state, it.seed, it.sample_index)
         return sampled
 
@@ -121,26 +132,39 @@ def check_plan(plan: StepPlan, sched: Scheduler) -> None:
         assert 1 <= it.num_tokens <= cfg.max_prefill_chunk and len(it.token_ids) == it.num_tokens
         assert len(it.page_ids) == -(-(it.start_pos + it.num_tokens) // cfg.page_size)
         r = sched.get(it.request_id)
-        assert list(it.token_ids) == r.all_token_ids[it.start_pos:it.start_pos + it.num_tokens]
-        assert it.sample == (it.start_pos + it.num_tokens == r.num_tokens)
+        known = r.all_token_ids[it.start_pos:it.start_pos + it.num_tokens]
+        # past the known tokens: one placeholder at most (a token sampled by the plan in flight)
+        assert list(it.token_ids) == known + [PLACEHOLDER] * (it.num_tokens - len(known))
+        assert it.num_tokens - len(known) <= (1 if sched.config.async_scheduling else 0)
+        end = it.start_pos + it.num_tokens
+        assert it.sample == (end == r.num_tokens + r.num_pending - it.sample)
 
 
 def run(sched: Scheduler, arrivals: dict[int, list[Request]] | None = None, on_step=None, max_steps=100_000):
     """Drive schedule -> fake step -> update until every request (also later arrivals) has finished.
 
-    on_step(step, plan) may abort requests between schedule and update. Returns (executor, plans).
+    on_step(step, plan) may abort requests between schedule and update. With async scheduling a plan is updated
+    after the next one is scheduled (and run). Returns (executor, plans).
     """
     ex, plans, step = FakeExecutor(sched), [], 0
     arrivals = dict(arrivals or {})
-    while sched.has_unfinished() or arrivals:
+    in_flight = None  # (plan, its sampled tokens): async scheduling's plan not yet updated
+    while sched.has_unfinished() or arrivals or in_flight:
         for r in arrivals.pop(step, []):
             sched.add(r)
         plan = sched.schedule()
         check_plan(plan, sched)
-        sampled = ex.step(plan)
+        sampled = ex.step(plan, in_flight[1] if in_flight else None)
         if on_step is not None:
             on_step(step, plan)
-        sched.update(plan, sampled)
+        if sched.config.async_scheduling:
+            if in_flight:
+                sched.update(*in_flight)
+            in_flight = (plan, sampled) if not plan.is_empty else None
+            if plan.is_empty:
+                sched.update(plan, sampled)
+        else:
+            sched.update(plan, sampled)
         ex.poison_free()
         plans.append(plan)
         step += 1

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from k3runtime.kv_cache import PagePool, SlotPool
-from k3runtime.request import Request, RequestStatus
+from k3runtime.request import PLACEHOLDER, Request, RequestStatus
 from k3runtime.sampling_params import SamplingParams
 from k3runtime.scheduler import Scheduler
 from k3runtime.scheduler_config import SchedulerConfig
@@ -274,6 +274,103 @@ def test_outputs_invariant_to_limits(page_size, num_pages, num_slots, chunk, bud
     sched = make(num_pages=num_pages * 8 // page_size, num_slots=num_slots, page_size=page_size,
                  max_prefill_chunk=chunk, max_num_batched_tokens=budget, preemption_mode=mode,
                  num_host_pages=host * 8 // page_size, num_host_slots=host // 3)
+    reqs = [req(f"r{i}", n, max_tokens=1 + (i * 7) % 10, seed=i) for i, n in enumerate(lens)]
+    run(sched, {0: reqs[::2], 3: reqs[1::2]})
+    assert_matches_reference(reqs)
+    assert_all_free(sched)
+
+
+# --- async scheduling: the next plan made while one is in flight ---
+
+def test_async_next_plan_feeds_the_pending_token():
+    sched = make(async_scheduling=True)
+    ex = FakeExecutor(sched)
+    a = req("a", 5, max_tokens=4, ignore_eos=True)
+    sched.add(a)
+    first = sched.schedule()
+    first_tokens = ex.step(first)
+    second = sched.schedule()  # before update(first): a's first output is still on the device
+    (it,) = second.items
+    assert (it.token_ids, it.start_pos, it.sample, it.sample_index) == ((PLACEHOLDER,), 5, True, 1)
+    assert a.num_pending == 2 and a.output_token_ids == []
+    second_tokens = ex.step(second, first_tokens)
+    with pytest.raises(RuntimeError, match="in flight"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="oldest"):
+        sched.update(second, second_tokens)
+    sched.update(first, first_tokens)
+    sched.update(second, second_tokens)
+    assert a.output_token_ids == reference(a)[0][:2] and a.num_pending == 0
+
+
+def test_async_request_ending_by_length_is_not_scheduled_again():
+    sched = make(async_scheduling=True, max_model_len=8)
+    ex = FakeExecutor(sched)
+    a = req("a", 5, max_tokens=1, ignore_eos=True)  # its first token is its last
+    b = req("b", 6, max_tokens=9, ignore_eos=True)  # reaches max_model_len at its second token
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    t1 = ex.step(first)
+    second = sched.schedule()
+    assert [it.request_id for it in second.items] == ["b"]
+    t2 = ex.step(second, t1)
+    assert sched.update(first, t1) == [a]
+    assert sched.schedule().is_empty  # b's pending token is its last
+    assert sched.update(second, t2) == [b] and b.finish_reason == "length" and b.num_tokens == 8
+
+
+def test_async_stop_found_one_step_late_drops_the_extra_token():
+    seed = next(s for s in range(1000) if reference(req("a", 3, max_tokens=9, seed=s))[0][0] == EOS)
+    sched = make(async_scheduling=True)
+    ex = FakeExecutor(sched)
+    a = req("a", 3, max_tokens=9, seed=seed)  # its first token is EOS
+    sched.add(a)
+    first = sched.schedule()
+    t1 = ex.step(first)
+    second = sched.schedule()  # a is in it: its stop is not known yet
+    t2 = ex.step(second, t1)
+    assert sched.update(first, t1) == [a] and a.finish_reason == "stop"
+    assert sched.update(second, t2) == [] and a.output_token_ids == [EOS]
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_outputs_match_reference_under_preemption_and_aborts(mode):
+    rng = random.Random(7)
+    sched = make(num_pages=16, num_slots=5, max_num_seqs=4, max_prefill_chunk=6, max_num_batched_tokens=16,
+                 preemption_mode=mode, num_host_pages=12, num_host_slots=2, max_model_len=48, async_scheduling=True)
+    arrivals, reqs = {}, []
+    for i in range(300):
+        r = req(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 30), seed=rng.choice([None, i]),
+                ignore_eos=rng.random() < 0.3)
+        arrivals.setdefault(i // 3, []).append(r)
+        reqs.append(r)
+    aborted = set()
+
+    def chaos(step, plan):
+        live = sorted(sched.requests)
+        if live and rng.random() < 0.05:
+            aborted.add(sched.abort(rng.choice(live)).request_id)
+
+    _, plans = run(sched, arrivals, on_step=chaos)
+    assert_all_free(sched)
+    assert sum(bool(p.preempted_ids) for p in plans) > 5 and len(aborted) > 5
+    assert sum(PLACEHOLDER in it.token_ids for p in plans for it in p.items) > 500
+    assert_matches_reference([r for r in reqs if r.request_id not in aborted], max_model_len=48)
+    for r in reqs:
+        if r.request_id in aborted:
+            assert r.output_token_ids == reference(r, 48)[0][:r.num_output_tokens]
+
+
+@settings(max_examples=15, deadline=None, database=None, derandomize=True)
+@given(page_size=st.sampled_from([1, 3, 8]), num_pages=st.integers(8, 30), num_slots=st.integers(1, 4),
+       chunk=st.integers(1, 9), budget=st.integers(1, 20), mode=st.sampled_from(["recompute", "swap"]),
+       host=st.integers(0, 10), lens=st.lists(st.integers(1, 12), min_size=1, max_size=6))
+def test_async_outputs_invariant_to_limits(page_size, num_pages, num_slots, chunk, budget, mode, host, lens):
+    sched = make(num_pages=num_pages * 8 // page_size, num_slots=num_slots, page_size=page_size,
+                 max_prefill_chunk=chunk, max_num_batched_tokens=budget, preemption_mode=mode,
+                 num_host_pages=host * 8 // page_size, num_host_slots=host // 3, async_scheduling=True)
     reqs = [req(f"r{i}", n, max_tokens=1 + (i * 7) % 10, seed=i) for i, n in enumerate(lens)]
     run(sched, {0: reqs[::2], 3: reqs[1::2]})
     assert_matches_reference(reqs)
