@@ -25,14 +25,16 @@ def main():
 @click.option("--seed", type=int, default=None)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
-def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream):
+@click.option("--async-scheduling", is_flag=True,
+              help="Launch each step before the previous step's tokens reach the host (one-rank engines).")
+def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream, async_scheduling):
     """Generate completions for PROMPTs."""
     from .api import LLM
     from .sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        llm = LLM(engine, device=device)
+        llm = LLM(engine, device=device, async_scheduling=async_scheduling)
         if stream:
             for chunk in llm.stream(prompts[0], params):
                 click.echo(chunk.text, nl=False)

@@ -17,9 +17,9 @@ Each batch size decodes N requests of CONTEXT cached tokens (N pages tables of g
 not depend on the values). The step is the runtime's CUDA-graph replay (runtime/cuda_graph.py) as the runtime
 calls it, the host staging of the rows included, timed after WARMUP_S seconds of replays; the eager step is timed
 too. Its parts: graph_ms (the graph's replay on staged inputs) and, in steps timed one by one (steady decode: the
-same rows as the last step), the host's wait, fill, upload and launch calls and the GPU step: as the runtime runs
-them (_sync, _poll) and with the rows staged while the previous step runs (_ahead; see _step_parts). Floors use the
-HBM bandwidth measured first in the same run:
+same rows as the last step), the host's wait, fill, upload and launch calls and the GPU step (_step_parts). The
+runtime's loop with sampling, synchronous and with async scheduling: loop_sync_ms and loop_async_ms (_loop_ms).
+Floors use the HBM bandwidth measured first in the same run:
     weights  every non-expert weight the step reads (the embedding: N rows) plus the local experts a uniform
              top-k routing touches in expectation (all of them: floor_all_experts_ms)
     kv       N x CONTEXT x the MLA layers' latent bytes
@@ -144,50 +144,69 @@ def _median_ms(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def _step_parts(graphs, n: int, rows, reps: int, mode: str = "sync") -> dict:
-    """The step in its parts, medians in ms, keys suffixed _{mode}: host_wait_ms (the wait for the host set's last
-    copy), host_fill_ms (the rows into the pinned buffer), host_upload_ms (its copy's call), host_launch_ms (the
-    graph's launch call), all on the host clock, and gpu_step_ms (CUDA events).
-
-    mode "sync": as the runtime runs a step (DecodeGraphs.run: wait, fill, upload, launch, all inside the events),
-    each step awaited by torch.cuda.synchronize; "poll": the same, awaited by polling its end event; "ahead": each
-    step's rows staged while the previous step's graph runs (its copy queued behind that graph), so the events hold
-    the graph launch alone. The runtime cannot stage ahead yet: a step's token ids come from the previous step's
-    sampling on the host. "ahead" shows what staging off the critical path would give, and what the host calls cost
-    while the GPU is busy."""
+def _step_parts(graphs, n: int, rows, reps: int) -> dict:
+    """The step in its parts as the runtime runs a step (DecodeGraphs.run), medians in ms: host_wait_ms (the wait
+    for the host set's last copy), host_fill_ms (the rows into the pinned buffer), host_upload_ms (its copy's
+    call), host_launch_ms (the graph's launch call), all on the host clock, and gpu_step_ms (CUDA events around
+    them all)."""
     parts = {"host_wait_ms": [], "host_fill_ms": [], "host_upload_ms": [], "host_launch_ms": [], "gpu_step_ms": []}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def stage() -> tuple[float, ...]:
+    graphs._stage(rows)
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        start.record()
         t0 = time.perf_counter()
         graphs.copied[0].synchronize()
         t1 = time.perf_counter()
         graphs._fill(rows, 0)
         t2 = time.perf_counter()
         graphs._upload(0)
-        return t0, t1, t2, time.perf_counter()
-
-    graphs._stage(rows)
-    torch.cuda.synchronize()
-    for _ in range(reps):
-        start.record()
-        if mode != "ahead":
-            marks = stage()
-        t_launch = time.perf_counter()
+        t3 = time.perf_counter()
         graphs.graphs[n].replay()
-        launched = time.perf_counter() - t_launch
+        t4 = time.perf_counter()
         end.record()
-        if mode == "ahead":
-            marks = stage()  # the next step's rows, behind this graph on the stream
-        if mode == "poll":
-            while not end.query():
-                pass
-        else:
-            torch.cuda.synchronize()
-        spans = [b - a for a, b in zip(marks, marks[1:])] + [launched]
-        for key, v in zip(parts, [*(x * 1e3 for x in spans), start.elapsed_time(end)]):
+        torch.cuda.synchronize()
+        for key, v in zip(parts, [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))]
+                          + [start.elapsed_time(end)]):
             parts[key].append(v)
-    return {f"{key[:-3]}_{mode}_ms": round(statistics.median(v), 4) for key, v in parts.items()}
+    return {key: round(statistics.median(v), 4) for key, v in parts.items()}
+
+
+def _loop_ms(graphs, rows, reps: int, mode: str) -> float:
+    """ms a decode step of the runtime's loop, timed over `reps` steps back to back: stage the rows and replay
+    (DecodeGraphs.run), sample (sampler.sample_tokens, greedy), read the tokens on the host. mode "sync": as the
+    synchronous engine, each step's tokens read before the next is staged (they are its input ids); "async": as
+    async scheduling, each step staged with its ids fed on the device from the previous step's tokens, and those
+    read once it is launched. Neither schedules requests: the scheduler's host time, which async scheduling
+    also hides, is not in these figures."""
+    from k3runtime.executor import FED
+    from k3runtime.sampler import sample_tokens
+    from k3runtime.sampling_params import SamplingParams
+
+    n = len(rows)
+    greedy, zeros = [SamplingParams(temperature=0)] * n, [0] * n
+    fed_rows = [(FED - i, *r[1:]) for i, r in enumerate(rows)]
+
+    def step(prev):
+        if mode == "async":
+            logits = graphs.run(fed_rows, fed=prev)["logits"]
+        else:
+            logits = graphs.run([(t, *r[1:]) for t, r in zip(prev.tolist(), rows)])["logits"]
+        return sample_tokens(logits, greedy, zeros, zeros)
+
+    prev = torch.tensor([r[0] for r in rows], device="cuda")
+    for _ in range(3):
+        prev = step(prev)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        nxt = step(prev)
+        (prev if mode == "async" else nxt).tolist()  # the host reads a step's tokens: the one sync
+        prev = nxt
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _graphs(executor, n: int, pages_per_seq: int, spare: tuple[int, int]):
@@ -584,8 +603,9 @@ def main() -> None:
             rec.update({"step_ms_" + name.replace("-", "_"): round(t, 4) for name, t in times.items()})
             del variants
             rec["graph_ms"] = round(_median_ms(graphs.graphs[n].replay, args.reps, cuda), 4)  # on staged inputs
-            for mode in ("sync", "poll", "ahead"):
-                rec.update(_step_parts(graphs, n, rows, args.reps, mode))
+            rec.update(_step_parts(graphs, n, rows, args.reps))
+            for mode in ("sync", "async"):  # the runtime's loop, with sampling
+                rec[f"loop_{mode}_ms"] = round(_loop_ms(graphs, rows, 3 * args.reps, mode), 4)
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.timeline:

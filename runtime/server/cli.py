@@ -39,10 +39,13 @@ def _read_weight_config(path: str):
               help="JSON/TOML file: which node's `k3runtime weight-store` holds which ranks; ranks attach to it "
                    "instead of reading disk (same as $K3_WEIGHT_STORE_CONFIG).")
 @click.option("--enforce-eager", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs.")
+@click.option("--async-scheduling", is_flag=True,
+              help="Schedule and launch each step before the previous step's tokens reach the host (one-rank "
+                   "engines): the GPU does not wait for the host between steps.")
 @click.option("--log-level", default="info", show_default=True)
 def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue, max_prompt_tokens,
               max_tokens_limit, device, num_pages, enable_deepep, distributed_weight_config, enforce_eager,
-              log_level):
+              async_scheduling, log_level):
     """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     if distributed_weight_config:
         from ..dist.weight_store_client import ENV_CONFIG
@@ -61,7 +64,8 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
 
     try:
         ae = AsyncLLMEngine(engine, EngineOptions(device=device, num_pages=num_pages, enable_deepep=enable_deepep,
-                                                   cuda_graphs=not enforce_eager, load_progress=True),
+                                                   cuda_graphs=not enforce_eager, load_progress=True,
+                                                   async_scheduling=async_scheduling),
                             metrics=PrometheusMetrics())
     except (EngineError, ValueError, NotImplementedError) as e:
         raise click.ClickException(str(e)) from None

@@ -92,3 +92,13 @@ def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine,
     assert single.returncode == 0 and multi.returncode == 0, multi.stderr[-3000:]
     assert "-> 8 tokens (length)" in multi.stdout
     assert multi.stdout == single.stdout
+
+
+def test_async_scheduling_refused_on_multirank_engines(k3_tiny_ckpt, tmp_path):
+    """Its workers would need the sampled tokens on their devices: refused by name, before any weight is read."""
+    from k3runtime.llm_engine import EngineOptions, LLMEngine
+    from k3runtime.loader import EngineError
+
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    with pytest.raises(EngineError, match="async scheduling runs one-rank engines only.*2 ranks"):
+        LLMEngine(engine, EngineOptions(async_scheduling=True))

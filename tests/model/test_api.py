@@ -68,6 +68,22 @@ def test_stop_string_cuts_the_text(llm):
     assert "".join(c.text for c in streamed) == out.text and streamed[-1].finish_reason == "stop"
 
 
+def test_stop_string_with_async_scheduling(llm, k3_tiny_engine):
+    """A stop string found on the host one step after its token was sampled: the same text, tokens and reason,
+    streamed or not, and the request's extra step leaves nothing behind."""
+    full = llm.generate(PROMPT, greedy(16))[0]
+    stop = full.text[4:6]
+    want = llm.generate(PROMPT, greedy(16, stop=(stop,)))[0]
+    fast = LLM(k3_tiny_engine, async_scheduling=True)
+    out = fast.generate(PROMPT, greedy(16, stop=(stop,)))[0]
+    assert (out.text, out.token_ids, out.finish_reason) == (want.text, want.token_ids, "stop")
+    streamed = list(fast.stream(PROMPT, greedy(16, stop=(stop,))))
+    assert "".join(c.text for c in streamed) == want.text and streamed[-1].finish_reason == "stop"
+    while fast.engine.has_unfinished():
+        assert fast.engine.step() == []
+    assert fast.engine.scheduler.page_pool.num_used == 0
+
+
 def test_sampling_options_do_what_they_say(llm):
     ids = llm.tokenizer.encode(PROMPT)
     g = llm.generate(ids, greedy(8))[0].token_ids

@@ -151,3 +151,41 @@ def test_decode_step_has_no_host_sync(engines):
         torch.cuda.set_sync_debug_mode("default")
     assert eager.shape == graphed.shape == (n, llm.engine.runner.engine.facts.vocab_size)
     assert torch.isfinite(eager).all() and torch.isfinite(graphed).all()
+
+
+def test_async_scheduling_on_graphs_matches_sync(engines):
+    """Async scheduling on the GPU: decode steps replayed from the graphs with their token ids fed on the device
+    give the synchronous engine's seeded samples and stops; staging, feeding, replaying and sampling a step
+    launches without a host sync (only reading the previous step's tokens syncs)."""
+    from k3runtime.executor import FED
+
+    prompts = PROMPTS + [[9, 8, 7]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=3 + i) for i in range(3)]
+    sync = [o.token_ids for o in LLM(engines[1], device="cuda").generate(prompts, params)]
+    llm = LLM(engines[1], device="cuda", async_scheduling=True)
+    runner = llm.engine.runner
+    fed_rows = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda rows, *a, **kw: fed_rows.append(sum(r[0] <= FED for r in rows)) or run(rows, *a, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == sync
+    assert max(fed_rows) == 3
+
+    from k3runtime.llm_engine import sample_step
+    from k3runtime.rank_runner import Step
+    from k3runtime.scheduler import ScheduledItem
+
+    greedy = SamplingParams(temperature=0)
+    items = tuple(ScheduledItem(f"r{i}", (t,), ctx - 1, 1, True, i, tuple(pages), greedy, 0, 0)
+                  for i, (t, ctx, pages) in enumerate([(5, 1, [0]), (6, 9, [1]), (7, 70, [2, 3])]))
+    first = sample_step(Step(items), runner.run(Step(items)))
+    fed = tuple(ScheduledItem(it.request_id, (-1,), it.start_pos + 1, 1, True, it.slot_id, it.page_ids, greedy, 0, 1)
+                for it in items)
+    step = Step(fed, feed=((0, 2), (1, 1), (2, 0)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = sample_step(step, runner.run(step, first))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert runner.graphs.cols[0, :3].tolist() == first.flip(0).tolist()  # the fed ids, by the feed's order
+    assert second.shape == (3,)

@@ -180,3 +180,14 @@ def test_async_scheduling_stops_and_samples_as_sync(k3_tiny_engine):
         events += llm.engine.step()
     assert events == []  # the aborted request's in-flight token is not reported
     assert llm.engine.scheduler.page_pool.num_used == 0
+
+
+def test_generate_cli_with_async_scheduling(k3_tiny_engine):
+    from click.testing import CliRunner
+
+    from k3runtime.cli import main
+
+    args = ["generate", str(k3_tiny_engine), "--prompt", "Hello there", "--prompt", "Hi", "--max-tokens", "9"]
+    sync, fast = CliRunner().invoke(main, args), CliRunner().invoke(main, [*args, "--async-scheduling"])
+    assert sync.exit_code == fast.exit_code == 0, fast.output
+    assert fast.output == sync.output and "-> 9 tokens" in fast.output

@@ -9,11 +9,12 @@ import pytest
 
 from k3runtime import SamplingParams
 from k3runtime.async_engine import AsyncLLMEngine, EngineDeadError
+from k3runtime.llm_engine import EngineOptions
 
 
-@pytest.fixture(scope="module")
-def aengine(tiny_engine):
-    e = AsyncLLMEngine(tiny_engine)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def aengine(tiny_engine, request):
+    e = AsyncLLMEngine(tiny_engine, EngineOptions(async_scheduling=request.param))
     yield e
     e.shutdown()
 
