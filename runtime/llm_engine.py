@@ -93,12 +93,34 @@ def sample_step(step: Step, logits: torch.Tensor) -> torch.Tensor:
                          [it.sample_index for it in items])
 
 
+class HostCopy:
+    """A tensor's values on their way to the host: a non-blocking copy into pinned memory, queued right after the
+    work that makes them. Reading them waits for that copy alone, where t.tolist() would queue its copy behind
+    everything launched since (with async scheduling: the whole next step)."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = t, None
+
+    def tolist(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 @dataclass(frozen=True)
 class _InFlight:
-    """An async step launched and not yet updated: its plan and its sampled ids, still on the device."""
+    """An async step launched and not yet updated: its plan, its sampled ids on the device (the next step's
+    inputs) and on their way to the host."""
 
     plan: StepPlan
     tokens: torch.Tensor
+    host: HostCopy
 
 
 class LLMEngine:
@@ -238,7 +260,8 @@ class LLMEngine:
         if not plan.is_empty:
             step = replace(Step.from_plan(plan), feed=self._feed(plan))
             logits = self.runner.run(step, self._in_flight.tokens if step.feed else None)
-            launched = _InFlight(plan, sample_step(step, logits))
+            tokens = sample_step(step, logits)
+            launched = _InFlight(plan, tokens, HostCopy(tokens))
             self.stats["tokens"] += plan.num_batched_tokens
         events, self._held_events = self._held_events + self._land(), []
         if launched is None:
@@ -262,7 +285,7 @@ class LLMEngine:
         """The in-flight step's tokens to the host (its one sync) and into the scheduler; its events."""
         if self._in_flight is None:
             return []
-        plan, tokens = self._in_flight.plan, self._in_flight.tokens.tolist()
+        plan, tokens = self._in_flight.plan, self._in_flight.host.tolist()
         self._in_flight = None
         sched = self.scheduler
         sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens)}
