@@ -57,6 +57,10 @@ class Communicator:
     def ep_scatter(self, y: torch.Tensor, z: torch.Tensor, *, group: str, capacity: int) -> torch.Tensor:
         return y
 
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Async scheduling: the driver's sampled ids into `tokens` on every rank (the driver's own here)."""
+        return tokens
+
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
         raise RuntimeError("pipeline hand-off needs the multi-rank communicator")
 

@@ -3,9 +3,10 @@
 The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
 worker.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
 
-Async scheduling (`EngineOptions.async_scheduling`, one rank): a step is scheduled and launched before the
-previous step's tokens reach the host: its decoding requests take those tokens on the device (`Step.feed`), and
-the host reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the
+Async scheduling (`EngineOptions.async_scheduling`; not with pipeline stages or attention-DP): a step is scheduled
+and launched before the previous step's tokens reach the host: its decoding requests take those tokens on the
+device (`Step.feed`; the driver broadcasts them to the other ranks on the device, `share_tokens`), and the host
+reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the
 host's share of a step (scheduling, staging, sampling's launches, the update); `step()` returns the previous
 step's tokens, and a request that stops on a token (EOS, stop ids or strings) runs one step more, its extra
 token dropped.
@@ -21,7 +22,8 @@ import torch
 
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
-from .rank_runner import RankRunner, Step, cache_config, shared_bucket
+from .dist.comm import collective_timeout
+from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
 from .scheduler import Scheduler, ScheduledItem, StepPlan
@@ -107,9 +109,13 @@ class HostCopy:
         else:
             self.host, self.ready = t, None
 
-    def tolist(self) -> list:
+    def tolist(self, timeout_s: float | None = None) -> list:
+        """The values; timeout_s: poll for them, TimeoutError past it (a multi-rank step whose collectives hang)."""
         if self.ready is not None:
-            self.ready.synchronize()
+            if timeout_s is None:
+                self.ready.synchronize()
+            else:
+                wait_for(self.ready.query, timeout_s, "a decode step")
         return self.host.tolist()
 
 
@@ -135,10 +141,11 @@ class LLMEngine:
         self.config, self.options = config, options
         mapping = config["mapping"]
         self.world_size = mapping["world_size"]
-        if options.async_scheduling and self.world_size > 1:
-            raise EngineError(f"{engine_dir}: async scheduling runs one-rank engines only (this one has "
-                              f"{self.world_size} ranks, whose workers would need the sampled tokens on their "
-                              "devices); leave async_scheduling off")
+        if options.async_scheduling and (mapping["pp_size"] > 1 or mapping["attention_dp"]):
+            raise EngineError(f"{engine_dir}: async scheduling does not run with pipeline stages or attention-DP "
+                              f"(pp_size {mapping['pp_size']}, attention_dp {mapping['attention_dp']}): the first "
+                              "stage would need the last stage's tokens, each DP rank its own scheduler's; leave "
+                              "async_scheduling off")
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
         self.dp_size = mapping["tp_size"] if mapping["attention_dp"] else 1
         if self.dp_size > 1 and mapping["pp_size"] > 1:
@@ -259,8 +266,12 @@ class LLMEngine:
         launched = None
         if not plan.is_empty:
             step = replace(Step.from_plan(plan), feed=self._feed(plan))
-            logits = self.runner.run(step, self._in_flight.tokens if step.feed else None)
+            if self.comm is not None:
+                self.comm.broadcast_step((step,))
+            logits = self.runner.run(step, self._in_flight.tokens if step.feed else None, wait=False)
             tokens = sample_step(step, logits)
+            if self.comm is not None and tokens.numel():
+                self.comm.share_tokens(tokens)  # the workers' next step feeds them too
             launched = _InFlight(plan, tokens, HostCopy(tokens))
             self.stats["tokens"] += plan.num_batched_tokens
         events, self._held_events = self._held_events + self._land(), []
@@ -285,7 +296,8 @@ class LLMEngine:
         """The in-flight step's tokens to the host (its one sync) and into the scheduler; its events."""
         if self._in_flight is None:
             return []
-        plan, tokens = self._in_flight.plan, self._in_flight.host.tolist()
+        timeout = collective_timeout().total_seconds() if self.world_size > 1 else None
+        plan, tokens = self._in_flight.plan, self._in_flight.host.tolist(timeout)
         self._in_flight = None
         sched = self.scheduler
         sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens)}

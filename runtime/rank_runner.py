@@ -89,12 +89,14 @@ class RankRunner:
                                        host_sets=self.pp_size)
             self.graphs.capture()
 
-    def run(self, step: Step, fed: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, step: Step, fed: torch.Tensor | None = None, wait: bool = True) -> torch.Tensor | None:
         """Apply the step's cache edits and run its tokens. Returns fp32 logits [M, V] on the last stage.
-        fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take."""
-        if step.feed and (fed is None or self.pp_size > 1 or self.engine.world_size > 1):
-            raise ValueError("a step that feeds sampled tokens needs them (fed) on its one rank: async scheduling "
-                             "runs single-rank engines")
+        fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take.
+        wait: rank 0 of several waits for a replayed step (_await_replay); async scheduling waits for the
+        step's tokens instead."""
+        if step.feed and (fed is None or self.pp_size > 1 or self.attention_dp):
+            raise ValueError("a step that feeds sampled tokens needs them (fed) on every rank, without pipeline "
+                             "stages or attention-DP (async scheduling)")
         if step.swap_out or step.swap_in:
             if self.host_store is None:
                 raise RuntimeError("the step swaps requests but this rank has no host store (num_host_pages = 0)")
@@ -108,7 +110,7 @@ class RankRunner:
             bucket = self.graphs.bucket(len(step.items)) if _pure_decode(step) else None
         if bucket is not None:
             logits = self._replay(step, bucket if self.attention_dp else None, fed)
-            if self.engine.world_size > 1 and self.engine.rank == 0:
+            if wait and self.engine.world_size > 1 and self.engine.rank == 0:
                 _await_replay(self.device)
             return logits
         logits = []

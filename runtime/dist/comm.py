@@ -120,6 +120,12 @@ class DistCommunicator(Communicator):
         """Attention-DP combine: this rank's tokens' sums of every rank's expert outputs."""
         return self.exchange.combine(y, z.shape[0], capacity)
 
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Async scheduling: the driver's sampled ids [M] int64 broadcast into `tokens` on every rank, on the
+        device (NCCL: queued on the stream, no host sync), for the next step to feed."""
+        dist.broadcast(tokens, src=0)
+        return tokens
+
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
         dst = self.rank + self.tp_size  # same TP index, next stage
         for t in [hidden, *blocks]:

@@ -93,13 +93,17 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     tp_rank, attention_dp = config["ranks"][str(rank)]["tp_rank"], config["mapping"]["attention_dp"]
     # Without attention-DP one rank of the last stage reports for its TP group; with it every rank has its own.
     reports = runner.last and (tp_rank == 0 or attention_dp)
+    fed = None  # async scheduling: the driver's sampled ids of the last step, on this device
     while True:
         steps = comm.control.broadcast()
         if steps[0].stop:
             break
         step = steps[tp_rank if attention_dp else 0]
-        logits = runner.run(step)
-        if reports:
+        logits = runner.run(step, fed if step.feed else None)
+        if options.async_scheduling and not step.all_logits:
+            sampled = sum(it.sample for it in step.items)
+            fed = comm.share_tokens(torch.empty(sampled, dtype=torch.int64, device=runner.device)) if sampled else None
+        elif reports:
             comm.control.send_result(logits if step.all_logits else sample_step(step, logits), dst=0)
 
 

@@ -94,11 +94,24 @@ def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine,
     assert multi.stdout == single.stdout
 
 
-def test_async_scheduling_refused_on_multirank_engines(k3_tiny_ckpt, tmp_path):
-    """Its workers would need the sampled tokens on their devices: refused by name, before any weight is read."""
+@pytest.mark.parametrize("name", ["tp2", "tp2xep2"])
+def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
+    """Async scheduling over ranks: the driver broadcasts each step's sampled ids to the workers on the device
+    and every rank feeds them to the next step; the same tokens and scores as one synchronous rank, with
+    preemption."""
+    mapping = MAPPINGS[name]
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", {**OPTIONS, "async_scheduling": True})
+    torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
+    assert got["tokens"] == reference["tokens"]
+    assert got["stats"]["preemptions"] > 0
+
+
+def test_async_scheduling_refused_with_pipeline_stages(k3_tiny_ckpt, tmp_path):
+    """The first stage would need the last stage's tokens: refused by name, before any weight is read."""
     from k3runtime.llm_engine import EngineOptions, LLMEngine
     from k3runtime.loader import EngineError
 
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
-    with pytest.raises(EngineError, match="async scheduling runs one-rank engines only.*2 ranks"):
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=MAPPINGS["pp2"])
+    with pytest.raises(EngineError, match="async scheduling does not run with pipeline stages.*pp_size 2"):
         LLMEngine(engine, EngineOptions(async_scheduling=True))
