@@ -22,6 +22,7 @@ from k3build.mapping import Mapping  # noqa: E402
 from k3runtime.dist.comm import DistCommunicator  # noqa: E402
 from k3runtime.loader import load_rank  # noqa: E402
 from k3runtime.rank_runner import RankRunner, Step, cache_config  # noqa: E402
+from k3runtime.sampling_params import SamplingParams  # noqa: E402
 from k3runtime.scheduler import ScheduledItem  # noqa: E402
 
 PAGES, SLOTS = 8, 4
@@ -76,6 +77,26 @@ def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_grou
     assert calls  # the eager step made them itself
     assert torch.isfinite(replayed).all()
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+    # async scheduling's step on rank 0: the ids fed from the last step's samples, the replay not awaited, the
+    # samples broadcast over NCCL to the other ranks: all queued without a host sync
+    from k3runtime.llm_engine import sample_step
+
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    greedy = SamplingParams(temperature=0)
+    fed = torch.tensor([8, 7, 6, 5], device="cuda")  # the last step's samples
+    step = Step(tuple(ScheduledItem(request_id=str(i), token_ids=(-1,), start_pos=ctx - 1, num_tokens=1, sample=True,
+                                    slot_id=slot, page_ids=tuple(pages), params=greedy, seed=0, sample_index=0)
+                      for i, (tok, slot, ctx, pages) in enumerate(ROWS)), feed=tuple((i, 3 - i) for i in range(4)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = comm.share_tokens(sample_step(step, runner.run(step, fed, wait=False)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert replays[-1] == len(ROWS) and runner.graphs.cols[0, :4].tolist() == [5, 6, 7, 8]  # ROWS' own tokens
+    assert tokens.tolist() == replayed.argmax(-1).tolist()  # the same inputs and state as the replay above
 
 
 def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_tiny_ckpt, tmp_path, nccl_group):
