@@ -656,6 +656,9 @@ def main() -> None:
         f = floors(engine, cache, n, args.context, bw / 1e3)
         rec.update({k: round(v, 4) if isinstance(v, float) else v for k, v in f.items()})
         rec["step_x_floor"] = round(rec["step_ms"] / f["floor_ms"], 3)
+        for mode in ("sync", "async"):
+            if f"loop_{mode}_ms" in rec:
+                rec[f"loop_{mode}_x_floor"] = round(rec[f"loop_{mode}_ms"] / f["floor_ms"], 3)
         rec["tokens_per_s"] = round(n / rec["step_ms"] * 1e3, 1)
         rec["step_ms"], rec["eager_ms"] = round(rec["step_ms"], 4), round(rec["eager_ms"], 4)
         emit(**rec)

@@ -238,42 +238,51 @@ def test_config_validation_names_field(field, value):
         SchedulerConfig(**{field: value})
 
 
-def test_no_leak_over_1000_random_requests_with_aborts():
-    rng = random.Random(1234)
-    sched = make(num_pages=40, num_slots=6, max_num_seqs=5, max_prefill_chunk=12, max_num_batched_tokens=32,
-                 preemption_mode="swap", num_host_pages=16, num_host_slots=2, max_model_len=64)
+def _random_run(sched, rng, *, count, per_step, prompt, max_tokens, abort_rate, max_model_len):
+    """`count` random requests, `per_step` arriving a step, some aborted at random between schedule and update;
+    checks that everything is freed and every output against the reference (an aborted request's: a prefix).
+    Returns (plans, aborted ids)."""
     arrivals, reqs = {}, []
-    for i in range(1000):
-        r = req(f"r{i}", rng.randint(1, 40), max_tokens=rng.randint(1, 20), seed=rng.choice([None, i]),
+    for i in range(count):
+        r = req(f"r{i}", rng.randint(1, prompt), max_tokens=rng.randint(1, max_tokens), seed=rng.choice([None, i]),
                 ignore_eos=rng.random() < 0.3)
-        arrivals.setdefault(i // 4, []).append(r)
+        arrivals.setdefault(i // per_step, []).append(r)
         reqs.append(r)
     aborted = set()
 
     def chaos(step, plan):
         live = sorted(sched.requests)
-        if live and rng.random() < 0.08:
+        if live and rng.random() < abort_rate:
             aborted.add(sched.abort(rng.choice(live)).request_id)
 
     _, plans = run(sched, arrivals, on_step=chaos)
     assert_all_free(sched)
-    assert len(aborted) > 20 and sum(bool(p.preempted_ids) for p in plans) > 10
     assert all(r.is_finished for r in reqs)
-    assert_matches_reference([r for r in reqs if r.request_id not in aborted], max_model_len=64)
-    # An aborted request's tokens are a prefix of what it would have produced.
+    assert_matches_reference([r for r in reqs if r.request_id not in aborted], max_model_len=max_model_len)
     for r in reqs:
         if r.request_id in aborted:
-            assert r.output_token_ids == reference(r, 64)[0][:r.num_output_tokens]
+            assert r.output_token_ids == reference(r, max_model_len)[0][:r.num_output_tokens]
+    return plans, aborted
 
 
-@settings(max_examples=25, deadline=None, database=None, derandomize=True)
+def test_no_leak_over_1000_random_requests_with_aborts():
+    sched = make(num_pages=40, num_slots=6, max_num_seqs=5, max_prefill_chunk=12, max_num_batched_tokens=32,
+                 preemption_mode="swap", num_host_pages=16, num_host_slots=2, max_model_len=64)
+    plans, aborted = _random_run(sched, random.Random(1234), count=1000, per_step=4, prompt=40, max_tokens=20,
+                                 abort_rate=0.08, max_model_len=64)
+    assert len(aborted) > 20 and sum(bool(p.preempted_ids) for p in plans) > 10
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True)
 @given(page_size=st.sampled_from([1, 3, 8]), num_pages=st.integers(8, 30), num_slots=st.integers(1, 4),
        chunk=st.integers(1, 9), budget=st.integers(1, 20), mode=st.sampled_from(["recompute", "swap"]),
-       host=st.integers(0, 10), lens=st.lists(st.integers(1, 12), min_size=1, max_size=6))
-def test_outputs_invariant_to_limits(page_size, num_pages, num_slots, chunk, budget, mode, host, lens):
+       host=st.integers(0, 10), lens=st.lists(st.integers(1, 12), min_size=1, max_size=6),
+       async_scheduling=st.booleans())
+def test_outputs_invariant_to_limits(page_size, num_pages, num_slots, chunk, budget, mode, host, lens,
+                                     async_scheduling):
     sched = make(num_pages=num_pages * 8 // page_size, num_slots=num_slots, page_size=page_size,
                  max_prefill_chunk=chunk, max_num_batched_tokens=budget, preemption_mode=mode,
-                 num_host_pages=host * 8 // page_size, num_host_slots=host // 3)
+                 num_host_pages=host * 8 // page_size, num_host_slots=host // 3, async_scheduling=async_scheduling)
     reqs = [req(f"r{i}", n, max_tokens=1 + (i * 7) % 10, seed=i) for i, n in enumerate(lens)]
     run(sched, {0: reqs[::2], 3: reqs[1::2]})
     assert_matches_reference(reqs)
@@ -337,41 +346,9 @@ def test_async_stop_found_one_step_late_drops_the_extra_token():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_async_outputs_match_reference_under_preemption_and_aborts(mode):
-    rng = random.Random(7)
     sched = make(num_pages=16, num_slots=5, max_num_seqs=4, max_prefill_chunk=6, max_num_batched_tokens=16,
                  preemption_mode=mode, num_host_pages=12, num_host_slots=2, max_model_len=48, async_scheduling=True)
-    arrivals, reqs = {}, []
-    for i in range(300):
-        r = req(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 30), seed=rng.choice([None, i]),
-                ignore_eos=rng.random() < 0.3)
-        arrivals.setdefault(i // 3, []).append(r)
-        reqs.append(r)
-    aborted = set()
-
-    def chaos(step, plan):
-        live = sorted(sched.requests)
-        if live and rng.random() < 0.05:
-            aborted.add(sched.abort(rng.choice(live)).request_id)
-
-    _, plans = run(sched, arrivals, on_step=chaos)
-    assert_all_free(sched)
+    plans, aborted = _random_run(sched, random.Random(7), count=300, per_step=3, prompt=30, max_tokens=30,
+                                 abort_rate=0.05, max_model_len=48)
     assert sum(bool(p.preempted_ids) for p in plans) > 5 and len(aborted) > 5
     assert sum(PLACEHOLDER in it.token_ids for p in plans for it in p.items) > 500
-    assert_matches_reference([r for r in reqs if r.request_id not in aborted], max_model_len=48)
-    for r in reqs:
-        if r.request_id in aborted:
-            assert r.output_token_ids == reference(r, 48)[0][:r.num_output_tokens]
-
-
-@settings(max_examples=15, deadline=None, database=None, derandomize=True)
-@given(page_size=st.sampled_from([1, 3, 8]), num_pages=st.integers(8, 30), num_slots=st.integers(1, 4),
-       chunk=st.integers(1, 9), budget=st.integers(1, 20), mode=st.sampled_from(["recompute", "swap"]),
-       host=st.integers(0, 10), lens=st.lists(st.integers(1, 12), min_size=1, max_size=6))
-def test_async_outputs_invariant_to_limits(page_size, num_pages, num_slots, chunk, budget, mode, host, lens):
-    sched = make(num_pages=num_pages * 8 // page_size, num_slots=num_slots, page_size=page_size,
-                 max_prefill_chunk=chunk, max_num_batched_tokens=budget, preemption_mode=mode,
-                 num_host_pages=host * 8 // page_size, num_host_slots=host // 3, async_scheduling=True)
-    reqs = [req(f"r{i}", n, max_tokens=1 + (i * 7) % 10, seed=i) for i, n in enumerate(lens)]
-    run(sched, {0: reqs[::2], 3: reqs[1::2]})
-    assert_matches_reference(reqs)
-    assert_all_free(sched)
