@@ -26,7 +26,8 @@ def main():
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
 @click.option("--async-scheduling", is_flag=True,
-              help="Launch each step before the previous step's tokens reach the host (one-rank engines).")
+              help="Launch each step before the previous step's tokens reach the host (not with pipeline stages "
+                   "or attention-DP).")
 def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream, async_scheduling):
     """Generate completions for PROMPTs."""
     from .api import LLM

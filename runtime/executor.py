@@ -32,14 +32,15 @@ class StepBatch:
 
 
 # async scheduling: an input id FED - i (i >= 0) stands for the previous step's i-th sampled token, which is still
-# on the device when the step is staged (negative, so never a real id); feed_tokens puts it in
-FED = -1
+# on the device when the step is staged (negative, so never a real id; below the scheduler's PLACEHOLDER, -1, so
+# that one left unresolved is not read as fed); feed_tokens puts it in
+FED = -2
 
 
 def feed_tokens(ids: torch.Tensor, fed: torch.Tensor) -> None:
     """ids [T] int64, in place on their device: each FED - i becomes fed[i], without a host sync."""
     src = (FED - ids).clamp(min=0)
-    ids.copy_(torch.where(ids < 0, fed.index_select(0, src), ids))
+    ids.copy_(torch.where(ids <= FED, fed.index_select(0, src), ids))
 
 
 class Communicator:

@@ -1,7 +1,7 @@
 """The driver's step loop: schedule -> broadcast the step -> run this rank's share -> sample -> update.
 
 The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
-worker.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
+launch.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
 
 Async scheduling (`EngineOptions.async_scheduling`; not with pipeline stages or attention-DP): a step is scheduled
 and launched before the previous step's tokens reach the host: its decoding requests take those tokens on the
@@ -9,7 +9,7 @@ device (`Step.feed`; the driver broadcasts them to the other ranks on the device
 reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the
 host's share of a step (scheduling, staging, sampling's launches, the update); `step()` returns the previous
 step's tokens, and a request that stops on a token (EOS, stop ids or strings) runs one step more, its extra
-token dropped.
+token dropped. Swaps to the host store still wait for the step in flight (the pages they copy may be its).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class EngineOptions:
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
     cuda_graphs: bool = True  # decode steps from CUDA graphs on GPUs (rank_runner.graph_blocker: where not)
     load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
-    async_scheduling: bool = False  # schedule a step while the previous one runs (one-rank engines; module doc)
+    async_scheduling: bool = False  # schedule a step while the previous one runs (module doc)
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,7 @@ class _InFlight:
     plan: StepPlan
     tokens: torch.Tensor
     host: HostCopy
+    requests: tuple[Request, ...]  # of the sampled items, in order
 
 
 class LLMEngine:
@@ -199,14 +200,20 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
+        self._drop_held(request_id)
         sched = self._owner.pop(request_id, None)
         if sched is not None:
             sched.abort(request_id)
 
     def finish(self, request_id: str, reason: str) -> None:
+        self._drop_held(request_id)
         sched = self._owner.pop(request_id, None)
         if sched is not None:
             sched.finish(request_id, reason)
+
+    def _drop_held(self, request_id: str) -> None:
+        """A request ended by the caller gets no more tokens, also none landed early (score())."""
+        self._held_events = [ev for ev in self._held_events if ev.request_id != request_id]
 
     def has_unfinished(self) -> bool:
         """Requests left, or (async scheduling) a launched step or its tokens not yet returned by step()."""
@@ -272,7 +279,9 @@ class LLMEngine:
             tokens = sample_step(step, logits)
             if self.comm is not None and tokens.numel():
                 self.comm.share_tokens(tokens)  # the workers' next step feeds them too
-            launched = _InFlight(plan, tokens, HostCopy(tokens))
+            # the sampled requests as objects: one ended meanwhile and a new one under its id are told apart
+            sampled = tuple(sched.get(it.request_id) for it in plan.items if it.sample)
+            launched = _InFlight(plan, tokens, HostCopy(tokens), sampled)
             self.stats["tokens"] += plan.num_batched_tokens
         events, self._held_events = self._held_events + self._land(), []
         if launched is None:
@@ -297,15 +306,14 @@ class LLMEngine:
         if self._in_flight is None:
             return []
         timeout = collective_timeout().total_seconds() if self.world_size > 1 else None
-        plan, tokens = self._in_flight.plan, self._in_flight.host.tolist(timeout)
+        flight, tokens = self._in_flight, self._in_flight.host.tolist(timeout)
         self._in_flight = None
-        sched = self.scheduler
-        sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens)}
-        live = {rid for rid in sampled if sched.get(rid) is not None}  # not finished while the step ran
-        finished = {r.request_id: r.finish_reason for r in sched.update(plan, sampled)}
+        live = [(r, t) for r, t in zip(flight.requests, tokens) if not r.is_finished]  # not ended meanwhile
+        sampled = {it.request_id: t for it, t in zip((it for it in flight.plan.items if it.sample), tokens)}
+        finished = {r.request_id: r.finish_reason for r in self.scheduler.update(flight.plan, sampled)}
         for r in finished:
             self._owner.pop(r, None)
-        return [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items() if rid in live]
+        return [TokenEvent(r.request_id, t, finished.get(r.request_id)) for r, t in live]
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
@@ -336,9 +344,13 @@ class LLMEngine:
             slots.free(slot)
 
     def shutdown(self) -> None:
-        """Release the worker ranks (they leave their loop); a no-op with one rank."""
-        if self.comm is not None:
-            from .dist.launch import release_workers
+        """Land a step in flight (async scheduling), then release the worker ranks (they leave their loop; a
+        no-op with one rank)."""
+        try:
+            self._land()
+        finally:  # a failed step must not keep the workers waiting
+            if self.comm is not None:
+                from .dist.launch import release_workers
 
-            release_workers(self.comm)
-            self.comm = None
+                release_workers(self.comm)
+                self.comm = None

@@ -21,6 +21,7 @@ from .kv_cache.cache_tensors import CacheConfig
 from .loader import KDA, MLA, RankEngine
 from .request import PLACEHOLDER
 from .scheduler import ScheduledItem, StepPlan, SwapEntry
+from .upload import to_device
 
 
 @dataclass(frozen=True)
@@ -160,14 +161,16 @@ class RankRunner:
         """The items' eager step (input ids < 0 are fed: feed_tokens)."""
         ids = list(itertools.chain.from_iterable(it.token_ids for it in items))
         cu = [0, *itertools.accumulate(it.num_tokens for it in items)]
-        for i, src in feed:
+        for i, src in feed:  # items index the step: one micro-batch (run refuses feeds with pipeline stages)
             ids[cu[i] + items[i].token_ids.index(PLACEHOLDER)] = FED - src
+        if PLACEHOLDER in ids:
+            raise ValueError("a step input is a PLACEHOLDER that its feed does not resolve")
         max_pages = max(len(it.page_ids) for it in items)
         table = [list(it.page_ids) + [-1] * (max_pages - len(it.page_ids)) for it in items]
         rows = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i, it in enumerate(items) if it.sample]
 
         def tensor(values):
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return to_device(values, self.device)
 
         return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
                          context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
@@ -177,7 +180,10 @@ class RankRunner:
 def _fed_ids(items: tuple[ScheduledItem, ...], feed: tuple[tuple[int, int], ...]) -> dict[str, int]:
     """Each one-token item's input id by request id, FED - i where the feed gives it sampled token i."""
     fed = dict(feed)
-    return {it.request_id: FED - fed[i] if i in fed else it.token_ids[0] for i, it in enumerate(items)}
+    ids = {it.request_id: FED - fed[i] if i in fed else it.token_ids[0] for i, it in enumerate(items)}
+    if PLACEHOLDER in ids.values():
+        raise ValueError("a step input is a PLACEHOLDER that its feed does not resolve")
+    return ids
 
 
 def graph_blocker(engine: RankEngine) -> str | None:

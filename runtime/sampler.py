@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import SamplingParams
+from .upload import to_device
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads nearby (seed, position) pairs apart
 
@@ -91,13 +92,9 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     ks = [min(p.top_k, V) if h else 1 for p, h in zip(params, hot)]  # a greedy row's draw is thrown away
     # the rows' parameters in two uploads from pinned memory: no sync (a pageable copy may wait for the stream);
     # fp64, so that a top_p as small as SamplingParams takes stays above 0
-    floats = torch.tensor([[p.temperature if h else 1.0, p.top_p if h else 1.0] for p, h in zip(params, hot)],
-                          dtype=torch.float64)
-    ints = torch.tensor([[k, h, _draw_seed(s, pos)] for k, h, s, pos in zip(ks, hot, seeds, positions)],
-                        dtype=torch.int64)
-    if dev.type == "cuda":
-        floats, ints = floats.pin_memory(), ints.pin_memory()
-    floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+    floats = to_device([[p.temperature if h else 1.0, p.top_p if h else 1.0] for p, h in zip(params, hot)], dev,
+                       torch.float64)
+    ints = to_device([[k, h, _draw_seed(s, pos)] for k, h, s, pos in zip(ks, hot, seeds, positions)], dev)
     drawn = []
     for r0 in range(0, len(params), ROWS_PER_PASS):
         r1 = r0 + ROWS_PER_PASS

@@ -171,10 +171,10 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step (pages and slots are booked here)."""
         if len(self._in_flight) >= self._max_in_flight:
-            raise RuntimeError("schedule: the previous StepPlan has not been passed to update() yet"
-                               if self._max_in_flight == 1 else
-                               f"schedule: {len(self._in_flight)} StepPlans are in flight (async scheduling holds "
-                               f"at most {self._max_in_flight - 1} while planning); update() the oldest first")
+            why = "the previous StepPlan has not been passed to update() yet" if self._max_in_flight == 1 else \
+                f"{len(self._in_flight)} StepPlans are in flight (async scheduling holds at most one while planning); " \
+                "update() the oldest first"
+            raise RuntimeError(f"schedule: {why}")
         budget = self.config.max_num_batched_tokens
         items: list[tuple[int, ScheduledItem]] = []
         reset: list[int] = []
@@ -226,8 +226,8 @@ class Scheduler:
             requests that finished in this update (stop token, EOS, max_tokens, max_model_len).
         """
         if not self._in_flight or plan is not self._in_flight[0][0]:
-            raise ValueError("update: plan is not the StepPlan returned by the last schedule()" if self._max_in_flight == 1
-                             else "update: plan is not the oldest StepPlan in flight")
+            which = "returned by the last schedule()" if self._max_in_flight == 1 else "oldest in flight"
+            raise ValueError(f"update: plan is not the StepPlan {which}")
         expected = {it.request_id for it in plan.items if it.sample}
         if set(sampled) != expected:
             missing, extra = sorted(expected - set(sampled)), sorted(set(sampled) - expected)

@@ -172,14 +172,14 @@ def _step_parts(graphs, n: int, rows, reps: int) -> dict:
     return {key: round(statistics.median(v), 4) for key, v in parts.items()}
 
 
-def _loop(graphs, rows, mode: str, twin=None):
+def _loop(graphs, rows, mode: str):
     """The runtime's decode loop on the graphs of len(rows), as a function that runs k steps back to back and
     returns the host seconds of each step's run call. Each step stages the rows and replays (DecodeGraphs.run),
     samples (sampler.sample_tokens, greedy) and reads tokens on the host. mode "sync": as the synchronous engine,
     each step's tokens read before the next is staged (they are its input ids); "async": as async scheduling, each
     step staged with its ids fed on the device from the previous step's tokens, and those read once it is
-    launched; with `twin` (graphs of the same bucket captured again) the steps alternate between the two. Neither
-    schedules requests: the scheduler's host time, which async scheduling also hides, is not in these figures."""
+    launched. Neither schedules requests: the scheduler's host time, which async scheduling also hides, is not in
+    these figures."""
     from k3runtime.executor import FED
     from k3runtime.llm_engine import HostCopy
     from k3runtime.sampler import sample_tokens
@@ -188,42 +188,40 @@ def _loop(graphs, rows, mode: str, twin=None):
     n = len(rows)
     greedy, zeros = [SamplingParams(temperature=0)] * n, [0] * n
     fed_rows = [(FED - i, *r[1:]) for i, r in enumerate(rows)]
-    pair = [graphs, twin or graphs]
     first = torch.tensor([r[0] for r in rows], device="cuda")
-    state = {"prev": first, "prev_host": HostCopy(first), "k": 0}
+    state = {"prev": first, "prev_host": HostCopy(first), "prev_ids": [r[0] for r in rows]}
 
     def steps(count: int) -> list[float]:
         host = []
         for _ in range(count):
-            prev, t0 = state["prev"], time.perf_counter()
+            t0 = time.perf_counter()
             if mode == "async":
-                logits = pair[state["k"] % 2].run(fed_rows, fed=prev)["logits"]
+                logits = graphs.run(fed_rows, fed=state["prev"])["logits"]
             else:
-                logits = graphs.run([(t, *r[1:]) for t, r in zip(prev.tolist(), rows)])["logits"]
+                logits = graphs.run([(t, *r[1:]) for t, r in zip(state["prev_ids"], rows)])["logits"]
             host.append(time.perf_counter() - t0)
             nxt = sample_tokens(logits, greedy, zeros, zeros)
             nxt_host = HostCopy(nxt)
             # the host reads a step's tokens (the one sync): async, the previous step's, behind its own copy
-            (state["prev_host"] if mode == "async" else nxt_host).tolist()
-            state.update(prev=nxt, prev_host=nxt_host, k=state["k"] + 1)
+            ids = (state["prev_host"] if mode == "async" else nxt_host).tolist()
+            state.update(prev=nxt, prev_host=nxt_host, prev_ids=ids)
         torch.cuda.synchronize()
         return host
     return steps
 
 
-def _loop_ms(graphs, rows, reps: int, mode: str, twin=None) -> dict:
+def _loop_ms(graphs, rows, reps: int, mode: str) -> dict:
     """_loop's steps timed: loop_{mode}_ms (GPU ms a step over `reps` steps) and loop_{mode}_run_host_ms (the
     median host time of a step's run call)."""
-    steps = _loop(graphs, rows, mode, twin)
+    steps = _loop(graphs, rows, mode)
     steps(4)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     host = steps(reps)
     end.record()
     torch.cuda.synchronize()
-    name = f"loop_{mode}{'_twin' if twin is not None else ''}"
-    return {f"{name}_ms": round(start.elapsed_time(end) / reps, 4),
-            f"{name}_run_host_ms": round(statistics.median(host) * 1e3, 4)}
+    return {f"loop_{mode}_ms": round(start.elapsed_time(end) / reps, 4),
+            f"loop_{mode}_run_host_ms": round(statistics.median(host) * 1e3, 4)}
 
 
 def _graphs(executor, n: int, pages_per_seq: int, spare: tuple[int, int]):
@@ -520,8 +518,6 @@ def main() -> None:
                     help="seconds of graph replays before each batch size is timed (GPU clocks and caches settle; "
                          "without it two processes run back to back differed by up to 1 ms, the second faster)")
     ap.add_argument("--profile", action="store_true", help="also print the top kernels of one eager step")
-    ap.add_argument("--twin-graphs", action="store_true",
-                    help="also time the async loop alternating between two captures of each bucket")
     ap.add_argument("--loop-timeline", action="store_true",
                     help="profile three steps of the runtime's loop, sync and async (as --timeline does a replay)")
     ap.add_argument("--timeline", action="store_true",
@@ -627,8 +623,6 @@ def main() -> None:
             rec.update(_step_parts(graphs, n, rows, args.reps))
             for mode in ("sync", "async"):  # the runtime's loop, with sampling
                 rec.update(_loop_ms(graphs, rows, 3 * args.reps, mode))
-            if args.twin_graphs:
-                rec.update(_loop_ms(graphs, rows, 3 * args.reps, "async", _graphs(executor, n, pages_per_seq, spare)))
             batch = graphs._batch(n)
             rec["eager_ms"] = _median_ms(lambda: executor.run(batch), max(3, args.reps // 3), cuda)
             if args.timeline:

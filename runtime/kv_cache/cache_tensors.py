@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..upload import to_device
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -125,7 +127,7 @@ class CacheTensors:
             if not slot_ids:
                 return
             self._check(slot_ids, self.num_slots, "slot")
-            slot_ids = torch.tensor(list(slot_ids), dtype=torch.int64, device=self.device)
+            slot_ids = to_device(list(slot_ids), self.device)
         self.kda_state_all.index_fill_(1, slot_ids, 0)
         self.kda_conv_all.index_fill_(1, slot_ids, 0)
 

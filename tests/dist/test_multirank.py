@@ -107,11 +107,13 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
     assert got["stats"]["preemptions"] > 0
 
 
-def test_async_scheduling_refused_with_pipeline_stages(k3_tiny_ckpt, tmp_path):
-    """The first stage would need the last stage's tokens: refused by name, before any weight is read."""
+@pytest.mark.parametrize("name", ["pp2", "dp2xep2"])
+def test_async_scheduling_refused_with_pipeline_stages_or_attention_dp(name, k3_tiny_ckpt, tmp_path):
+    """The first stage would need the last stage's tokens, a DP rank its own scheduler's: refused by name,
+    before any weight is read."""
     from k3runtime.llm_engine import EngineOptions, LLMEngine
     from k3runtime.loader import EngineError
 
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=MAPPINGS["pp2"])
-    with pytest.raises(EngineError, match="async scheduling does not run with pipeline stages.*pp_size 2"):
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=MAPPINGS[name])
+    with pytest.raises(EngineError, match="async scheduling does not run with pipeline stages or attention-DP"):
         LLMEngine(engine, EngineOptions(async_scheduling=True))

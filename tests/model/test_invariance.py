@@ -191,3 +191,29 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine):
     sync, fast = CliRunner().invoke(main, args), CliRunner().invoke(main, [*args, "--async-scheduling"])
     assert sync.exit_code == fast.exit_code == 0, fast.output
     assert fast.output == sync.output and "-> 9 tokens" in fast.output
+
+
+def test_async_scheduling_gives_no_token_of_an_ended_request(k3_tiny_engine):
+    """A request aborted after its token was landed early (score()), or aborted with its step in flight and its
+    id then reused: no token of it reaches the caller, and the new request under its id gets its own tokens."""
+    from k3runtime.request import PLACEHOLDER
+    from k3runtime.scheduler import ScheduledItem
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    eng = LLM(k3_tiny_engine, async_scheduling=True).engine
+    eng.add_request(PROMPTS[1], greedy, "a")
+    assert eng.step() == []  # launched; nothing landed yet
+    assert [ev.request_id for ev in eng.step()] == ["a"]
+    eng.score(PROMPTS[2])  # lands a's second token, held for the next step()
+    eng.abort("a")
+    eng.add_request(PROMPTS[3], greedy, "x")
+    assert eng.step() == []
+    eng.abort("x")  # its first token is in flight
+    eng.add_request(PROMPTS[4], greedy, "x")
+    events = []
+    while eng.has_unfinished():
+        events += eng.step()
+    want = LLM(k3_tiny_engine).generate(PROMPTS[4], greedy)[0].token_ids
+    assert [ev.request_id for ev in events] == ["x"] * len(want) and [ev.token_id for ev in events] == want
+    with pytest.raises(ValueError, match="PLACEHOLDER"):
+        eng.runner.batch((ScheduledItem("p", (PLACEHOLDER,), 0, 1, True, 0, (0,), greedy, 0, 0),))

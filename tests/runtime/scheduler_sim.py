@@ -84,7 +84,7 @@ class FakeExecutor:
             for k, tok in enumerate(it.token_ids):
                 pos = it.start_pos + k
                 if tok == PLACEHOLDER:
-                    assert fed is not None and it.request_id in fed, f"{it.request_id}: placeholder with nothing to feed"
+                    assert fed is not None and it.request_id in fed, f"{it.request_id}: a placeholder, nothing fed"
                     tok = fed[it.request_id]
                 page = it.page_ids[pos // self.P]
                 if self.pages[page] is None:
@@ -143,8 +143,9 @@ def check_plan(plan: StepPlan, sched: Scheduler) -> None:
 def run(sched: Scheduler, arrivals: dict[int, list[Request]] | None = None, on_step=None, max_steps=100_000):
     """Drive schedule -> fake step -> update until every request (also later arrivals) has finished.
 
-    on_step(step, plan) may abort requests between schedule and update. With async scheduling a plan is updated
-    after the next one is scheduled (and run). Returns (executor, plans).
+    on_step(step, plan) may abort requests between schedule and update (with async scheduling, also after the
+    previous plan's update, this one in flight). With async scheduling a plan is updated after the next one is
+    scheduled (and run). Returns (executor, plans).
     """
     ex, plans, step = FakeExecutor(sched), [], 0
     arrivals = dict(arrivals or {})
@@ -163,6 +164,8 @@ def run(sched: Scheduler, arrivals: dict[int, list[Request]] | None = None, on_s
             in_flight = (plan, sampled) if not plan.is_empty else None
             if plan.is_empty:
                 sched.update(plan, sampled)
+            elif on_step is not None:
+                on_step(step, plan)  # also where the engine aborts: between steps, this plan in flight
         else:
             sched.update(plan, sampled)
         ex.poison_free()

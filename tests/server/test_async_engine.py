@@ -15,6 +15,7 @@ from k3runtime.llm_engine import EngineOptions
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
 def aengine(tiny_engine, request):
     e = AsyncLLMEngine(tiny_engine, EngineOptions(async_scheduling=request.param))
+    assert e.engine.options.async_scheduling is request.param
     yield e
     e.shutdown()
 

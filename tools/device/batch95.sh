@@ -1,4 +1,5 @@
-# Ninety-fifth device batch (for the twenty-seventh session; not run yet): the rank's step over three processes with
+# Ninety-fifth device batch (run in the twenty-seventh session, on bench_rank's code of then; its poll and ahead
+# modes were removed after it, so this script now prints the sync parts only): the rank's step over three processes with
 # its host parts split (bench_rank._step_parts: the wait for the last copy apart from the fill; modes sync, poll and
 # ahead, the last staging each step's rows while the previous graph runs): where the 0.3 ms the device host spent
 # filling 32 rows inside a step goes, and what staging off the critical path would give.
