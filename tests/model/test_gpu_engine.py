@@ -181,6 +181,8 @@ def test_async_scheduling_on_graphs_matches_sync(engines):
     fed = tuple(ScheduledItem(it.request_id, (-1,), it.start_pos + 1, 1, True, it.slot_id, it.page_ids, greedy, 0, 1)
                 for it in items)
     step = Step(fed, feed=((0, 2), (1, 1), (2, 0)))
+    cache = runner.cache
+    saved = [t.clone() for t in (cache.kda_state_all, cache.kda_conv_all, cache.mla_kv_all)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -188,4 +190,8 @@ def test_async_scheduling_on_graphs_matches_sync(engines):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert runner.graphs.cols[0, :3].tolist() == first.flip(0).tolist()  # the fed ids, by the feed's order
-    assert second.shape == (3,)
+    for t, s in zip((cache.kda_state_all, cache.kda_conv_all, cache.mla_kv_all), saved):
+        t.copy_(s)
+    explicit = tuple(ScheduledItem(it.request_id, (t,), it.start_pos, 1, True, it.slot_id, it.page_ids, greedy, 0, 1)
+                     for it, t in zip(fed, first.flip(0).tolist()))
+    assert second.tolist() == sample_step(Step(explicit), runner.run(Step(explicit))).tolist()
