@@ -172,8 +172,8 @@ class Scheduler:
         """Plan the next step (pages and slots are booked here)."""
         if len(self._in_flight) >= self._max_in_flight:
             why = "the previous StepPlan has not been passed to update() yet" if self._max_in_flight == 1 else \
-                f"{len(self._in_flight)} StepPlans are in flight (async scheduling holds at most one while planning); " \
-                "update() the oldest first"
+                f"{len(self._in_flight)} StepPlans are in flight (async scheduling holds at most one while " \
+                "planning); update() the oldest first"
             raise RuntimeError(f"schedule: {why}")
         budget = self.config.max_num_batched_tokens
         items: list[tuple[int, ScheduledItem]] = []
