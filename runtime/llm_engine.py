@@ -294,8 +294,7 @@ class LLMEngine:
         wanted = [i for i, it in enumerate(plan.items) if PLACEHOLDER in it.token_ids]
         if not wanted:
             return ()
-        src = {} if self._in_flight is None else \
-            {it.request_id: j for j, it in enumerate(it for it in self._in_flight.plan.items if it.sample)}
+        src = {} if self._in_flight is None else {r.request_id: j for j, r in enumerate(self._in_flight.requests)}
         missing = [plan.items[i].request_id for i in wanted if plan.items[i].request_id not in src]
         if missing:
             raise RuntimeError(f"scheduler: requests {missing} feed a token that no step in flight samples")

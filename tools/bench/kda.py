@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from common import emit, rel_l2, time_ms, top_kernels
+from k3plugins.embed.dense import dense
 from k3plugins.kda import fla as kda_dev
 
 H, K = 96, 128
@@ -82,7 +83,6 @@ def bench_kda(bw_tbps: float, sweep: bool) -> None:
             rec[f"{tactic}_frac_of_floor"] = round(floor_ms / t, 3)
             rec[f"{tactic}_x_inplace_pass"] = round(t / t_pass, 3)
         # the fused tactic's gate from f_a, f_b applied inside, against the f_b GEMM then the same kernel
-        from k3plugins.embed.dense import dense
         f_a = torch.randn(N, K, device="cuda", generator=gen).to(torch.bfloat16)
         f_b = (torch.randn(D, K, device="cuda", generator=gen) * K ** -0.5).to(torch.bfloat16)
         kw = dict(num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5, tactic="fused")
