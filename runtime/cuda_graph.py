@@ -113,10 +113,11 @@ class DecodeGraphs:
         return StepBatch(input_ids=self.cols[0, :n], cu_seqlens=self.cu[:n + 1], slot_ids=self.cols[1, :n],
                          context_lens=self.cols[2, :n], page_table=self.pages[:n], logits_indices=self.cu[:n])
 
-    def _stage(self, rows: list[tuple[int, int, int, list[int]]], host_set: int = 0) -> None:
-        """rows: (token id, slot, context length, page ids) per sequence; the rest become padding."""
+    def _stage(self, rows: list[tuple[int, int, int, list[int]]], host_set: int = 0, bucket: int | None = None) -> None:
+        """rows: (token id, slot, context length, page ids) per sequence; the rest become padding. bucket: the
+        graph to replay, whose page-table rows alone are uploaded (all of them when None)."""
         self._fill(rows, host_set)
-        self._upload(host_set)
+        self._upload(host_set, bucket)
 
     def _fill(self, rows: list[tuple[int, int, int, list[int]]], host_set: int) -> None:
         """The rows into the host set's pinned buffer, once its previous copy has run."""
@@ -127,9 +128,13 @@ class DecodeGraphs:
         fill_rows(self.host_cols[host_set], self.host_pages[host_set], rows, spare_slot=self.spare_slot,
                   spare_page=self.spare_page, written=self.written[host_set])
 
-    def _upload(self, host_set: int) -> None:
-        """The host set's buffer into the graphs' inputs, one non-blocking copy."""
-        self.inputs.copy_(self.host_inputs[host_set], non_blocking=True)
+    def _upload(self, host_set: int, bucket: int | None = None) -> None:
+        """The host set's buffer into the graphs' inputs, one non-blocking copy of the cols and the first `bucket`
+        page-table rows: the graph of that bucket reads no others, and the whole table is B_max x max_pages int64
+        (1 MiB for the tep16 recipe, 8 MiB at 1M context), copied every step. The host buffer always holds every
+        row, so a later, larger bucket copies its rows whole from it."""
+        size = self.inputs.numel() if bucket is None else 3 * self.buckets[-1] + bucket * self.pages.shape[1]
+        self.inputs[:size].copy_(self.host_inputs[host_set][:size], non_blocking=True)
         if self.copied[host_set] is None:
             self.copied[host_set] = torch.cuda.Event()
         self.copied[host_set].record()
@@ -181,7 +186,7 @@ class DecodeGraphs:
             raise ValueError(f"bucket {b} cannot replay {n} sequences (captured buckets: {self.buckets})")
         if set(stage_in or {}) != set(self.stage_in):
             raise ValueError(f"stage inputs {sorted(stage_in or {})}, expected {sorted(self.stage_in)}")
-        self._stage(rows, host_set)
+        self._stage(rows, host_set, b)
         if fed is not None:
             feed_tokens(self.cols[0, :n], fed)
         for name, t in (stage_in or {}).items():

@@ -160,7 +160,7 @@ def _step_parts(graphs, n: int, rows, reps: int) -> dict:
         t1 = time.perf_counter()
         graphs._fill(rows, 0)
         t2 = time.perf_counter()
-        graphs._upload(0)
+        graphs._upload(0, n)
         t3 = time.perf_counter()
         graphs.graphs[n].replay()
         t4 = time.perf_counter()
