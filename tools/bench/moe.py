@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -137,6 +139,13 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
             decode_sweep[f"d_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(16, bn, 256, nw, st, strided=True,
                                                                                paired=True, tiled=True)
         decode_sweep["d_bn64_bk256_w4_s3_untiled"] = mt.MoETactic(16, 64, 256, 4, 3, strided=True, paired=True)
+        # decode_l's blocks at several tokens an expert: every program of an expert reads its rows of z from L2
+        # (57 KB at 8 tokens, half its 114 KB of weights with BN 64), so wider programs may pay off there
+        for bn, nw, st, dbn, dnw in ((64, 4, 4, None, None), (128, 8, 3, None, None), (128, 4, 3, None, None),
+                                     (64, 8, 3, None, None), (64, 4, 3, 128, 8), (128, 8, 3, 64, 4)):
+            down = f"_d{dbn}w{dnw}" if dbn else ""
+            decode_sweep[f"d_bn{bn}_bk256_w{nw}_s{st}{down}_lane"] = replace(
+                mt.TACTICS["decode_l"], block_n=bn, num_warps=nw, num_stages=st, down_block_n=dbn, down_num_warps=dnw)
         for bm, bn, nw, st in ((64, 128, 4, 3), (128, 64, 4, 3), (128, 256, 8, 2)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(bm, bn, 256, nw, st,
                                                                                        strided=True, paired=True,
