@@ -25,9 +25,10 @@ def main():
 @click.option("--seed", type=int, default=None)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
-@click.option("--async-scheduling", is_flag=True,
-              help="Launch each step before the previous step's tokens reach the host (not with pipeline stages "
-                   "or attention-DP).")
+@click.option("--async-scheduling/--no-async-scheduling", default=None,
+              help="Launch each step before the previous step's tokens reach the host, so that the GPU does not "
+                   "wait for it between decode steps. Default: on for a GPU engine without pipeline stages or "
+                   "attention-DP (which refuse it), off on the CPU.")
 def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream, async_scheduling):
     """Generate completions for PROMPTs."""
     from .api import LLM

@@ -3,7 +3,8 @@
 The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
 launch.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
 
-Async scheduling (`EngineOptions.async_scheduling`; not with pipeline stages or attention-DP): a step is scheduled
+Async scheduling (`EngineOptions.async_scheduling`; on by default on GPUs, not with pipeline stages or
+attention-DP): a step is scheduled
 and launched before the previous step's tokens reach the host: its decoding requests take those tokens on the
 device (`Step.feed`; the driver broadcasts them to the other ranks on the device, `share_tokens`), and the host
 reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the
@@ -46,7 +47,9 @@ class EngineOptions:
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
     cuda_graphs: bool = True  # decode steps from CUDA graphs on GPUs (rank_runner.graph_blocker: where not)
     load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
-    async_scheduling: bool = False  # schedule a step while the previous one runs (module doc)
+    # schedule a step while the previous one runs (module doc); None: on where it can run and pays, see
+    # `resolve_async_scheduling`
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,24 @@ class TokenEvent:
     request_id: str
     token_id: int
     finish_reason: str | None
+
+
+def resolve_async_scheduling(options: EngineOptions, mapping: dict, engine_dir) -> EngineOptions:
+    """The options with async scheduling decided. Asked for (True), it is refused with pipeline stages or
+    attention-DP: the first stage would need the last stage's tokens, each DP rank its own scheduler's. Left to
+    the engine (None), it is on for a single-stage engine without attention-DP on a GPU, where the GPU otherwise
+    waits for the host between decode steps (BENCHMARKS.md, bench_rank: 0.5-0.8 ms a step at 32 requests), and
+    off on the CPU, whose steps run as they are launched: there it would only cost a token-stopped request one
+    step more."""
+    eligible = mapping["pp_size"] == 1 and not mapping["attention_dp"]
+    if options.async_scheduling and not eligible:
+        raise EngineError(f"{engine_dir}: async scheduling does not run with pipeline stages or attention-DP "
+                          f"(pp_size {mapping['pp_size']}, attention_dp {mapping['attention_dp']}): the first "
+                          "stage would need the last stage's tokens, each DP rank its own scheduler's; leave "
+                          "async_scheduling off")
+    if options.async_scheduling is None:
+        return replace(options, async_scheduling=eligible and torch.device(options.device).type == "cuda")
+    return options
 
 
 def cache_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
@@ -139,14 +160,10 @@ class LLMEngine:
         config = read_engine_config(engine_dir)
         # before any weight is read: a backend that cannot run (DeepEP missing or too small) fails here
         self.expert_backend = choose_backend(config, options.enable_deepep)
-        self.config, self.options = config, options
         mapping = config["mapping"]
+        options = resolve_async_scheduling(options, mapping, engine_dir)
+        self.config, self.options = config, options
         self.world_size = mapping["world_size"]
-        if options.async_scheduling and (mapping["pp_size"] > 1 or mapping["attention_dp"]):
-            raise EngineError(f"{engine_dir}: async scheduling does not run with pipeline stages or attention-DP "
-                              f"(pp_size {mapping['pp_size']}, attention_dp {mapping['attention_dp']}): the first "
-                              "stage would need the last stage's tokens, each DP rank its own scheduler's; leave "
-                              "async_scheduling off")
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
         self.dp_size = mapping["tp_size"] if mapping["attention_dp"] else 1
         if self.dp_size > 1 and mapping["pp_size"] > 1:

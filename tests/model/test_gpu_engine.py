@@ -161,7 +161,7 @@ def test_async_scheduling_on_graphs_matches_sync(engines):
 
     prompts = PROMPTS + [[9, 8, 7]]
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=3 + i) for i in range(3)]
-    sync = [o.token_ids for o in LLM(engines[1], device="cuda").generate(prompts, params)]
+    sync = [o.token_ids for o in LLM(engines[1], device="cuda", async_scheduling=False).generate(prompts, params)]
     llm = LLM(engines[1], device="cuda", async_scheduling=True)
     runner = llm.engine.runner
     fed_rows = []
@@ -218,3 +218,37 @@ def test_replay_uploads_its_buckets_page_rows(engines):
         t.copy_(s)
     cos, rel = _parity(graphed, runner.executor.run(_three_sequence_step())["logits"])
     assert cos > 0.9999 and rel < 1e-2, (cos, rel)  # the padding row may change a kernel's tiling, not the rows
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_default_async_scheduling_with_preemption(engines, mode):
+    """The GPU engine's default (async scheduling on) with requests arriving over time and too few pages, so that
+    requests are preempted (recomputed, or swapped to the host store while a step is in flight): every greedy
+    token is the CPU engine's top-1 within bf16 noise, teacher-forced, and every page and slot comes back."""
+    prompts = [list(range(1, 86)), PROMPTS[0], [9, 8, 7], list(range(100, 160)), list(range(200, 270)), [3] * 11,
+               [1, 499], [1, 33] * 20]
+    llm = LLM(engines[1], device="cuda", num_pages=6, max_prefill_chunk=32, preemption_mode=mode,
+              num_host_pages=16 if mode == "swap" else 0, num_host_slots=8 if mode == "swap" else 0)
+    eng = llm.engine
+    assert eng.options.async_scheduling
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ids, out = {}, {}
+    for i, p in enumerate(prompts[:3]):
+        ids[eng.add_request(p, greedy).request_id] = i
+    for step in range(300):
+        if step == 3:
+            for i, p in enumerate(prompts[3:], start=3):
+                ids[eng.add_request(p, greedy).request_id] = i
+        for ev in eng.step():
+            out.setdefault(ids[ev.request_id], []).append(ev.token_id)
+        if step > 3 and not eng.has_unfinished():
+            break
+    assert eng.stats["preemptions"] > 0 and (eng.stats["swaps_out"] > 0) == (mode == "swap")
+    assert sorted(out) == list(range(len(prompts))) and all(len(t) == 16 for t in out.values())
+    cpu = LLM(engines[0])
+    for i, p in enumerate(prompts):
+        logits = cpu.logits(p + out[i])[len(p) - 1:-1]
+        for step, (row, tok) in enumerate(zip(logits, out[i])):
+            assert row[tok] >= row.max() - 0.05 * row.std(), (i, step, tok, int(row.argmax()))
+    sched = eng.scheduler
+    assert sched.page_pool.num_used == 0 and sched.slot_pool.num_free == sched.slot_pool.num_slots

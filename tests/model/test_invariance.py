@@ -188,9 +188,28 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine):
     from k3runtime.cli import main
 
     args = ["generate", str(k3_tiny_engine), "--prompt", "Hello there", "--prompt", "Hi", "--max-tokens", "9"]
-    sync, fast = CliRunner().invoke(main, args), CliRunner().invoke(main, [*args, "--async-scheduling"])
+    sync = CliRunner().invoke(main, [*args, "--no-async-scheduling"])
+    fast = CliRunner().invoke(main, [*args, "--async-scheduling"])
     assert sync.exit_code == fast.exit_code == 0, fast.output
     assert fast.output == sync.output and "-> 9 tokens" in fast.output
+
+
+@pytest.mark.parametrize("device, pp, dp, wanted, on", [
+    ("cuda", 1, False, None, True), ("cuda:1", 1, False, None, True), ("cpu", 1, False, None, False),
+    ("cuda", 2, False, None, False), ("cuda", 1, True, None, False), ("cuda", 1, False, False, False),
+    ("cpu", 1, False, True, True)])
+def test_async_scheduling_default(device, pp, dp, wanted, on):
+    """Left to the engine, async scheduling is on for a single-stage GPU engine without attention-DP, off on the
+    CPU and where it cannot run; asked for, it is refused where it cannot run."""
+    from k3runtime.llm_engine import EngineOptions, resolve_async_scheduling
+    from k3runtime.loader import EngineError
+
+    mapping = {"pp_size": pp, "attention_dp": dp}
+    options = EngineOptions(device=device, async_scheduling=wanted)
+    assert resolve_async_scheduling(options, mapping, "eng").async_scheduling is on
+    if not on and (pp > 1 or dp):
+        with pytest.raises(EngineError, match="eng: async scheduling does not run"):
+            resolve_async_scheduling(EngineOptions(device=device, async_scheduling=True), mapping, "eng")
 
 
 def test_async_scheduling_gives_no_token_of_an_ended_request(k3_tiny_engine):
