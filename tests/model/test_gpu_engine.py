@@ -223,8 +223,9 @@ def test_replay_uploads_its_buckets_page_rows(engines):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_default_async_scheduling_with_preemption(engines, mode):
     """The GPU engine's default (async scheduling on) with requests arriving over time and too few pages, so that
-    requests are preempted (recomputed, or swapped to the host store while a step is in flight): every greedy
-    token is the CPU engine's top-1 within bf16 noise, teacher-forced, and every page and slot comes back."""
+    requests are preempted (recomputed, or swapped to the host store while a step is in flight): teacher-forced
+    by the fp32 CPU engine, every greedy token is within bf16 noise of its top-1 and nine in ten are its top-1
+    (a wrong page, slot or fed id gives logits far off), and every page and slot comes back."""
     prompts = [list(range(1, 86)), PROMPTS[0], [9, 8, 7], list(range(100, 160)), list(range(200, 270)), [3] * 11,
                [1, 499], [1, 33] * 20]
     llm = LLM(engines[1], device="cuda", num_pages=6, max_prefill_chunk=32, preemption_mode=mode,
@@ -245,10 +246,12 @@ def test_default_async_scheduling_with_preemption(engines, mode):
             break
     assert eng.stats["preemptions"] > 0 and (eng.stats["swaps_out"] > 0) == (mode == "swap")
     assert sorted(out) == list(range(len(prompts))) and all(len(t) == 16 for t in out.values())
-    cpu = LLM(engines[0])
+    exact, off_top = LLM(engines[2]), 0
     for i, p in enumerate(prompts):
-        logits = cpu.logits(p + out[i])[len(p) - 1:-1]
+        logits = exact.logits(p + out[i])[len(p) - 1:-1]
         for step, (row, tok) in enumerate(zip(logits, out[i])):
-            assert row[tok] >= row.max() - 0.05 * row.std(), (i, step, tok, int(row.argmax()))
+            assert row[tok] >= row.max() - 0.1 * row.std(), (i, step, tok, int(row.argmax()))
+            off_top += tok != int(row.argmax())
+    assert off_top <= len(prompts) * 16 // 10, off_top
     sched = eng.scheduler
     assert sched.page_pool.num_used == 0 and sched.slot_pool.num_free == sched.slot_pool.num_slots
