@@ -221,11 +221,23 @@ def test_replay_uploads_its_buckets_page_rows(engines):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_default_async_scheduling_with_preemption(engines, mode):
+def test_default_async_scheduling_with_preemption(engines, mode, monkeypatch):
     """The GPU engine's default (async scheduling on) with requests arriving over time and too few pages, so that
-    requests are preempted (recomputed, or swapped to the host store while a step is in flight): teacher-forced
-    by the fp32 CPU engine, every greedy token is within bf16 noise of its top-1 and nine in ten are its top-1
-    (a wrong page, slot or fed id gives logits far off), and every page and slot comes back."""
+    requests are preempted (recomputed, or swapped to the host store while a step is in flight): each sampled
+    logits row is within the parity bar of the same engine scoring the request's tokens alone (a wrong page,
+    slot or fed id is far off), the greedy tokens are those rows' argmax, and every page and slot comes back.
+    Tokens are not compared with the request run alone: in a batch the bf16 rows differ by rounding, enough to
+    flip a near-tie (tools/device/preempt_probe.py: with pages enough, request 2 picks 486 in the batch and 408
+    alone, 0.1 std apart in the fp32 engine's logits; sync and async pick the same in both)."""
+    import k3runtime.llm_engine as llm_engine
+
+    rows, sample = {}, llm_engine.sample_step
+
+    def record(step, logits):
+        for row, it in enumerate(i for i in step.items if i.sample):
+            rows[(it.request_id, it.sample_index)] = logits[row].float().cpu()
+        return sample(step, logits)
+    monkeypatch.setattr(llm_engine, "sample_step", record)
     prompts = [list(range(1, 86)), PROMPTS[0], [9, 8, 7], list(range(100, 160)), list(range(200, 270)), [3] * 11,
                [1, 499], [1, 33] * 20]
     llm = LLM(engines[1], device="cuda", num_pages=6, max_prefill_chunk=32, preemption_mode=mode,
@@ -246,12 +258,12 @@ def test_default_async_scheduling_with_preemption(engines, mode):
             break
     assert eng.stats["preemptions"] > 0 and (eng.stats["swaps_out"] > 0) == (mode == "swap")
     assert sorted(out) == list(range(len(prompts))) and all(len(t) == 16 for t in out.values())
-    exact, off_top = LLM(engines[2]), 0
-    for i, p in enumerate(prompts):
-        logits = exact.logits(p + out[i])[len(p) - 1:-1]
-        for step, (row, tok) in enumerate(zip(logits, out[i])):
-            assert row[tok] >= row.max() - 0.1 * row.std(), (i, step, tok, int(row.argmax()))
-            off_top += tok != int(row.argmax())
-    assert off_top <= len(prompts) * 16 // 10, off_top
     sched = eng.scheduler
     assert sched.page_pool.num_used == 0 and sched.slot_pool.num_free == sched.slot_pool.num_slots
+    scorer = LLM(engines[1], device="cuda", async_scheduling=False)
+    for rid, i in ids.items():
+        got = torch.stack([rows[(rid, k)] for k in range(16)])
+        assert got.argmax(-1).tolist() == out[i]
+        want = scorer.logits(prompts[i] + out[i])[len(prompts[i]) - 1:-1]
+        cos, rel = _parity(got, want)
+        assert cos > 0.999 and rel < 3e-2, (i, cos, rel)

@@ -1,6 +1,7 @@
-# Hundred-and-second device batch (twenty-eighth session): the preemption case of batch101 judged against the fp32
-# engine (batch101: both modes picked token 486 where the bf16 CPU engine's top-1, 408, was 0.065 std above it,
-# request 2 step 4, against a bar of 0.05 std); the whole engine file again on the default.
+# Hundred-and-second device batch (twenty-eighth session): the engine file on the async default, its preemption
+# case now judged row by row against the same engine scoring each request's tokens (batch101 had judged the
+# tokens against the CPU engine's top-1; preempt_probe.py then showed the pick that failed is a bf16 near-tie
+# that batching flips, with or without preemption, sync and async alike).
 source tools/device/env.sh
 timeout 200 python3 -m pytest -q -m gpu tests/model/test_gpu_engine.py -p no:cacheprovider --tb=short \
   > $OUT/pytest.txt 2>&1
