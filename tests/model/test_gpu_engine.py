@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engines import build_engine  # noqa: E402
+from engines import build_engine, run_staggered  # noqa: E402
 from k3runtime import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 41], list(range(2, 70))]
@@ -245,17 +245,7 @@ def test_default_async_scheduling_with_preemption(engines, mode, monkeypatch):
     eng = llm.engine
     assert eng.options.async_scheduling
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    ids, out = {}, {}
-    for i, p in enumerate(prompts[:3]):
-        ids[eng.add_request(p, greedy).request_id] = i
-    for step in range(300):
-        if step == 3:
-            for i, p in enumerate(prompts[3:], start=3):
-                ids[eng.add_request(p, greedy).request_id] = i
-        for ev in eng.step():
-            out.setdefault(ids[ev.request_id], []).append(ev.token_id)
-        if step > 3 and not eng.has_unfinished():
-            break
+    out, ids = run_staggered(eng, prompts, greedy, first=3)
     assert eng.stats["preemptions"] > 0 and (eng.stats["swaps_out"] > 0) == (mode == "swap")
     assert sorted(out) == list(range(len(prompts))) and all(len(t) == 16 for t in out.values())
     sched = eng.scheduler

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import k3runtime.llm_engine as llm_engine
+from engines import run_staggered
 from k3runtime import LLM, SamplingParams
 
 PROMPTS = [[1, 40, 97, 311, 5, 260, 18, 77, 402, 9, 133, 64, 250, 3, 88, 500, 12] * 5,  # 85 tokens: > a page
@@ -73,25 +74,9 @@ def test_chunked_generation_matches(k3_tiny_engine, alone, monkeypatch):
     _assert_logits_match(rec, {o.request_id: 0}, alone)
 
 
-def _run_staggered(llm, params):
-    """Requests arrive over time, so steps mix prefill chunks with decodes. Returns (tokens, request ids)."""
-    eng, reqs, out = llm.engine, {}, {}
-    for i, p in enumerate(PROMPTS[:4]):
-        reqs[eng.add_request(p, params).request_id] = i
-    for step in range(200):
-        if step == 3:
-            for i, p in enumerate(PROMPTS[4:], start=4):
-                reqs[eng.add_request(p, params).request_id] = i
-        for ev in eng.step():
-            out.setdefault(reqs[ev.request_id], []).append(ev.token_id)
-        if step > 3 and not eng.has_unfinished():
-            break
-    return out, reqs
-
-
 def test_batch_of_8_mixed_prefill_decode_matches_alone(k3_tiny_engine, alone, monkeypatch):
     rec = _LogitsRecorder(monkeypatch)
-    out, ids = _run_staggered(LLM(k3_tiny_engine, max_prefill_chunk=16), GREEDY)
+    out, ids = run_staggered(LLM(k3_tiny_engine, max_prefill_chunk=16).engine, PROMPTS, GREEDY)
     assert out == _tokens(alone)
     _assert_logits_match(rec, ids, alone)
 
@@ -102,7 +87,7 @@ def test_preemption_gives_identical_outputs(k3_tiny_engine, alone, mode, monkeyp
     rec = _LogitsRecorder(monkeypatch)
     llm = LLM(k3_tiny_engine, num_pages=8, max_prefill_chunk=32, preemption_mode=mode,
               num_host_pages=16 if mode == "swap" else 0, num_host_slots=8 if mode == "swap" else 0)
-    out, ids = _run_staggered(llm, GREEDY)
+    out, ids = run_staggered(llm.engine, PROMPTS, GREEDY)
     assert out == _tokens(alone)
     _assert_logits_match(rec, ids, alone)
     sched = llm.engine.scheduler
@@ -114,7 +99,7 @@ def test_preemption_gives_identical_outputs(k3_tiny_engine, alone, mode, monkeyp
 
 def test_few_slots_queue_requests(k3_tiny_engine, alone, monkeypatch):
     rec = _LogitsRecorder(monkeypatch)
-    out, ids = _run_staggered(LLM(k3_tiny_engine, num_slots=2), GREEDY)
+    out, ids = run_staggered(LLM(k3_tiny_engine, num_slots=2).engine, PROMPTS, GREEDY)
     assert out == _tokens(alone)
     _assert_logits_match(rec, ids, alone)
 
@@ -141,7 +126,7 @@ def test_async_scheduling_gives_identical_outputs(k3_tiny_engine, alone, mode, m
                                          num_host_pages=16 if mode == "swap" else 0,
                                          num_host_slots=8 if mode == "swap" else 0)
     llm = LLM(k3_tiny_engine, async_scheduling=True, **{"max_prefill_chunk": 16, **sizes})
-    out, ids = _run_staggered(llm, GREEDY)
+    out, ids = run_staggered(llm.engine, PROMPTS, GREEDY)
     assert out == _tokens(alone)
     _assert_logits_match(rec, ids, alone)
     assert sum(map(len, fed)) > 100  # most decode inputs came from the device

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, "tests/model")
-from engines import build_engine  # noqa: E402
+from engines import build_engine, run_staggered  # noqa: E402
 from k3build.config import preset  # noqa: E402
 from k3build.synth import synth  # noqa: E402
 from k3runtime import LLM, SamplingParams  # noqa: E402
@@ -22,18 +22,7 @@ greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def batch(llm):
-    eng, ids, out = llm.engine, {}, {}
-    for i, p in enumerate(prompts[:3]):
-        ids[eng.add_request(p, greedy).request_id] = i
-    for step in range(300):
-        if step == 3:
-            for i, p in enumerate(prompts[3:], start=3):
-                ids[eng.add_request(p, greedy).request_id] = i
-        for ev in eng.step():
-            out.setdefault(ids[ev.request_id], []).append(ev.token_id)
-        if step > 3 and not eng.has_unfinished():
-            break
-    return out[2], eng.stats
+    return run_staggered(llm.engine, prompts, greedy, first=3)[0][2], llm.engine.stats
 
 
 small = dict(num_pages=6, max_prefill_chunk=32, preemption_mode="recompute")
