@@ -3,11 +3,11 @@
 The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
 launch.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
 
-Async scheduling (`EngineOptions.async_scheduling`; on by default on GPUs, not with pipeline stages or
-attention-DP): a step is scheduled
-and launched before the previous step's tokens reach the host: its decoding requests take those tokens on the
-device (`Step.feed`; the driver broadcasts them to the other ranks on the device, `share_tokens`), and the host
-reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the
+Async scheduling (`EngineOptions.async_scheduling`; on by default on CUDA GPUs, not with pipeline stages): a step
+is scheduled and launched before the previous step's tokens reach the host: its decoding requests take those
+tokens on the device (`Step.feed`; the driver broadcasts them to the other ranks on the device, `share_tokens`;
+under attention-DP each DP rank feeds its own and sends them to the driver once it has launched the next step),
+and the host reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the
 host's share of a step (scheduling, staging, sampling's launches, the update); `step()` returns the previous
 step's tokens, and a request that stops on a token (EOS, stop ids or strings) runs one step more, its extra
 token dropped. Swaps to the host store still wait for the step in flight (the pages they copy may be its).
@@ -62,20 +62,20 @@ class TokenEvent:
 
 
 def resolve_async_scheduling(options: EngineOptions, mapping: dict, engine_dir) -> EngineOptions:
-    """The options with async scheduling decided. Asked for (True), it is refused with pipeline stages or
-    attention-DP: the first stage would need the last stage's tokens, each DP rank its own scheduler's. Left to
-    the engine (None), it is on for a single-stage engine without attention-DP on a GPU, where the GPU otherwise
-    waits for the host between decode steps (BENCHMARKS.md, bench_rank: 0.5-0.8 ms a step at 32 requests), and
-    off on the CPU, whose steps run as they are launched: there it would only cost a token-stopped request one
-    step more."""
-    eligible = mapping["pp_size"] == 1 and not mapping["attention_dp"]
+    """The options with async scheduling decided. Asked for (True), it is refused with pipeline stages: the first
+    stage would need the last stage's tokens. Left to the engine (None), it is on for a single-stage engine on a
+    CUDA GPU, where the GPU otherwise waits for the host between decode steps (BENCHMARKS.md, bench_rank: 0.4-0.7
+    ms a step at 32 requests), and off on the CPU, whose steps run as they are launched: there it would only cost
+    a token-stopped request one step more. Off on ROCm too, where it has not run. Over several GPUs it has run
+    only as gloo ranks on the CPU and as a one-process NCCL group (no multi-GPU machine was lent)."""
+    eligible = mapping["pp_size"] == 1
     if options.async_scheduling and not eligible:
-        raise EngineError(f"{engine_dir}: async scheduling does not run with pipeline stages or attention-DP "
-                          f"(pp_size {mapping['pp_size']}, attention_dp {mapping['attention_dp']}): the first "
-                          "stage would need the last stage's tokens, each DP rank its own scheduler's; leave "
+        raise EngineError(f"{engine_dir}: async scheduling does not run with pipeline stages (pp_size "
+                          f"{mapping['pp_size']}): the first stage would need the last stage's tokens; leave "
                           "async_scheduling off")
     if options.async_scheduling is None:
-        return replace(options, async_scheduling=eligible and torch.device(options.device).type == "cuda")
+        cuda = torch.device(options.device).type == "cuda" and torch.version.hip is None
+        return replace(options, async_scheduling=eligible and cuda)
     return options
 
 
@@ -130,24 +130,29 @@ class HostCopy:
         else:
             self.host, self.ready = t, None
 
-    def tolist(self, timeout_s: float | None = None) -> list:
-        """The values; timeout_s: poll for them, TimeoutError past it (a multi-rank step whose collectives hang)."""
+    def wait(self, timeout_s: float | None = None) -> torch.Tensor:
+        """The values on the host; timeout_s: poll for them, TimeoutError past it (a multi-rank step whose
+        collectives hang)."""
         if self.ready is not None:
             if timeout_s is None:
                 self.ready.synchronize()
             else:
                 wait_for(self.ready.query, timeout_s, "a decode step")
-        return self.host.tolist()
+        return self.host
+
+    def tolist(self, timeout_s: float | None = None) -> list:
+        return self.wait(timeout_s).tolist()
 
 
 @dataclass(frozen=True)
 class _InFlight:
     """An async step launched and not yet updated: its plan, its sampled ids on the device (the next step's
-    inputs) and on their way to the host."""
+    inputs) and on their way to the host; both None for another attention-DP rank's step, whose rank keeps its
+    ids and sends them once it has launched its next step."""
 
     plan: StepPlan
-    tokens: torch.Tensor
-    host: HostCopy
+    tokens: torch.Tensor | None
+    host: HostCopy | None
     requests: tuple[Request, ...]  # of the sampled items, in order
 
 
@@ -192,7 +197,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"steps": 0, "preemptions": 0, "swaps_out": 0, "tokens": 0}
         self._last_stage_rank = self.world_size - mapping["tp_size"]
-        self._in_flight: _InFlight | None = None  # async scheduling's launched step
+        # async scheduling: each DP rank's launched step; whether the other DP ranks owe their last step's ids
+        self._in_flight: list[_InFlight | None] = [None] * self.dp_size
+        self._owed = False
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
 
     @property
@@ -234,7 +241,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Requests left, or (async scheduling) a launched step or its tokens not yet returned by step()."""
-        return any(s.has_unfinished() for s in self.schedulers) or self._in_flight is not None \
+        return any(s.has_unfinished() for s in self.schedulers) or any(self._in_flight) \
             or bool(self._held_events)
 
     def _execute(self, steps: tuple[Step, ...]) -> list[torch.Tensor]:
@@ -249,6 +256,16 @@ class LLMEngine:
         else:
             results = [self.comm.recv_result(self._last_stage_rank)]
         # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens (or its logits).
+        if self.options.async_scheduling and len(steps) > 1:
+            # ...with async scheduling once it has launched its next step: what comes now is what it owed
+            # (score() collected every step in flight first, so those are idle steps' ids)
+            if any(self._in_flight[1:]):
+                raise RuntimeError("attention-DP steps in flight: collect them (_collect) before a step of all ranks")
+            if self._owed:
+                for d in range(1, len(steps)):
+                    self.comm.recv_result(d)
+            self._owed = True
+            return results
         results += [self.comm.recv_result(d) for d in range(1, len(steps))]
         return results
 
@@ -281,59 +298,99 @@ class LLMEngine:
 
     def _step_async(self) -> list[TokenEvent]:
         """Schedule and launch a step, then read the previous step's tokens (waiting for that step only) and
-        update the scheduler with them, while the new one runs."""
-        sched = self.scheduler
-        plan = sched.schedule()
+        update the schedulers with them, while the new one runs. Attention-DP: every DP rank feeds its own
+        previous samples, and sends them to the driver once it has launched the new step."""
+        plans = [s.schedule() for s in self.schedulers]
         self.stats["steps"] += 1
-        self.stats["preemptions"] += len(plan.preempted_ids)
-        self.stats["swaps_out"] += len(plan.swap_out)
-        launched = None
-        if not plan.is_empty:
-            step = replace(Step.from_plan(plan), feed=self._feed(plan))
-            if self.comm is not None:
-                self.comm.broadcast_step((step,))
-            logits = self.runner.run(step, self._in_flight.tokens if step.feed else None, wait=False)
-            tokens = sample_step(step, logits)
-            if self.comm is not None and tokens.numel():
-                self.comm.share_tokens(tokens)  # the workers' next step feeds them too
-            # the sampled requests as objects: one ended meanwhile and a new one under its id are told apart
-            sampled = tuple(sched.get(it.request_id) for it in plan.items if it.sample)
-            launched = _InFlight(plan, tokens, HostCopy(tokens), sampled)
-            self.stats["tokens"] += plan.num_batched_tokens
-        events, self._held_events = self._held_events + self._land(), []
-        if launched is None:
-            sched.update(plan, {})
+        for plan in plans:
+            self.stats["preemptions"] += len(plan.preempted_ids)
+            self.stats["swaps_out"] += len(plan.swap_out)
+        launched, remote = [None] * self.dp_size, None
+        # a step, or (attention-DP) idle steps only to collect the other DP ranks' ids
+        if not all(p.is_empty for p in plans) or any(self._in_flight[1:]):
+            steps = tuple(replace(Step.from_plan(p), feed=self._feed(d, p)) if not p.is_empty
+                          else dummy_step(self.config, self.options) for d, p in enumerate(plans))
+            if self.dp_size > 1 and self.runner.graphs is not None:
+                bucket = shared_bucket(steps, self.runner.graphs.buckets)
+                steps = tuple(replace(s, graph_bucket=bucket) for s in steps)
+            tokens, remote = self._launch(steps)
+            for d, (sched, plan) in enumerate(zip(self.schedulers, plans)):
+                if not plan.is_empty:
+                    # the sampled requests as objects: one ended meanwhile and a new one under its id are told apart
+                    sampled = tuple(sched.get(it.request_id) for it in plan.items if it.sample)
+                    launched[d] = _InFlight(plan, *((tokens, HostCopy(tokens)) if d == 0 else (None, None)), sampled)
+                    self.stats["tokens"] += plan.num_batched_tokens
+        events, self._held_events = self._held_events + self._land(remote), []
+        for sched, plan, flight in zip(self.schedulers, plans, launched):
+            if flight is None:
+                sched.update(plan, {})
         self._in_flight = launched
         return events
 
-    def _feed(self, plan: StepPlan) -> tuple[tuple[int, int], ...]:
-        """(item, index among the in-flight step's sampled tokens) for each item that feeds one (PLACEHOLDER)."""
+    def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Broadcast the steps, launch this rank's (steps[0]) and sample it; then (attention-DP) receive what the
+        other DP ranks owe: their previous step's ids, sent once they have launched these. Returns this rank's
+        ids on the device and the others' on the host (None when none were owed)."""
+        if self.comm is not None:
+            self.comm.broadcast_step(steps)
+        step, flight = steps[0], self._in_flight[0]
+        logits = self.runner.run(step, flight.tokens if step.feed else None, wait=False)
+        tokens = sample_step(step, logits)
+        if self.comm is not None and self.dp_size == 1 and tokens.numel():
+            self.comm.share_tokens(tokens)  # the workers' next step feeds them too
+        remote = None
+        if self.dp_size > 1:
+            remote = [self.comm.recv_result(d) for d in range(1, self.dp_size)] if self._owed else None
+            self._owed = True
+        return tokens, remote
+
+    def _collect(self) -> list[torch.Tensor] | None:
+        """Attention-DP: idle steps on every DP rank, so that those with a step in flight send its ids; their ids
+        (None when no DP rank but this one has a step in flight)."""
+        if not any(self._in_flight[1:]):
+            return None
+        return self._launch((dummy_step(self.config, self.options),) * self.dp_size)[1]
+
+    def _feed(self, d: int, plan: StepPlan) -> tuple[tuple[int, int], ...]:
+        """(item, index among DP rank d's in-flight step's sampled tokens) for each item that feeds one
+        (PLACEHOLDER)."""
         wanted = [i for i, it in enumerate(plan.items) if PLACEHOLDER in it.token_ids]
         if not wanted:
             return ()
-        src = {} if self._in_flight is None else {r.request_id: j for j, r in enumerate(self._in_flight.requests)}
+        flight = self._in_flight[d]
+        src = {} if flight is None else {r.request_id: j for j, r in enumerate(flight.requests)}
         missing = [plan.items[i].request_id for i in wanted if plan.items[i].request_id not in src]
         if missing:
             raise RuntimeError(f"scheduler: requests {missing} feed a token that no step in flight samples")
         return tuple((i, src[plan.items[i].request_id]) for i in wanted)
 
-    def _land(self) -> list[TokenEvent]:
-        """The in-flight step's tokens to the host (its one sync) and into the scheduler; its events."""
-        if self._in_flight is None:
-            return []
-        timeout = collective_timeout().total_seconds() if self.world_size > 1 else None
-        flight, tokens = self._in_flight, self._in_flight.host.tolist(timeout)
-        self._in_flight = None
-        live = [(r, t) for r, t in zip(flight.requests, tokens) if not r.is_finished]  # not ended meanwhile
-        sampled = {it.request_id: t for it, t in zip((it for it in flight.plan.items if it.sample), tokens)}
-        finished = {r.request_id: r.finish_reason for r in self.scheduler.update(flight.plan, sampled)}
-        for r in finished:
-            self._owner.pop(r, None)
-        return [TokenEvent(r.request_id, t, finished.get(r.request_id)) for r, t in live]
+    def _land(self, remote: list[torch.Tensor] | None = None) -> list[TokenEvent]:
+        """The in-flight steps' tokens to the host (this rank's: its one sync; the other DP ranks': `remote`,
+        received by _launch or _collect) and into the schedulers; their events."""
+        events = []
+        for d, (sched, flight) in enumerate(zip(self.schedulers, self._in_flight)):
+            if flight is None:
+                continue
+            if d == 0:
+                timeout = collective_timeout().total_seconds() if self.world_size > 1 else None
+                tokens = flight.host.tolist(timeout)
+            elif remote is None:
+                raise RuntimeError(f"attention-DP rank {d}'s step is in flight but its ids were not received")
+            else:
+                tokens = remote[d - 1].tolist()
+            self._in_flight[d] = None
+            live = [(r, t) for r, t in zip(flight.requests, tokens) if not r.is_finished]  # not ended meanwhile
+            sampled = {it.request_id: t for it, t in zip((it for it in flight.plan.items if it.sample), tokens)}
+            finished = {r.request_id: r.finish_reason for r in sched.update(flight.plan, sampled)}
+            for r in finished:
+                self._owner.pop(r, None)
+            events += [TokenEvent(r.request_id, t, finished.get(r.request_id)) for r, t in live]
+        return events
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
-        self._held_events += self._land()  # async scheduling: no step in flight meanwhile; step() returns them
+        # async scheduling: no step in flight meanwhile; step() returns their tokens
+        self._held_events += self._land(self._collect())
         pool, slots = self.scheduler.page_pool, self.scheduler.slot_pool
         pages = pool.allocate(math.ceil(len(token_ids) / self.page_size))
         slot = slots.allocate()
@@ -363,7 +420,7 @@ class LLMEngine:
         """Land a step in flight (async scheduling), then release the worker ranks (they leave their loop; a
         no-op with one rank)."""
         try:
-            self._land()
+            self._land(self._collect())
         finally:  # a failed step must not keep the workers waiting
             if self.comm is not None:
                 from .dist.launch import release_workers

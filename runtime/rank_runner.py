@@ -95,9 +95,9 @@ class RankRunner:
         fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take.
         wait: rank 0 of several waits for a replayed step (_await_replay); async scheduling waits for the
         step's tokens instead."""
-        if step.feed and (fed is None or self.pp_size > 1 or self.attention_dp):
+        if step.feed and (fed is None or self.pp_size > 1):
             raise ValueError("a step that feeds sampled tokens needs them (fed) on every rank, without pipeline "
-                             "stages or attention-DP (async scheduling)")
+                             "stages (async scheduling)")
         if step.swap_out or step.swap_in:
             if self.host_store is None:
                 raise RuntimeError("the step swaps requests but this rank has no host store (num_host_pages = 0)")

@@ -82,7 +82,7 @@ def release_workers(comm: DistCommunicator) -> None:
 
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
-    from ..llm_engine import open_rank, sample_step
+    from ..llm_engine import HostCopy, open_rank, sample_step
 
     config = read_engine_config(engine_dir)
     comm = _communicator(config, device)
@@ -93,14 +93,22 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     tp_rank, attention_dp = config["ranks"][str(rank)]["tp_rank"], config["mapping"]["attention_dp"]
     # Without attention-DP one rank of the last stage reports for its TP group; with it every rank has its own.
     reports = runner.last and (tp_rank == 0 or attention_dp)
-    fed = None  # async scheduling: the driver's sampled ids of the last step, on this device
+    # async scheduling: the last step's sampled ids on this device, which the next step feeds (the driver's,
+    # shared; under attention-DP this rank's own); and, under attention-DP, on their way to the host, owed to the
+    # driver once the next step is launched
+    fed, owed = None, None
     while True:
         steps = comm.control.broadcast()
         if steps[0].stop:
             break
         step = steps[tp_rank if attention_dp else 0]
         logits = runner.run(step, fed if step.feed else None)
-        if options.async_scheduling and not step.all_logits:
+        if options.async_scheduling and attention_dp:  # a DP rank's steps never score: the driver's does
+            fed = sample_step(step, logits)
+            if owed is not None:
+                comm.control.send_result(owed.wait(collective_timeout().total_seconds()), dst=0)
+            owed = HostCopy(fed)
+        elif options.async_scheduling and not step.all_logits:
             sampled = sum(it.sample for it in step.items)
             fed = comm.share_tokens(torch.empty(sampled, dtype=torch.int64, device=runner.device)) if sampled else None
         elif reports:

@@ -43,17 +43,19 @@ def _error(message: str):
 class TritonPythonModel:
     def initialize(self, args):
         from k3runtime.async_engine import AsyncLLMEngine
-        from k3runtime.llm_engine import EngineOptions
         from k3runtime.sampling_params import SamplingParams
+        from k3runtime.triton_backend.params import engine_options
 
         cfg = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
         if "engine_dir" not in params:
             raise pb_utils.TritonModelException("config.pbtxt: parameters must set 'engine_dir'")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
-        num_pages = int(params["num_pages"]) if params.get("num_pages") else None
-        self.engine = AsyncLLMEngine(params["engine_dir"],
-                                     EngineOptions(device=params.get("device", "cpu"), num_pages=num_pages))
+        try:
+            options = engine_options(params)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+        self.engine = AsyncLLMEngine(params["engine_dir"], options)
         self.SamplingParams = SamplingParams
         self.max_tokens_limit = int(params.get("max_tokens_limit") or 4096)
 

@@ -29,10 +29,14 @@ def _tensor(name, dtype, dims, optional):
 
 
 def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: str = "cpu",
-                 max_tokens_limit: int = 4096, num_pages: int | None = None) -> str:
+                 max_tokens_limit: int = 4096, num_pages: int | None = None,
+                 async_scheduling: bool | None = None) -> str:
+    """async_scheduling: None leaves it to the engine (params.engine_options reads the parameters)."""
     params = {"engine_dir": str(engine_dir), "device": device, "max_tokens_limit": str(max_tokens_limit)}
     if num_pages:
         params["num_pages"] = str(num_pages)
+    if async_scheduling is not None:
+        params["async_scheduling"] = str(async_scheduling).lower()
     lines = [f'name: "{model_name}"', 'backend: "python"',
              # No Triton batching: the engine batches continuously across requests itself.
              "max_batch_size: 0"]
@@ -49,7 +53,7 @@ def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: 
 
 def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3", decoupled: bool = True,
                device: str = "cpu", max_tokens_limit: int = 4096, num_pages: int | None = None,
-               overwrite: bool = False) -> Path:
+               async_scheduling: bool | None = None, overwrite: bool = False) -> Path:
     """Write OUT/MODEL/{config.pbtxt, 1/model.py}; returns the model dir. Other models in OUT are kept."""
     engine_dir = Path(engine_dir).resolve()
     if not (engine_dir / "config.json").is_file():
@@ -61,7 +65,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device,
-                                                         max_tokens_limit=max_tokens_limit, num_pages=num_pages))
+                                                         max_tokens_limit=max_tokens_limit, num_pages=num_pages,
+                                                         async_scheduling=async_scheduling))
     shutil.copyfile(Path(__file__).with_name("model.py"), model_dir / "1" / "model.py")
     return model_dir
 
@@ -75,12 +80,17 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--num-pages", type=click.IntRange(min=1), default=None, help="KV pages [engine memory plan].")
+@click.option("--async-scheduling/--no-async-scheduling", default=None,
+              help="Launch each step before the previous step's tokens reach the host [the engine's default: on "
+                   "for a GPU engine without pipeline stages].")
 @click.option("--overwrite", is_flag=True)
-def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, num_pages, overwrite):
+def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, num_pages, async_scheduling,
+                    overwrite):
     """Write a Triton Python-backend model repository serving ENGINE into OUT."""
     try:
         d = write_repo(engine, out, model_name=model_name, decoupled=decoupled, device=device,
-                       max_tokens_limit=max_tokens_limit, num_pages=num_pages, overwrite=overwrite)
+                       max_tokens_limit=max_tokens_limit, num_pages=num_pages, async_scheduling=async_scheduling,
+                       overwrite=overwrite)
     except (FileNotFoundError, FileExistsError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {d} (start: tritonserver --model-repository={Path(out).resolve()})")

@@ -38,8 +38,8 @@ def reference(k3_tiny_engine):
     return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)]}
 
 
-def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | None = None) -> dict:
-    job = json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "options": options})
+def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | None = None, mode: str = "") -> dict:
+    job = json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "options": options, "mode": mode})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "120", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(JOB), str(engine), str(out), job]
@@ -94,26 +94,41 @@ def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine,
     assert multi.stdout == single.stdout
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2xep2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2xep2", "dp2xep2"])
 def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     """Async scheduling over ranks: the driver broadcasts each step's sampled ids to the workers on the device
-    and every rank feeds them to the next step; the same tokens and scores as one synchronous rank, with
+    and every rank feeds them to the next step (attention-DP: each DP rank feeds its own, and sends them to the
+    driver once it has launched its next step); the same tokens and scores as one synchronous rank, with
     preemption."""
     mapping = MAPPINGS[name]
     engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
-    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", {**OPTIONS, "async_scheduling": True})
+    options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", {**options, "async_scheduling": True})
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
 
 
-@pytest.mark.parametrize("name", ["pp2", "dp2xep2"])
-def test_async_scheduling_refused_with_pipeline_stages_or_attention_dp(name, k3_tiny_ckpt, tmp_path):
-    """The first stage would need the last stage's tokens, a DP rank its own scheduler's: refused by name,
-    before any weight is read."""
+@pytest.mark.parametrize("name", ["tp2", "dp2xep2"])
+def test_async_scheduling_scores_between_steps(name, k3_tiny_ckpt, reference, tmp_path):
+    """A prompt scored while async steps are in flight (attention-DP: the other DP rank's step collected by idle
+    steps first) and again after the last: the single rank's logits both times, and the steps' tokens its
+    tokens."""
+    mapping = MAPPINGS[name]
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    # pages enough for the score beside the steps (no preemption)
+    options = {"max_prefill_chunk": 16, "async_scheduling": True}
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", options, mode="score_mid")
+    for key in ("logits", "logits_after"):
+        torch.testing.assert_close(torch.tensor(got[key]), reference["logits"], rtol=1e-4, atol=1e-4)
+    assert got["tokens"] == reference["tokens"]
+
+
+def test_async_scheduling_refused_with_pipeline_stages(k3_tiny_ckpt, tmp_path):
+    """The first stage would need the last stage's tokens: refused by name, before any weight is read."""
     from k3runtime.llm_engine import EngineOptions, LLMEngine
     from k3runtime.loader import EngineError
 
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=MAPPINGS[name])
-    with pytest.raises(EngineError, match="async scheduling does not run with pipeline stages or attention-DP"):
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=MAPPINGS["pp2"])
+    with pytest.raises(EngineError, match="async scheduling does not run with pipeline stages"):
         LLMEngine(engine, EngineOptions(async_scheduling=True))

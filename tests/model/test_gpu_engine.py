@@ -198,25 +198,36 @@ def test_async_scheduling_on_graphs_matches_sync(engines):
 
 
 def test_replay_uploads_its_buckets_page_rows(engines):
-    """A replay uploads the cols and its own bucket's page-table rows alone; a larger bucket later takes every row
-    it reads from the host buffer (which always holds them all), and its logits equal the eager step's."""
+    """A replay uploads the cols and its own bucket's page-table rows alone, padding rows included; a larger bucket
+    later takes every row it reads from the host buffer (which always holds them all), and its logits equal the
+    eager step's."""
+    from k3runtime.executor import StepBatch
+
     runner = LLM(engines[1], device="cuda").engine.runner
     graphs = runner.graphs
-    rows = [(5, 0, 1, [0]), (6, 1, 9, [1]), (7, 2, 70, [2, 3])]
-    graphs.run(rows)  # bucket 4
+    width = graphs.pages.shape[1]
+    graphs.run([(5, 0, 1, [0]), (6, 1, 9, [1]), (7, 2, 70, [2, 3]), (8, 3, 1, [6])])  # bucket 4, every row real
     graphs.run([(8, 0, 70, [4, 5])])  # bucket 1
     torch.cuda.synchronize()
-    assert graphs.pages[0].tolist() == graphs.host_pages[0][0].tolist() == [4, 5] + [-1] * (graphs.pages.shape[1] - 2)
-    assert graphs.pages[1, 0].item() == 1  # not uploaded: the host row is padding now
-    assert graphs.host_pages[0][1, 0].item() == graphs.spare_page
+    assert graphs.pages[0].tolist() == graphs.host_pages[0][0].tolist() == [4, 5] + [-1] * (width - 2)
+    assert graphs.pages[1, 0].item() == 1 and graphs.pages[3, 0].item() == 6  # not uploaded: host rows are padding
+    assert graphs.host_pages[0][1, 0].item() == graphs.host_pages[0][3, 0].item() == graphs.spare_page
+    rows = [(5, 0, 1, [7]), (6, 1, 9, [8]), (7, 2, 70, [9, 10])]  # bucket 4 again: new pages, row 3 padding
     cache = runner.cache
     saved = [t.clone() for t in (cache.kda_state_all, cache.kda_conv_all, cache.mla_kv_all)]
-    graphed = graphs.run(rows)["logits"].clone()  # bucket 4 again
+    graphed = graphs.run(rows)["logits"].clone()
     torch.cuda.synchronize()
     assert graphs.pages[:4].tolist() == graphs.host_pages[0][:4].tolist()
+    assert graphs.pages[3, 0].item() == graphs.spare_page and graphs.pages[2, :2].tolist() == [9, 10]
     for t, s in zip((cache.kda_state_all, cache.kda_conv_all, cache.mla_kv_all), saved):
         t.copy_(s)
-    cos, rel = _parity(graphed, runner.executor.run(_three_sequence_step())["logits"])
+    n, dev = len(rows), torch.device("cuda")
+    eager = runner.executor.run(StepBatch(
+        input_ids=torch.tensor([r[0] for r in rows], device=dev), cu_seqlens=torch.arange(n + 1, device=dev),
+        slot_ids=torch.tensor([r[1] for r in rows], device=dev), context_lens=torch.tensor([r[2] for r in rows],
+                                                                                           device=dev),
+        page_table=torch.tensor([[7, -1], [8, -1], [9, 10]], device=dev), logits_indices=torch.arange(n, device=dev)))
+    cos, rel = _parity(graphed, eager["logits"])
     assert cos > 0.9999 and rel < 1e-2, (cos, rel)  # the padding row may change a kernel's tiling, not the rows
 
 
@@ -259,3 +270,6 @@ def test_default_async_scheduling_with_preemption(engines, mode, monkeypatch):
         # two bf16 computations (decode kernels in a batch, prefill kernels alone), so twice the spec's bar
         # against fp32: batch102 measured cos 0.99953, rel-L2 0.0305 on request 5 in both modes
         assert cos > 0.998 and rel < 6e-2, (i, cos, rel)
+        for k in range(16):  # one bad row (a wrong fed id or page) would hide in the 16 rows' sums
+            row_cos, row_rel = _parity(got[k], want[k])
+            assert row_cos > 0.99 and row_rel < 0.15, (i, k, row_cos, row_rel)

@@ -121,7 +121,7 @@ def test_async_scheduling_gives_identical_outputs(k3_tiny_engine, alone, mode, m
     rec = _LogitsRecorder(monkeypatch)
     fed = []
     feed = llm_engine.LLMEngine._feed
-    monkeypatch.setattr(llm_engine.LLMEngine, "_feed", lambda self, plan: fed.append(feed(self, plan)) or fed[-1])
+    monkeypatch.setattr(llm_engine.LLMEngine, "_feed", lambda self, d, plan: fed.append(feed(self, d, plan)) or fed[-1])
     sizes = {} if mode is None else dict(num_pages=8, max_prefill_chunk=32, preemption_mode=mode,
                                          num_host_pages=16 if mode == "swap" else 0,
                                          num_host_slots=8 if mode == "swap" else 0)
@@ -175,24 +175,29 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine):
     args = ["generate", str(k3_tiny_engine), "--prompt", "Hello there", "--prompt", "Hi", "--max-tokens", "9"]
     sync = CliRunner().invoke(main, [*args, "--no-async-scheduling"])
     fast = CliRunner().invoke(main, [*args, "--async-scheduling"])
-    assert sync.exit_code == fast.exit_code == 0, fast.output
-    assert fast.output == sync.output and "-> 9 tokens" in fast.output
+    default = CliRunner().invoke(main, args)
+    assert sync.exit_code == fast.exit_code == default.exit_code == 0, fast.output
+    assert fast.output == sync.output == default.output and "-> 9 tokens" in fast.output
+    assert LLM(k3_tiny_engine).engine.options.async_scheduling is False  # resolved: off on the CPU
 
 
 @pytest.mark.parametrize("device, pp, dp, wanted, on", [
     ("cuda", 1, False, None, True), ("cuda:1", 1, False, None, True), ("cpu", 1, False, None, False),
-    ("cuda", 2, False, None, False), ("cuda", 1, True, None, False), ("cuda", 1, False, False, False),
+    ("cuda", 2, False, None, False), ("cuda", 1, True, None, True), ("cuda", 1, False, False, False),
     ("cpu", 1, False, True, True)])
-def test_async_scheduling_default(device, pp, dp, wanted, on):
-    """Left to the engine, async scheduling is on for a single-stage GPU engine without attention-DP, off on the
-    CPU and where it cannot run; asked for, it is refused where it cannot run."""
+def test_async_scheduling_default(device, pp, dp, wanted, on, monkeypatch):
+    """Left to the engine, async scheduling is on for a single-stage CUDA engine (attention-DP too), off on the
+    CPU, on ROCm and with pipeline stages; asked for, it is refused with pipeline stages."""
     from k3runtime.llm_engine import EngineOptions, resolve_async_scheduling
     from k3runtime.loader import EngineError
 
     mapping = {"pp_size": pp, "attention_dp": dp}
     options = EngineOptions(device=device, async_scheduling=wanted)
+    monkeypatch.setattr(torch.version, "hip", None)
     assert resolve_async_scheduling(options, mapping, "eng").async_scheduling is on
-    if not on and (pp > 1 or dp):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert resolve_async_scheduling(options, mapping, "eng").async_scheduling is (on and wanted is True)
+    if pp > 1:
         with pytest.raises(EngineError, match="eng: async scheduling does not run"):
             resolve_async_scheduling(EngineOptions(device=device, async_scheduling=True), mapping, "eng")
 

@@ -8,6 +8,7 @@ The stub's environment comes from tools/triton_env.sh (numpy<2 venv); it is buil
 from __future__ import annotations
 
 import queue
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -41,6 +42,24 @@ def test_config_pbtxt_shape(tmp_path):
     assert "decoupled" not in config_pbtxt("k3", tmp_path, decoupled=False)
     with pytest.raises(FileNotFoundError, match="not a k3build engine"):
         write_repo(tmp_path, tmp_path / "repo")
+
+
+def test_parameters_become_engine_options(tmp_path):
+    """What triton-repo writes is what the model reads: async scheduling left to the engine unless asked for;
+    a bad value names its parameter."""
+    from k3runtime.triton_backend.params import engine_options
+
+    assert "async_scheduling" not in config_pbtxt("k3", tmp_path, decoupled=True)
+    txt = config_pbtxt("k3", tmp_path, decoupled=True, device="cuda", num_pages=7, async_scheduling=False)
+    params = dict(re.findall(r'key: "(\w+)"\n  value: \{ string_value: "([^"]*)" \}', txt))
+    opts = engine_options(params)
+    assert (opts.device, opts.num_pages, opts.async_scheduling) == ("cuda", 7, False)
+    assert engine_options({"async_scheduling": "True"}).async_scheduling is True
+    assert engine_options({}).async_scheduling is None and engine_options({}).device == "cpu"
+    with pytest.raises(ValueError, match="parameter async_scheduling must be true or false, got 'yes'"):
+        engine_options({"async_scheduling": "yes"})
+    with pytest.raises(ValueError, match="parameter num_pages must be a positive integer, got '0'"):
+        engine_options({"num_pages": "0"})
 
 
 @pytest.fixture(scope="module")
