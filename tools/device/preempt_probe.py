@@ -1,6 +1,7 @@
-"""Probe for batch103 (twenty-eighth session): is the GPU engine's pick at request 2 step 4 of the preemption case
-(test_gpu_engine) bf16 noise or the preemption? The prompt [9, 8, 7] greedy on the sm90 bf16 engine: alone sync,
-alone async, in the case's batch sync and async, recompute; with the fp32 CPU engine's top-3 at each step."""
+"""Probe run inline between the two forms of batch102 (twenty-eighth session): is the GPU engine's pick at
+request 2, step 4 of the preemption case (test_gpu_engine) bf16 noise or the preemption? The prompt [9, 8, 7]
+greedy on the sm90 bf16 engine: alone sync, alone async, in the case's batch sync and async, recompute; with the
+fp32 CPU engine's top-3 at each step."""
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +29,8 @@ def batch(llm):
 small = dict(num_pages=6, max_prefill_chunk=32, preemption_mode="recompute")
 for name, kw in (("alone sync", dict(async_scheduling=False)), ("alone async", dict(async_scheduling=True))):
     print(name, LLM(gpu, device="cuda", **kw).generate([prompts[2]], greedy)[0].token_ids)
-for name, kw in (("batch sync", dict(async_scheduling=False, **small)), ("batch async", dict(async_scheduling=True, **small)),
+for name, kw in (("batch sync", dict(async_scheduling=False, **small)),
+                 ("batch async", dict(async_scheduling=True, **small)),
                  ("batch sync, pages enough", dict(async_scheduling=False, max_prefill_chunk=32))):
     print(name, *batch(LLM(gpu, device="cuda", **kw)))
 toks = LLM(gpu, device="cuda").generate([prompts[2]], greedy)[0].token_ids
