@@ -80,6 +80,8 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     if enable_deepep and ae.engine.world_size == 1:
         click.echo(f"k3runtime serve: {engine} is a single-rank engine; --enable-deepep was checked and has no "
                    "effect on it (no expert exchange)", err=True)
+    click.echo(f"k3runtime serve: async scheduling {'on' if ae.engine.options.async_scheduling else 'off'}"
+               f"{'' if async_scheduling is not None else ' (the default for this engine and device)'}", err=True)
     if ae.engine.runner.graphs_off:
         click.echo(f"k3runtime serve: decode steps run eagerly, not from CUDA graphs: {ae.engine.runner.graphs_off}",
                    err=True)

@@ -81,6 +81,8 @@ def test_serve_attaches_the_weight_store_and_binds_loopback(tiny_engine, tmp_pat
         store.send_signal(signal.SIGTERM)
         store.communicate(timeout=30)
     assert store.returncode == 0 and not shm_dir_for(name).exists()
+    # the mode it runs in, said at start-up
+    assert "async scheduling off (the default for this engine and device)" in serve.stderr.read()
 
 
 def test_serve_with_a_dead_store_is_a_clear_startup_error(tiny_engine, tmp_path):
