@@ -66,8 +66,9 @@ def resolve_async_scheduling(options: EngineOptions, mapping: dict, engine_dir) 
     stage would need the last stage's tokens. Left to the engine (None), it is on for a single-stage engine on a
     CUDA GPU, where the GPU otherwise waits for the host between decode steps (BENCHMARKS.md, bench_rank: 0.4-0.7
     ms a step at 32 requests), and off on the CPU, whose steps run as they are launched: there it would only cost
-    a token-stopped request one step more. Off on ROCm too, where it has not run. Over several GPUs it has run
-    only as gloo ranks on the CPU and as a one-process NCCL group (no multi-GPU machine was lent)."""
+    a token-stopped request one step more. Off on ROCm and with attention-DP, where it has not run on a GPU (under
+    attention-DP it has run as gloo ranks on the CPU only). Over several GPUs the TP/EP form has run only as gloo
+    ranks on the CPU and as a one-process NCCL group (no multi-GPU machine was lent)."""
     eligible = mapping["pp_size"] == 1
     if options.async_scheduling and not eligible:
         raise EngineError(f"{engine_dir}: async scheduling does not run with pipeline stages (pp_size "
@@ -75,7 +76,7 @@ def resolve_async_scheduling(options: EngineOptions, mapping: dict, engine_dir) 
                           "async_scheduling off")
     if options.async_scheduling is None:
         cuda = torch.device(options.device).type == "cuda" and torch.version.hip is None
-        return replace(options, async_scheduling=eligible and cuda)
+        return replace(options, async_scheduling=eligible and cuda and not mapping["attention_dp"])
     return options
 
 
@@ -200,6 +201,7 @@ class LLMEngine:
         # async scheduling: each DP rank's launched step; whether the other DP ranks owe their last step's ids
         self._in_flight: list[_InFlight | None] = [None] * self.dp_size
         self._owed = False
+        self._broken = False  # an async step failed (_guarded)
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
 
     @property
@@ -247,6 +249,9 @@ class LLMEngine:
     def _execute(self, steps: tuple[Step, ...]) -> list[torch.Tensor]:
         """Run one step per attention-DP rank on every rank; returns, per DP rank, its sampled ids [M]
         (or all logits [N, V] in score mode)."""
+        owes = self.options.async_scheduling and len(steps) > 1  # attention-DP ranks send what they owe (below)
+        if owes and any(self._in_flight[1:]):
+            raise RuntimeError("attention-DP steps in flight: collect them (_collect) before a step of all ranks")
         if self.comm is not None:
             self.comm.broadcast_step(steps)
         step = steps[0]
@@ -256,14 +261,13 @@ class LLMEngine:
         else:
             results = [self.comm.recv_result(self._last_stage_rank)]
         # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens (or its logits).
-        if self.options.async_scheduling and len(steps) > 1:
+        if owes:
             # ...with async scheduling once it has launched its next step: what comes now is what it owed
-            # (score() collected every step in flight first, so those are idle steps' ids)
-            if any(self._in_flight[1:]):
-                raise RuntimeError("attention-DP steps in flight: collect them (_collect) before a step of all ranks")
+            # (score() collected every step in flight first, so those are idle steps' ids: none)
             if self._owed:
                 for d in range(1, len(steps)):
-                    self.comm.recv_result(d)
+                    if self.comm.recv_result(d).numel():
+                        raise RuntimeError(f"attention-DP rank {d} sent ids where it owed an idle step's (none)")
             self._owed = True
             return results
         results += [self.comm.recv_result(d) for d in range(1, len(steps))]
@@ -272,7 +276,7 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """One engine step; the tokens it appended (async scheduling: the previous step's)."""
         if self.options.async_scheduling:
-            return self._step_async()
+            return self._guarded(self._step_async)
         plans = [s.schedule() for s in self.schedulers]
         self.stats["steps"] += 1
         for plan in plans:
@@ -327,6 +331,17 @@ class LLMEngine:
         self._in_flight = launched
         return events
 
+    def _guarded(self, fn):
+        """fn(), marking the engine broken if it fails: a step may be in flight on other ranks, or their ids in
+        transit, so nothing more is exchanged with them but their release (shutdown)."""
+        if self._broken:
+            raise RuntimeError("the engine failed in an earlier step; shut it down")
+        try:
+            return fn()
+        except BaseException:
+            self._broken = self.options.async_scheduling
+            raise
+
     def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Broadcast the steps, launch this rank's (steps[0]) and sample it; then (attention-DP) receive what the
         other DP ranks owe: their previous step's ids, sent once they have launched these. Returns this rank's
@@ -347,7 +362,7 @@ class LLMEngine:
     def _collect(self) -> list[torch.Tensor] | None:
         """Attention-DP: idle steps on every DP rank, so that those with a step in flight send its ids; their ids
         (None when no DP rank but this one has a step in flight)."""
-        if not any(self._in_flight[1:]):
+        if not any(self._in_flight[1:]) or self.comm is None:
             return None
         return self._launch((dummy_step(self.config, self.options),) * self.dp_size)[1]
 
@@ -378,6 +393,9 @@ class LLMEngine:
                 raise RuntimeError(f"attention-DP rank {d}'s step is in flight but its ids were not received")
             else:
                 tokens = remote[d - 1].tolist()
+                if len(tokens) != len(flight.requests):
+                    raise RuntimeError(f"attention-DP rank {d} sent {len(tokens)} ids for a step that samples "
+                                       f"{len(flight.requests)}")
             self._in_flight[d] = None
             live = [(r, t) for r, t in zip(flight.requests, tokens) if not r.is_finished]  # not ended meanwhile
             sampled = {it.request_id: t for it, t in zip((it for it in flight.plan.items if it.sample), tokens)}
@@ -390,7 +408,7 @@ class LLMEngine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
         # async scheduling: no step in flight meanwhile; step() returns their tokens
-        self._held_events += self._land(self._collect())
+        self._held_events += self._guarded(lambda: self._land(self._collect()))
         pool, slots = self.scheduler.page_pool, self.scheduler.slot_pool
         pages = pool.allocate(math.ceil(len(token_ids) / self.page_size))
         slot = slots.allocate()
@@ -410,7 +428,7 @@ class LLMEngine:
                                      sample_index=0)
                 step = Step((item,), reset_slot_ids=(slot,) if start == 0 else (), all_logits=True)
                 idle = (dummy_step(self.config, self.options),) * (self.dp_size - 1)
-                out.append(self._execute((step, *idle))[0])
+                out.append(self._guarded(lambda: self._execute((step, *idle)))[0])
             return torch.cat(out)
         finally:
             pool.free(pages)
@@ -420,7 +438,8 @@ class LLMEngine:
         """Land a step in flight (async scheduling), then release the worker ranks (they leave their loop; a
         no-op with one rank)."""
         try:
-            self._land(self._collect())
+            if not self._broken:
+                self._guarded(lambda: self._land(self._collect()))
         finally:  # a failed step must not keep the workers waiting
             if self.comm is not None:
                 from .dist.launch import release_workers

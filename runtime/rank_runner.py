@@ -98,6 +98,9 @@ class RankRunner:
         if step.feed and (fed is None or self.pp_size > 1):
             raise ValueError("a step that feeds sampled tokens needs them (fed) on every rank, without pipeline "
                              "stages (async scheduling)")
+        if step.feed and max(src for _, src in step.feed) >= fed.numel():  # shapes only: no sync
+            raise ValueError(f"the step feeds sampled token {max(src for _, src in step.feed)} of a previous step "
+                             f"that sampled {fed.numel()}")
         if step.swap_out or step.swap_in:
             if self.host_store is None:
                 raise RuntimeError("the step swaps requests but this rank has no host store (num_host_pages = 0)")

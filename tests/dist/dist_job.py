@@ -2,7 +2,7 @@
 
 job["mode"] == "stream": rank 0 streams a long generation and touches `out` after each token (the failure
 test kills a rank meanwhile); every rank writes its pid to `<out>.rank<N>.pid` first. job["mode"] == "score_mid":
-the prompts stepped by hand, the first prompt scored after the fifth step (steps in flight) and again at the end.
+steps by hand with scores, an abort and a shutdown while steps are in flight (score_mid).
 """
 
 import json
@@ -11,6 +11,37 @@ import sys
 from pathlib import Path
 
 from k3runtime.dist.launch import run
+
+
+def score_mid(llm, job, greedy) -> dict:
+    """The prompts stepped by hand: the first one scored after the fifth step (steps in flight), the second
+    aborted after the seventh (its step in flight), the first scored again at the end; then two more requests,
+    and the engine shut down with their steps in flight. Counts the collects that found another DP rank's step
+    in flight."""
+    eng, ids, tokens, collected = llm.engine, {}, {}, []
+    collect = eng._collect
+    eng._collect = lambda: collected.append(any(eng._in_flight[1:])) or collect()
+    for i, p in enumerate(job["prompts"]):
+        ids[eng.add_request(p, greedy).request_id] = i
+    aborted = next(r for r, i in ids.items() if i == 1)
+    steps = 0
+    while eng.has_unfinished():
+        for ev in eng.step():
+            tokens.setdefault(ids[ev.request_id], []).append(ev.token_id)
+        steps += 1
+        if steps == 5:
+            mid = llm.logits(job["prompts"][0]).tolist()
+        if steps == 7:
+            eng.abort(aborted)
+    after = llm.logits(job["prompts"][0]).tolist()
+    for p in job["prompts"][2:]:
+        eng.add_request(p, greedy)
+    for _ in range(3):
+        eng.step()
+    in_flight = any(f is not None for f in eng._in_flight)
+    eng.shutdown()
+    return {"logits": mid, "logits_after": after, "tokens": [tokens.get(i, []) for i in range(len(job["prompts"]))],
+            "stats": eng.stats, "collected_in_flight": sum(collected), "in_flight_at_shutdown": in_flight}
 
 
 def main():
@@ -26,20 +57,8 @@ def main():
             for i, _ in enumerate(llm.stream(job["prompts"][0], greedy)):
                 out.write_text(str(i))
             return
-        if job.get("mode") == "score_mid":  # score while steps are in flight, then again after them
-            eng, ids, tokens = llm.engine, {}, {}
-            for i, p in enumerate(job["prompts"]):
-                ids[eng.add_request(p, greedy).request_id] = i
-            steps = 0
-            while eng.has_unfinished():
-                for ev in eng.step():
-                    tokens.setdefault(ids[ev.request_id], []).append(ev.token_id)
-                steps += 1
-                if steps == 5:
-                    mid = llm.logits(job["prompts"][0]).tolist()
-            result = {"logits": mid, "logits_after": llm.logits(job["prompts"][0]).tolist(),
-                      "tokens": [tokens[i] for i in range(len(job["prompts"]))], "stats": eng.stats}
-            out.write_text(json.dumps(result))
+        if job.get("mode") == "score_mid":
+            out.write_text(json.dumps(score_mid(llm, job, greedy)))
             return
         result = {"logits": llm.logits(job["prompts"][0]).tolist(),
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],

@@ -183,11 +183,12 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine):
 
 @pytest.mark.parametrize("device, pp, dp, wanted, on", [
     ("cuda", 1, False, None, True), ("cuda:1", 1, False, None, True), ("cpu", 1, False, None, False),
-    ("cuda", 2, False, None, False), ("cuda", 1, True, None, True), ("cuda", 1, False, False, False),
+    ("cuda", 2, False, None, False), ("cuda", 1, True, None, False), ("cuda", 1, True, True, True),
+    ("cuda", 1, False, False, False),
     ("cpu", 1, False, True, True)])
 def test_async_scheduling_default(device, pp, dp, wanted, on, monkeypatch):
-    """Left to the engine, async scheduling is on for a single-stage CUDA engine (attention-DP too), off on the
-    CPU, on ROCm and with pipeline stages; asked for, it is refused with pipeline stages."""
+    """Left to the engine, async scheduling is on for a single-stage CUDA engine, off on the CPU, on ROCm, with
+    attention-DP (not run on a GPU) and with pipeline stages; asked for, it is refused with pipeline stages."""
     from k3runtime.llm_engine import EngineOptions, resolve_async_scheduling
     from k3runtime.loader import EngineError
 
