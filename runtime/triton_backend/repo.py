@@ -82,7 +82,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 @click.option("--num-pages", type=click.IntRange(min=1), default=None, help="KV pages [engine memory plan].")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Launch each step before the previous step's tokens reach the host [the engine's default: on "
-                   "for a GPU engine without pipeline stages].")
+                   "for a CUDA engine without pipeline stages or attention-DP].")
 @click.option("--overwrite", is_flag=True)
 def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, num_pages, async_scheduling,
                     overwrite):

@@ -227,3 +227,30 @@ def test_async_scheduling_gives_no_token_of_an_ended_request(k3_tiny_engine):
     assert [ev.request_id for ev in events] == ["x"] * len(want) and [ev.token_id for ev in events] == want
     with pytest.raises(ValueError, match="PLACEHOLDER"):
         eng.runner.batch((ScheduledItem("p", (PLACEHOLDER,), 0, 1, True, 0, (0,), greedy, 0, 0),))
+
+
+def test_failed_async_step_breaks_the_engine(k3_tiny_engine, monkeypatch):
+    """A step that fails with async scheduling leaves steps in flight on other ranks, or their ids in transit:
+    the engine refuses further steps and scores by name, and shutdown() only releases the workers. A feed past
+    the previous step's samples fails by name before anything runs."""
+    from k3runtime.rank_runner import Step
+    from k3runtime.scheduler import ScheduledItem
+
+    llm = LLM(k3_tiny_engine, async_scheduling=True)
+    eng = llm.engine
+    eng.add_request([1, 2, 3], GREEDY)
+    eng.step()
+    run = eng.runner.run
+    monkeypatch.setattr(eng.runner, "run", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    monkeypatch.setattr(eng.runner, "run", run)
+    with pytest.raises(RuntimeError, match="failed in an earlier step; shut it down"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="failed in an earlier step"):
+        llm.logits([1, 2, 3])
+    eng.shutdown()
+
+    item = ScheduledItem("r", (-1,), 3, 1, True, 0, (0,), GREEDY, 0, 1)
+    with pytest.raises(ValueError, match="feeds sampled token 2 of a previous step that sampled 2"):
+        run(Step((item,), feed=((0, 2),)), torch.tensor([5, 6]))
