@@ -278,21 +278,13 @@ class LLMEngine:
         """One engine step; the tokens it appended (async scheduling: the previous step's)."""
         if self.options.async_scheduling:
             return self._guarded(self._step_async)
-        plans = [s.schedule() for s in self.schedulers]
-        self.stats["steps"] += 1
-        for plan in plans:
-            self.stats["preemptions"] += len(plan.preempted_ids)
-            self.stats["swaps_out"] += len(plan.swap_out)
+        plans = self._schedule()
         if all(p.is_empty for p in plans):
             for s, p in zip(self.schedulers, plans):
                 s.update(p, {})
             return []
-        steps = tuple(Step.from_plan(p) if not p.is_empty else dummy_step(self.config, self.options) for p in plans)
-        if self.dp_size > 1 and self.runner.graphs is not None:  # the DP ranks replay one bucket, or none
-            bucket = shared_bucket(steps, self.runner.graphs.buckets)
-            steps = tuple(replace(s, graph_bucket=bucket) for s in steps)
         events = []
-        for sched, plan, tokens in zip(self.schedulers, plans, self._execute(steps)):
+        for sched, plan, tokens in zip(self.schedulers, plans, self._execute(self._steps(plans))):
             sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens.tolist())}
             finished = {r.request_id: r.finish_reason for r in sched.update(plan, sampled)}
             for r in finished:
@@ -305,20 +297,11 @@ class LLMEngine:
         """Schedule and launch a step, then read the previous step's tokens (waiting for that step only) and
         update the schedulers with them, while the new one runs. Attention-DP: every DP rank feeds its own
         previous samples, and sends them to the driver once it has launched the new step."""
-        plans = [s.schedule() for s in self.schedulers]
-        self.stats["steps"] += 1
-        for plan in plans:
-            self.stats["preemptions"] += len(plan.preempted_ids)
-            self.stats["swaps_out"] += len(plan.swap_out)
+        plans = self._schedule()
         launched, remote = [None] * self.dp_size, None
         # a step, or (attention-DP) idle steps only to collect the other DP ranks' ids
         if not all(p.is_empty for p in plans) or any(self._in_flight[1:]):
-            steps = tuple(replace(Step.from_plan(p), feed=self._feed(d, p)) if not p.is_empty
-                          else dummy_step(self.config, self.options) for d, p in enumerate(plans))
-            if self.dp_size > 1 and self.runner.graphs is not None:
-                bucket = shared_bucket(steps, self.runner.graphs.buckets)
-                steps = tuple(replace(s, graph_bucket=bucket) for s in steps)
-            tokens, remote = self._launch(steps)
+            tokens, remote = self._launch(self._steps(plans))
             for d, (sched, plan) in enumerate(zip(self.schedulers, plans)):
                 if not plan.is_empty:
                     # the sampled requests as objects: one ended meanwhile and a new one under its id are told apart
@@ -331,6 +314,27 @@ class LLMEngine:
                 sched.update(plan, {})
         self._in_flight = launched
         return events
+
+    def _schedule(self) -> list[StepPlan]:
+        """One plan per attention-DP scheduler, counted in the stats."""
+        plans = [s.schedule() for s in self.schedulers]
+        self.stats["steps"] += 1
+        for plan in plans:
+            self.stats["preemptions"] += len(plan.preempted_ids)
+            self.stats["swaps_out"] += len(plan.swap_out)
+        return plans
+
+    def _steps(self, plans: list[StepPlan]) -> tuple[Step, ...]:
+        """Each DP rank's step (an idle one for an empty plan; async scheduling: with its feed), all in one graph
+        bucket under attention-DP (they replay it together, or none does)."""
+        feed = self.options.async_scheduling
+        steps = tuple(dummy_step(self.config, self.options) if p.is_empty
+                      else replace(Step.from_plan(p), feed=self._feed(d, p)) if feed else Step.from_plan(p)
+                      for d, p in enumerate(plans))
+        if self.dp_size > 1 and self.runner.graphs is not None:
+            bucket = shared_bucket(steps, self.runner.graphs.buckets)
+            steps = tuple(replace(s, graph_bucket=bucket) for s in steps)
+        return steps
 
     def _guarded(self, fn):
         """fn(), marking the engine broken if it fails: a step may be in flight on other ranks, or their ids in
