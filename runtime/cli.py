@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .llm_engine import ASYNC_SCHEDULING_DEFAULT
 from .loader import EngineError
 
 
@@ -27,8 +28,7 @@ def main():
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Launch each step before the previous step's tokens reach the host, so that the GPU does not "
-                   "wait for it between decode steps. Default: on for a CUDA engine without pipeline stages (which "
-                   "refuse it) or attention-DP; off on the CPU and ROCm.")
+                   f"wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.")
 def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream, async_scheduling):
     """Generate completions for PROMPTs."""
     from .api import LLM

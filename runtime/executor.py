@@ -58,8 +58,8 @@ class Communicator:
     def ep_scatter(self, y: torch.Tensor, z: torch.Tensor, *, group: str, capacity: int) -> torch.Tensor:
         return y
 
-    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Async scheduling: the driver's sampled ids into `tokens` on every rank (the driver's own here)."""
+    def share_tokens(self, tokens: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Async scheduling: rank `src`'s sampled ids into `tokens` on every rank (this rank's own here)."""
         return tokens
 
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:

@@ -3,12 +3,12 @@
 The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
 launch.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
 
-Async scheduling (`EngineOptions.async_scheduling`; on by default on CUDA GPUs, not with pipeline stages, with
+Async scheduling (`EngineOptions.async_scheduling`; on by default on CUDA GPUs, with pipeline stages or
 attention-DP when asked for: resolve_async_scheduling): a step is scheduled and launched before the previous step's
-tokens reach the host: its decoding requests take those tokens on the device (`Step.feed`; the driver broadcasts
-them to the other ranks on the device, `share_tokens`; under attention-DP each DP rank feeds its own and sends them
-to the driver once it has launched the next step), and the host reads them, and updates the scheduler, while the new
-step runs. The GPU then does not wait for the host's share of a step (scheduling, staging, sampling's launches, the
+tokens reach the host: its decoding requests take those tokens on the device (`Step.feed`; the rank that samples
+them, the driver or with pipeline stages the last stage's first rank, broadcasts them to the other ranks on the
+device, `share_tokens`; under attention-DP each DP rank feeds its own and sends them to the driver once it has
+launched the next step), and the host reads them, and updates the scheduler, while the new step runs. The GPU then does not wait for the host's share of a step (scheduling, staging, sampling's launches, the
 update); `step()` returns the previous step's tokens, and a request that stops on a token (EOS, stop ids or strings)
 runs one step more, its extra token dropped. Swaps to the host store still wait for the step in flight (the pages
 they copy may be its).
@@ -62,22 +62,22 @@ class TokenEvent:
     finish_reason: str | None
 
 
-def resolve_async_scheduling(options: EngineOptions, mapping: dict, engine_dir) -> EngineOptions:
-    """The options with async scheduling decided. Asked for (True), it is refused with pipeline stages: the first
-    stage would need the last stage's tokens. Left to the engine (None), it is on for a single-stage engine on a
-    CUDA GPU, where the GPU otherwise waits for the host between decode steps (BENCHMARKS.md, bench_rank: 0.4-0.7
-    ms a step at 32 requests), and off on the CPU, whose steps run as they are launched: there it would only cost
-    a token-stopped request one step more. Off on ROCm and with attention-DP, where it has not run on a GPU (under
-    attention-DP it has run as gloo ranks on the CPU only). Over several GPUs the TP/EP form has run only as gloo
-    ranks on the CPU and as a one-process NCCL group (no multi-GPU machine was lent)."""
-    eligible = mapping["pp_size"] == 1
-    if options.async_scheduling and not eligible:
-        raise EngineError(f"{engine_dir}: async scheduling does not run with pipeline stages (pp_size "
-                          f"{mapping['pp_size']}): the first stage would need the last stage's tokens; leave "
-                          "async_scheduling off")
+# resolve_async_scheduling's rule, for the command lines' help
+ASYNC_SCHEDULING_DEFAULT = "on for a CUDA engine without pipeline stages or attention-DP; off on the CPU and ROCm"
+
+
+def resolve_async_scheduling(options: EngineOptions, mapping: dict) -> EngineOptions:
+    """The options with async scheduling decided. Left to the engine (None), it is on for a single-stage engine
+    on a CUDA GPU, where the GPU otherwise waits for the host between decode steps (BENCHMARKS.md, bench_rank:
+    0.4-0.7 ms a step at 32 requests), and off on the CPU, whose steps run as they are launched: there it would
+    only cost a token-stopped request one step more. Off on ROCm, with attention-DP and with pipeline stages,
+    where it has not run on GPUs (under attention-DP and with pipeline stages it has run as gloo ranks on the CPU
+    only); asked for (True), it runs there too. Over several GPUs the TP/EP form has run only as gloo ranks on
+    the CPU and as a one-process NCCL group (no multi-GPU machine was lent)."""
     if options.async_scheduling is None:
         cuda = torch.device(options.device).type == "cuda" and torch.version.hip is None
-        return replace(options, async_scheduling=eligible and cuda and not mapping["attention_dp"])
+        single = mapping["pp_size"] == 1 and not mapping["attention_dp"]
+        return replace(options, async_scheduling=cuda and single)
     return options
 
 
@@ -168,7 +168,7 @@ class LLMEngine:
         # before any weight is read: a backend that cannot run (DeepEP missing or too small) fails here
         self.expert_backend = choose_backend(config, options.enable_deepep)
         mapping = config["mapping"]
-        options = resolve_async_scheduling(options, mapping, engine_dir)
+        options = resolve_async_scheduling(options, mapping)
         self.config, self.options = config, options
         self.world_size = mapping["world_size"]
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
@@ -355,9 +355,13 @@ class LLMEngine:
             self.comm.broadcast_step(steps)
         step, flight = steps[0], self._in_flight[0]
         logits = self.runner.run(step, flight.tokens if step.feed else None, wait=False)
-        tokens = sample_step(step, logits)
+        if logits is not None:
+            tokens = sample_step(step, logits)
+        else:  # pipeline stages: the last stage samples, and shares them below
+            tokens = torch.empty(sum(it.sample for it in step.items), dtype=torch.int64, device=self.device)
         if self.comm is not None and self.dp_size == 1 and tokens.numel():
-            self.comm.share_tokens(tokens)  # the workers' next step feeds them too
+            # every rank's next step feeds them (the first stage's embeds them)
+            self.comm.share_tokens(tokens, src=self._last_stage_rank)
         remote = None
         if self.dp_size > 1:
             remote = [self.comm.recv_result(d) for d in range(1, self.dp_size)] if self._owed else None

@@ -95,9 +95,8 @@ class RankRunner:
         fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take.
         wait: rank 0 of several waits for a replayed step (_await_replay); async scheduling waits for the
         step's tokens instead."""
-        if step.feed and (fed is None or self.pp_size > 1):
-            raise ValueError("a step that feeds sampled tokens needs them (fed) on every rank, without pipeline "
-                             "stages (async scheduling)")
+        if step.feed and fed is None:
+            raise ValueError("a step that feeds sampled tokens needs them (fed) on every rank (async scheduling)")
         if step.feed and max(src for _, src in step.feed) >= fed.numel():  # shapes only: no sync
             raise ValueError(f"the step feeds sampled token {max(src for _, src in step.feed)} of a previous step "
                              f"that sampled {fed.numel()}")
@@ -117,10 +116,13 @@ class RankRunner:
             if wait and self.engine.world_size > 1 and self.engine.rank == 0:
                 _await_replay(self.device)
             return logits
-        logits = []
+        logits, start = [], 0
         for items in _micro_batches(step.items, self.pp_size):
-            batch = self.batch(items, step.all_logits, step.feed)
-            if step.feed:
+            # the feed indexes the step's items; this micro-batch's start at `start`
+            feed = tuple((i - start, src) for i, src in step.feed if start <= i < start + len(items))
+            start += len(items)
+            batch = self.batch(items, step.all_logits, feed)
+            if feed:
                 feed_tokens(batch.input_ids, fed)
             extra = {}
             if not self.first:
@@ -164,7 +166,7 @@ class RankRunner:
         """The items' eager step (input ids < 0 are fed: feed_tokens)."""
         ids = list(itertools.chain.from_iterable(it.token_ids for it in items))
         cu = [0, *itertools.accumulate(it.num_tokens for it in items)]
-        for i, src in feed:  # items index the step: one micro-batch (run refuses feeds with pipeline stages)
+        for i, src in feed:  # i indexes `items`
             ids[cu[i] + items[i].token_ids.index(PLACEHOLDER)] = FED - src
         if PLACEHOLDER in ids:
             raise ValueError("a step input is a PLACEHOLDER that its feed does not resolve")

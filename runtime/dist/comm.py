@@ -120,10 +120,11 @@ class DistCommunicator(Communicator):
         """Attention-DP combine: this rank's tokens' sums of every rank's expert outputs."""
         return self.exchange.combine(y, z.shape[0], capacity)
 
-    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Async scheduling: the driver's sampled ids [M] int64 broadcast into `tokens` on every rank, on the
-        device (NCCL: queued on the stream, no host sync), for the next step to feed."""
-        dist.broadcast(tokens, src=0)
+    def share_tokens(self, tokens: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Async scheduling: the sampled ids [M] int64 of rank `src` (the driver; with pipeline stages the last
+        stage's first rank) broadcast into `tokens` on every rank, on the device (NCCL: queued on the stream, no
+        host sync), for the next step to feed."""
+        dist.broadcast(tokens, src=src)
         return tokens
 
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:

@@ -93,9 +93,10 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     tp_rank, attention_dp = config["ranks"][str(rank)]["tp_rank"], config["mapping"]["attention_dp"]
     # Without attention-DP one rank of the last stage reports for its TP group; with it every rank has its own.
     reports = runner.last and (tp_rank == 0 or attention_dp)
-    # async scheduling: the last step's sampled ids on this device, which the next step feeds (the driver's,
-    # shared; under attention-DP this rank's own); and, under attention-DP, on their way to the host, owed to the
-    # driver once the next step is launched
+    sampler = config["mapping"]["world_size"] - config["mapping"]["tp_size"]  # the last stage's first rank
+    # async scheduling: the last step's sampled ids on this device, which the next step feeds (shared by the
+    # last stage's first rank: the driver without pipeline stages; under attention-DP this rank's own); and,
+    # under attention-DP, on their way to the host, owed to the driver once the next step is launched
     fed, owed = None, None
     while True:
         steps = comm.control.broadcast()
@@ -110,7 +111,12 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
             owed = HostCopy(fed)
         elif options.async_scheduling and not step.all_logits:
             sampled = sum(it.sample for it in step.items)
-            fed = comm.share_tokens(torch.empty(sampled, dtype=torch.int64, device=runner.device)) if sampled else None
+            if sampled:
+                mine = sample_step(step, logits) if rank == sampler else None
+                fed = comm.share_tokens(torch.empty(sampled, dtype=torch.int64, device=runner.device)
+                                        if mine is None else mine, src=sampler)
+            else:
+                fed = None
         elif reports:
             comm.control.send_result(logits if step.all_logits else sample_step(step, logits), dst=0)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from ..llm_engine import ASYNC_SCHEDULING_DEFAULT
+
 
 def _read_weight_config(path: str):
     """The parsed `--distributed-weight-config` (nodes -> socket, ranks); BadParameter names what is wrong."""
@@ -41,8 +43,7 @@ def _read_weight_config(path: str):
 @click.option("--enforce-eager", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs.")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
               help="Launch each step before the previous step's tokens reach the host, so that the GPU does not "
-                   "wait for it between decode steps. Default: on for a CUDA engine without pipeline stages (which "
-                   "refuse it) or attention-DP; off on the CPU and ROCm.")
+                   f"wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.")
 @click.option("--log-level", default="info", show_default=True)
 def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue, max_prompt_tokens,
               max_tokens_limit, device, num_pages, enable_deepep, distributed_weight_config, enforce_eager,

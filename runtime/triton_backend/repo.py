@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from ..llm_engine import ASYNC_SCHEDULING_DEFAULT
+
 _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets
     ("text_input", "TYPE_STRING", [1]),
     ("input_ids", "TYPE_INT32", [-1]),
@@ -81,8 +83,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--num-pages", type=click.IntRange(min=1), default=None, help="KV pages [engine memory plan].")
 @click.option("--async-scheduling/--no-async-scheduling", default=None,
-              help="Launch each step before the previous step's tokens reach the host [the engine's default: on "
-                   "for a CUDA engine without pipeline stages or attention-DP].")
+              help="Launch each step before the previous step's tokens reach the host, so that the GPU does not "
+                   f"wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.")
 @click.option("--overwrite", is_flag=True)
 def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, num_pages, async_scheduling,
                     overwrite):

@@ -94,12 +94,12 @@ def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine,
     assert multi.stdout == single.stdout
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2xep2", "dp2xep2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2xep2", "pp2xtp2", "dp2xep2"])
 def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
-    """Async scheduling over ranks: the driver broadcasts each step's sampled ids to the workers on the device
-    and every rank feeds them to the next step (attention-DP: each DP rank feeds its own, and sends them to the
-    driver once it has launched its next step); the same tokens and scores as one synchronous rank, with
-    preemption."""
+    """Async scheduling over ranks: the rank that samples (the driver; with pipeline stages the last stage's
+    first rank) broadcasts each step's sampled ids to the others on the device and every rank feeds them to the
+    next step, micro-batch by micro-batch (attention-DP: each DP rank feeds its own, and sends them to the driver
+    once it has launched its next step); the same tokens and scores as one synchronous rank, with preemption."""
     mapping = MAPPINGS[name]
     engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
     options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
@@ -109,7 +109,7 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
     assert got["stats"]["preemptions"] > 0
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2xep2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2xep2"])
 def test_async_scheduling_scores_between_steps(name, k3_tiny_ckpt, reference, tmp_path):
     """A prompt scored while async steps are in flight (attention-DP: the other DP rank's step collected by idle
     steps first) and again after the last: the single rank's logits both times; the steps' tokens its tokens, but
@@ -129,13 +129,3 @@ def test_async_scheduling_scores_between_steps(name, k3_tiny_ckpt, reference, tm
     assert got["in_flight_at_shutdown"]
     if mapping.attention_dp:  # the other DP rank had a step in flight when the first score came
         assert got["collected_in_flight"] >= 1
-
-
-def test_async_scheduling_refused_with_pipeline_stages(k3_tiny_ckpt, tmp_path):
-    """The first stage would need the last stage's tokens: refused by name, before any weight is read."""
-    from k3runtime.llm_engine import EngineOptions, LLMEngine
-    from k3runtime.loader import EngineError
-
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=MAPPINGS["pp2"])
-    with pytest.raises(EngineError, match="async scheduling does not run with pipeline stages"):
-        LLMEngine(engine, EngineOptions(async_scheduling=True))

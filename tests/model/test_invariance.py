@@ -183,24 +183,19 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine):
 
 @pytest.mark.parametrize("device, pp, dp, wanted, on", [
     ("cuda", 1, False, None, True), ("cuda:1", 1, False, None, True), ("cpu", 1, False, None, False),
-    ("cuda", 2, False, None, False), ("cuda", 1, True, None, False), ("cuda", 1, True, True, True),
-    ("cuda", 1, False, False, False),
-    ("cpu", 1, False, True, True)])
+    ("cuda", 2, False, None, False), ("cuda", 2, False, True, True), ("cuda", 1, True, None, False),
+    ("cuda", 1, True, True, True), ("cuda", 1, False, False, False), ("cpu", 1, False, True, True)])
 def test_async_scheduling_default(device, pp, dp, wanted, on, monkeypatch):
     """Left to the engine, async scheduling is on for a single-stage CUDA engine, off on the CPU, on ROCm, with
-    attention-DP (not run on a GPU) and with pipeline stages; asked for, it is refused with pipeline stages."""
+    attention-DP and with pipeline stages (neither run on GPUs); asked for, it runs everywhere."""
     from k3runtime.llm_engine import EngineOptions, resolve_async_scheduling
-    from k3runtime.loader import EngineError
 
     mapping = {"pp_size": pp, "attention_dp": dp}
     options = EngineOptions(device=device, async_scheduling=wanted)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert resolve_async_scheduling(options, mapping, "eng").async_scheduling is on
+    assert resolve_async_scheduling(options, mapping).async_scheduling is on
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert resolve_async_scheduling(options, mapping, "eng").async_scheduling is (on and wanted is True)
-    if pp > 1:
-        with pytest.raises(EngineError, match="eng: async scheduling does not run"):
-            resolve_async_scheduling(EngineOptions(device=device, async_scheduling=True), mapping, "eng")
+    assert resolve_async_scheduling(options, mapping).async_scheduling is (on and wanted is True)
 
 
 def test_async_scheduling_gives_no_token_of_an_ended_request(k3_tiny_engine):
