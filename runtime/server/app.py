@@ -8,7 +8,6 @@ aborts it on the engine, which frees its pages and KDA slot.
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,30 +15,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import AsyncLLMEngine
+from .config import ServerConfig
 from .handlers import APIError, Handlers
 from .metrics import PrometheusMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Args: model_name: the id clients must send; api_key: None = open; max_concurrent: requests in the
-    engine at once; max_queue: requests waiting beyond those (more get 429); max_prompt_tokens and
-    max_tokens_limit: per-request caps (over them: 400)."""
-
-    model_name: str
-    api_key: str | None = None
-    max_concurrent: int = 64
-    max_queue: int = 256
-    max_prompt_tokens: int = 4096
-    max_tokens_limit: int = 4096
-
-    def __post_init__(self):
-        for f in ("max_concurrent", "max_prompt_tokens", "max_tokens_limit"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{f}: expected >= 1, got {getattr(self, f)}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue: expected >= 0, got {self.max_queue}")
 
 
 def _error(status, message, param=None, code=None, type_="invalid_request_error"):

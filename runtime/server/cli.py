@@ -61,7 +61,8 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     from ..async_engine import AsyncLLMEngine
     from ..llm_engine import EngineOptions
     from ..loader import EngineError
-    from .app import ServerConfig, create_app
+    from .app import create_app
+    from .config import ServerConfig
     from .metrics import PrometheusMetrics
 
     try:

@@ -6,17 +6,14 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from ..sampling_params import SamplingParams
+from .config import ServerConfig
 from .metrics import PrometheusMetrics
-
-if TYPE_CHECKING:
-    from .app import ServerConfig
 
 MAX_BATCH_PROMPTS = 16
 

@@ -45,7 +45,8 @@ class LiveServer:
         import uvicorn
 
         from k3runtime.async_engine import AsyncLLMEngine
-        from k3runtime.server.app import ServerConfig, create_app
+        from k3runtime.server.app import create_app
+        from k3runtime.server.config import ServerConfig
         from k3runtime.server.metrics import PrometheusMetrics
 
         self.engine = AsyncLLMEngine(engine_dir, metrics=PrometheusMetrics())
