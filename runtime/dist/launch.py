@@ -111,12 +111,11 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
             owed = HostCopy(fed)
         elif options.async_scheduling and not step.all_logits:
             sampled = sum(it.sample for it in step.items)
+            fed = None
             if sampled:
-                mine = sample_step(step, logits) if rank == sampler else None
-                fed = comm.share_tokens(torch.empty(sampled, dtype=torch.int64, device=runner.device)
-                                        if mine is None else mine, src=sampler)
-            else:
-                fed = None
+                fed = sample_step(step, logits) if rank == sampler else \
+                    torch.empty(sampled, dtype=torch.int64, device=runner.device)
+                comm.share_tokens(fed, src=sampler)
         elif reports:
             comm.control.send_result(logits if step.all_logits else sample_step(step, logits), dst=0)
 
