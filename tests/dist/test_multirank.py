@@ -109,6 +109,22 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
     assert got["stats"]["preemptions"] > 0
 
 
+@pytest.mark.parametrize("name", ["tp2", "pp2xtp2", "dp2xep2"])
+def test_swap_preemption_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
+    """Preemption by swapping to the host over ranks, with async scheduling: every rank copies its own slice of
+    the swapped pages and KDA slots to its host store and back; the same tokens and scores as one synchronous
+    rank that recomputes."""
+    mapping = MAPPINGS[name]
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
+    options = {**options, "preemption_mode": "swap", "num_host_pages": 16, "num_host_slots": 8,
+               "async_scheduling": True}
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", options)
+    torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
+    assert got["tokens"] == reference["tokens"]
+    assert got["stats"]["swaps_out"] > 0
+
+
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2xep2"])
 def test_async_scheduling_scores_between_steps(name, k3_tiny_ckpt, reference, tmp_path):
     """A prompt scored while async steps are in flight (attention-DP: the other DP rank's step collected by idle
