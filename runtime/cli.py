@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .llm_engine import ASYNC_SCHEDULING_DEFAULT
+from .engine_flags import engine_flags, given
 from .loader import EngineError
 
 
@@ -26,17 +26,15 @@ def main():
 @click.option("--seed", type=int, default=None)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
-@click.option("--async-scheduling/--no-async-scheduling", default=None,
-              help="Launch each step before the previous step's tokens reach the host, so that the GPU does not "
-                   f"wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.")
-def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream, async_scheduling):
+@engine_flags
+def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream, **flags):
     """Generate completions for PROMPTs."""
     from .api import LLM
     from .sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        llm = LLM(engine, device=device, async_scheduling=async_scheduling)
+        llm = LLM(engine, device=device, **given(flags))
         if stream:
             for chunk in llm.stream(prompts[0], params):
                 click.echo(chunk.text, nl=False)

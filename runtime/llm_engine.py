@@ -29,7 +29,7 @@ from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
 from .scheduler import Scheduler, ScheduledItem, StepPlan
-from .scheduler_config import SchedulerConfig
+from .scheduler_config import PREEMPTION_MODES, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,25 @@ class EngineOptions:
     # schedule a step while the previous one runs (module doc); None: on where it can run and pays, see
     # `resolve_async_scheduling`
     async_scheduling: bool | None = None
+
+    def __post_init__(self):
+        for name in ("num_pages", "num_slots", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}: expected None (the engine's) or an int >= 1, got {v!r}")
+        for name in ("num_host_pages", "num_host_slots"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: expected one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        host = self.num_host_pages, self.num_host_slots
+        if self.preemption_mode == "swap" and not all(host):
+            raise ValueError(f"preemption_mode 'swap' needs a host store: num_host_pages and num_host_slots must be "
+                             f">= 1, got {host[0]} and {host[1]}")
+        if self.preemption_mode != "swap" and any(host):
+            raise ValueError(f"num_host_pages / num_host_slots ({host[0]} / {host[1]}) hold swapped requests: they "
+                             "need preemption_mode 'swap'")
 
 
 @dataclass(frozen=True)
@@ -104,9 +123,7 @@ def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> R
     # dummy_step's page and slot (attention-DP), where captured decode steps' padding rows write (graphs)
     spare = 1 if engine.config["mapping"]["attention_dp"] or graphs else 0
     cfg = cache_config(engine, num_pages=pages + spare, num_slots=slots + spare)
-    swap = options.preemption_mode == "swap"
-    return RankRunner(engine, cfg, comm, num_host_pages=options.num_host_pages if swap else 0,
-                      num_host_slots=options.num_host_slots if swap else 0,
+    return RankRunner(engine, cfg, comm, num_host_pages=options.num_host_pages, num_host_slots=options.num_host_slots,
                       spare=(pages, slots) if spare else None, cuda_graphs=graphs)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..llm_engine import ASYNC_SCHEDULING_DEFAULT
+from ..engine_flags import engine_flags, given
 
 
 def _read_weight_config(path: str):
@@ -33,7 +33,7 @@ def _read_weight_config(path: str):
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="[engine max_seq_len - 1]")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None, help="Cap on max_tokens [max_seq_len].")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--num-pages", type=click.IntRange(min=1), default=None, help="KV pages [engine memory plan].")
+@engine_flags
 @click.option("--enable-deepep", is_flag=True,
               help="Exchange experts with DeepEP: refuse to start unless deep_ep imports and its low-latency "
                    "limits (top-k, hidden size; $K3_DEEPEP_CAPS = a JSON file of them) cover the model.")
@@ -41,13 +41,9 @@ def _read_weight_config(path: str):
               help="JSON/TOML file: which node's `k3runtime weight-store` holds which ranks; ranks attach to it "
                    "instead of reading disk (same as $K3_WEIGHT_STORE_CONFIG).")
 @click.option("--enforce-eager", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs.")
-@click.option("--async-scheduling/--no-async-scheduling", default=None,
-              help="Launch each step before the previous step's tokens reach the host, so that the GPU does not "
-                   f"wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.")
 @click.option("--log-level", default="info", show_default=True)
 def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue, max_prompt_tokens,
-              max_tokens_limit, device, num_pages, enable_deepep, distributed_weight_config, enforce_eager,
-              async_scheduling, log_level):
+              max_tokens_limit, device, enable_deepep, distributed_weight_config, enforce_eager, log_level, **flags):
     """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     if distributed_weight_config:
         from ..dist.weight_store_client import ENV_CONFIG
@@ -66,9 +62,8 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     from .metrics import PrometheusMetrics
 
     try:
-        ae = AsyncLLMEngine(engine, EngineOptions(device=device, num_pages=num_pages, enable_deepep=enable_deepep,
-                                                   cuda_graphs=not enforce_eager, load_progress=True,
-                                                   async_scheduling=async_scheduling),
+        ae = AsyncLLMEngine(engine, EngineOptions(device=device, enable_deepep=enable_deepep,
+                                                   cuda_graphs=not enforce_eager, load_progress=True, **given(flags)),
                             metrics=PrometheusMetrics())
     except (EngineError, ValueError, NotImplementedError) as e:
         raise click.ClickException(str(e)) from None
@@ -83,7 +78,8 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
         click.echo(f"k3runtime serve: {engine} is a single-rank engine; --enable-deepep was checked and has no "
                    "effect on it (no expert exchange)", err=True)
     click.echo(f"k3runtime serve: async scheduling {'on' if ae.engine.options.async_scheduling else 'off'}"
-               f"{'' if async_scheduling is not None else ' (the default for this engine and device)'}", err=True)
+               f"{'' if flags['async_scheduling'] is not None else ' (the default for this engine and device)'}",
+               err=True)
     if ae.engine.runner.graphs_off:
         click.echo(f"k3runtime serve: decode steps run eagerly, not from CUDA graphs: {ae.engine.runner.graphs_off}",
                    err=True)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
+from ..engine_flags import from_params
 from ..llm_engine import EngineOptions
-
-_BOOLS = {"true": True, "false": False}
 
 
 def engine_options(params: dict[str, str]) -> EngineOptions:
-    """device (default cpu), num_pages (default: the engine's memory plan), async_scheduling ("true" / "false";
-    default: the engine's, see llm_engine.resolve_async_scheduling)."""
-    num_pages = params.get("num_pages")
-    if num_pages and not (num_pages.isdigit() and int(num_pages) > 0):
-        raise ValueError(f"config.pbtxt: parameter num_pages must be a positive integer, got {num_pages!r}")
-    flag = params.get("async_scheduling")
-    if flag and flag.lower() not in _BOOLS:
-        raise ValueError(f"config.pbtxt: parameter async_scheduling must be true or false, got {flag!r}")
-    return EngineOptions(device=params.get("device") or "cpu", num_pages=int(num_pages) if num_pages else None,
-                         async_scheduling=_BOOLS[flag.lower()] if flag else None)
+    """device (default cpu) and engine_flags' options (num_pages, preemption_mode, async_scheduling ("true" /
+    "false"), …); one not set is the engine's (memory plan, build limits, llm_engine.resolve_async_scheduling).
+    ValueError names the parameter."""
+    values = from_params(params)
+    try:
+        return EngineOptions(device=params.get("device") or "cpu", **values)
+    except ValueError as e:
+        raise ValueError(f"config.pbtxt: parameters: {e}") from None

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from ..llm_engine import ASYNC_SCHEDULING_DEFAULT
+from ..engine_flags import engine_flags, given, to_params
+from ..llm_engine import EngineOptions
 
 _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets
     ("text_input", "TYPE_STRING", [1]),
@@ -31,14 +32,11 @@ def _tensor(name, dtype, dims, optional):
 
 
 def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: str = "cpu",
-                 max_tokens_limit: int = 4096, num_pages: int | None = None,
-                 async_scheduling: bool | None = None) -> str:
-    """async_scheduling: None leaves it to the engine (params.engine_options reads the parameters)."""
-    params = {"engine_dir": str(engine_dir), "device": device, "max_tokens_limit": str(max_tokens_limit)}
-    if num_pages:
-        params["num_pages"] = str(num_pages)
-    if async_scheduling is not None:
-        params["async_scheduling"] = str(async_scheduling).lower()
+                 max_tokens_limit: int = 4096, **flags) -> str:
+    """flags: engine_flags' options (num_pages=…, async_scheduling=…); one left out or None is the engine's
+    (params.engine_options reads the parameters)."""
+    params = {"engine_dir": str(engine_dir), "device": device, "max_tokens_limit": str(max_tokens_limit),
+              **to_params(flags)}
     lines = [f'name: "{model_name}"', 'backend: "python"',
              # No Triton batching: the engine batches continuously across requests itself.
              "max_batch_size: 0"]
@@ -54,9 +52,9 @@ def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: 
 
 
 def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3", decoupled: bool = True,
-               device: str = "cpu", max_tokens_limit: int = 4096, num_pages: int | None = None,
-               async_scheduling: bool | None = None, overwrite: bool = False) -> Path:
-    """Write OUT/MODEL/{config.pbtxt, 1/model.py}; returns the model dir. Other models in OUT are kept."""
+               device: str = "cpu", max_tokens_limit: int = 4096, overwrite: bool = False, **flags) -> Path:
+    """Write OUT/MODEL/{config.pbtxt, 1/model.py}; returns the model dir. Other models in OUT are kept.
+    flags: as config_pbtxt's."""
     engine_dir = Path(engine_dir).resolve()
     if not (engine_dir / "config.json").is_file():
         raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
@@ -67,8 +65,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device,
-                                                         max_tokens_limit=max_tokens_limit, num_pages=num_pages,
-                                                         async_scheduling=async_scheduling))
+                                                         max_tokens_limit=max_tokens_limit, **flags))
     shutil.copyfile(Path(__file__).with_name("model.py"), model_dir / "1" / "model.py")
     return model_dir
 
@@ -81,18 +78,14 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
               help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--num-pages", type=click.IntRange(min=1), default=None, help="KV pages [engine memory plan].")
-@click.option("--async-scheduling/--no-async-scheduling", default=None,
-              help="Launch each step before the previous step's tokens reach the host, so that the GPU does not "
-                   f"wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.")
+@engine_flags
 @click.option("--overwrite", is_flag=True)
-def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, num_pages, async_scheduling,
-                    overwrite):
+def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, overwrite, **flags):
     """Write a Triton Python-backend model repository serving ENGINE into OUT."""
     try:
+        EngineOptions(device=device, **given(flags))  # refused here, not when tritonserver loads the model
         d = write_repo(engine, out, model_name=model_name, decoupled=decoupled, device=device,
-                       max_tokens_limit=max_tokens_limit, num_pages=num_pages, async_scheduling=async_scheduling,
-                       overwrite=overwrite)
-    except (FileNotFoundError, FileExistsError) as e:
+                       max_tokens_limit=max_tokens_limit, overwrite=overwrite, **flags)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {d} (start: tritonserver --model-repository={Path(out).resolve()})")

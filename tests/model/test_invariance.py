@@ -179,6 +179,13 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine):
     assert sync.exit_code == fast.exit_code == default.exit_code == 0, fast.output
     assert fast.output == sync.output == default.output and "-> 9 tokens" in fast.output
     assert LLM(k3_tiny_engine).engine.options.async_scheduling is False  # resolved: off on the CPU
+    # the engine's sizes and policies as flags (engine_flags): one request at a time in chunks of 4, the same text
+    sizes = ["--max-num-seqs", "1", "--max-prefill-chunk", "4", "--preemption-mode", "swap", "--num-host-pages", "2",
+             "--num-host-slots", "1"]
+    small = CliRunner().invoke(main, [*args, *sizes])
+    assert small.exit_code == 0 and small.output == default.output, small.output
+    bad = CliRunner().invoke(main, [*args, "--preemption-mode", "swap"])
+    assert bad.exit_code != 0 and "'swap' needs a host store" in bad.output
 
 
 @pytest.mark.parametrize("device, pp, dp, wanted, on", [

@@ -238,6 +238,16 @@ def test_config_validation_names_field(field, value):
         SchedulerConfig(**{field: value})
 
 
+@pytest.mark.parametrize("field,value", [("num_pages", 0), ("num_slots", 1.5), ("max_num_seqs", True),
+                                         ("max_prefill_chunk", -4), ("num_host_pages", -1), ("preemption_mode", "drop")])
+def test_engine_options_validation_names_field(field, value):
+    """The runtime options are refused by name when they are made, before an engine is opened."""
+    from k3runtime.llm_engine import EngineOptions
+
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        EngineOptions(**{field: value})
+
+
 def _random_run(sched, rng, *, count, per_step, prompt, max_tokens, abort_rate, max_model_len):
     """`count` random requests, `per_step` arriving a step, some aborted at random between schedule and update;
     checks that everything is freed and every output against the reference (an aborted request's: a prefix).

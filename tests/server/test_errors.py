@@ -203,6 +203,16 @@ def test_distributed_weight_config_is_validated(tiny_engine, tmp_path):
     assert r.returncode != 0 and "does not exist" in r.stderr
 
 
+def test_engine_flags_are_validated_before_loading(tiny_engine):
+    """A swap without a host store, or a host store without swap, fails at start-up and names the options."""
+    r = _serve(str(tiny_engine), "--preemption-mode", "swap", "--num-host-pages", "4", "--port", "1")
+    assert r.returncode != 0 and "'swap' needs a host store" in r.stderr and "got 4 and 0" in r.stderr
+    r = _serve(str(tiny_engine), "--num-host-slots", "2", "--port", "1")
+    assert r.returncode != 0 and "need preemption_mode 'swap'" in r.stderr
+    r = _serve(str(tiny_engine), "--preemption-mode", "drop", "--port", "1")
+    assert r.returncode != 0 and "'drop' is not one of 'recompute', 'swap'" in r.stderr
+
+
 def test_serve_cli_starts_serves_and_stops_on_sigterm(tiny_engine):
     import signal
     import socket
@@ -211,14 +221,18 @@ def test_serve_cli_starts_serves_and_stops_on_sigterm(tiny_engine):
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
+    sizes = ["--num-pages", "5", "--num-slots", "3", "--preemption-mode", "swap", "--num-host-pages", "4",
+             "--num-host-slots", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", str(port),
-                             "--model-name", MODEL, "--max-tokens-limit", "8", "--log-level", "warning"],
+                             "--model-name", MODEL, "--max-tokens-limit", "8", "--log-level", "warning", *sizes],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(proc, port, timeout=90)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=ok(), timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert post_status(port, ok(max_tokens=9)) == 400  # --max-tokens-limit applies
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        assert "k3_kv_pages_total 5.0" in metrics and "k3_kda_slots_total 3.0" in metrics  # the sizes applied
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(30)

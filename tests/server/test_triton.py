@@ -45,21 +45,38 @@ def test_config_pbtxt_shape(tmp_path):
 
 
 def test_parameters_become_engine_options(tmp_path):
-    """What triton-repo writes is what the model reads: async scheduling left to the engine unless asked for;
-    a bad value names its parameter."""
+    """What triton-repo writes is what the model reads: an option not given (async scheduling too) is left to the
+    engine; a bad value names its parameter."""
     from k3runtime.triton_backend.params import engine_options
 
-    assert "async_scheduling" not in config_pbtxt("k3", tmp_path, decoupled=True)
-    txt = config_pbtxt("k3", tmp_path, decoupled=True, device="cuda", num_pages=7, async_scheduling=False)
+    assert "async_scheduling" not in config_pbtxt("k3", tmp_path, decoupled=True, async_scheduling=None)
+    txt = config_pbtxt("k3", tmp_path, decoupled=True, device="cuda", num_pages=7, max_num_seqs=3,
+                       preemption_mode="swap", num_host_pages=4, num_host_slots=2, async_scheduling=False)
     params = dict(re.findall(r'key: "(\w+)"\n  value: \{ string_value: "([^"]*)" \}', txt))
     opts = engine_options(params)
-    assert (opts.device, opts.num_pages, opts.async_scheduling) == ("cuda", 7, False)
+    assert (opts.device, opts.num_pages, opts.max_num_seqs, opts.async_scheduling) == ("cuda", 7, 3, False)
+    assert (opts.preemption_mode, opts.num_host_pages, opts.num_host_slots) == ("swap", 4, 2)
     assert engine_options({"async_scheduling": "True"}).async_scheduling is True
+    assert engine_options({}) == engine_options({"num_slots": ""})  # an empty parameter is not set
     assert engine_options({}).async_scheduling is None and engine_options({}).device == "cpu"
-    with pytest.raises(ValueError, match="parameter async_scheduling must be true or false, got 'yes'"):
-        engine_options({"async_scheduling": "yes"})
-    with pytest.raises(ValueError, match="parameter num_pages must be a positive integer, got '0'"):
-        engine_options({"num_pages": "0"})
+    for bad, why in [({"async_scheduling": "yes"}, "parameter async_scheduling must be true or false, got 'yes'"),
+                     ({"num_pages": "0"}, "parameter num_pages must be an integer >= 1, got '0'"),
+                     ({"num_host_pages": "-1"}, "parameter num_host_pages must be an integer >= 0, got '-1'"),
+                     ({"preemption_mode": "drop"}, "parameter preemption_mode must be one of recompute, swap"),
+                     ({"preemption_mode": "swap"}, "parameters: preemption_mode 'swap' needs a host store")]:
+        with pytest.raises(ValueError, match=why):
+            engine_options(bad)
+
+
+def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
+    """Refused when the repository is written, not when tritonserver loads it: nothing is written."""
+    from click.testing import CliRunner
+
+    from k3runtime.cli import main
+
+    res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(tmp_path / "repo"), "--num-host-pages", "3"])
+    assert res.exit_code != 0 and "need preemption_mode 'swap'" in res.output
+    assert not (tmp_path / "repo").exists()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,85 @@
+"""The engine's scheduling and cache options (EngineOptions) as command-line options of `generate`, `serve` and
+`triton-repo`, and as the Triton model's string parameters: one table, so that the three commands and the backend
+take the same names, and a bad value is refused by the name it was given under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from .llm_engine import ASYNC_SCHEDULING_DEFAULT
+from .scheduler_config import PREEMPTION_MODES
+
+
+@dataclass(frozen=True)
+class Flag:
+    field: str  # EngineOptions' field; the option is --field-with-dashes, the Triton parameter the field
+    help: str
+    minimum: int | None = 1  # an int of at least this; None: not an int
+    choices: tuple[str, ...] = ()
+
+    @property
+    def option(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    def click_option(self):
+        if self.field == "async_scheduling":
+            return click.option("--async-scheduling/--no-async-scheduling", default=None, help=self.help)
+        kind = click.Choice(self.choices) if self.choices else click.IntRange(min=self.minimum)
+        return click.option(self.option, self.field, type=kind, default=None, help=self.help)
+
+    def parse(self, text: str):
+        """A Triton parameter's string as the option's value; ValueError names the parameter."""
+        where = f"config.pbtxt: parameter {self.field}"
+        if self.field == "async_scheduling":
+            if text.lower() not in ("true", "false"):
+                raise ValueError(f"{where} must be true or false, got {text!r}")
+            return text.lower() == "true"
+        if self.choices:
+            if text not in self.choices:
+                raise ValueError(f"{where} must be one of {', '.join(self.choices)}, got {text!r}")
+            return text
+        if not (text.isdigit() and int(text) >= self.minimum):
+            raise ValueError(f"{where} must be an integer >= {self.minimum}, got {text!r}")
+        return int(text)
+
+
+FLAGS = (
+    Flag("num_pages", "MLA cache pages [the engine's memory plan]."),
+    Flag("num_slots", "KDA state slots, one a running request [the engine's memory plan]."),
+    Flag("max_num_seqs", "Requests running at once at most [the engine's max batch size]."),
+    Flag("max_num_batched_tokens", "Tokens in one step at most [the engine's max tokens]."),
+    Flag("max_prefill_chunk", "Prompt tokens of one request in one step at most (chunked prefill) [the engine's "
+                              "max tokens]."),
+    Flag("preemption_mode", "What a request preempted for lack of pages loses: recompute (its cache, prefilled "
+                            "again later) or swap (copied to a host store and back) [recompute].",
+         minimum=None, choices=PREEMPTION_MODES),
+    Flag("num_host_pages", "Host-store pages for --preemption-mode swap [0].", minimum=0),
+    Flag("num_host_slots", "Host-store KDA slots for --preemption-mode swap [0].", minimum=0),
+    Flag("async_scheduling", "Launch each step before the previous step's tokens reach the host, so that the GPU "
+                             f"does not wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.",
+         minimum=None),
+)
+
+
+def engine_flags(fn):
+    """The command takes every flag of FLAGS as a keyword (None when not given)."""
+    for flag in reversed(FLAGS):
+        fn = flag.click_option()(fn)
+    return fn
+
+
+def given(values: dict) -> dict:
+    """The flags given (not None) out of a command's keywords: EngineOptions' keywords."""
+    return {f.field: values[f.field] for f in FLAGS if values.get(f.field) is not None}
+
+
+def from_params(params: dict[str, str]) -> dict:
+    """The flags set in a Triton model's parameters (non-empty strings), parsed."""
+    return {f.field: f.parse(params[f.field]) for f in FLAGS if params.get(f.field)}
+
+
+def to_params(values: dict) -> dict[str, str]:
+    """The flags given, as Triton parameters (from_params reads them back)."""
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in given(values).items()}
