@@ -29,7 +29,7 @@ from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
 from .scheduler import Scheduler, ScheduledItem, StepPlan
-from .scheduler_config import PREEMPTION_MODES, SchedulerConfig
+from .scheduler_config import SchedulerConfig, check_ints, check_preemption
 
 
 @dataclass(frozen=True)
@@ -53,16 +53,10 @@ class EngineOptions:
     async_scheduling: bool | None = None
 
     def __post_init__(self):
-        for name in ("num_pages", "num_slots", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name}: expected None (the engine's) or an int >= 1, got {v!r}")
-        for name in ("num_host_pages", "num_host_slots"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode: expected one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check_ints(self, ("num_pages", "num_slots", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"), 1,
+                   optional=True)
+        check_ints(self, ("num_host_pages", "num_host_slots"), 0)
+        check_preemption(self.preemption_mode)
         host = self.num_host_pages, self.num_host_slots
         if self.preemption_mode == "swap" and not all(host):
             raise ValueError(f"preemption_mode 'swap' needs a host store: num_host_pages and num_host_slots must be "

@@ -7,6 +7,22 @@ from dataclasses import dataclass
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+def check_ints(obj, names: tuple[str, ...], minimum: int, *, optional: bool = False) -> None:
+    """ValueError naming the first field of `names` that is not an int >= minimum (or None, when optional)."""
+    for name in names:
+        v = getattr(obj, name)
+        if optional and v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            none = "None (the engine's) or " if optional else ""
+            raise ValueError(f"{name}: expected {none}an int >= {minimum}, got {v!r}")
+
+
+def check_preemption(mode: str) -> None:
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode: expected one of {PREEMPTION_MODES}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What one engine step may hold.
@@ -34,15 +50,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name}: expected an int > 0, got {v!r}")
-        for name in ("num_host_pages", "num_host_slots"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode: expected one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check_ints(self, ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"), 1)
+        check_ints(self, ("num_host_pages", "num_host_slots"), 0)
+        check_preemption(self.preemption_mode)
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len: expected None or an int >= 2, got {self.max_model_len!r}")
