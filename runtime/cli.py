@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .engine_flags import engine_flags, given
+from .engine_flags import as_options, engine_flags, given
 from .loader import EngineError
 
 
@@ -44,7 +44,7 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, d
             click.echo(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})")
             click.echo(out.text if out.text is not None else out.token_ids)
     except (EngineError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(as_options(str(e))) from None
 
 
 # (module, command attribute) of commands living beside their code.

@@ -4,6 +4,7 @@ take the same names, and a bad value is refused by the name it was given under."
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import click
@@ -16,23 +17,24 @@ from .scheduler_config import PREEMPTION_MODES
 class Flag:
     field: str  # EngineOptions' field; the option is --field-with-dashes, the Triton parameter the field
     help: str
-    minimum: int | None = 1  # an int of at least this; None: not an int
-    choices: tuple[str, ...] = ()
+    minimum: int = 1  # an int flag's least value
+    choices: tuple[str, ...] = ()  # a choice flag's values
+    boolean: bool = False  # an on/off flag: --field / --no-field
 
     @property
     def option(self) -> str:
         return "--" + self.field.replace("_", "-")
 
     def click_option(self):
-        if self.field == "async_scheduling":
-            return click.option("--async-scheduling/--no-async-scheduling", default=None, help=self.help)
+        if self.boolean:
+            return click.option(f"{self.option}/--no-{self.option[2:]}", self.field, default=None, help=self.help)
         kind = click.Choice(self.choices) if self.choices else click.IntRange(min=self.minimum)
         return click.option(self.option, self.field, type=kind, default=None, help=self.help)
 
     def parse(self, text: str):
         """A Triton parameter's string as the option's value; ValueError names the parameter."""
         where = f"config.pbtxt: parameter {self.field}"
-        if self.field == "async_scheduling":
+        if self.boolean:
             if text.lower() not in ("true", "false"):
                 raise ValueError(f"{where} must be true or false, got {text!r}")
             return text.lower() == "true"
@@ -40,7 +42,7 @@ class Flag:
             if text not in self.choices:
                 raise ValueError(f"{where} must be one of {', '.join(self.choices)}, got {text!r}")
             return text
-        if not (text.isdigit() and int(text) >= self.minimum):
+        if not (text.isascii() and text.isdigit() and int(text) >= self.minimum):
             raise ValueError(f"{where} must be an integer >= {self.minimum}, got {text!r}")
         return int(text)
 
@@ -54,13 +56,14 @@ FLAGS = (
                               "max tokens]."),
     Flag("preemption_mode", "What a request preempted for lack of pages loses: recompute (its cache, prefilled "
                             "again later) or swap (copied to a host store and back) [recompute].",
-         minimum=None, choices=PREEMPTION_MODES),
+         choices=PREEMPTION_MODES),
     Flag("num_host_pages", "Host-store pages for --preemption-mode swap [0].", minimum=0),
     Flag("num_host_slots", "Host-store KDA slots for --preemption-mode swap [0].", minimum=0),
     Flag("async_scheduling", "Launch each step before the previous step's tokens reach the host, so that the GPU "
                              f"does not wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.",
-         minimum=None),
+         boolean=True),
 )
+_FIELDS = {f.field for f in FLAGS}
 
 
 def engine_flags(fn):
@@ -71,8 +74,17 @@ def engine_flags(fn):
 
 
 def given(values: dict) -> dict:
-    """The flags given (not None) out of a command's keywords: EngineOptions' keywords."""
-    return {f.field: values[f.field] for f in FLAGS if values.get(f.field) is not None}
+    """The flags given (not None) out of a command's keywords: EngineOptions' keywords. TypeError for a keyword
+    that is no flag (a misspelling would otherwise be dropped)."""
+    unknown = sorted(set(values) - _FIELDS)
+    if unknown:
+        raise TypeError(f"not engine flags: {unknown}; the flags are {sorted(_FIELDS)}")
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def as_options(message: str) -> str:
+    """An EngineOptions error as a command-line user reads it: each field named by its option (--num-host-pages)."""
+    return re.sub(r"\b(" + "|".join(_FIELDS) + r")\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def from_params(params: dict[str, str]) -> dict:

@@ -24,7 +24,7 @@ import torch
 
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
-from .dist.comm import collective_timeout
+from .dist.comm import collective_timeout, sampling_rank
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
@@ -92,6 +92,16 @@ def resolve_async_scheduling(options: EngineOptions, mapping: dict) -> EngineOpt
         single = mapping["pp_size"] == 1 and not mapping["attention_dp"]
         return replace(options, async_scheduling=cuda and single)
     return options
+
+
+def check_build_limits(options: EngineOptions, build: dict, engine_dir) -> None:
+    """EngineError for steps larger than the engine was built for: its graph and expert exchange buffers hold
+    max_num_tokens tokens, so a larger step would fail mid-serve. (A longer prefill chunk is cut by the step's
+    tokens; more running requests than max_batch_size decode eagerly past the largest captured graph.)"""
+    value, limit = options.max_num_batched_tokens, build["max_num_tokens"]
+    if value is not None and value > limit:
+        raise EngineError(f"{engine_dir}: max_num_batched_tokens {value} is past the engine's max_num_tokens {limit}; "
+                          "ask for at most that, or rebuild it (k3build build --max-num-tokens ...)")
 
 
 def cache_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
@@ -180,6 +190,7 @@ class LLMEngine:
         self.expert_backend = choose_backend(config, options.enable_deepep)
         mapping = config["mapping"]
         options = resolve_async_scheduling(options, mapping)
+        check_build_limits(options, config["build_config"], engine_dir)
         self.config, self.options = config, options
         self.world_size = mapping["world_size"]
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
@@ -209,7 +220,7 @@ class LLMEngine:
         self._owner: dict[str, Scheduler] = {}
         self._ids = itertools.count()
         self.stats = {"steps": 0, "preemptions": 0, "swaps_out": 0, "tokens": 0}
-        self._last_stage_rank = self.world_size - mapping["tp_size"]
+        self._last_stage_rank = sampling_rank(mapping)
         # async scheduling: each DP rank's launched step; whether the other DP ranks owe their last step's ids
         self._in_flight: list[_InFlight | None] = [None] * self.dp_size
         self._owed = False
@@ -359,9 +370,10 @@ class LLMEngine:
             raise
 
     def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """Broadcast the steps, launch this rank's (steps[0]) and sample it; then (attention-DP) receive what the
-        other DP ranks owe: their previous step's ids, sent once they have launched these. Returns this rank's
-        ids on the device and the others' on the host (None when none were owed)."""
+        """Broadcast the steps, launch this rank's (steps[0]) and sample it (with pipeline stages: receive the ids
+        that the last stage samples); then (attention-DP) receive what the other DP ranks owe: their previous step's
+        ids, sent once they have launched these. Returns this rank's ids on the device and the others' on the host
+        (None when none were owed)."""
         if self.comm is not None:
             self.comm.broadcast_step(steps)
         step, flight = steps[0], self._in_flight[0]

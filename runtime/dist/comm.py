@@ -26,6 +26,11 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 60)))
 
 
+def sampling_rank(mapping: dict) -> int:
+    """The last stage's first rank: it reports a step's results to the driver (rank 0 without pipeline stages)."""
+    return mapping["world_size"] - mapping["tp_size"]
+
+
 def gather_cat(x: torch.Tensor, group, axis: int = 0) -> torch.Tensor:
     """Every rank's x of the group, concatenated along `axis` in rank order."""
     x = x.contiguous()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..loader import EngineError, read_engine_config
 from . import heartbeat
-from .comm import DistCommunicator, collective_timeout
+from .comm import DistCommunicator, collective_timeout, sampling_rank
 from .exchange import choose_backend, make_exchange
 
 
@@ -93,7 +93,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     tp_rank, attention_dp = config["ranks"][str(rank)]["tp_rank"], config["mapping"]["attention_dp"]
     # Without attention-DP one rank of the last stage reports for its TP group; with it every rank has its own.
     reports = runner.last and (tp_rank == 0 or attention_dp)
-    sampler = config["mapping"]["world_size"] - config["mapping"]["tp_size"]  # the last stage's first rank
+    sampler = sampling_rank(config["mapping"])
     # async scheduling: the last step's sampled ids on this device, which the next step feeds (shared by the
     # last stage's first rank: the driver without pipeline stages; under attention-DP this rank's own); and,
     # under attention-DP, on their way to the host, owed to the driver once the next step is launched

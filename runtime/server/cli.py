@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..engine_flags import engine_flags, given
+from ..engine_flags import as_options, engine_flags, given
 
 
 def _read_weight_config(path: str):
@@ -66,7 +66,7 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
                                                    cuda_graphs=not enforce_eager, load_progress=True, **given(flags)),
                             metrics=PrometheusMetrics())
     except (EngineError, ValueError, NotImplementedError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(as_options(str(e))) from None
     max_len = ae.engine.scheduler.config.max_model_len or 4096
     try:
         cfg = ServerConfig(model_name=model_name or Path(engine).resolve().name, api_key=api_key,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..engine_flags import engine_flags, given, to_params
+from ..engine_flags import as_options, engine_flags, given, to_params
 from ..llm_engine import EngineOptions
 
 _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets
@@ -34,7 +34,9 @@ def _tensor(name, dtype, dims, optional):
 def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: str = "cpu",
                  max_tokens_limit: int = 4096, **flags) -> str:
     """flags: engine_flags' options (num_pages=…, async_scheduling=…); one left out or None is the engine's
-    (params.engine_options reads the parameters)."""
+    (params.engine_options reads the parameters). Refused here as EngineOptions refuses them (ValueError; TypeError
+    for a keyword that is no flag), not when tritonserver loads the model."""
+    EngineOptions(device=device, **given(flags))
     params = {"engine_dir": str(engine_dir), "device": device, "max_tokens_limit": str(max_tokens_limit),
               **to_params(flags)}
     lines = [f'name: "{model_name}"', 'backend: "python"',
@@ -58,14 +60,16 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     engine_dir = Path(engine_dir).resolve()
     if not (engine_dir / "config.json").is_file():
         raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
+    # the config first: bad flags leave OUT as it was
+    config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
+                          **flags)
     model_dir = Path(out) / model_name
     if model_dir.exists():
         if not overwrite:
             raise FileExistsError(f"{model_dir}: exists (pass --overwrite to replace it)")
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device,
-                                                         max_tokens_limit=max_tokens_limit, **flags))
+    (model_dir / "config.pbtxt").write_text(config)
     shutil.copyfile(Path(__file__).with_name("model.py"), model_dir / "1" / "model.py")
     return model_dir
 
@@ -83,9 +87,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, overwrite, **flags):
     """Write a Triton Python-backend model repository serving ENGINE into OUT."""
     try:
-        EngineOptions(device=device, **given(flags))  # refused here, not when tritonserver loads the model
         d = write_repo(engine, out, model_name=model_name, decoupled=decoupled, device=device,
                        max_tokens_limit=max_tokens_limit, overwrite=overwrite, **flags)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(as_options(str(e))) from None
     click.echo(f"wrote {d} (start: tritonserver --model-repository={Path(out).resolve()})")

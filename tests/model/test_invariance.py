@@ -167,9 +167,10 @@ def test_async_scheduling_stops_and_samples_as_sync(k3_tiny_engine):
     assert llm.engine.scheduler.page_pool.num_used == 0
 
 
-def test_generate_cli_with_async_scheduling(k3_tiny_engine):
+def test_generate_cli_with_async_scheduling(k3_tiny_engine, monkeypatch):
     from click.testing import CliRunner
 
+    from k3runtime import api
     from k3runtime.cli import main
 
     args = ["generate", str(k3_tiny_engine), "--prompt", "Hello there", "--prompt", "Hi", "--max-tokens", "9"]
@@ -180,12 +181,17 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine):
     assert fast.output == sync.output == default.output and "-> 9 tokens" in fast.output
     assert LLM(k3_tiny_engine).engine.options.async_scheduling is False  # resolved: off on the CPU
     # the engine's sizes and policies as flags (engine_flags): one request at a time in chunks of 4, the same text
+    made = []
+    monkeypatch.setattr(api, "LLMEngine", lambda path, options: made.append(options) or llm_engine.LLMEngine(path, options))
     sizes = ["--max-num-seqs", "1", "--max-prefill-chunk", "4", "--preemption-mode", "swap", "--num-host-pages", "2",
-             "--num-host-slots", "1"]
+             "--num-host-slots", "1", "--num-pages", "3"]
     small = CliRunner().invoke(main, [*args, *sizes])
     assert small.exit_code == 0 and small.output == default.output, small.output
+    opts = made[-1]
+    assert (opts.max_num_seqs, opts.max_prefill_chunk, opts.num_pages, opts.num_slots) == (1, 4, 3, None)
+    assert (opts.preemption_mode, opts.num_host_pages, opts.num_host_slots) == ("swap", 2, 1)
     bad = CliRunner().invoke(main, [*args, "--preemption-mode", "swap"])
-    assert bad.exit_code != 0 and "'swap' needs a host store" in bad.output
+    assert bad.exit_code != 0 and "--preemption-mode 'swap' needs a host store" in bad.output
 
 
 @pytest.mark.parametrize("device, pp, dp, wanted, on", [

@@ -113,3 +113,35 @@ def test_two_stages_replay_their_graphs_as_their_eager_steps(k3_tiny_ckpt, tmp_p
     staged = _run(stages, step)
     # micro-batches of two rows against one batch of four: kernels may take other blocks, so bf16 sums may differ
     assert ((staged - whole).norm() / whole.norm()).item() < 1e-2
+
+
+def test_two_stages_replay_fed_tokens_in_every_micro_batch(k3_tiny_ckpt, tmp_path):
+    """Async scheduling with pipeline stages: a replayed step whose inputs are the previous step's sampled ids, fed
+    on the device, in both micro-batches (item 3 sits in the second), gives the logits and caches of the eager step
+    given those ids as tokens."""
+    from dataclasses import replace
+
+    from k3runtime.request import PLACEHOLDER
+
+    pp2 = build_engine(k3_tiny_ckpt, tmp_path / "pp2", mapping=Mapping(pp_size=2), target="sm90", dtype="bf16",
+                       kv_dtype="bf16")
+    stages = _runners(pp2, 2, cuda_graphs=True)
+    plain = _step()
+    fed = torch.tensor([6, 11, 8], dtype=torch.int64, device="cuda")  # what the previous step sampled
+    items = list(plain.items)
+    for i in (1, 3):
+        items[i] = replace(items[i], token_ids=(PLACEHOLDER,))
+    feeding = replace(plain, items=tuple(items), feed=((1, 0), (3, 2)))
+    given = replace(plain, items=tuple(replace(it, token_ids=(t,)) for it, t in zip(plain.items, (5, 6, 7, 8))))
+    saved = [[t.clone() for t in _caches(r)] for r in stages]
+    replayed = [r.run(feeding, fed) for r in stages][-1].clone()
+    after = [[t.clone() for t in _caches(r)] for r in stages]
+    for r, s in zip(stages, saved):
+        for t, v in zip(_caches(r), s):
+            t.copy_(v)
+        r.graphs = None
+    eager = _run(stages, given)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    for r, a in zip(stages, after):
+        for t, v in zip(_caches(r), a):
+            torch.testing.assert_close(t, v, rtol=1e-5, atol=1e-5)

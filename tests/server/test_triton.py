@@ -50,6 +50,7 @@ def test_parameters_become_engine_options(tmp_path):
     from k3runtime.triton_backend.params import engine_options
 
     assert "async_scheduling" not in config_pbtxt("k3", tmp_path, decoupled=True, async_scheduling=None)
+    assert "num_pages" not in config_pbtxt("k3", tmp_path, decoupled=True)
     txt = config_pbtxt("k3", tmp_path, decoupled=True, device="cuda", num_pages=7, max_num_seqs=3,
                        preemption_mode="swap", num_host_pages=4, num_host_slots=2, async_scheduling=False)
     params = dict(re.findall(r'key: "(\w+)"\n  value: \{ string_value: "([^"]*)" \}', txt))
@@ -61,6 +62,7 @@ def test_parameters_become_engine_options(tmp_path):
     assert engine_options({}).async_scheduling is None and engine_options({}).device == "cpu"
     for bad, why in [({"async_scheduling": "yes"}, "parameter async_scheduling must be true or false, got 'yes'"),
                      ({"num_pages": "0"}, "parameter num_pages must be an integer >= 1, got '0'"),
+                     ({"num_slots": "\u00b2"}, "parameter num_slots must be an integer >= 1"),
                      ({"num_host_pages": "-1"}, "parameter num_host_pages must be an integer >= 0, got '-1'"),
                      ({"preemption_mode": "drop"}, "parameter preemption_mode must be one of recompute, swap"),
                      ({"preemption_mode": "swap"}, "parameters: preemption_mode 'swap' needs a host store")]:
@@ -69,14 +71,24 @@ def test_parameters_become_engine_options(tmp_path):
 
 
 def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
-    """Refused when the repository is written, not when tritonserver loads it: nothing is written."""
+    """Refused when the repository is written, not when tritonserver loads it, by the options' names: nothing is
+    written, and a model there already is kept, --overwrite or not."""
     from click.testing import CliRunner
 
     from k3runtime.cli import main
 
-    res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(tmp_path / "repo"), "--num-host-pages", "3"])
-    assert res.exit_code != 0 and "need preemption_mode 'swap'" in res.output
-    assert not (tmp_path / "repo").exists()
+    repo = tmp_path / "repo"
+    res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--num-host-pages", "3"])
+    assert res.exit_code != 0 and "need --preemption-mode 'swap'" in res.output
+    assert not repo.exists()
+    write_repo(tiny_engine, repo, num_pages=4)
+    before = (repo / "k3" / "config.pbtxt").read_text()
+    res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--overwrite", "--preemption-mode",
+                                    "swap"])
+    assert res.exit_code != 0 and "--preemption-mode 'swap' needs a host store" in res.output
+    assert (repo / "k3" / "config.pbtxt").read_text() == before
+    with pytest.raises(TypeError, match=r"not engine flags: \['num_page'\]"):
+        write_repo(tiny_engine, repo, overwrite=True, num_page=7)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
 # of the preemption case (tests/model/test_gpu_engine.py), the feed-length check in RankRunner.run, the engine
 # marked broken after a failed async step, async scheduling's default off on ROCm and with attention-DP.
 # Twenty-ninth session (no device lent): the feed split by micro-batch in RankRunner.run (one micro-batch without
-# pipeline stages), share_tokens from a given rank, EngineOptions validated when made. Async scheduling with
-# pipeline stages itself needs two GPUs (NCCL refuses two ranks on one device).
+# pipeline stages), share_tokens from a given rank, EngineOptions validated when made; a two-stage replay of fed
+# ids in both micro-batches (tests/runtime/test_pp_graphs_gpu.py, both stages in one process). Async scheduling
+# over pipeline stages end to end needs two GPUs (NCCL refuses two ranks on one device).
 source tools/device/env.sh
 timeout 540 python3 -m pytest -q -m gpu tests/plugins tests/model tests/runtime tests/dist/test_graphs_nccl_gpu.py \
   -p no:cacheprovider --tb=short -rs > $OUT/pytest.txt 2>&1
