@@ -43,20 +43,25 @@ def start() -> None:
     threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True).start()
 
 
-def silent_ranks(older_than_s: float) -> list[tuple[int, float]]:
-    """(rank, seconds since its last beat) of every other rank silent for more than `older_than_s`."""
+def _stamps() -> dict[int, float]:
+    """Every other rank's last beat (time.time()), of those that have beaten."""
     store, me = _store(), dist.get_rank()
     if store is None:
-        return []
-    now, silent = time.time(), []
-    for rank in range(dist.get_world_size()):
-        key = _KEY.format(rank)
-        if rank == me or not store.check([key]):
-            continue
-        age = now - float(store.get(key).decode())
-        if age > older_than_s:
-            silent.append((rank, age))
-    return silent
+        return {}
+    keys = {r: _KEY.format(r) for r in range(dist.get_world_size()) if r != me}
+    return {r: float(store.get(k).decode()) for r, k in keys.items() if store.check([k])}
+
+
+def silent_ranks(older_than_s: float, watch_s: float = 3 * PERIOD_S) -> list[tuple[int, float]]:
+    """(rank, seconds since its last beat) of every other rank silent for more than `older_than_s`; if none is,
+    of those whose beat does not move in `watch_s` (a rank that stopped just before the timeout)."""
+    now, stamps = time.time(), _stamps()
+    silent = [(r, now - t) for r, t in stamps.items() if now - t > older_than_s]
+    if silent or not stamps:
+        return silent
+    time.sleep(watch_s)
+    now, later = time.time(), _stamps()
+    return [(r, now - t) for r, t in later.items() if t == stamps.get(r)]
 
 
 def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:

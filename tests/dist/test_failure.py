@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from engines import build_engine
 
 from k3build.mapping import Mapping
@@ -16,12 +17,13 @@ from k3build.mapping import Mapping
 JOB = Path(__file__).with_name("dist_job.py")
 
 
-def _stop_a_rank_mid_generation(engine_root: Path, ckpt: Path, sig: int, timeout_s: int) -> tuple[int, float, str]:
+def _stop_a_rank_mid_generation(engine_root: Path, ckpt: Path, sig: int, timeout_s: int,
+                                mapping: Mapping = Mapping(tp_size=2), options: dict | None = None
+                                ) -> tuple[int, float, str]:
     """Start a 2-rank streaming job, send `sig` to rank 1 once tokens flow; returns (rc, seconds to exit, log)."""
-    engine = build_engine(ckpt, engine_root / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
-                          max_num_tokens=512)
+    engine = build_engine(ckpt, engine_root / "engine", mapping=mapping, max_seq_len=4096, max_num_tokens=512)
     out = engine_root / "progress"
-    job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 4000, "options": {}, "mode": "stream"})
+    job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 4000, "options": options or {}, "mode": "stream"})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": str(timeout_s)}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(JOB), str(engine), str(out), job], env=env, stdout=subprocess.PIPE,
@@ -56,10 +58,13 @@ def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
     assert re.search(r"Root Cause.*?rank\s*:\s*1 \(local_rank: 1\).*?SIGKILL", log, re.S), log[-3000:]
 
 
-def test_hung_rank_trips_the_collective_timeout(k3_tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("mapping, options", [(Mapping(tp_size=2), {}),
+                                              (Mapping(pp_size=2), {"async_scheduling": True})], ids=["tp2", "pp2-async"])
+def test_hung_rank_trips_the_collective_timeout(mapping, options, k3_tiny_ckpt, tmp_path):
     # SIGSTOP: the rank's sockets stay open, so only the timeout can end the job. Every process group
-    # (TP/MoE groups, control plane) must carry K3_DIST_TIMEOUT_S, not torch's 30-minute default.
-    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_tiny_ckpt, signal.SIGSTOP, 10)
+    # (TP/MoE groups, control plane) must carry K3_DIST_TIMEOUT_S, not torch's 30-minute default. With pipeline
+    # stages and async scheduling the driver waits for the last stage's ids in their broadcast.
+    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_tiny_ckpt, signal.SIGSTOP, 10, mapping, options)
     assert rc != 0
     # timeout in the step (10 s) + timeout releasing the workers (10 s) + torchrun's grace before SIGKILL (30 s)
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
