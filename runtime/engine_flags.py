@@ -83,8 +83,10 @@ def given(values: dict) -> dict:
 
 
 def as_options(message: str) -> str:
-    """An EngineOptions error as a command-line user reads it: each field named by its option (--num-host-pages)."""
-    return re.sub(r"\b(" + "|".join(_FIELDS) + r")\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    """An EngineOptions error as a command-line user reads it: each field named by its option (--num-host-pages);
+    not inside a longer name, an attribute or a path (/k3-num_pages/)."""
+    fields = "|".join(map(re.escape, _FIELDS))
+    return re.sub(rf"(?<![\w/.-])({fields})(?![\w/-])", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def from_params(params: dict[str, str]) -> dict:

@@ -44,22 +44,27 @@ def start() -> None:
 
 
 def _stamps() -> dict[int, float]:
-    """Every other rank's last beat (time.time()), of those that have beaten."""
-    store, me = _store(), dist.get_rank()
+    """Every other rank's last beat (time.time()), of those that have beaten; {} when the store cannot be read
+    (it went with the job: the timeout itself is then the error to show)."""
+    store = _store()
     if store is None:
         return {}
-    keys = {r: _KEY.format(r) for r in range(dist.get_world_size()) if r != me}
-    return {r: float(store.get(k).decode()) for r, k in keys.items() if store.check([k])}
+    me, keys = dist.get_rank(), {r: _KEY.format(r) for r in range(dist.get_world_size())}
+    try:
+        return {r: float(store.get(k).decode()) for r, k in keys.items() if r != me and store.check([k])}
+    except Exception:
+        return {}
 
 
-def silent_ranks(older_than_s: float, watch_s: float = 3 * PERIOD_S) -> list[tuple[int, float]]:
-    """(rank, seconds since its last beat) of every other rank silent for more than `older_than_s`; if none is,
-    of those whose beat does not move in `watch_s` (a rank that stopped just before the timeout)."""
+def silent_ranks(older_than_s: float) -> list[tuple[int, float]]:
+    """(rank, seconds since its last beat) of every other rank silent for more than `older_than_s`. When none is
+    yet (a rank that stopped just before the timeout), the beats are watched for that long, and those that did not
+    move are silent: meanwhile the live ranks, waiting here or in their own collectives, beat on."""
     now, stamps = time.time(), _stamps()
     silent = [(r, now - t) for r, t in stamps.items() if now - t > older_than_s]
     if silent or not stamps:
         return silent
-    time.sleep(watch_s)
+    time.sleep(older_than_s)
     now, later = time.time(), _stamps()
     return [(r, now - t) for r, t in later.items() if t == stamps.get(r)]
 

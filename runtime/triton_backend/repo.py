@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from ..engine_flags import as_options, engine_flags, given, to_params
-from ..llm_engine import EngineOptions
+from ..llm_engine import EngineOptions, check_build_limits
+from ..loader import EngineError, read_engine_config
 
 _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets
     ("text_input", "TYPE_STRING", [1]),
@@ -61,6 +62,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     if not (engine_dir / "config.json").is_file():
         raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
     # the config first: bad flags leave OUT as it was
+    check_build_limits(EngineOptions(device=device, **given(flags)), read_engine_config(engine_dir)["build_config"],
+                       engine_dir)
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
                           **flags)
     model_dir = Path(out) / model_name
@@ -89,6 +92,6 @@ def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit
     try:
         d = write_repo(engine, out, model_name=model_name, decoupled=decoupled, device=device,
                        max_tokens_limit=max_tokens_limit, overwrite=overwrite, **flags)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, EngineError) as e:
         raise click.ClickException(as_options(str(e))) from None
     click.echo(f"wrote {d} (start: tritonserver --model-repository={Path(out).resolve()})")

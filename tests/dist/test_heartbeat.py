@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 JOB = textwrap.dedent('''
     import json, os, signal, sys, time
@@ -22,21 +24,22 @@ JOB = textwrap.dedent('''
             time.sleep(0.05)
 
     if dist.get_rank() == 1:
-        store.set("pid1", str(os.getpid()))
+        with open(sys.argv[1] + ".pid1", "w") as f:
+            f.write(str(os.getpid()))
         wait("checked_alive")
         store.set("stopping", "1")
         os.kill(os.getpid(), signal.SIGSTOP)  # hangs here with its sockets open; rank 0 ends it
     time.sleep(2.5)  # both beat
-    alive = heartbeat.silent_ranks(5.0, watch_s=3.0)  # rank 1 beats: nobody
+    alive = heartbeat.silent_ranks(3.0)  # rank 1 beats: nobody
     store.set("checked_alive", "1")
     wait("stopping")
     time.sleep(0.2)
-    stopped = heartbeat.silent_ranks(5.0, watch_s=3.0)  # no beat older than 5 s: watching tells
+    stopped = heartbeat.silent_ranks(3.0)  # no beat older than 3 s: watching them for 3 s tells
     why = heartbeat.explain_timeout(RuntimeError("Timed out waiting 10000ms"), 10)
     other = heartbeat.explain_timeout(RuntimeError("Connection closed by peer"), 10)
-    with open(sys.argv[1], "w") as f:
+    with open(sys.argv[1] + ".tmp", "w") as f:
         json.dump({"alive": alive, "stopped": stopped, "why": why, "other": other}, f)
-    os.kill(int(store.get("pid1")), signal.SIGKILL)
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     os._exit(0)
 ''')
 
@@ -46,15 +49,27 @@ def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
     job.write_text(JOB)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(job), str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
     try:
-        log, _ = proc.communicate(timeout=120)
+        while not out.exists() and proc.poll() is None:  # rank 0 writes it, then rank 1 is killed here
+            time.sleep(0.2)
+            assert time.monotonic() - t0 < 120, "the job did not finish"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # never leave a stopped rank behind
+        pid1 = Path(f"{out}.pid1")
+        if pid1.exists():
+            try:
+                os.kill(int(pid1.read_text()), signal.SIGKILL)  # never leave a stopped rank behind
+            except ProcessLookupError:
+                pass
+        try:
+            log = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
     assert out.exists(), log[-3000:]
     got = json.loads(out.read_text())
     assert got["alive"] == []
-    # rank 1 stopped about 0.2 s before: no beat is 5 s old, and its beat did not move in 3 s
-    assert [r for r, _ in got["stopped"]] == [1] and 2 < got["stopped"][0][1] < 5
+    # rank 1 stopped about 0.2 s before: no beat was 3 s old, and its beat did not move in the 3 s watched
+    assert [r for r, _ in got["stopped"]] == [1] and 3 <= got["stopped"][0][1] < 10
     assert "rank 1 (no heartbeat for" in got["why"] and got["other"] is None

@@ -87,6 +87,10 @@ def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
                                     "swap"])
     assert res.exit_code != 0 and "--preemption-mode 'swap' needs a host store" in res.output
     assert (repo / "k3" / "config.pbtxt").read_text() == before
+    res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--overwrite",
+                                    "--max-num-batched-tokens", "100000"])
+    assert res.exit_code != 0 and "--max-num-batched-tokens 100000 is past the engine's max_num_tokens" in res.output
+    assert (repo / "k3" / "config.pbtxt").read_text() == before
     with pytest.raises(TypeError, match=r"not engine flags: \['num_page'\]"):
         write_repo(tiny_engine, repo, overwrite=True, num_page=7)
 
