@@ -4,7 +4,7 @@ A rank that dies is named by torchrun; a rank that hangs (stopped, stuck in a ke
 makes its peers' collectives time out, and they cannot tell who is missing. Every rank stamps the time into
 the store that torch.distributed was initialised with, from a daemon thread. A thread keeps beating while
 its rank waits inside a collective, and stops when the process stops. After a timeout, the ranks whose
-stamps are old are the silent ones.
+stamps do not move for a few seconds are the silent ones.
 """
 
 from __future__ import annotations
@@ -43,39 +43,40 @@ def start() -> None:
     threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True).start()
 
 
-def _stamps() -> dict[int, float]:
-    """Every other rank's last beat (time.time()), of those that have beaten; {} when the store cannot be read
-    (it went with the job: the timeout itself is then the error to show)."""
+def _stamps() -> dict[int, str]:
+    """Every other rank's last beat, of those that have beaten; {} when the store cannot be read (it went with the
+    job: the timeout itself is then the error to show)."""
     store = _store()
     if store is None:
         return {}
     me, keys = dist.get_rank(), {r: _KEY.format(r) for r in range(dist.get_world_size())}
     try:
-        return {r: float(store.get(k).decode()) for r, k in keys.items() if r != me and store.check([k])}
+        return {r: store.get(k).decode() for r, k in keys.items() if r != me and store.check([k])}
     except Exception:
         return {}
 
 
-def silent_ranks(older_than_s: float) -> list[tuple[int, float]]:
-    """(rank, seconds since its last beat) of every other rank silent for more than `older_than_s`. When none is
-    yet (a rank that stopped just before the timeout), the beats are watched for that long, and those that did not
-    move are silent: meanwhile the live ranks, waiting here or in their own collectives, beat on."""
-    now, stamps = time.time(), _stamps()
-    silent = [(r, now - t) for r, t in stamps.items() if now - t > older_than_s]
-    if silent or not stamps:
-        return silent
-    time.sleep(older_than_s)
-    now, later = time.time(), _stamps()
-    return [(r, now - t) for r, t in later.items() if t == stamps.get(r)]
+def silent_ranks(watch_s: float) -> list[int]:
+    """The other ranks whose beat does not move in `watch_s` seconds (more than a few beats). Only whether a
+    beat changes counts, never its time against this rank's clock, so clocks that differ between nodes name
+    no one. Meanwhile the live ranks, waiting in their collectives or in this same watch, beat on."""
+    before = _stamps()
+    if not before:
+        return []
+    time.sleep(watch_s)
+    after = _stamps()
+    return sorted(r for r, beat in after.items() if beat == before.get(r))
 
 
 def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
-    """A message naming the silent ranks when `exc` is a collective timeout, else None."""
+    """A message naming the silent ranks when `exc` is a collective timeout, else None (after watching the beats
+    for up to 5 s)."""
     if "timed out" not in str(exc).lower():
         return None
-    silent = silent_ranks(min(5.0, timeout_s / 2))
+    watch_s = max(3 * PERIOD_S, min(5.0, timeout_s / 2))
+    silent = silent_ranks(watch_s)
     if not silent:
         return None
-    names = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in silent)
-    return (f"a collective timed out after {timeout_s:.0f} s (K3_DIST_TIMEOUT_S): {names} stopped responding; "
-            "the others were alive and waiting for it")
+    names = ", ".join(f"rank {r}" for r in silent)
+    return (f"a collective timed out after {timeout_s:.0f} s (K3_DIST_TIMEOUT_S): {names} stopped responding (no "
+            f"heartbeat in {watch_s:.0f} s); the others were alive and waiting for it")

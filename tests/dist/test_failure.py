@@ -66,9 +66,9 @@ def test_hung_rank_trips_the_collective_timeout(mapping, options, k3_tiny_ckpt, 
     # stages and async scheduling the driver waits for the last stage's ids in their broadcast.
     rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_tiny_ckpt, signal.SIGSTOP, 10, mapping, options)
     assert rc != 0
-    # timeout in the step (10 s) + timeout releasing the workers (10 s) + at most 5 s watching the heartbeats
-    # (heartbeat.silent_ranks) + torchrun's grace before SIGKILL (30 s)
+    # timeout in the step (10 s) + 5 s watching the heartbeats (heartbeat.explain_timeout) + timeout releasing the
+    # workers (10 s) + torchrun's grace before SIGKILL (30 s)
     assert elapsed < 70, f"the job took {elapsed:.0f} s to stop"
     assert "Timed out waiting 10000ms" in log, log[-3000:]
     # the driver's error names the silent rank from its stale heartbeat, not only its own timeout
-    assert re.search(r"rank 1 \(no heartbeat for \d+ s\) stopped responding", log), log[-3000:]
+    assert re.search(r"rank 1 stopped responding \(no heartbeat in \d+ s\)", log), log[-3000:]

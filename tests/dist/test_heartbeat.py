@@ -34,7 +34,7 @@ JOB = textwrap.dedent('''
     store.set("checked_alive", "1")
     wait("stopping")
     time.sleep(0.2)
-    stopped = heartbeat.silent_ranks(3.0)  # no beat older than 3 s: watching them for 3 s tells
+    stopped = heartbeat.silent_ranks(3.0)  # stopped 0.2 s ago: its beat does not move in the 3 s watched
     why = heartbeat.explain_timeout(RuntimeError("Timed out waiting 10000ms"), 10)
     other = heartbeat.explain_timeout(RuntimeError("Connection closed by peer"), 10)
     with open(sys.argv[1] + ".tmp", "w") as f:
@@ -69,7 +69,5 @@ def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
             raise
     assert out.exists(), log[-3000:]
     got = json.loads(out.read_text())
-    assert got["alive"] == []
-    # rank 1 stopped about 0.2 s before: no beat was 3 s old, and its beat did not move in the 3 s watched
-    assert [r for r, _ in got["stopped"]] == [1] and 3 <= got["stopped"][0][1] < 10
-    assert "rank 1 (no heartbeat for" in got["why"] and got["other"] is None
+    assert got["alive"] == [] and got["stopped"] == [1]
+    assert "rank 1 stopped responding (no heartbeat in 5 s)" in got["why"] and got["other"] is None
