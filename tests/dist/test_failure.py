@@ -58,8 +58,9 @@ def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
     assert re.search(r"Root Cause.*?rank\s*:\s*1 \(local_rank: 1\).*?SIGKILL", log, re.S), log[-3000:]
 
 
-@pytest.mark.parametrize("mapping, options", [(Mapping(tp_size=2), {}),
-                                              (Mapping(pp_size=2), {"async_scheduling": True})], ids=["tp2", "pp2-async"])
+@pytest.mark.parametrize("mapping, options",
+                         [(Mapping(tp_size=2), {}), (Mapping(pp_size=2), {"async_scheduling": True})],
+                         ids=["tp2", "pp2-async"])
 def test_hung_rank_trips_the_collective_timeout(mapping, options, k3_tiny_ckpt, tmp_path):
     # SIGSTOP: the rank's sockets stay open, so only the timeout can end the job. Every process group
     # (TP/MoE groups, control plane) must carry K3_DIST_TIMEOUT_S, not torch's 30-minute default. With pipeline

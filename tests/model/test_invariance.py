@@ -182,7 +182,8 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine, monkeypatch):
     assert LLM(k3_tiny_engine).engine.options.async_scheduling is False  # resolved: off on the CPU
     # the engine's sizes and policies as flags (engine_flags): one request at a time in chunks of 4, the same text
     made = []
-    monkeypatch.setattr(api, "LLMEngine", lambda path, options: made.append(options) or llm_engine.LLMEngine(path, options))
+    monkeypatch.setattr(api, "LLMEngine",
+                        lambda path, options: made.append(options) or llm_engine.LLMEngine(path, options))
     sizes = ["--max-num-seqs", "1", "--max-prefill-chunk", "4", "--preemption-mode", "swap", "--num-host-pages", "2",
              "--num-host-slots", "1", "--num-pages", "3"]
     small = CliRunner().invoke(main, [*args, *sizes])

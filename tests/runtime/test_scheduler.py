@@ -239,7 +239,8 @@ def test_config_validation_names_field(field, value):
 
 
 @pytest.mark.parametrize("field,value", [("num_pages", 0), ("num_slots", 1.5), ("max_num_seqs", True),
-                                         ("max_prefill_chunk", -4), ("num_host_pages", -1), ("preemption_mode", "drop")])
+                                         ("max_prefill_chunk", -4), ("num_host_pages", -1),
+                                         ("preemption_mode", "drop")])
 def test_engine_options_validation_names_field(field, value):
     """The runtime options are refused by name when they are made, before an engine is opened."""
     from k3runtime.llm_engine import EngineOptions
