@@ -307,13 +307,19 @@ class LLMEngine:
             return []
         events = []
         for sched, plan, tokens in zip(self.schedulers, plans, self._execute(self._steps(plans))):
-            sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens.tolist())}
-            finished = {r.request_id: r.finish_reason for r in sched.update(plan, sampled)}
-            for r in finished:
-                self._owner.pop(r, None)
+            sampled, finished = self._update(sched, plan, tokens.tolist())
             self.stats["tokens"] += plan.num_batched_tokens
             events += [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items()]
         return events
+
+    def _update(self, sched: Scheduler, plan: StepPlan, tokens: list[int]) -> tuple[dict[str, int], dict[str, str]]:
+        """A step's sampled tokens (in the order of its sampled items) into its scheduler: (token by request id,
+        finish reason by request id of those that ended), the ended ones no longer owned."""
+        sampled = {it.request_id: t for it, t in zip((it for it in plan.items if it.sample), tokens)}
+        finished = {r.request_id: r.finish_reason for r in sched.update(plan, sampled)}
+        for r in finished:
+            self._owner.pop(r, None)
+        return sampled, finished
 
     def _step_async(self) -> list[TokenEvent]:
         """Schedule and launch a step, then read the previous step's tokens (waiting for that step only) and
@@ -430,10 +436,7 @@ class LLMEngine:
                                        f"{len(flight.requests)}")
             self._in_flight[d] = None
             live = [(r, t) for r, t in zip(flight.requests, tokens) if not r.is_finished]  # not ended meanwhile
-            sampled = {it.request_id: t for it, t in zip((it for it in flight.plan.items if it.sample), tokens)}
-            finished = {r.request_id: r.finish_reason for r in sched.update(flight.plan, sampled)}
-            for r in finished:
-                self._owner.pop(r, None)
+            _, finished = self._update(sched, flight.plan, tokens)
             events += [TokenEvent(r.request_id, t, finished.get(r.request_id)) for r, t in live]
         return events
 
