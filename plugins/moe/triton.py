@@ -2,11 +2,11 @@
 
 Three launches after a sync-free counting sort of the (token, expert) pairs by local expert (one launch):
 gate/up GEMM with SiTU fused (h [P, I], activation dtype), down GEMM with the routing weight applied
-(y [P, Dl] fp32), and a deterministic per-token sum of its local pairs (no atomics). Weights are read in
-the build's MXFP4 layout, unchanged (the W4 decode reads the same bytes as int32 words). Tactics are block
-configs and the operand path: "decode" (BM=16, swap-AB so the weights fill the MMA rows) and "prefill"
-(BM=128) with our W4 bit-level decode, "*_s" with the same decode on the strided-nibble layout, "*_ds" with
-tl.dot_scaled.
+(y [P, Dl] fp32, or the activation dtype with `y_half`), and a deterministic per-token sum of its local pairs
+(no atomics). Weights are read in the build's MXFP4 layout, unchanged (the W4 decode reads the same bytes as
+int32 words). Tactics are block configs and the operand path: "decode" (BM=16, swap-AB so the weights fill the
+MMA rows) and "prefill" (BM=128) with our W4 bit-level decode, "*_s" with the same decode on the strided-nibble
+layout, "*_ds" with tl.dot_scaled.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class MoETactic:
     down_block_n: int | None = None
     down_num_warps: int | None = None
     down_num_stages: int | None = None
+    # the per-pair rows y in the activation dtype, not fp32: the down kernel writes, and the combine reads, half
+    # the bytes (6.4 -> 3.2 MB at 8 tokens an expert, 56 experts); each pair's product is rounded once before the
+    # fp32 sum of a token's pairs
+    y_half: bool = False
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -240,7 +244,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     early = t.overlap and pdl_capable(z)  # the down kernel launched before the gate/up kernel ends
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
-    y = torch.empty(P, Dl, dtype=torch.float32, device=z.device)
+    y = torch.empty(P, Dl, dtype=z.dtype if t.y_half else torch.float32, device=z.device)
     out = torch.empty(M, Dl, dtype=torch.float32, device=z.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     layout = 4 if t.lane else 2 if t.paired else int(t.strided)  # the kernels' STRIDED (3: FP8 below)

@@ -80,12 +80,13 @@ def _sort_pairs_case(moe, max_block=256):
 
 
 def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, block_n=None, overlap=False,
-                      down_block_n=None, lane=False):
+                      down_block_n=None, lane=False, y_half=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
     pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K, or
     block_n rows: half a tile at 32) vs the reference on the originals. rows_first: the grid (row blocks, experts).
     overlap: the down kernel awaits each expert's count of gate/up programs (the counts must add up, or it hangs).
-    down_block_n: the down kernel's own rows per program. lane: lane_mxfp4's layout, z given in its K order."""
+    down_block_n: the down kernel's own rows per program. lane: lane_mxfp4's layout, z given in its K order.
+    y_half: the per-pair rows in z's dtype; also returns its distance from the same tactic with fp32 rows."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
@@ -98,12 +99,18 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
     tactic = moe.MoETactic(block_m=16, block_n=block_n or (128 if tiled else 32), block_k=256, num_warps=4,
                            num_stages=1, strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first,
-                           overlap=overlap, down_block_n=down_block_n, lane=lane)
+                           overlap=overlap, down_block_n=down_block_n, lane=lane, y_half=y_half)
     out = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
                           moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
                           expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
-    return {"rel": _rel(out, expect)}
+    if not y_half:
+        return {"rel": _rel(out, expect)}
+    from dataclasses import replace
+    full = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
+                           moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
+                           expert_start=start, act="situ", tactic=replace(tactic, y_half=False))
+    return {"rel": _rel(out, expect), "rel_fp32_y": _rel(out, full)}
 
 
 def _mla_case(mla, splits):
@@ -433,6 +440,8 @@ def _child() -> None:
     res["moe-lane-float32"] = _moe_strided_case(moe, torch.float32, tiled=True, block_n=64, rows_first=True,
                                                 overlap=True, lane=True)
     res["moe-lane-float16"] = _moe_strided_case(moe, torch.float16, paired=True, lane=True)
+    res["moe-lane-y-half-float16"] = _moe_strided_case(moe, torch.float16, tiled=True, block_n=64, rows_first=True,
+                                                       overlap=True, lane=True, y_half=True)
     res["sort-pairs"] = _sort_pairs_case(moe)
     res["sort-pairs-one-block"] = _sort_pairs_case(moe, max_block=2048)
     g = torch.Generator().manual_seed(1)
@@ -495,11 +504,20 @@ def test_moe_overlapped_down_interpreted(results, case):
     assert results[case]["rel"] < 1e-5, results[case]
 
 
-@pytest.mark.parametrize("case,tol", [("moe-lane-float32", 1e-5), ("moe-lane-float16", 3e-3)])
+@pytest.mark.parametrize("case,tol", [("moe-lane-float32", 1e-5), ("moe-lane-float16", 3e-3),
+                                      ("moe-lane-y-half-float16", 3e-3)])
 def test_moe_lane_layout_interpreted(results, case, tol):
     """lane_mxfp4's layout (K permuted so that each lane loads its own scales), z in its order, against the
-    reference on the checkpoint's bytes: overlapped and tiled (fp32), plain paired grid (fp16)."""
+    reference on the checkpoint's bytes: overlapped and tiled (fp32), plain paired grid (fp16), and decode_l's
+    grid with the per-pair rows in fp16 (y_half)."""
     assert results[case]["rel"] < tol, results[case]
+
+
+def test_moe_half_pair_rows_interpreted(results):
+    """y_half rounds each pair's row to fp16 before the sum: near the fp32-row output, and not equal to it (a y
+    left in fp32 would give 0)."""
+    r = results["moe-lane-y-half-float16"]
+    assert 0 < r["rel_fp32_y"] < 1e-3, r
 
 
 def test_moe_rows_first_grid_interpreted(results):
