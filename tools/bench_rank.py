@@ -410,6 +410,7 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-plain": ("the MoE decode's two GEMMs as plain launches, experts first (no MoETactic.overlap)",
                   _moe_decode(rows_first=False, overlap=False)),
     "moe-no-overlap": ("the MoE decode rows first without MoETactic.overlap", _moe_decode(overlap=False)),
+    "moe-y-half": ("the MoE decode's per-pair rows y in bf16, not fp32 (MoETactic.y_half)", _moe_decode(y_half=True)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),
     "unfused-norm": ("the RMSNorms after AttnRes as separate launches (the engine's RMSNorm tactic)", _unfused_norm),
     "attn-res-single": ("AttnRes as one program a token at every size (attn_res_kernel)", _attn_res_chunk(0)),

@@ -87,6 +87,11 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # the weight floor at 1-8 tokens/expert against 0.70-0.73 (BENCHMARKS.md, twenty-third session)
     "decode_l": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                           overlap=True),
+    # decode_l with each pair's row y in bf16 (y_half): a candidate, not yet timed. At 8 tokens an expert decode_l
+    # is 0.793 of the weight floor, short of 0.80 by about the bytes it moves besides the weights; y's write and
+    # the combine's read of it are 12.8 of those 9.6-28 MB in fp32 (BENCHMARKS.md, twenty-eighth session)
+    "decode_l_yh": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
+                             overlap=True, y_half=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
     # 306 without (registers: 10 spill instructions); BM 64 with 3 stages and the packed multiply 315 against
     # prefill_p's 307, side by side (BENCHMARKS.md, twenty-third session)

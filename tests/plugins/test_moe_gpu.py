@@ -79,15 +79,14 @@ def test_lane_plain_product_matches_reference(case, name):
 
 @pytest.mark.parametrize("case", ["ragged", "k3_dims"])
 def test_half_pair_rows_match_reference(case):
-    """decode_l with the per-pair rows y in bf16 (y_half, the bench sweep's candidate) against the reference, and
-    against decode_l's fp32 rows: close, and not the same bits."""
-    from dataclasses import replace
+    """decode_l_yh (decode_l with the per-pair rows y in bf16) against the reference, and against decode_l's fp32
+    rows: close, and not the same bits."""
     M, k, E, eg, start, dl, inter = CASES[case]
     z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=6, empty=(1,))
     t = mt.TACTICS["decode_l"]
     args = (mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
             mt.lay_out_scale(t, s2))
-    half = mt.moe_experts(*args, expert_start=start, act="situ", tactic=replace(t, y_half=True))
+    half = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l_yh")
     full = mt.moe_experts(*args, expert_start=start, act="situ", tactic=t)
     ref = moe_ref(z, ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
     assert half.dtype == torch.float32

@@ -124,6 +124,15 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         t_pass = time_ms(tile_pass(*weights("decode_p"), blocks=blocks))
         emit(bench="moe_tile_pass", row_blocks_per_program=blocks, ms=round(t_pass, 4),
              frac_of_floor=round(floor_ms / t_pass, 3))
+    # correctness first, on a small ragged batch incl. empty experts, against the torch reference
+    z, ids, tw = make_tokens(1, gen)
+    z, ids, tw = z[:37], ids[:37], tw[:37]
+    ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
+    for name in mt.TACTICS:
+        a, sa, b, sb = weights(name)
+        out = mt.moe_experts(mt.lay_out_input(name, z), ids, tw, a, sa, b, sb, expert_start=E_START, act="situ",
+                             tactic=name)
+        emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     decode_sweep, prefill_sweep = {}, {}
     if sweep:  # the relaid layouts' blocks (the checkpoint-order tactics are known slower: TACTICS keeps them)
         for bn, nw, st in ((64, 4, 2), (64, 4, 4), (128, 8, 3)):
@@ -137,9 +146,6 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
             down = f"_d{dbn}w{dnw}" if dbn else ""
             decode_sweep[f"d_bn{bn}_bk256_w{nw}_s{st}{down}_lane"] = replace(
                 mt.TACTICS["decode_l"], block_n=bn, num_warps=nw, num_stages=st, down_block_n=dbn, down_num_warps=dnw)
-        # decode_l writing each pair's row y in bf16 (half the bytes of y's write and of the combine's read): at 8
-        # tokens an expert, the bytes besides the weights are what it is short of the floor's 0.80
-        decode_sweep["d_lane_y_half"] = replace(mt.TACTICS["decode_l"], y_half=True)
         for bm, bn, nw, st in ((64, 128, 4, 3), (128, 64, 4, 3), (128, 256, 8, 2)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_paired"] = mt.MoETactic(bm, bn, 256, nw, st,
                                                                                        strided=True, paired=True,
@@ -152,16 +158,6 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         for bm, bn, nw, st in ((128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_fp8"] = mt.MoETactic(bm, bn, 256, nw, st, strided=True,
                                                                                     fp8=True)
-    # correctness first, on a small ragged batch incl. empty experts, against the torch reference: the engine's
-    # tactics, and the sweep's tactics that change the arithmetic (not only the blocks)
-    z, ids, tw = make_tokens(1, gen)
-    z, ids, tw = z[:37], ids[:37], tw[:37]
-    ref = moe_ref(z, ids, tw, w13, s13, w2, s2, expert_start=E_START, act="situ")
-    for name, tactic in dict(mt.TACTICS, **{n: t for n, t in decode_sweep.items() if t.y_half}).items():
-        a, sa, b, sb = weights(tactic)
-        out = mt.moe_experts(mt.lay_out_input(tactic, z), ids, tw, a, sa, b, sb, expert_start=E_START, act="situ",
-                             tactic=tactic)
-        emit(bench="moe_check", tactic=name, rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER
