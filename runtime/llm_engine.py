@@ -28,6 +28,7 @@ from .dist.comm import collective_timeout, sampling_rank
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
+from .micro_batch import StageCost, micro_batch_count
 from .scheduler import Scheduler, ScheduledItem, StepPlan
 from .scheduler_config import SchedulerConfig, check_ints, check_preemption
 
@@ -51,10 +52,13 @@ class EngineOptions:
     # schedule a step while the previous one runs (module doc); None: on where it can run and pays, see
     # `resolve_async_scheduling`
     async_scheduling: bool | None = None
+    # pipeline stages: cut each step into this many micro-batches at most (1: never); None: the count
+    # micro_batch.micro_batch_count estimates fastest (decode steps stay whole)
+    pp_micro_batches: int | None = None
 
     def __post_init__(self):
-        check_ints(self, ("num_pages", "num_slots", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"), 1,
-                   optional=True)
+        check_ints(self, ("num_pages", "num_slots", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                          "pp_micro_batches"), 1, optional=True)
         check_ints(self, ("num_host_pages", "num_host_slots"), 0)
         check_preemption(self.preemption_mode)
         host = self.num_host_pages, self.num_host_slots
@@ -94,14 +98,19 @@ def resolve_async_scheduling(options: EngineOptions, mapping: dict) -> EngineOpt
     return options
 
 
-def check_build_limits(options: EngineOptions, build: dict, engine_dir) -> None:
+def check_build_limits(options: EngineOptions, config: dict, engine_dir) -> None:
     """EngineError for steps larger than the engine was built for: its graph and expert exchange buffers hold
-    max_num_tokens tokens, so a larger step would fail mid-serve. (A longer prefill chunk is cut by the step's
-    tokens; more running requests than max_batch_size decode eagerly past the largest captured graph.)"""
-    value, limit = options.max_num_batched_tokens, build["max_num_tokens"]
+    max_num_tokens tokens, so a larger step would fail mid-serve (a longer prefill chunk is cut by the step's
+    tokens; more running requests than max_batch_size decode eagerly past the largest captured graph); and for
+    more micro-batches than pipeline stages (the captured graphs hold a micro-batch's inputs a stage)."""
+    value, limit = options.max_num_batched_tokens, config["build_config"]["max_num_tokens"]
     if value is not None and value > limit:
         raise EngineError(f"{engine_dir}: max_num_batched_tokens {value} is past the engine's max_num_tokens {limit}; "
                           "ask for at most that, or rebuild it (k3build build --max-num-tokens ...)")
+    value, limit = options.pp_micro_batches, config["mapping"]["pp_size"]
+    if value is not None and value > limit:
+        raise EngineError(f"{engine_dir}: pp_micro_batches {value} is past the engine's {limit} pipeline stage(s) "
+                          "(pp_size); a step is cut into at most that many micro-batches")
 
 
 def cache_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
@@ -190,7 +199,7 @@ class LLMEngine:
         self.expert_backend = choose_backend(config, options.enable_deepep)
         mapping = config["mapping"]
         options = resolve_async_scheduling(options, mapping)
-        check_build_limits(options, config["build_config"], engine_dir)
+        check_build_limits(options, config, engine_dir)
         self.config, self.options = config, options
         self.world_size = mapping["world_size"]
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
@@ -226,6 +235,10 @@ class LLMEngine:
         self._owed = False
         self._broken = False  # an async step failed (_guarded)
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
+        self.pp_size = mapping["pp_size"]
+        # pipeline stages: what a micro-batch costs a stage, to choose how many a step is cut into
+        self._stage_cost = StageCost.from_engine(runner.engine.weights, config["pretrained_config"],
+                                                 runner.cache.config) if self.pp_size > 1 else None
 
     @property
     def facts(self):
@@ -359,10 +372,18 @@ class LLMEngine:
         steps = tuple(dummy_step(self.config, self.options) if p.is_empty
                       else replace(Step.from_plan(p), feed=self._feed(d, p)) if feed else Step.from_plan(p)
                       for d, p in enumerate(plans))
+        if self.pp_size > 1:  # no attention-DP here: one step
+            steps = tuple(replace(s, micro_batches=self._micro_batches(s.items)) for s in steps)
         if self.dp_size > 1 and self.runner.graphs is not None:
             bucket = shared_bucket(steps, self.runner.graphs.buckets)
             steps = tuple(replace(s, graph_bucket=bucket) for s in steps)
         return steps
+
+    def _micro_batches(self, items: tuple[ScheduledItem, ...]) -> int:
+        """How many micro-batches a step of these items is cut into over the pipeline stages."""
+        if self.options.pp_micro_batches is not None:
+            return min(self.options.pp_micro_batches, max(len(items), 1))
+        return micro_batch_count(items, self.pp_size, self._stage_cost)
 
     def _guarded(self, fn):
         """fn(), marking the engine broken if it fails: a step may be in flight on other ranks, or their ids in

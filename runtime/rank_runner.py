@@ -2,8 +2,8 @@
 
 Every rank runs the same `Step` (the scheduler's decisions, broadcast by the driver); ranks of a stage see the
 same tokens and meet in the graph's AllReduce/AllGather nodes, consecutive stages exchange the hidden state and
-the attention-residual snapshots. A step's sequences are split into micro-batches so stage s can work on
-micro-batch i while stage s+1 works on i-1.
+the attention-residual snapshots. A step's sequences may be cut into micro-batches (Step.micro_batches, chosen by
+the driver: micro_batch.py) so that stage s can work on micro-batch i while stage s+1 works on i-1.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from .executor import FED, Communicator, Executor, StepBatch, feed_tokens
 from .kv_cache import CacheTensors, HostStore
 from .kv_cache.cache_tensors import CacheConfig
 from .loader import KDA, MLA, RankEngine
+from .micro_batch import split
 from .request import PLACEHOLDER
 from .scheduler import ScheduledItem, StepPlan, SwapEntry
 from .upload import to_device
@@ -42,6 +43,9 @@ class Step:
     # async scheduling: (item index, index among the previous step's sampled tokens) for each item whose input is
     # the PLACEHOLDER of a token sampled by the previous step; RankRunner.run feeds it on the device
     feed: tuple[tuple[int, int], ...] = ()
+    # pipeline stages: the groups of whole sequences the step's items are cut into (micro_batch.split), at most
+    # pp_size; every rank of the step cuts it alike
+    micro_batches: int = 1
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> "Step":
@@ -95,6 +99,8 @@ class RankRunner:
         fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take.
         wait: rank 0 of several waits for a replayed step (_await_replay); async scheduling waits for the
         step's tokens instead."""
+        if not 1 <= step.micro_batches <= max(self.pp_size, 1):
+            raise ValueError(f"a step in {step.micro_batches} micro-batches: expected 1 to pp_size ({self.pp_size})")
         if step.feed and fed is None:
             raise ValueError("a step that feeds sampled tokens needs them (fed) on every rank (async scheduling)")
         if step.feed and max(src for _, src in step.feed) >= fed.numel():  # shapes only: no sync
@@ -117,7 +123,7 @@ class RankRunner:
                 _await_replay(self.device)
             return logits
         logits, start = [], 0
-        for items in _micro_batches(step.items, self.pp_size):
+        for items in split(step.items, step.micro_batches):
             # the feed indexes the step's items; this micro-batch's start at `start`
             feed = tuple((i - start, src) for i, src in step.feed if start <= i < start + len(items))
             start += len(items)
@@ -151,7 +157,7 @@ class RankRunner:
         replay overwrites the outputs, so each goes out, or is copied, first)."""
         logits = []
         ids = _fed_ids(step.items, step.feed)
-        for k, items in enumerate(_micro_batches(() if step.idle else step.items, self.pp_size)):
+        for k, items in enumerate(split(() if step.idle else step.items, step.micro_batches)):
             rows = [(ids[it.request_id], it.slot_id, it.start_pos + 1, it.page_ids) for it in items]
             out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k, bucket=bucket,
                                   fed=fed if step.feed else None)
@@ -244,12 +250,3 @@ def shared_bucket(steps: tuple[Step, ...], buckets: list[int]) -> int | None:
 
 def _pure_decode(step: Step) -> bool:
     return not step.all_logits and all(it.num_tokens == 1 and it.sample for it in step.items)
-
-
-def _micro_batches(items: tuple[ScheduledItem, ...], pp_size: int) -> list[tuple[ScheduledItem, ...]]:
-    """Up to pp_size groups of whole sequences, in order (one group without pipeline parallelism, or of none)."""
-    if pp_size == 1 or len(items) <= 1:
-        return [items]
-    n = min(pp_size, len(items))
-    size = -(-len(items) // n)
-    return [items[i:i + size] for i in range(0, len(items), size)]

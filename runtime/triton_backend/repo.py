@@ -62,7 +62,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     if not (engine_dir / "config.json").is_file():
         raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
     # the config first: bad flags leave OUT as it was
-    check_build_limits(EngineOptions(device=device, **given(flags)), read_engine_config(engine_dir)["build_config"],
+    check_build_limits(EngineOptions(device=device, **given(flags)), read_engine_config(engine_dir),
                        engine_dir)
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
                           **flags)

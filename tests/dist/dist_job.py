@@ -60,9 +60,13 @@ def main():
         if job.get("mode") == "score_mid":
             out.write_text(json.dumps(score_mid(llm, job, greedy)))
             return
+        counts = []  # the micro-batches each step was cut into (pipeline stages)
+        choose = llm.engine._micro_batches
+        llm.engine._micro_batches = lambda items: counts.append(choose(items)) or counts[-1]
         result = {"logits": llm.logits(job["prompts"][0]).tolist(),
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],
-                  "stats": llm.engine.stats, "backend": llm.engine.expert_backend}
+                  "stats": llm.engine.stats, "backend": llm.engine.expert_backend,
+                  "micro_batches": sorted(set(counts))}
         out.write_text(json.dumps(result))
 
     run(engine, drive)

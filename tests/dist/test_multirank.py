@@ -21,6 +21,10 @@ MAX_TOKENS = 12
 # chunked prefill (chunk 16) and a page budget small enough to force preemption
 OPTIONS = {"max_prefill_chunk": 16, "num_pages": 3}
 
+# pipeline stages: pp2xtp2 cuts every step of more than one sequence in two (the feed offsets, the hand-offs and
+# the logits of each micro-batch), pp2 takes the engine's choice (micro_batch.py), which keeps the tiny model's
+# steps whole
+CUT = {"pp2xtp2": {"pp_micro_batches": 2}}
 MAPPINGS = {
     "tp2": Mapping(tp_size=2, moe_tp_size=2),
     "ep4": Mapping(tp_size=4),
@@ -56,10 +60,11 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
     # Attention-DP spreads the prompts over two schedulers: fewer pages each to still force preemption.
     options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
-    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", options)
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", {**options, **CUT.get(name, {})})
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
+    assert got["micro_batches"] == ([] if mapping.pp_size == 1 else [1, 2] if name in CUT else [1])
 
 
 def test_deepep_adapter_matches_the_nccl_exchange(k3_tiny_ckpt, tmp_path):
@@ -103,7 +108,8 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
     mapping = MAPPINGS[name]
     engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
     options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
-    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", {**options, "async_scheduling": True})
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json",
+                    {**options, "async_scheduling": True, **CUT.get(name, {})})
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
@@ -118,7 +124,7 @@ def test_swap_preemption_ranks_match_single_rank(name, k3_tiny_ckpt, reference, 
     engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
     options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
     options = {**options, "preemption_mode": "swap", "num_host_pages": 16, "num_host_slots": 8,
-               "async_scheduling": True}
+               "async_scheduling": True, **CUT.get(name, {})}
     got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", options)
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]

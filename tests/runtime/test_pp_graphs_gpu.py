@@ -45,9 +45,11 @@ class QueuePipe(Communicator):
 
 
 def _step() -> Step:
+    """The four rows' decode step, cut in two micro-batches (the engine would keep a decode step whole:
+    micro_batch.py)."""
     return Step(tuple(ScheduledItem(request_id=str(i), token_ids=(tok,), start_pos=ctx - 1, num_tokens=1, sample=True,
                                     slot_id=slot, page_ids=tuple(pages), params=None, seed=0, sample_index=0)
-                      for i, (tok, slot, ctx, pages) in enumerate(ROWS)))
+                      for i, (tok, slot, ctx, pages) in enumerate(ROWS)), micro_batches=2)
 
 
 def _runners(engine_dir, world: int, cuda_graphs: bool) -> list[RankRunner]:

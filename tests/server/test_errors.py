@@ -204,14 +204,16 @@ def test_distributed_weight_config_is_validated(tiny_engine, tmp_path):
 
 
 def test_engine_flags_are_validated_before_loading(tiny_engine):
-    """A swap without a host store, a host store without swap, or a step past the engine's build limits fails at
-    start-up and names the options."""
+    """A swap without a host store, a host store without swap, a step past the engine's build limits, or more
+    micro-batches than pipeline stages fails at start-up and names the options."""
     r = _serve(str(tiny_engine), "--preemption-mode", "swap", "--num-host-pages", "4", "--port", "1")
     assert r.returncode != 0 and "--preemption-mode 'swap' needs a host store" in r.stderr and "got 4 and 0" in r.stderr
     r = _serve(str(tiny_engine), "--num-host-slots", "2", "--port", "1")
     assert r.returncode != 0 and "need --preemption-mode 'swap'" in r.stderr
     r = _serve(str(tiny_engine), "--max-num-batched-tokens", "100000", "--port", "1")
     assert r.returncode != 0 and "--max-num-batched-tokens 100000 is past the engine's max_num_tokens" in r.stderr
+    r = _serve(str(tiny_engine), "--pp-micro-batches", "2", "--port", "1")
+    assert r.returncode != 0 and "--pp-micro-batches 2 is past the engine's 1 pipeline stage(s)" in r.stderr
     r = _serve(str(tiny_engine), "--preemption-mode", "drop", "--port", "1")
     assert r.returncode != 0 and "'drop' is not one of 'recompute', 'swap'" in r.stderr
 
