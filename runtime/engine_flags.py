@@ -59,10 +59,9 @@ FLAGS = (
          choices=PREEMPTION_MODES),
     Flag("num_host_pages", "Host-store pages for --preemption-mode swap [0].", minimum=0),
     Flag("num_host_slots", "Host-store KDA slots for --preemption-mode swap [0].", minimum=0),
-    Flag("pp_micro_batches", "Pipeline stages: cut a step into this many micro-batches at most, so that stages "
-                             "overlap (1: never) [as many as an estimate of the step's time favours: long prefill "
-                             "steps into up to pp_size, decode steps, bound by the weights each micro-batch reads "
-                             "again, whole]."),
+    Flag("pp_micro_batches", "Pipeline stages: cut every step of several sequences into this many micro-batches, "
+                             "at most pp_size, so that the stages overlap (1: never cut) [the count an estimate of "
+                             "the step's time favours: runtime/micro_batch.py]."),
     Flag("async_scheduling", "Launch each step before the previous step's tokens reach the host, so that the GPU "
                              f"does not wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.",
          boolean=True),

@@ -3,20 +3,24 @@
 Stage s works on micro-batch i while stage s+1 works on i-1, but a step's micro-batches drain before the next
 step starts (its inputs are this step's sampled tokens), so n micro-batches over pp stages take pp + n - 1 times
 the largest micro-batch's stage time. Cutting pays when a micro-batch's time falls with its size: so for a long
-prefill step, bound by its tokens' arithmetic, and less so for a decode step, bound by the bytes it reads. Each
-micro-batch reads the stage's dense weights again, and the experts its tokens pick (at K3's 16 of 896, a
-micro-batch of 32 tokens picks about 44 % of them, 64 tokens 68 %, so the experts' bytes grow with the tokens
-until most are picked). On the H200 one TEP16 rank's decode step at 32 requests takes 0.73 of its step at 64
-(bench_rank, BENCHMARKS.md): two stages cutting such a step in two would take 1.5 x 0.73 = 1.09 of it whole.
+prefill step of several sequences (a sequence is never cut), bound by its tokens' arithmetic, and less so for a
+decode step, bound by the bytes it reads. Each micro-batch reads the stage's dense weights again, and the experts
+its tokens pick (at K3's 16 of 896, 32 tokens pick about 44 % of them, 64 tokens 68 %, so the experts' bytes grow
+with the tokens until most are picked), while its KV and KDA state are its own. On the H200 one TEP16 rank's decode
+step at 32 requests takes 0.73 of its step at 64 (bench_rank, BENCHMARKS.md): two stages cutting such a step in
+two would take about 1.1 times it whole.
 
-`StageCost` estimates a micro-batch's stage time as the bytes it reads, its arithmetic counted at the GPU's
-ridge, from rank 0's weights and caches; `micro_batch_count` cuts a step when the estimate says so by a margin.
-For that rank the estimate gives 0.66 where 0.73 was measured: it favours cutting, hence the margin.
+`StageCost` estimates a micro-batch's stage time as the bytes it reads plus its arithmetic counted at the GPU's
+ridge (added, as if they did not overlap), from rank 0's weights and caches; `micro_batch_count` cuts a step when
+the estimate says so by a margin. For that rank the estimate gives 0.66 where 0.73 was measured: it favours
+cutting, hence the margin. Attention's arithmetic is left out (its KV bytes are counted).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from .kv_cache.cache_tensors import DTYPES, CacheConfig
 
@@ -55,8 +59,9 @@ class StageCost:
         """weights: the rank's tensors by name; pretrained: the engine's pretrained_config; cache: its geometry."""
         dense = sum(t.numel() * t.element_size() for n, t in weights.items() if not _is_expert(n))
         expert = sum(t.numel() * t.element_size() for n, t in weights.items() if _is_expert(n))
-        # MXFP4: two weights a packed byte (the scales' bytes do no arithmetic)
-        expert_weights = sum(2 * t.numel() for n, t in weights.items() if _is_expert(n) and "_scale" not in n)
+        # MXFP4: two weights a packed byte (the scales' bytes do no arithmetic); float experts: one an element
+        expert_weights = sum((2 if t.dtype == torch.uint8 else 1) * t.numel() for n, t in weights.items()
+                             if _is_expert(n) and "_scale" not in n)
         num_experts, top_k = pretrained.get("num_experts") or 0, pretrained.get("num_experts_per_token") or 0
         share = top_k / num_experts if num_experts else 0.0  # of the rank's experts, a token's expected picks
         dense_weights = sum(t.numel() for n, t in weights.items() if not _is_expert(n))

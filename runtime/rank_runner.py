@@ -99,7 +99,7 @@ class RankRunner:
         fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take.
         wait: rank 0 of several waits for a replayed step (_await_replay); async scheduling waits for the
         step's tokens instead."""
-        if not 1 <= step.micro_batches <= max(self.pp_size, 1):
+        if not 1 <= step.micro_batches <= self.pp_size:
             raise ValueError(f"a step in {step.micro_batches} micro-batches: expected 1 to pp_size ({self.pp_size})")
         if step.feed and fed is None:
             raise ValueError("a step that feeds sampled tokens needs them (fed) on every rank (async scheduling)")
@@ -157,12 +157,14 @@ class RankRunner:
         replay overwrites the outputs, so each goes out, or is copied, first)."""
         logits = []
         ids = _fed_ids(step.items, step.feed)
-        for k, items in enumerate(split(() if step.idle else step.items, step.micro_batches)):
+        groups = split(() if step.idle else step.items, step.micro_batches)
+        for k, items in enumerate(groups):
             rows = [(ids[it.request_id], it.slot_id, it.start_pos + 1, it.page_ids) for it in items]
             out = self.graphs.run(rows, None if self.first else self._receive(len(rows)), host_set=k, bucket=bucket,
                                   fed=fed if step.feed else None)
             if self.last:
-                logits.append(out["logits"] if self.pp_size == 1 else out["logits"].clone())
+                # the caller reads the last replay's logits before the next replay; the earlier ones are copied
+                logits.append(out["logits"] if len(groups) == 1 else out["logits"].clone())
             else:
                 self._send_on(out)
         return (logits[0] if len(logits) == 1 else torch.cat(logits)) if self.last else None

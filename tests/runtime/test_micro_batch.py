@@ -33,11 +33,10 @@ def test_split_keeps_whole_sequences_in_order():
     assert split((), 2) == [()]
 
 
-@pytest.fixture(scope="module")
-def k3_stage() -> StageCost:
-    """Rank 0 of K3 on the MI300X recipe's PP2 x TP8 (engines/k3_mi300x_pp2_tp8.toml): 47 layers, 112 experts
-    each, sized by the builder's memory model (the runtime would read them from the rank's weights)."""
-    cfg, mapping = preset("k3"), Mapping(tp_size=8, pp_size=2, moe_tp_size=1, moe_ep_size=8)
+def _k3_stage(pp_size: int) -> StageCost:
+    """Rank 0 of K3 over pp_size stages of TP8 / EP8 (the MI300X recipe's at two: 47 layers, 112 experts each),
+    sized by the builder's memory model (the runtime reads them from the rank's weights)."""
+    cfg, mapping = preset("k3"), Mapping(tp_size=8, pp_size=pp_size, moe_tp_size=1, moe_ep_size=8)
     w = weight_bytes(cfg, mapping, 0)
     experts = w.pop("routed_experts")
     dense = sum(w.values())
@@ -48,6 +47,11 @@ def k3_stage() -> StageCost:
                      kv_bytes_per_token=kv_bytes_per_token(cfg, mapping, 0),
                      state_bytes_per_seq=2 * kda_state_bytes(cfg, mapping, 0),
                      flop_bytes_per_token=2 * (dense / 2 + share * expert_weights) / RIDGE_FLOP_PER_BYTE)
+
+
+@pytest.fixture(scope="module")
+def k3_stage() -> StageCost:
+    return _k3_stage(2)
 
 
 def test_k3_decode_stays_whole_and_long_prefill_is_cut(k3_stage):
@@ -63,12 +67,15 @@ def test_k3_decode_stays_whole_and_long_prefill_is_cut(k3_stage):
     assert micro_batch_count(decode, 2, k3_stage) == 1
 
 
-def test_count_is_bounded_by_stages_and_sequences(k3_stage):
+def test_four_stages_cut_up_to_their_count_and_the_sequences():
+    """Over four stages a prefill step is cut in four, or in as many sequences as it has; one sequence is never
+    cut. A decode batch of 32 is cut too: a quarter of it picks 13 % of the experts, the whole 44 %."""
+    stage = _k3_stage(4)
     prefill = _items(8, 1024, tokens=1024)
-    assert micro_batch_count(prefill, 4, k3_stage) == 4
-    assert micro_batch_count(prefill[:3], 4, k3_stage) <= 3
-    assert micro_batch_count(_items(1, 8192, tokens=8192), 4, k3_stage) == 1  # one sequence is never cut
-    assert micro_batch_count(prefill, 1, k3_stage) == 1
+    assert micro_batch_count(prefill, 4, stage) == 4
+    assert micro_batch_count(prefill[:3], 4, stage) == 3
+    assert micro_batch_count(_items(1, 8192, tokens=8192), 4, stage) == 1
+    assert micro_batch_count(_items(32, 8192), 4, stage) == 4
 
 
 def test_stage_cost_reads_the_rank(k3_tiny_ckpt, tmp_path):
@@ -89,6 +96,11 @@ def test_stage_cost_reads_the_rank(k3_tiny_ckpt, tmp_path):
     per_slot = (state.numel() * state.element_size() + conv.numel() * conv.element_size()) // cache.num_slots
     assert cost.state_bytes_per_seq == 2 * per_slot  # read and written
     assert (cost.num_experts, cost.experts_per_token) == (16, 4)
+    # the arithmetic: every dense weight, and of the experts' (four MoE layers of 16 experts of 3 x 64 x 64, two
+    # MXFP4 weights a byte) the share 4 of 16 picks
+    dense = sum(t.numel() for n, t in engine.weights.items() if n.split(".")[-1] not in ("w13", "w2", "w13_scale",
+                                                                                          "w2_scale"))
+    assert cost.flop_bytes_per_token == pytest.approx(2 * (dense + 4 / 16 * 4 * 16 * 3 * 64 * 64) / RIDGE_FLOP_PER_BYTE)
     # the tiny model's weights outweigh a decode step's work: whole; 4K tokens of prefill: cut
     assert micro_batch_count(_items(8, 100), 2, cost) == 1
     assert micro_batch_count(_items(2, 2048, tokens=2048), 2, cost) == 2

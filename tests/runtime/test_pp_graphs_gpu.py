@@ -10,6 +10,7 @@ and the two stages together the logits of the one-stage engine."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,12 +45,12 @@ class QueuePipe(Communicator):
         return {"hidden_in": hidden, **{f"blocks_in.{i}": b for i, b in enumerate(blocks)}}
 
 
-def _step() -> Step:
-    """The four rows' decode step, cut in two micro-batches (the engine would keep a decode step whole:
+def _step(micro_batches: int = 2) -> Step:
+    """The four rows' decode step, cut in two micro-batches by default (the engine's estimate would keep it whole:
     micro_batch.py)."""
     return Step(tuple(ScheduledItem(request_id=str(i), token_ids=(tok,), start_pos=ctx - 1, num_tokens=1, sample=True,
                                     slot_id=slot, page_ids=tuple(pages), params=None, seed=0, sample_index=0)
-                      for i, (tok, slot, ctx, pages) in enumerate(ROWS)), micro_batches=2)
+                      for i, (tok, slot, ctx, pages) in enumerate(ROWS)), micro_batches=micro_batches)
 
 
 def _runners(engine_dir, world: int, cuda_graphs: bool) -> list[RankRunner]:
@@ -72,7 +73,9 @@ def _run(runners, step):
     return out[-1]
 
 
-def test_two_stages_replay_their_graphs_as_their_eager_steps(k3_tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("cuts", [1, 2])
+def test_two_stages_replay_their_graphs_as_their_eager_steps(k3_tiny_ckpt, tmp_path, cuts):
+    """cuts: the step whole (one replay a stage, its logits not copied) or in two micro-batches."""
     pp2 = build_engine(k3_tiny_ckpt, tmp_path / "pp2", mapping=Mapping(pp_size=2), target="sm90", dtype="bf16",
                        kv_dtype="bf16")
     stages = _runners(pp2, 2, cuda_graphs=True)
@@ -88,9 +91,9 @@ def test_two_stages_replay_their_graphs_as_their_eager_steps(k3_tiny_ckpt, tmp_p
         for t in _caches(r):
             t.copy_(torch.randn(t.shape, generator=gen, device="cuda") * 0.1)
     saved = [[t.clone() for t in _caches(r)] for r in stages]
-    step = _step()
+    step = _step(cuts)
     replayed = _run(stages, step).clone()
-    assert replays == [2, 2, 2, 2]  # two micro-batches of two rows, on each stage
+    assert replays == [4 // cuts] * 2 * cuts  # the micro-batches' rows, on each stage
     after_replay = [[t.clone() for t in _caches(r)] for r in stages]
 
     for r, s in zip(stages, saved):
@@ -111,7 +114,7 @@ def test_two_stages_replay_their_graphs_as_their_eager_steps(k3_tiny_ckpt, tmp_p
         r.graphs = r.saved_graphs
         for t in _caches(r):
             t.zero_()
-    whole = _run(one, step)
+    whole = _run(one, replace(step, micro_batches=1))
     staged = _run(stages, step)
     # micro-batches of two rows against one batch of four: kernels may take other blocks, so bf16 sums may differ
     assert ((staged - whole).norm() / whole.norm()).item() < 1e-2
@@ -121,8 +124,6 @@ def test_two_stages_replay_fed_tokens_in_every_micro_batch(k3_tiny_ckpt, tmp_pat
     """Async scheduling with pipeline stages: a replayed step whose inputs are the previous step's sampled ids, fed
     on the device, in both micro-batches (item 3 sits in the second), gives the logits and caches of the eager step
     given those ids as tokens."""
-    from dataclasses import replace
-
     from k3runtime.request import PLACEHOLDER
 
     pp2 = build_engine(k3_tiny_ckpt, tmp_path / "pp2", mapping=Mapping(pp_size=2), target="sm90", dtype="bf16",
