@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .llm_engine import EngineOptions, LLMEngine
+from .logprobs import TokenLogprobs
 from .sampling_params import SamplingParams
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -20,6 +21,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one a token of token_ids, when SamplingParams.logprobs asked
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class StreamChunk:
     token_id: int
     text: str  # newly released text ("" when held back, e.g. inside a multi-byte character)
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None  # the token's, when SamplingParams.logprobs asked
 
 
 Prompt = str | list[int]
@@ -69,11 +72,14 @@ class LLM:
         outputs, detoks = {}, {}
         for prompt, p in zip(prompts, plist):
             req = self.engine.add_request(self._ids(prompt), p)
-            outputs[req.request_id] = CompletionOutput(req.request_id, req.prompt_token_ids, [], None, None)
+            outputs[req.request_id] = CompletionOutput(req.request_id, req.prompt_token_ids, [], None, None,
+                                                       [] if p.logprobs is not None else None)
             detoks[req.request_id] = self._detok(p)
         for ev in self._events():
             out, det = outputs[ev.request_id], detoks[ev.request_id]
             out.token_ids.append(ev.token_id)
+            if out.logprobs is not None:
+                out.logprobs.append(ev.logprobs)
             out.finish_reason = ev.finish_reason or out.finish_reason
             if det is not None:
                 det.push(ev.token_id, final=ev.finish_reason is not None)
@@ -97,7 +103,7 @@ class LLM:
                 if det and det.stopped and reason is None:
                     self.engine.finish(req.request_id, "stop")
                     reason = "stop"
-                yield StreamChunk(req.request_id, ev.token_id, text, reason)
+                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs)
                 if reason is not None:
                     return
         finally:

@@ -290,6 +290,7 @@ class AsyncLLMEngine:
                 tpot = (now - live.first) / (live.num_out - 1) if live.num_out > 1 else None
                 self.metrics.on_finish(reason, live.num_prompt, live.num_out, tpot)
             # A broken consumer (closed event loop, Triton stream gone) cancels only its own request.
-            if not _call(live.callback, StreamChunk(ev.request_id, ev.token_id, text, reason)) and reason is None:
+            chunk = StreamChunk(ev.request_id, ev.token_id, text, reason, ev.logprobs)
+            if not _call(live.callback, chunk) and reason is None:
                 self._apply(("abort", ev.request_id))
         self.stats = self._snapshot(self.stats.num_steps + 1)

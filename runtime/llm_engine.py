@@ -22,13 +22,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .dist.comm import collective_timeout, sampling_rank
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
-from .dist.comm import collective_timeout, sampling_rank
+from .logprobs import TokenLogprobs, step_logprobs, unpack
+from .micro_batch import StageCost, micro_batch_count
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
-from .micro_batch import StageCost, micro_batch_count
 from .scheduler import Scheduler, ScheduledItem, StepPlan
 from .scheduler_config import SchedulerConfig, check_ints, check_preemption
 
@@ -52,8 +53,8 @@ class EngineOptions:
     # schedule a step while the previous one runs (module doc); None: on where it can run and pays, see
     # `resolve_async_scheduling`
     async_scheduling: bool | None = None
-    # pipeline stages: cut each step into this many micro-batches at most (1: never); None: the count
-    # micro_batch.micro_batch_count estimates fastest (decode steps stay whole)
+    # pipeline stages: cut every step of several sequences into this many micro-batches (at most pp_size; 1:
+    # never cut); None: the count micro_batch.micro_batch_count estimates fastest
     pp_micro_batches: int | None = None
 
     def __post_init__(self):
@@ -77,6 +78,7 @@ class TokenEvent:
     request_id: str
     token_id: int
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None  # when its request asked (SamplingParams.logprobs)
 
 
 # resolve_async_scheduling's rule, for the command lines' help
@@ -148,6 +150,12 @@ def sample_step(step: Step, logits: torch.Tensor) -> torch.Tensor:
                          [it.sample_index for it in items])
 
 
+def _logprobs(plan: StepPlan, rows: list[list[float]] | None) -> list[TokenLogprobs | None]:
+    """Each sampled item's logprobs (None where its request did not ask, or no row came)."""
+    params = [it.params for it in plan.items if it.sample]
+    return unpack(rows, params) if rows is not None else [None] * len(params)
+
+
 class HostCopy:
     """A tensor's values on their way to the host: a non-blocking copy into pinned memory, queued right after the
     work that makes them. Reading them waits for that copy alone, where t.tolist() would queue its copy behind
@@ -186,6 +194,7 @@ class _InFlight:
     tokens: torch.Tensor | None
     host: HostCopy | None
     requests: tuple[Request, ...]  # of the sampled items, in order
+    logprobs: HostCopy | None = None  # step_logprobs' rows, when a sampled item asked for them
 
 
 class LLMEngine:
@@ -253,6 +262,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
+        if params.logprobs is not None and (self.pp_size > 1 or self.dp_size > 1):
+            raise ValueError("logprobs: not supported on an engine with pipeline stages or attention-DP (another "
+                             "rank than the driver samples there)")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                       eos_token_id=None if params.ignore_eos else self.eos_token_id)
         # Least-loaded attention-DP rank (the only one without attention-DP).
@@ -282,9 +294,9 @@ class LLMEngine:
         return any(s.has_unfinished() for s in self.schedulers) or any(self._in_flight) \
             or bool(self._held_events)
 
-    def _execute(self, steps: tuple[Step, ...]) -> list[torch.Tensor]:
+    def _execute(self, steps: tuple[Step, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run one step per attention-DP rank on every rank; returns, per DP rank, its sampled ids [M]
-        (or all logits [N, V] in score mode)."""
+        (or all logits [N, V] in score mode), and the logprobs' rows of this rank's (step_logprobs)."""
         owes = self.options.async_scheduling and len(steps) > 1  # attention-DP ranks send what they owe (below)
         if owes and any(self._in_flight[1:]):
             raise RuntimeError("attention-DP steps in flight: collect them (_collect) before a step of all ranks")
@@ -292,10 +304,14 @@ class LLMEngine:
             self.comm.broadcast_step(steps)
         step = steps[0]
         logits = self.runner.run(step)
-        if logits is not None:
-            results = [logits if step.all_logits else sample_step(step, logits)]
-        else:
+        logprobs = None
+        if logits is None:
             results = [self.comm.recv_result(self._last_stage_rank)]
+        elif step.all_logits:
+            results = [logits]
+        else:
+            tokens, logprobs = self._sample(step, logits)
+            results = [tokens]
         # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens (or its logits).
         if owes:
             # ...with async scheduling once it has launched its next step: what comes now is what it owed
@@ -305,9 +321,15 @@ class LLMEngine:
                     if self.comm.recv_result(d).numel():
                         raise RuntimeError(f"attention-DP rank {d} sent ids where it owed an idle step's (none)")
             self._owed = True
-            return results
+            return results, logprobs
         results += [self.comm.recv_result(d) for d in range(1, len(steps))]
-        return results
+        return results, logprobs
+
+    @staticmethod
+    def _sample(step: Step, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's step sampled: the ids [M] on the device, and their logprobs' rows when an item asked."""
+        tokens = sample_step(step, logits)
+        return tokens, step_logprobs(logits, tokens, [it.params for it in step.items if it.sample])
 
     def step(self) -> list[TokenEvent]:
         """One engine step; the tokens it appended (async scheduling: the previous step's)."""
@@ -319,10 +341,12 @@ class LLMEngine:
                 s.update(p, {})
             return []
         events = []
-        for sched, plan, tokens in zip(self.schedulers, plans, self._execute(self._steps(plans))):
+        results, logprobs = self._execute(self._steps(plans))
+        for d, (sched, plan, tokens) in enumerate(zip(self.schedulers, plans, results)):
             sampled, finished = self._update(sched, plan, tokens.tolist())
             self.stats["tokens"] += plan.num_batched_tokens
-            events += [TokenEvent(rid, tok, finished.get(rid)) for rid, tok in sampled.items()]
+            lps = _logprobs(plan, logprobs.tolist() if d == 0 and logprobs is not None else None)
+            events += [TokenEvent(rid, tok, finished.get(rid), lp) for (rid, tok), lp in zip(sampled.items(), lps)]
         return events
 
     def _update(self, sched: Scheduler, plan: StepPlan, tokens: list[int]) -> tuple[dict[str, int], dict[str, str]]:
@@ -342,12 +366,13 @@ class LLMEngine:
         launched, remote = [None] * self.dp_size, None
         # a step, or (attention-DP) idle steps only to collect the other DP ranks' ids
         if not all(p.is_empty for p in plans) or any(self._in_flight[1:]):
-            tokens, remote = self._launch(self._steps(plans))
+            tokens, logprobs, remote = self._launch(self._steps(plans))
             for d, (sched, plan) in enumerate(zip(self.schedulers, plans)):
                 if not plan.is_empty:
                     # the sampled requests as objects: one ended meanwhile and a new one under its id are told apart
                     sampled = tuple(sched.get(it.request_id) for it in plan.items if it.sample)
-                    launched[d] = _InFlight(plan, *((tokens, HostCopy(tokens)) if d == 0 else (None, None)), sampled)
+                    launched[d] = _InFlight(plan, *((tokens, HostCopy(tokens)) if d == 0 else (None, None)), sampled,
+                                            HostCopy(logprobs) if d == 0 and logprobs is not None else None)
                     self.stats["tokens"] += plan.num_batched_tokens
         events, self._held_events = self._held_events + self._land(remote), []
         for sched, plan, flight in zip(self.schedulers, plans, launched):
@@ -396,17 +421,18 @@ class LLMEngine:
             self._broken = self.options.async_scheduling
             raise
 
-    def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | None]:
         """Broadcast the steps, launch this rank's (steps[0]) and sample it (with pipeline stages: receive the ids
         that the last stage samples); then (attention-DP) receive what the other DP ranks owe: their previous step's
-        ids, sent once they have launched these. Returns this rank's ids on the device and the others' on the host
-        (None when none were owed)."""
+        ids, sent once they have launched these. Returns this rank's ids and their logprobs' rows (None when no item
+        asked) on the device, and the others' ids on the host (None when none were owed)."""
         if self.comm is not None:
             self.comm.broadcast_step(steps)
         step, flight = steps[0], self._in_flight[0]
         logits = self.runner.run(step, flight.tokens if step.feed else None, wait=False)
+        logprobs = None
         if logits is not None:
-            tokens = sample_step(step, logits)
+            tokens, logprobs = self._sample(step, logits)
         else:  # pipeline stages: the last stage samples, and shares them below
             tokens = torch.empty(sum(it.sample for it in step.items), dtype=torch.int64, device=self.device)
         if self.comm is not None and self.dp_size == 1 and tokens.numel():
@@ -416,14 +442,14 @@ class LLMEngine:
         if self.dp_size > 1:
             remote = [self.comm.recv_result(d) for d in range(1, self.dp_size)] if self._owed else None
             self._owed = True
-        return tokens, remote
+        return tokens, logprobs, remote
 
     def _collect(self) -> list[torch.Tensor] | None:
         """Attention-DP: idle steps on every DP rank, so that those with a step in flight send its ids; their ids
         (None when no DP rank but this one has a step in flight)."""
         if not any(self._in_flight[1:]) or self.comm is None:
             return None
-        return self._launch((dummy_step(self.config, self.options),) * self.dp_size)[1]
+        return self._launch((dummy_step(self.config, self.options),) * self.dp_size)[2]
 
     def _feed(self, d: int, plan: StepPlan) -> tuple[tuple[int, int], ...]:
         """(item, index among DP rank d's in-flight step's sampled tokens) for each item that feeds one
@@ -456,9 +482,10 @@ class LLMEngine:
                     raise RuntimeError(f"attention-DP rank {d} sent {len(tokens)} ids for a step that samples "
                                        f"{len(flight.requests)}")
             self._in_flight[d] = None
-            live = [(r, t) for r, t in zip(flight.requests, tokens) if not r.is_finished]  # not ended meanwhile
-            _, finished = self._update(sched, flight.plan, tokens)
-            events += [TokenEvent(r.request_id, t, finished.get(r.request_id)) for r, t in live]
+            lps = _logprobs(flight.plan, flight.logprobs.tolist() if flight.logprobs is not None else None)
+            live = [(r, t, lp) for r, t, lp in zip(flight.requests, tokens, lps) if not r.is_finished]  # not ended
+            _, finished = self._update(sched, flight.plan, tokens)  # meanwhile
+            events += [TokenEvent(r.request_id, t, finished.get(r.request_id), lp) for r, t, lp in live]
         return events
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -484,7 +511,7 @@ class LLMEngine:
                                      sample_index=0)
                 step = Step((item,), reset_slot_ids=(slot,) if start == 0 else (), all_logits=True)
                 idle = (dummy_step(self.config, self.options),) * (self.dp_size - 1)
-                out.append(self._guarded(lambda: self._execute((step, *idle)))[0])
+                out.append(self._guarded(lambda: self._execute((step, *idle)))[0][0])
             return torch.cat(out)
         finally:
             pool.free(pages)

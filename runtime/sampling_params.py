@@ -14,6 +14,7 @@ from dataclasses import dataclass
 # One request may not ask for more output tokens than K3's native context (1M tokens).
 MAX_TOKENS_LIMIT = 1 << 20
 SEED_LIMIT = 1 << 63
+MAX_LOGPROBS = 20  # alternatives a token at most (OpenAI's top_logprobs limit)
 
 
 def _is_int(x) -> bool:
@@ -33,6 +34,8 @@ class SamplingParams:
         stop: strings that end generation (matched on detokenized text by the API layer).
         stop_token_ids: token ids that end generation (applied by the scheduler, even with ignore_eos).
         ignore_eos: keep generating past the model's EOS token.
+        logprobs: return each output token's log-probability and its `logprobs` most likely alternatives
+            (0..MAX_LOGPROBS; 0: the token's alone); None = none. See runtime/logprobs.py.
     """
 
     max_tokens: int = 16
@@ -43,6 +46,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -64,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: expected a sequence of ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: expected None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         # Lists are accepted for convenience but stored as tuples so the object stays hashable.
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _byte_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte a printable character, the printable bytes themselves and
+    the others from U+0100 on, in byte order; character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_chars()
 
 
 class Tokenizer:
@@ -29,6 +47,20 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a piece of a multi-byte character stays a piece): a byte-level BPE token's
+        characters mapped back to the bytes they stand for; otherwise the token decoded alone."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary")
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return json.loads(self._tok.to_str()).get("decoder", {}).get("type") == "ByteLevel"
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from ..sampling_params import SamplingParams
 from .config import ServerConfig
+from .logprobs import TokenText, chat_logprobs, completion_logprobs
 from .metrics import PrometheusMetrics
 
 MAX_BATCH_PROMPTS = 16
@@ -47,6 +48,7 @@ class Handlers:
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, metrics: PrometheusMetrics):
         self.engine, self.config, self.metrics = engine, config, metrics
         self.tok = engine.tokenizer
+        self.token_text = TokenText(self.tok)
         self.max_model_len = engine.engine.scheduler.config.max_model_len
         self.admission_waiting = 0
         self._running = 0
@@ -108,7 +110,7 @@ class Handlers:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
-                seed=body.seed, stop=body.stop or (), ignore_eos=body.ignore_eos)
+                seed=body.seed, stop=body.stop or (), ignore_eos=body.ignore_eos, logprobs=body.wanted_logprobs())
         except ValueError as e:
             raise APIError(400, str(e), _param(e)) from None
 
@@ -182,8 +184,8 @@ class Handlers:
             close()
         n_out = sum(len(o[1]) for o in outs)
         choices = []
-        for i, (text, tids, reason) in enumerate(outs):
-            c = {"index": i, "finish_reason": reason, "logprobs": None}
+        for i, (text, tids, reason, lps) in enumerate(outs):
+            c = {"index": i, "finish_reason": reason, "logprobs": self._logprobs(chat, tids, lps)}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -214,6 +216,7 @@ class Handlers:
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         n_out, live = 0, len(streams)
+        offsets = [0] * len(streams)  # each choice's text so far, as its tokens' texts add up (text_offset)
         try:
             if chat:
                 yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
@@ -228,7 +231,11 @@ class Handlers:
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return
                 n_out += 1
-                c = {"index": i, "finish_reason": ch.finish_reason, "logprobs": None}
+                lps = None if ch.logprobs is None else [ch.logprobs]
+                c = {"index": i, "finish_reason": ch.finish_reason,
+                     "logprobs": self._logprobs(chat, [ch.token_id], lps, offsets[i])}
+                if c["logprobs"] and not chat:
+                    offsets[i] += len(c["logprobs"]["tokens"][0])
                 if chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
                 else:
@@ -245,20 +252,30 @@ class Handlers:
             close()
 
 
+    def _logprobs(self, chat: bool, ids: list[int], lps: list | None, offset: int = 0) -> dict | None:
+        """A choice's (or a chunk's) `logprobs`, None when its request did not ask."""
+        if lps is None:
+            return None
+        return chat_logprobs(self.token_text, ids, lps) if chat else completion_logprobs(self.token_text, ids, lps,
+                                                                                          offset)
+
+
 def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(stream: RequestStream) -> tuple[str, list[int], str | None]:
-    text, tids, reason = [], [], None
+async def _collect(stream: RequestStream) -> tuple[str, list[int], str | None, list | None]:
+    """A request's text, token ids, finish reason and tokens' logprobs (None when it did not ask)."""
+    text, tids, reason, lps = [], [], None, []
     try:
         async for ch in stream:
             text.append(ch.text)
             tids.append(ch.token_id)
             reason = ch.finish_reason
+            lps.append(ch.logprobs)
     except EngineDeadError as e:
         raise APIError(503, str(e), type_="server_error") from None
-    return "".join(text), tids, reason
+    return "".join(text), tids, reason, lps if lps and lps[0] is not None else None
 
 
 async def _until_disconnect(request: Request, aw):

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..sampling_params import MAX_LOGPROBS
+
 Number = float  # strict mode still accepts JSON integers for floats
 
 
@@ -34,7 +36,6 @@ class _Sampling(_Strict):
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     logit_bias: dict[str, Number] | None = None
-    logprobs: bool | int | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     return_token_ids: bool = Field(False, description="Extension: add the generated token ids to each choice.")
@@ -47,8 +48,6 @@ class _Sampling(_Strict):
             return "presence_penalty", "presence_penalty / frequency_penalty: penalties are not supported (use 0)"
         if self.logit_bias:
             return "logit_bias", "logit_bias: not supported"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs: not supported"
         return None
 
 
@@ -58,6 +57,12 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="Each token's logprob and this many most likely alternatives.")
+
+    def wanted_logprobs(self) -> int | None:
+        """SamplingParams.logprobs."""
+        return self.logprobs
 
     def unsupported(self):
         if self.echo:
@@ -88,10 +93,18 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def wanted_logprobs(self) -> int | None:
+        """SamplingParams.logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self):
         if self.tools:
             return "tools", "tools: tool calling is not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs: needs logprobs set to true"
         return super().unsupported()
 
 

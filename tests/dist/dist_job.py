@@ -67,6 +67,11 @@ def main():
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],
                   "stats": llm.engine.stats, "backend": llm.engine.expert_backend,
                   "micro_batches": sorted(set(counts))}
+        try:  # logprobs come from the rank that samples: the driver's, or refused
+            asks = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2)
+            result["logprobs"] = [[x.logprob, x.top] for x in llm.generate(job["prompts"][0], asks)[0].logprobs]
+        except ValueError as e:
+            result["logprobs"] = str(e)
         out.write_text(json.dumps(result))
 
     run(engine, drive)

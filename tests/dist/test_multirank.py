@@ -39,7 +39,9 @@ MAPPINGS = {
 def reference(k3_tiny_engine):
     llm = LLM(k3_tiny_engine, **OPTIONS)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)]}
+    asks = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2)
+    return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)],
+            "logprobs": llm.generate(PROMPTS[0], asks)[0].logprobs}
 
 
 def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | None = None, mode: str = "") -> dict:
@@ -65,6 +67,12 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
     assert got["micro_batches"] == ([] if mapping.pp_size == 1 else [1, 2] if name in CUT else [1])
+    if mapping.pp_size > 1 or mapping.attention_dp:  # another rank than the driver samples
+        assert got["logprobs"].startswith("logprobs: not supported on an engine with pipeline stages or attention-DP")
+    else:
+        want = reference["logprobs"]
+        assert [[t for t, _ in top] for _, top in got["logprobs"]] == [[t for t, _ in w.top] for w in want]
+        assert [v for v, _ in got["logprobs"]] == pytest.approx([w.logprob for w in want], abs=1e-4)
 
 
 def test_deepep_adapter_matches_the_nccl_exchange(k3_tiny_ckpt, tmp_path):

@@ -47,7 +47,8 @@ CASES = [  # (body, status, words the message must contain)
     (ok(stop=[""]), 400, "stop"),
     (ok(stream="yes"), 400, "stream"),
     (ok(n=3), 400, "n"),
-    (ok(logprobs=5), 400, "logprobs"),
+    (ok(logprobs=21), 400, "logprobs"),
+    (ok(logprobs=True), 400, "logprobs"),
     (ok(model="gpt-4"), 404, "does not exist"),
     (ok(prompt=""), 400, "empty"),
     (ok(prompt=[]), 400, "empty"),
@@ -79,6 +80,11 @@ CHAT_CASES = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
       "max_completion_tokens": 2}, "at most one"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs: needs logprobs set to true"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
 ]
 
 

@@ -20,7 +20,7 @@ _message = st.dictionaries(st.sampled_from(["role", "content", "name", "tool_cal
                            max_size=4)
 _body = st.dictionaries(
     st.sampled_from(["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                     "stop", "stream", "stream_options", "n", "tools", "logprobs", "extra"]),
+                     "stop", "stream", "stream_options", "n", "tools", "logprobs", "top_logprobs", "extra"]),
     st.one_of(_scalars, st.just(MODEL), st.lists(_message, max_size=3), st.just({"include_usage": True})),
     max_size=8)
 

@@ -72,6 +72,48 @@ def test_chat_and_chat_streaming(client, llm):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_completion_logprobs_match_python_api(client, llm):
+    """logprobs=2: each token's text, logprob, two most likely alternatives and offset in the text, the Python
+    API's values; streamed, the same columns a token a chunk."""
+    ref = llm.generate(PROMPTS[1], greedy(6, ignore_eos=True, logprobs=2))[0]
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kw).choices[0].logprobs
+    texts = [llm.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in ref.token_ids]
+    assert lp.tokens == texts
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(6)]
+    for top, want in zip(lp.top_logprobs, ref.logprobs):
+        expect = {}  # alternatives of the same text (pieces of characters: U+FFFD) share a key, the likelier kept
+        for t, v in want.top:
+            expect.setdefault(llm.tokenizer.token_bytes(t).decode("utf-8", "replace"), v)
+        assert list(top) == list(expect) and list(top.values()) == pytest.approx(list(expect.values()), abs=1e-5)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [c.tokens[0] for c in chunks] == lp.tokens and [c.text_offset[0] for c in chunks] == lp.text_offset
+    assert [c.token_logprobs[0] for c in chunks] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_match_python_api(client, llm):
+    """logprobs with top_logprobs=2 in chat's shape: a token an entry, its bytes adding up to the tokens' text."""
+    messages = [{"role": "user", "content": "hi there"}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ref = llm.generate(prompt, greedy(5, ignore_eos=True, logprobs=2))[0]
+    kw = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == \
+        llm.tokenizer.decode(ref.token_ids, skip_special_tokens=False)
+    for c, want in zip(content, ref.logprobs):
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in want.top], abs=1e-5)
+        assert c.top_logprobs[0].token == c.token  # greedy: the most likely token is the one taken
+    streamed = [e for ch in client.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [c.token for c in content]
+
+
 def test_stop_string_matches_python_api(client, llm):
     text = llm.generate(PROMPTS[0], greedy(16))[0].text
     stop = text[3:5]  # a stop string that certainly occurs

@@ -1,0 +1,71 @@
+"""SamplingParams.logprobs through the Python API: each output token's log-probability and its most likely
+alternatives, against the log-softmax of the engine's own scoring logits (llm.logits) of the same sequence."""
+
+import pytest
+import torch
+
+from k3runtime import LLM, SamplingParams
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def llm(k3_tiny_engine):
+    return LLM(k3_tiny_engine)
+
+
+def _expected(llm, prompt_ids, out_ids) -> torch.Tensor:
+    """log-softmax of the logits that predict each output token (fp32 [len(out_ids), vocab])."""
+    logits = llm.logits(prompt_ids + out_ids[:-1])
+    return torch.log_softmax(logits[len(prompt_ids) - 1:].double(), -1)
+
+
+def test_greedy_logprobs_are_the_models(llm):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3))[0]
+    want = _expected(llm, out.prompt_token_ids, out.token_ids)
+    assert len(out.logprobs) == len(out.token_ids) == 8
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.logprob == pytest.approx(want[i, tok].item(), abs=1e-4)
+        ids = [t for t, _ in lp.top]
+        assert len(ids) == 3 and ids[0] == tok  # greedy: the sampled token is the most likely
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert ids == torch.topk(want[i], 3).indices.tolist()
+        assert all(v == pytest.approx(want[i, t].item(), abs=1e-4) for t, v in lp.top)
+
+
+def test_sampled_tokens_get_the_untempered_distribution(llm):
+    """Temperature and top-k pick the token; its logprob is still the model's raw distribution's."""
+    params = SamplingParams(max_tokens=6, temperature=1.7, top_k=5, seed=11, ignore_eos=True, logprobs=0)
+    out = llm.generate(PROMPT, params)[0]
+    want = _expected(llm, out.prompt_token_ids, out.token_ids)
+    assert [lp.top for lp in out.logprobs] == [()] * 6
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx([want[i, t].item() for i, t in
+                                                                 enumerate(out.token_ids)], abs=1e-4)
+
+
+def test_only_the_requests_that_ask_get_them_and_streams_agree(llm, k3_tiny_engine):
+    asks = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    # another prompt first in the batch: the asking row is the step's second
+    plain, with_lp = llm.generate(["Kimi-K3 is", PROMPT],
+                                  [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), asks])
+    assert plain.logprobs is None and len(with_lp.logprobs) == 5
+    chunks = list(llm.stream(PROMPT, asks))  # alone in its batch: the same values up to the batch's rounding
+    _assert_close([c.logprobs for c in chunks], with_lp.logprobs)
+    assert all(c.logprobs is None for c in llm.stream(PROMPT, SamplingParams(max_tokens=2)))
+    # async scheduling lands a step's logprobs with its tokens, a step later
+    fast = LLM(k3_tiny_engine, async_scheduling=True).generate(PROMPT, asks)[0]
+    assert fast.token_ids == with_lp.token_ids
+    _assert_close(fast.logprobs, with_lp.logprobs)
+
+
+def _assert_close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert [g.logprob, *(v for _, v in g.top)] == pytest.approx([w.logprob, *(v for _, v in w.top)], abs=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
+def test_bad_logprobs_are_refused(bad):
+    with pytest.raises(ValueError, match="logprobs: expected None or an int in 0..20"):
+        SamplingParams(logprobs=bad)
