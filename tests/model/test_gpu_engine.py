@@ -273,3 +273,27 @@ def test_default_async_scheduling_with_preemption(engines, mode, monkeypatch):
         for k in range(16):  # one bad row (a wrong fed id or page) would hide in the 16 rows' sums
             row_cos, row_rel = _parity(got[k], want[k])
             assert row_cos > 0.99 and row_rel < 0.15, (i, k, row_cos, row_rel)
+
+
+def test_logprobs_on_the_gpu(engines):
+    """SamplingParams.logprobs with async scheduling on the graphs: each greedy token is its own row's most likely,
+    its logprob the GPU engine's scoring logits' within bf16 noise, and computing them with the sampled ids
+    launches without a host sync."""
+    from k3runtime.logprobs import step_logprobs
+
+    llm = LLM(engines[1], device="cuda", async_scheduling=True)
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3))[0]
+    want = torch.log_softmax(llm.logits(PROMPTS[1] + out.token_ids[:-1])[len(PROMPTS[1]) - 1:].double(), -1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.top[0][0] == tok and len(lp.top) == 3
+        assert abs(lp.logprob - want[i, tok].item()) < 5e-2, (i, lp.logprob, want[i, tok].item())
+    logits = torch.randn(4, llm.engine.facts.vocab_size, device="cuda")
+    tokens = logits.argmax(-1)
+    params = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0), SamplingParams()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = step_logprobs(logits, tokens, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rows.shape == (2, 5) and rows[:, 1].long().tolist() == tokens[[0, 2]].tolist()
