@@ -6,6 +6,9 @@
 # pipeline stages), share_tokens from a given rank, EngineOptions validated when made; a two-stage replay of fed
 # ids in both micro-batches (tests/runtime/test_pp_graphs_gpu.py, both stages in one process). Async scheduling
 # over pipeline stages end to end needs two GPUs (NCCL refuses two ranks on one device).
+# Thirtieth session (no device lent): the two-stage replay of a step whole (Step.micro_batches = 1, its logits not
+# copied) beside the cut one; decode_l_yh (bf16 per-pair rows) in every MoE case and against decode_l
+# (test_half_pair_rows_match_reference); logprobs on the graphs with async scheduling (test_logprobs_on_the_gpu).
 source tools/device/env.sh
 timeout 540 python3 -m pytest -q -m gpu tests/plugins tests/model tests/runtime tests/dist/test_graphs_nccl_gpu.py \
   -p no:cacheprovider --tb=short -rs > $OUT/pytest.txt 2>&1
