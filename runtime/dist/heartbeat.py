@@ -71,7 +71,8 @@ def silent_ranks(watch_s: float) -> list[int]:
 def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
     """A message naming the silent ranks when `exc` is a collective timeout, else None (after watching the beats
     for up to 5 s)."""
-    if "timed out" not in str(exc).lower():
+    message = str(exc).lower()
+    if "timed out" not in message and "timeout" not in message:  # gloo: "Application timeout caused pair closure"
         return None
     watch_s = max(3 * PERIOD_S, min(5.0, timeout_s / 2))
     silent = silent_ranks(watch_s)

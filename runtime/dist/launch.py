@@ -80,6 +80,16 @@ def release_workers(comm: DistCommunicator) -> None:
         comm.control.broadcast((Step((), stop=True),))
 
 
+def _release_all(quiet: bool = False) -> None:
+    """Release every driver communicator's workers; quiet: errors (a worker that cannot be reached) are dropped."""
+    for comm in list(_live):
+        try:
+            release_workers(comm)
+        except Exception:
+            if not quiet:
+                raise
+
+
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
     from ..llm_engine import HostCopy, open_rank, sample_step
@@ -127,10 +137,13 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
         try:
             if dist.get_rank() == 0:
                 try:
-                    return driver_fn()
-                finally:
-                    for comm in list(_live):
-                        release_workers(comm)
+                    result = driver_fn()
+                except BaseException:
+                    # a hung worker makes the release time out too: the driver's own error is the one to show
+                    _release_all(quiet=True)
+                    raise
+                _release_all()
+                return result
             worker_loop(engine_dir, device)
         except Exception as e:
             # name the rank that went silent, when that is why a collective timed out

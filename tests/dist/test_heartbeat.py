@@ -37,8 +37,10 @@ JOB = textwrap.dedent('''
     stopped = heartbeat.silent_ranks(3.0)  # stopped 0.2 s ago: its beat does not move in the 3 s watched
     why = heartbeat.explain_timeout(RuntimeError("Timed out waiting 10000ms"), 10)
     other = heartbeat.explain_timeout(RuntimeError("Connection closed by peer"), 10)
+    # gloo's other wording of a timeout, when the peer's side of the pair gives up first
+    pair = heartbeat.explain_timeout(RuntimeError("Application timeout caused pair closure"), 10)
     with open(sys.argv[1] + ".tmp", "w") as f:
-        json.dump({"alive": alive, "stopped": stopped, "why": why, "other": other}, f)
+        json.dump({"alive": alive, "stopped": stopped, "why": why, "other": other, "pair": pair}, f)
     os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     os._exit(0)
 ''')
@@ -71,3 +73,4 @@ def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
     got = json.loads(out.read_text())
     assert got["alive"] == [] and got["stopped"] == [1]
     assert "rank 1 stopped responding (no heartbeat in 5 s)" in got["why"] and got["other"] is None
+    assert "rank 1 stopped responding" in got["pair"]
