@@ -3,7 +3,8 @@
 They are the model's own distribution, the log-softmax of its fp32 logits before temperature, top-k and top-p (what
 vLLM calls raw logprobs), so they do not depend on how a token was drawn. A step's rows that ask are done
 together on the logits' device with no host sync, packed in one float64 tensor (token ids are exact in it) that
-goes to the host with the step's ids.
+goes to the host with the step's ids. As in the sampler, the alternatives come from a top-k, not a sort of the
+vocabulary, in passes of ROWS_PER_PASS rows, ties broken by lower token id.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampler import ROWS_PER_PASS, best_first, top_k_mask
 from .sampling_params import SamplingParams
 from .upload import to_device
 
@@ -25,20 +27,25 @@ class TokenLogprobs:
 def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
     """logits [M, V] of a step's sampled rows, tokens [M] their sampled ids, params their SamplingParams. Returns,
     for the rows that ask, in order, [R, 1 + 2·top] float64: the sampled token's logprob, then the `top` most
-    likely ids and their logprobs (ties by lower id), top the most any row asks for; None when no row asks."""
+    likely ids and their logprobs, top the most any row asks for (at most V); None when no row asks."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
     if len(rows) < len(params):
         index = to_device(rows, logits.device)
         logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    cols = [lp.gather(1, tokens.view(-1, 1))]
-    top = max(params[i].logprobs for i in rows)
-    if top:
-        values, ids = torch.sort(lp, dim=-1, descending=True, stable=True)  # stable: equal values by lower id
-        cols += [ids[:, :top], values[:, :top]]
-    return torch.cat([c.double() for c in cols], dim=1)
+    top = min(max(params[i].logprobs for i in rows), logits.shape[1])
+    packed = []
+    for r0 in range(0, len(rows), ROWS_PER_PASS):
+        x = logits[r0:r0 + ROWS_PER_PASS].float()
+        norm = torch.logsumexp(x, dim=-1, keepdim=True)
+        cols = [x.gather(1, tokens[r0:r0 + ROWS_PER_PASS].view(-1, 1)) - norm]
+        if top:
+            k = torch.full((x.shape[0],), top, dtype=torch.int64, device=x.device)
+            values, ids = best_first(*torch.topk(x.masked_fill(~top_k_mask(x, k, top), float("-inf")), top, dim=-1))
+            cols += [ids, values - norm]
+        packed.append(torch.cat([c.double() for c in cols], dim=1))
+    return torch.cat(packed)
 
 
 def unpack(rows: list[list[float]], params: list[SamplingParams]) -> list[TokenLogprobs | None]:
@@ -51,5 +58,6 @@ def unpack(rows: list[list[float]], params: list[SamplingParams]) -> list[TokenL
             continue
         row = next(rows)
         top = (len(row) - 1) // 2
-        out.append(TokenLogprobs(row[0], tuple((int(row[1 + i]), row[1 + top + i]) for i in range(p.logprobs))))
+        out.append(TokenLogprobs(row[0], tuple((int(row[1 + i]), row[1 + top + i])
+                                               for i in range(min(p.logprobs, top)))))
     return out

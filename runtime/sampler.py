@@ -121,11 +121,11 @@ class _Rows:
     any_top_p: bool
 
 
-def _top_k_mask(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
-    """[M, V] bool: each row's k best tokens, exactly k (all where k is 0): those above the k-th largest value,
-    then the lowest ids among those equal to it."""
-    k = rows.k[:, None]
-    kth = torch.topk(x, rows.kmax, dim=-1).values.gather(1, k.clamp(min=1) - 1)  # the k-th value (ties or not)
+def top_k_mask(x: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """[M, V] bool: each row's k best tokens (k [M], at most kmax), exactly k (all where k is 0): those above the
+    k-th largest value, then the lowest ids among those equal to it."""
+    k = k[:, None]
+    kth = torch.topk(x, kmax, dim=-1).values.gather(1, k.clamp(min=1) - 1)  # the k-th value (ties or not)
     above = x > kth
     tied = x == kth
     room = k - above.sum(-1, keepdim=True)                                       # how many tied ones fit
@@ -146,7 +146,7 @@ def _top_p_drop(sorted_x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return drop
 
 
-def _best_first(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def best_first(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(vals, ids) [M, n] reordered best first, ties by ascending id: sorted by id, then stably by value."""
     by_id = ids.argsort(dim=-1)
     vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
@@ -158,7 +158,7 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     """Tokens [M] drawn over the whole vocabulary: argmax(x + Gumbel noise) over each row's kept tokens (Gumbel-max
     needs no normalising: log p differs from x by a constant a row)."""
     if rows.any_top_k:
-        x = x.masked_fill(~_top_k_mask(x, rows), float("-inf"))
+        x = x.masked_fill(~top_k_mask(x, rows.k, rows.kmax), float("-inf"))
     if rows.any_top_p:
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)           # ties by ascending id
         x = x.scatter(1, order, sorted_x.masked_fill(_top_p_drop(sorted_x, rows.top_p), float("-inf")))
@@ -170,9 +170,9 @@ def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     """_draw_full's tokens for rows that all have a top-k, from the kmax columns that hold each row's kept ones
     (the rest -inf): the same kept sets, the same order for top-p, the same noise a token id and the same tie-break,
     so the same draws, without sorting the vocabulary."""
-    vals, ids = torch.topk(x.masked_fill(~_top_k_mask(x, rows), float("-inf")), rows.kmax, dim=-1)
+    vals, ids = torch.topk(x.masked_fill(~top_k_mask(x, rows.k, rows.kmax), float("-inf")), rows.kmax, dim=-1)
     if rows.any_top_p:
-        vals, ids = _best_first(vals, ids)
+        vals, ids = best_first(vals, ids)
         vals = vals.masked_fill(_top_p_drop(vals, rows.top_p), float("-inf"))
     by_id = ids.argsort(dim=-1)                                                  # argmax's tie-break: lowest id
     vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)

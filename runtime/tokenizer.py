@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -33,6 +32,11 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(f"{path}: the engine has no tokenizer; pass token ids instead of text")
         self._tok = _HFTokenizer.from_file(str(path))
+        # token_bytes' lookups: the added tokens' texts, and whether tokens are byte-level (a decoder of its own or
+        # one of a sequence)
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        decoder = self._tok.decoder
+        self._byte_level = decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
         cfg_path = engine_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = engine_dir / "chat_template.jinja"
@@ -49,18 +53,19 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """One token's own bytes (a piece of a multi-byte character stays a piece): a byte-level BPE token's
-        characters mapped back to the bytes they stand for; otherwise the token decoded alone."""
+        """One token's own bytes (a piece of a multi-byte character stays a piece): an added token's text; a
+        byte-level BPE token's characters mapped back to the bytes they stand for; a SentencePiece token's text
+        with its ▁ as spaces, or its byte (<0xNN>). ValueError for an id the tokenizer does not have."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
         piece = self._tok.id_to_token(token_id)
         if piece is None:
-            raise ValueError(f"token id {token_id} is outside the vocabulary")
+            raise ValueError(f"token id {token_id} is outside the tokenizer's vocabulary")
         if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
-        return self._tok.decode([token_id], skip_special_tokens=False).encode()
-
-    @functools.cached_property
-    def _byte_level(self) -> bool:
-        return json.loads(self._tok.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece's byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

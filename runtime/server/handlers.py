@@ -216,7 +216,7 @@ class Handlers:
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         n_out, live = 0, len(streams)
-        offsets = [0] * len(streams)  # each choice's text so far, as its tokens' texts add up (text_offset)
+        sent = [[] for _ in streams]  # each choice's tokens so far (text_offset)
         try:
             if chat:
                 yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
@@ -233,9 +233,8 @@ class Handlers:
                 n_out += 1
                 lps = None if ch.logprobs is None else [ch.logprobs]
                 c = {"index": i, "finish_reason": ch.finish_reason,
-                     "logprobs": self._logprobs(chat, [ch.token_id], lps, offsets[i])}
-                if c["logprobs"] and not chat:
-                    offsets[i] += len(c["logprobs"]["tokens"][0])
+                     "logprobs": self._logprobs(chat, [ch.token_id], lps, sent[i])}
+                sent[i].append(ch.token_id)
                 if chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
                 else:
@@ -252,12 +251,13 @@ class Handlers:
             close()
 
 
-    def _logprobs(self, chat: bool, ids: list[int], lps: list | None, offset: int = 0) -> dict | None:
-        """A choice's (or a chunk's) `logprobs`, None when its request did not ask."""
+    def _logprobs(self, chat: bool, ids: list[int], lps: list | None, before: list[int] = ()) -> dict | None:
+        """A choice's (or a chunk's, after the choice's tokens `before`) `logprobs`, None when its request did not
+        ask."""
         if lps is None:
             return None
         return chat_logprobs(self.token_text, ids, lps) if chat else completion_logprobs(self.token_text, ids, lps,
-                                                                                          offset)
+                                                                                          before)
 
 
 def _usage(p: int, c: int) -> dict:

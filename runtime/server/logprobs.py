@@ -1,45 +1,66 @@
 """Tokens' logprobs (runtime/logprobs.py) in OpenAI's two shapes: the completions' columns and the chat's entries.
 
-A token's text is its own bytes decoded with U+FFFD for a piece of a multi-byte character (chat entries also carry
-the bytes, which add up to the text); without a tokenizer it is "token_id:N". Two alternatives whose texts are the
-same share one key of a completions' top_logprobs dict: the more likely stays.
+A token's text is its own bytes (Tokenizer.token_bytes) decoded, with U+FFFD for a piece of a multi-byte
+character; chat entries also carry the bytes, which add up to the tokens' text with special tokens kept (the
+message's text leaves those out, and a stop string cuts it). Without a tokenizer, or for an id it does not have,
+the text is "token_id:N". Two alternatives of the same text share one key of a completions' top_logprobs dict: the
+more likely stays. JSON has no infinities: a logprob of -inf (a token the model rules out) is written -9999.0.
 """
 
 from __future__ import annotations
 
+import math
+import os
+
 from ..logprobs import TokenLogprobs
 from ..tokenizer import Tokenizer
 
+FLOOR = -9999.0  # what a -inf (or NaN) logprob is written as
+
+
+def _finite(v: float) -> float:
+    return v if math.isfinite(v) else FLOOR
+
 
 class TokenText:
-    """Token id -> (text, bytes), remembered."""
+    """Token id -> (text, bytes or None), remembered; and where tokens start in a choice's text."""
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer, self.seen = tokenizer, {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
         if token_id not in self.seen:
-            if self.tokenizer is None:
-                self.seen[token_id] = (f"token_id:{token_id}", None)
-            else:
-                raw = self.tokenizer.token_bytes(token_id)
-                self.seen[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+            try:
+                raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else None
+            except ValueError:  # an id past the tokenizer's vocabulary (a padded embedding)
+                raw = None
+            self.seen[token_id] = (f"token_id:{token_id}", None) if raw is None else \
+                (raw.decode("utf-8", errors="replace"), list(raw))
         return self.seen[token_id]
 
+    def offset(self, before: list[int], token_id: int) -> int:
+        """Where token `token_id`, after the choice's tokens `before`, starts in the choice's text: the text the
+        two decodings, without it and with it, share (a character it completes starts before it); the tokens' texts'
+        lengths without a tokenizer."""
+        if self.tokenizer is None:
+            return sum(len(self(t)[0]) for t in before)
+        return len(os.path.commonprefix([self.tokenizer.decode(before), self.tokenizer.decode(before + [token_id])]))
 
-def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs], offset: int = 0) -> dict:
-    """The completions' `logprobs`: tokens, token_logprobs, top_logprobs and text_offset (each token's start in
-    the choice's text as the tokens' texts add up, from `offset`)."""
-    tokens, offsets = [], []
-    for t in ids:
-        offsets.append(offset)
+
+def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs],
+                        before: list[int] = ()) -> dict:
+    """The completions' `logprobs` of tokens `ids` (after the choice's tokens `before`): tokens, token_logprobs,
+    top_logprobs (the most likely alternatives, and the token itself, as OpenAI does) and text_offset."""
+    before = list(before)
+    tokens, offsets, top = [], [], []
+    for i, (t, lp) in enumerate(zip(ids, lps)):
         tokens.append(text_of(t)[0])
-        offset += len(tokens[-1])
-    top = [{} for _ in lps]
-    for d, lp in zip(top, lps):
-        for t, v in lp.top:  # most likely first: it keeps a shared key
-            d.setdefault(text_of(t)[0], v)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
+        offsets.append(text_of.offset(before + ids[:i], t))
+        alternatives = {}
+        for a, v in (*lp.top, (t, lp.logprob)):  # most likely first: it keeps a shared key
+            alternatives.setdefault(text_of(a)[0], _finite(v))
+        top.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps], "top_logprobs": top,
             "text_offset": offsets}
 
 
@@ -47,6 +68,6 @@ def chat_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs]) 
     """The chat completions' `logprobs`: {"content": an entry a token, with its top_logprobs}."""
     def entry(token_id: int, logprob: float) -> dict:
         text, raw = text_of(token_id)
-        return {"token": text, "logprob": logprob, "bytes": raw}
+        return {"token": text, "logprob": _finite(logprob), "bytes": raw}
     return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
                         for t, lp in zip(ids, lps)]}

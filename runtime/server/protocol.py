@@ -93,7 +93,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def wanted_logprobs(self) -> int | None:

@@ -65,7 +65,7 @@ def main():
         llm.engine._micro_batches = lambda items: counts.append(choose(items)) or counts[-1]
         result = {"logits": llm.logits(job["prompts"][0]).tolist(),
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],
-                  "stats": llm.engine.stats, "backend": llm.engine.expert_backend,
+                  "stats": dict(llm.engine.stats), "backend": llm.engine.expert_backend,
                   "micro_batches": sorted(set(counts))}
         try:  # logprobs come from the rank that samples: the driver's, or refused
             asks = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2)

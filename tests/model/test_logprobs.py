@@ -65,6 +65,16 @@ def _assert_close(got, want):
         assert [g.logprob, *(v for _, v in g.top)] == pytest.approx([w.logprob, *(v for _, v in w.top)], abs=1e-5)
 
 
+def test_rows_asking_for_different_counts_in_one_step(llm):
+    """Two requests in one batch asking for 1 and 4 alternatives: each gets its own count, the values the ones it
+    gets alone."""
+    one, four = (SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=n) for n in (1, 4))
+    a, b = llm.generate(["Kimi-K3 is", PROMPT], [one, four])
+    assert {len(x.top) for x in a.logprobs} == {1} and {len(x.top) for x in b.logprobs} == {4}
+    _assert_close(a.logprobs, llm.generate("Kimi-K3 is", one)[0].logprobs)
+    _assert_close(b.logprobs, llm.generate(PROMPT, four)[0].logprobs)
+
+
 @pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
 def test_bad_logprobs_are_refused(bad):
     with pytest.raises(ValueError, match="logprobs: expected None or an int in 0..20"):

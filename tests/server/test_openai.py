@@ -78,11 +78,15 @@ def test_completion_logprobs_match_python_api(client, llm):
     ref = llm.generate(PROMPTS[1], greedy(6, ignore_eos=True, logprobs=2))[0]
     kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2,
               extra_body={"ignore_eos": True})
-    lp = client.completions.create(**kw).choices[0].logprobs
+    choice = client.completions.create(**kw).choices[0]
+    lp = choice.logprobs
     texts = [llm.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in ref.token_ids]
     assert lp.tokens == texts
     assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
-    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(6)]
+    # text_offset indexes the choice's text: a whole token's text stands there (special tokens are not in the text)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(choice.text)
+    whole = [i for i, t in enumerate(ref.token_ids) if llm.tokenizer.decode([t]) == texts[i] and "\ufffd" not in texts[i]]
+    assert whole and all(choice.text[lp.text_offset[i]:].startswith(texts[i]) for i in whole)
     for top, want in zip(lp.top_logprobs, ref.logprobs):
         expect = {}  # alternatives of the same text (pieces of characters: U+FFFD) share a key, the likelier kept
         for t, v in want.top:
@@ -93,6 +97,11 @@ def test_completion_logprobs_match_python_api(client, llm):
     assert [c.token_logprobs[0] for c in chunks] == pytest.approx(lp.token_logprobs, abs=1e-6)
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+    # logprobs 0, sampled: top_logprobs holds the token taken, as OpenAI's does
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=1.5, seed=5, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert [list(d.items()) for d in lp.top_logprobs] == [[(t, v)] for t, v in zip(lp.tokens, lp.token_logprobs)]
 
 
 def test_chat_logprobs_match_python_api(client, llm):
@@ -112,6 +121,9 @@ def test_chat_logprobs_match_python_api(client, llm):
     streamed = [e for ch in client.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
                 for e in ch.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [c.token for c in content]
+    # logprobs null (what many clients send for "not set"): none
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=None)
+    assert plain.choices[0].logprobs is None
 
 
 def test_stop_string_matches_python_api(client, llm):
