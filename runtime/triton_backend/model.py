@@ -1,8 +1,8 @@
 """Triton Python-backend model serving a k3build engine (copied as `<repo>/<model>/1/model.py`).
 
 Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `input_ids`), `max_tokens`,
-`temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop` in; `text_output`, `output_ids`,
-`finish_reason` out. In decoupled mode each request is handed to the engine thread and answered from
+`temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop`, `return_log_probs` in; `text_output`, `output_ids`,
+`finish_reason`, `output_log_probs` (each output token's log-probability; empty unless asked) out. In decoupled mode each request is handed to the engine thread and answered from
 there (one response per token when stream=true), so concurrent requests batch continuously; a
 cancelled request (client gone) is aborted on the engine, which frees its pages and KDA slot.
 Needs numpy<2 in the stub's environment (Triton 2.51's stub), plus k3runtime and its dependencies.
@@ -28,12 +28,18 @@ def _scalar(request, name, default, kind):
     return kind(v.decode("utf-8") if isinstance(v, bytes) else v)
 
 
-def _outputs(text: str, ids: list, reason: str | None):
+def _outputs(text: str, ids: list, reason: str | None, logprobs: list):
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)),
         pb_utils.Tensor("finish_reason", np.array([(reason or "").encode()], dtype=np.object_)),
+        pb_utils.Tensor("output_log_probs", np.array(logprobs, dtype=np.float32)),
     ])
+
+
+def _logprobs(ev) -> list:
+    """The event's token's log-probability, when its request asked (return_log_probs)."""
+    return [] if ev.logprobs is None else [ev.logprobs.logprob]
 
 
 def _error(message: str):
@@ -81,7 +87,8 @@ class TritonPythonModel:
         seed = _scalar(request, "seed", None, int)
         sp = self.SamplingParams(max_tokens=max_tokens, temperature=_scalar(request, "temperature", 1.0, float),
                                  top_p=_scalar(request, "top_p", 1.0, float), top_k=_scalar(request, "top_k", 0, int),
-                                 seed=seed, stop=stop)
+                                 seed=seed, stop=stop,
+                                 logprobs=0 if _scalar(request, "return_log_probs", False, bool) else None)
         return ids, sp, _scalar(request, "stream", False, bool)
 
     def execute(self, requests):
@@ -98,7 +105,7 @@ class TritonPythonModel:
         except (ValueError, UnicodeDecodeError) as e:
             sender.send(_error(str(e)), flags=FINAL)
             return
-        acc = {"text": [], "ids": []}
+        acc = {"text": [], "ids": [], "logprobs": []}
         rid = []
 
         def on_event(ev):  # engine thread
@@ -112,13 +119,14 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 return
             if stream:
-                sender.send(_outputs(ev.text, [ev.token_id], ev.finish_reason),
+                sender.send(_outputs(ev.text, [ev.token_id], ev.finish_reason, _logprobs(ev)),
                             flags=FINAL if ev.finish_reason else 0)
                 return
             acc["text"].append(ev.text)
             acc["ids"].append(ev.token_id)
+            acc["logprobs"] += _logprobs(ev)
             if ev.finish_reason:
-                sender.send(_outputs("".join(acc["text"]), acc["ids"], ev.finish_reason), flags=FINAL)
+                sender.send(_outputs("".join(acc["text"]), acc["ids"], ev.finish_reason, acc["logprobs"]), flags=FINAL)
 
         rid.append(self.engine.submit(ids, sp, on_event))
 
@@ -134,7 +142,7 @@ class TritonPythonModel:
             except (ValueError, UnicodeDecodeError) as e:
                 responses[i] = _error(str(e))
                 continue
-            done, acc = threading.Event(), {"text": [], "ids": [], "reason": None, "error": None}
+            done, acc = threading.Event(), {"text": [], "ids": [], "logprobs": [], "reason": None, "error": None}
 
             def on_event(ev, done=done, acc=acc):  # engine thread
                 if isinstance(ev, str):
@@ -145,6 +153,7 @@ class TritonPythonModel:
                     return
                 acc["text"].append(ev.text)
                 acc["ids"].append(ev.token_id)
+                acc["logprobs"] += _logprobs(ev)
                 if ev.finish_reason:
                     acc["reason"] = ev.finish_reason
                     done.set()
@@ -154,7 +163,7 @@ class TritonPythonModel:
         for i, done, acc in pending:
             done.wait()
             responses[i] = _error(acc["error"]) if acc["error"] else \
-                _outputs("".join(acc["text"]), acc["ids"], acc["reason"])
+                _outputs("".join(acc["text"]), acc["ids"], acc["reason"], acc["logprobs"])
         return responses
 
     def finalize(self):

@@ -22,9 +22,10 @@ _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only wh
     ("seed", "TYPE_UINT64", [1]),
     ("stream", "TYPE_BOOL", [1]),
     ("stop", "TYPE_STRING", [-1]),
+    ("return_log_probs", "TYPE_BOOL", [1]),
 ]
 _OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]),
-            ("finish_reason", "TYPE_STRING", [1])]
+            ("finish_reason", "TYPE_STRING", [1]), ("output_log_probs", "TYPE_FP32", [-1])]
 
 
 def _tensor(name, dtype, dims, optional):

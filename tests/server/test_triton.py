@@ -36,7 +36,7 @@ def _ports(n=3):
 def test_config_pbtxt_shape(tmp_path):
     txt = config_pbtxt("k3", tmp_path, decoupled=True)
     for name in ["text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop",
-                 "text_output", "output_ids", "finish_reason"]:
+                 "return_log_probs", "text_output", "output_ids", "finish_reason", "output_log_probs"]:
         assert f'name: "{name}"' in txt
     assert 'backend: "python"' in txt and "decoupled: true" in txt and str(tmp_path) in txt
     assert "decoupled" not in config_pbtxt("k3", tmp_path, decoupled=False)
@@ -119,7 +119,8 @@ def triton(tiny_engine, tmp_path_factory):
 def _inputs(mod, **values):
     kinds = {"text_input": ("BYTES", np.object_), "stop": ("BYTES", np.object_), "input_ids": ("INT32", np.int32),
              "max_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32), "temperature": ("FP32", np.float32),
-             "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_)}
+             "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_),
+             "return_log_probs": ("BOOL", np.bool_)}
     out = []
     for name, v in values.items():
         dt, npt = kinds[name]
@@ -175,6 +176,12 @@ def test_http_unary_matches_python_api(triton, llm):
         r = c.infer("k3_unary", _inputs(th, text_input="Hello world", max_tokens=8, temperature=0.0))
         assert r.as_numpy("output_ids").tolist() == ref.token_ids
         assert r.as_numpy("text_output")[0].decode() == ref.text
+        assert r.as_numpy("output_log_probs").size == 0  # not asked
+        # return_log_probs: each output token's log-probability, the Python API's
+        ref = llm.generate("Hello world", SamplingParams(max_tokens=6, temperature=0, logprobs=0))[0]
+        r = c.infer("k3_unary", _inputs(th, text_input="Hello world", max_tokens=6, temperature=0.0,
+                                        return_log_probs=True))
+        assert r.as_numpy("output_log_probs").tolist() == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
     finally:
         c.close()
 
@@ -193,6 +200,12 @@ def test_grpc_streaming_matches_python_api(triton, llm):
         assert resps[-1].as_numpy("finish_reason")[0].decode() == "length"
     (single,) = out[3]
     assert _ids(single) == refs[0].token_ids
+    # streamed with return_log_probs: a token's log-probability in each of its responses
+    ref = llm.generate(prompts[1], SamplingParams(max_tokens=5, temperature=0, logprobs=0))[0]
+    (resps,) = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(text_input=prompts[1], max_tokens=5,
+                                                                  temperature=0.0, stream=True, return_log_probs=True)])
+    got = [v for r in resps if _ids(r) for v in r.as_numpy("output_log_probs").tolist()]
+    assert got == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
 
 
 def test_seed_and_stop_pass_through(triton, llm):
