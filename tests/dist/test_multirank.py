@@ -44,8 +44,9 @@ def reference(k3_tiny_engine):
             "logprobs": llm.generate(PROMPTS[0], asks)[0].logprobs}
 
 
-def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | None = None, mode: str = "") -> dict:
-    job = json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "options": options, "mode": mode})
+def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | None = None, mode: str = "",
+              prompts: list[list[int]] = PROMPTS) -> dict:
+    job = json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "options": options, "mode": mode})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "120", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(JOB), str(engine), str(out), job]
@@ -73,6 +74,21 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
         want = reference["logprobs"]
         assert [[t for t, _ in top] for _, top in got["logprobs"]] == [[t for t, _ in w.top] for w in want]
         assert [v for v, _ in got["logprobs"]] == pytest.approx([w.logprob for w in want], abs=1e-4)
+
+
+def test_long_prefill_is_cut_by_the_estimate(k3_tiny_ckpt, tmp_path):
+    """Two stages left to the engine's estimate (micro_batch.py): the step prefilling two prompts of 900 tokens is
+    cut in two micro-batches (the tiny model's arithmetic outweighs its weights there), its decode steps are not;
+    the tokens and logits are one rank's."""
+    prompts = [[1] + [(7 * i) % 500 + 3 for i in range(899)], [1] + [(11 * i) % 500 + 3 for i in range(899)]]
+    limits = dict(max_seq_len=2048, max_num_tokens=2048)
+    llm = LLM(build_engine(k3_tiny_ckpt, tmp_path / "one", **limits))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(pp_size=2), **limits)
+    got = run_ranks(engine, 2, tmp_path / "out.json", {}, prompts=prompts)
+    assert got["micro_batches"] == [1, 2]
+    assert got["tokens"] == [o.token_ids for o in llm.generate(prompts, greedy)]
+    torch.testing.assert_close(torch.tensor(got["logits"]), llm.logits(prompts[0]), rtol=1e-4, atol=1e-4)
 
 
 def test_deepep_adapter_matches_the_nccl_exchange(k3_tiny_ckpt, tmp_path):
