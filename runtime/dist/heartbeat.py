@@ -26,21 +26,36 @@ def _store():
         return None
 
 
+_beating: list[tuple[threading.Thread, threading.Event]] = []
+
+
 def start() -> None:
-    """Beat for this rank until the process ends (no-op without a store)."""
+    """Beat for this rank until stop() (no-op without a store)."""
     store, rank = _store(), dist.get_rank()
     if store is None:
         return
+    done = threading.Event()
 
     def beat():
-        while True:
+        while not done.is_set():
             try:
                 store.set(_KEY.format(rank), repr(time.time()))
             except Exception:  # the store went away with the job: stop quietly
                 return
-            time.sleep(PERIOD_S)
+            done.wait(PERIOD_S)
 
-    threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True).start()
+    thread = threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True)
+    thread.start()
+    _beating.append((thread, done))
+
+
+def stop() -> None:
+    """Stop beating before the process group goes: a beat still inside the store's C++ client while the process
+    exits can abort it ("terminate called without an active exception")."""
+    while _beating:
+        thread, done = _beating.pop()
+        done.set()
+        thread.join(timeout=5 * PERIOD_S)
 
 
 def _stamps() -> dict[int, str]:

@@ -152,6 +152,7 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
                 raise EngineError(why) from e
             raise
     finally:
+        heartbeat.stop()
         dist.destroy_process_group()
 
 

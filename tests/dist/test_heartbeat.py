@@ -39,8 +39,12 @@ JOB = textwrap.dedent('''
     other = heartbeat.explain_timeout(RuntimeError("Connection closed by peer"), 10)
     # gloo's other wording of a timeout, when the peer's side of the pair gives up first
     pair = heartbeat.explain_timeout(RuntimeError("Application timeout caused pair closure"), 10)
+    heartbeat.stop()  # before the process group goes: this rank's beat stands still
+    mine = store.get("k3/heartbeat/0")
+    time.sleep(2.5)
+    still = store.get("k3/heartbeat/0") == mine
     with open(sys.argv[1] + ".tmp", "w") as f:
-        json.dump({"alive": alive, "stopped": stopped, "why": why, "other": other, "pair": pair}, f)
+        json.dump({"alive": alive, "stopped": stopped, "why": why, "other": other, "pair": pair, "still": still}, f)
     os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     os._exit(0)
 ''')
@@ -74,3 +78,4 @@ def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
     assert got["alive"] == [] and got["stopped"] == [1]
     assert "rank 1 stopped responding (no heartbeat in 5 s)" in got["why"] and got["other"] is None
     assert "rank 1 stopped responding" in got["pair"]
+    assert got["still"]
