@@ -3,8 +3,8 @@
 A rank that dies is named by torchrun; a rank that hangs (stopped, stuck in a kernel, a lost node) only
 makes its peers' collectives time out, and they cannot tell who is missing. Every rank stamps the time into
 the store that torch.distributed was initialised with, from a daemon thread. A thread keeps beating while
-its rank waits inside a collective, and stops when the process stops. After a timeout, the ranks whose
-stamps do not move for a few seconds are the silent ones.
+its rank waits inside a collective, and stops when the process stops or leaves (stop). After a timeout, the
+ranks whose stamps do not move for a few seconds are the silent ones.
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ def test_completion_logprobs_match_python_api(client, llm):
     assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
     # text_offset indexes the choice's text: a whole token's text stands there (special tokens are not in the text)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(choice.text)
-    whole = [i for i, t in enumerate(ref.token_ids) if llm.tokenizer.decode([t]) == texts[i] and "\ufffd" not in texts[i]]
+    whole = [i for i, t in enumerate(ref.token_ids)
+             if llm.tokenizer.decode([t]) == texts[i] and "\ufffd" not in texts[i]]
     assert whole and all(choice.text[lp.text_offset[i]:].startswith(texts[i]) for i in whole)
     for top, want in zip(lp.top_logprobs, ref.logprobs):
         expect = {}  # alternatives of the same text (pieces of characters: U+FFFD) share a key, the likelier kept
