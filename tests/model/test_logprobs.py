@@ -79,3 +79,27 @@ def test_rows_asking_for_different_counts_in_one_step(llm):
 def test_bad_logprobs_are_refused(bad):
     with pytest.raises(ValueError, match="logprobs: expected None or an int in 0..20"):
         SamplingParams(logprobs=bad)
+
+
+def test_an_abort_in_flight_leaves_the_others_logprobs_in_place(k3_tiny_engine):
+    """Async scheduling: the request beside an asking one is aborted while a step of both is in flight; the asking
+    request's tokens and logprobs stay paired, as it gets them alone."""
+    llm = LLM(k3_tiny_engine, async_scheduling=True)
+    eng, asks = llm.engine, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    other = eng.add_request(llm.tokenizer.encode("Kimi-K3 is"), SamplingParams(max_tokens=8, ignore_eos=True))
+    mine = eng.add_request(llm.tokenizer.encode(PROMPT), asks)
+    tokens, lps = [], []
+    for step in range(40):
+        if step == 3:
+            assert other in eng._in_flight[0].requests  # a step of both launched, its tokens not yet landed
+            eng.abort(other.request_id)
+        for ev in eng.step():
+            assert ev.request_id != other.request_id or step <= 3
+            if ev.request_id == mine.request_id:
+                tokens.append(ev.token_id)
+                lps.append(ev.logprobs)
+        if not eng.has_unfinished():
+            break
+    alone = llm.generate(PROMPT, asks)[0]
+    assert tokens == alone.token_ids
+    _assert_close(lps, alone.logprobs)
