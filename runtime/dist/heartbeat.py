@@ -26,7 +26,8 @@ def _store():
         return None
 
 
-_beating: list[tuple[threading.Thread, threading.Event]] = []
+LEFT = "left"  # the beat of a rank that stopped beating on purpose (stop): never named as silent
+_beating: list[tuple[threading.Thread, threading.Event, object, int]] = []
 
 
 def start() -> None:
@@ -46,16 +47,21 @@ def start() -> None:
 
     thread = threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True)
     thread.start()
-    _beating.append((thread, done))
+    _beating.append((thread, done, store, rank))
 
 
 def stop() -> None:
-    """Stop beating before the process group goes: a beat still inside the store's C++ client while the process
-    exits can abort it ("terminate called without an active exception")."""
+    """Stop beating before the process group goes (a beat still inside the store's C++ client while the process
+    exits may abort it: "terminate called without an active exception"; a beat stuck past 5 s on an unresponsive
+    store is left behind), and mark this rank as left, so that no peer names it as hung."""
     while _beating:
-        thread, done = _beating.pop()
+        thread, done, store, rank = _beating.pop()
         done.set()
         thread.join(timeout=5 * PERIOD_S)
+        try:
+            store.set(_KEY.format(rank), LEFT)
+        except Exception:  # the store went away with the job
+            pass
 
 
 def _stamps() -> dict[int, str]:
@@ -80,14 +86,15 @@ def silent_ranks(watch_s: float) -> list[int]:
         return []
     time.sleep(watch_s)
     after = _stamps()
-    return sorted(r for r, beat in after.items() if beat == before.get(r))
+    return sorted(r for r, beat in after.items() if beat == before.get(r) and beat != LEFT)
 
 
 def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
     """A message naming the silent ranks when `exc` is a collective timeout, else None (after watching the beats
     for up to 5 s)."""
     message = str(exc).lower()
-    if "timed out" not in message and "timeout" not in message:  # gloo: "Application timeout caused pair closure"
+    # gloo says either, as its side of a pair or the peer's gives up first
+    if "timed out" not in message and "timeout caused pair closure" not in message:
         return None
     watch_s = max(3 * PERIOD_S, min(5.0, timeout_s / 2))
     silent = silent_ranks(watch_s)

@@ -152,8 +152,10 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
                 raise EngineError(why) from e
             raise
     finally:
-        heartbeat.stop()
-        dist.destroy_process_group()
+        try:
+            heartbeat.stop()
+        finally:
+            dist.destroy_process_group()
 
 
 def _option(command: list[str], name: str) -> str | None:

@@ -39,10 +39,10 @@ JOB = textwrap.dedent('''
     other = heartbeat.explain_timeout(RuntimeError("Connection closed by peer"), 10)
     # gloo's other wording of a timeout, when the peer's side of the pair gives up first
     pair = heartbeat.explain_timeout(RuntimeError("Application timeout caused pair closure"), 10)
-    heartbeat.stop()  # before the process group goes: this rank's beat stands still
+    heartbeat.stop()  # before the process group goes: this rank's beat stands still, marked as left
     mine = store.get("k3/heartbeat/0")
     time.sleep(2.5)
-    still = store.get("k3/heartbeat/0") == mine
+    still = store.get("k3/heartbeat/0") == mine == heartbeat.LEFT.encode()
     with open(sys.argv[1] + ".tmp", "w") as f:
         json.dump({"alive": alive, "stopped": stopped, "why": why, "other": other, "pair": pair, "still": still}, f)
     os.replace(sys.argv[1] + ".tmp", sys.argv[1])

@@ -204,6 +204,7 @@ def test_grpc_streaming_matches_python_api(triton, llm):
     ref = llm.generate(prompts[1], SamplingParams(max_tokens=5, temperature=0, logprobs=0))[0]
     (resps,) = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(text_input=prompts[1], max_tokens=5,
                                                                   temperature=0.0, stream=True, return_log_probs=True)])
+    assert all(r.as_numpy("output_log_probs").size == len(_ids(r)) for r in resps if _ids(r))
     got = [v for r in resps if _ids(r) for v in r.as_numpy("output_log_probs").tolist()]
     assert got == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
 
