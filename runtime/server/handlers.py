@@ -250,7 +250,6 @@ class Handlers:
                 t.cancel()
             close()
 
-
     def _logprobs(self, chat: bool, ids: list[int], lps: list | None, before: list[int] = ()) -> dict | None:
         """A choice's (or a chunk's, after the choice's tokens `before`) `logprobs`, None when its request did not
         ask."""

@@ -38,30 +38,39 @@ class TokenText:
                 (raw.decode("utf-8", errors="replace"), list(raw))
         return self.seen[token_id]
 
-    def offset(self, before: list[int], token_id: int) -> int:
-        """Where token `token_id`, after the choice's tokens `before`, starts in the choice's text: the text the
-        two decodings, without it and with it, share (a character it completes starts before it); the tokens' texts'
-        lengths without a tokenizer."""
+    def offsets(self, before: list[int], ids: list[int]) -> list[int]:
+        """Where each of tokens `ids`, after the choice's tokens `before`, starts in the choice's text: the text the
+        two decodings, without it and with it, share (a character it completes starts before it), each prefix
+        decoded once; the tokens' texts' lengths without a tokenizer."""
+        starts = []
         if self.tokenizer is None:
-            return sum(len(self(t)[0]) for t in before)
-        return len(os.path.commonprefix([self.tokenizer.decode(before), self.tokenizer.decode(before + [token_id])]))
+            at = sum(len(self(t)[0]) for t in before)
+            for t in ids:
+                starts.append(at)
+                at += len(self(t)[0])
+            return starts
+        seen, text = list(before), self.tokenizer.decode(list(before))
+        for t in ids:
+            seen.append(t)
+            longer = self.tokenizer.decode(seen)
+            starts.append(len(os.path.commonprefix([text, longer])))
+            text = longer
+        return starts
 
 
 def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs],
                         before: list[int] = ()) -> dict:
     """The completions' `logprobs` of tokens `ids` (after the choice's tokens `before`): tokens, token_logprobs,
     top_logprobs (the most likely alternatives, and the token itself, as OpenAI does) and text_offset."""
-    before = list(before)
-    tokens, offsets, top = [], [], []
-    for i, (t, lp) in enumerate(zip(ids, lps)):
+    tokens, top = [], []
+    for t, lp in zip(ids, lps):
         tokens.append(text_of(t)[0])
-        offsets.append(text_of.offset(before + ids[:i], t))
         alternatives = {}
         for a, v in (*lp.top, (t, lp.logprob)):  # most likely first: it keeps a shared key
             alternatives.setdefault(text_of(a)[0], _finite(v))
         top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps], "top_logprobs": top,
-            "text_offset": offsets}
+            "text_offset": text_of.offsets(list(before), ids)}
 
 
 def chat_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs]) -> dict:
