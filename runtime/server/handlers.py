@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from ..sampling_params import SamplingParams
 from .config import ServerConfig
-from .logprobs import TokenText, chat_logprobs, completion_logprobs
+from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs
 from .metrics import PrometheusMetrics
 
 MAX_BATCH_PROMPTS = 16
@@ -216,7 +216,7 @@ class Handlers:
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         n_out, live = 0, len(streams)
-        sent = [[] for _ in streams]  # each choice's tokens so far (text_offset)
+        offsets = [ChoiceOffsets(self.token_text) for _ in streams]  # each choice's text_offset so far
         try:
             if chat:
                 yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
@@ -233,8 +233,7 @@ class Handlers:
                 n_out += 1
                 lps = None if ch.logprobs is None else [ch.logprobs]
                 c = {"index": i, "finish_reason": ch.finish_reason,
-                     "logprobs": self._logprobs(chat, [ch.token_id], lps, sent[i])}
-                sent[i].append(ch.token_id)
+                     "logprobs": self._logprobs(chat, [ch.token_id], lps, offsets[i])}
                 if chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
                 else:
@@ -250,13 +249,13 @@ class Handlers:
                 t.cancel()
             close()
 
-    def _logprobs(self, chat: bool, ids: list[int], lps: list | None, before: list[int] = ()) -> dict | None:
-        """A choice's (or a chunk's, after the choice's tokens `before`) `logprobs`, None when its request did not
-        ask."""
+    def _logprobs(self, chat: bool, ids: list[int], lps: list | None, offsets: ChoiceOffsets | None = None,
+                  ) -> dict | None:
+        """A choice's (or a streamed choice's chunk's) `logprobs`, None when its request did not ask."""
         if lps is None:
             return None
         return chat_logprobs(self.token_text, ids, lps) if chat else completion_logprobs(self.token_text, ids, lps,
-                                                                                          before)
+                                                                                          offsets)
 
 
 def _usage(p: int, c: int) -> dict:

@@ -10,10 +10,9 @@ more likely stays. JSON has no infinities: a logprob of -inf (a token the model 
 from __future__ import annotations
 
 import math
-import os
 
 from ..logprobs import TokenLogprobs
-from ..tokenizer import Tokenizer
+from ..tokenizer import IncrementalText, Tokenizer
 
 FLOOR = -9999.0  # what a -inf (or NaN) logprob is written as
 
@@ -23,7 +22,7 @@ def _finite(v: float) -> float:
 
 
 class TokenText:
-    """Token id -> (text, bytes or None), remembered; and where tokens start in a choice's text."""
+    """Token id -> (text, bytes or None), remembered."""
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer, self.seen = tokenizer, {}
@@ -38,30 +37,27 @@ class TokenText:
                 (raw.decode("utf-8", errors="replace"), list(raw))
         return self.seen[token_id]
 
-    def offsets(self, before: list[int], ids: list[int]) -> list[int]:
-        """Where each of tokens `ids`, after the choice's tokens `before`, starts in the choice's text: the text the
-        two decodings, without it and with it, share (a character it completes starts before it), each prefix
-        decoded once; the tokens' texts' lengths without a tokenizer."""
-        starts = []
-        if self.tokenizer is None:
-            at = sum(len(self(t)[0]) for t in before)
-            for t in ids:
-                starts.append(at)
-                at += len(self(t)[0])
-            return starts
-        seen, text = list(before), self.tokenizer.decode(list(before))
-        for t in ids:
-            seen.append(t)
-            longer = self.tokenizer.decode(seen)
-            starts.append(len(os.path.commonprefix([text, longer])))
-            text = longer
-        return starts
+
+class ChoiceOffsets:
+    """Where a choice's tokens start in its text, a token at a time (IncrementalText: a token with a piece of a
+    character starts at the character); without a tokenizer, the tokens' texts' lengths add up."""
+
+    def __init__(self, text_of: TokenText):
+        self.text_of, self.at = text_of, 0
+        self.text = IncrementalText(text_of.tokenizer) if text_of.tokenizer is not None else None
+
+    def push(self, token_id: int) -> int:
+        if self.text is not None:
+            return self.text.push(token_id)
+        start, self.at = self.at, self.at + len(self.text_of(token_id)[0])
+        return start
 
 
 def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs],
-                        before: list[int] = ()) -> dict:
-    """The completions' `logprobs` of tokens `ids` (after the choice's tokens `before`): tokens, token_logprobs,
+                        offsets: ChoiceOffsets | None = None) -> dict:
+    """The completions' `logprobs` of tokens `ids` (next in a streamed choice's `offsets`): tokens, token_logprobs,
     top_logprobs (the most likely alternatives, and the token itself, as OpenAI does) and text_offset."""
+    offsets = offsets or ChoiceOffsets(text_of)
     tokens, top = [], []
     for t, lp in zip(ids, lps):
         tokens.append(text_of(t)[0])
@@ -70,7 +66,7 @@ def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogpr
             alternatives.setdefault(text_of(a)[0], _finite(v))
         top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps], "top_logprobs": top,
-            "text_offset": text_of.offsets(list(before), ids)}
+            "text_offset": [offsets.push(t) for t in ids]}
 
 
 def chat_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs]) -> dict:

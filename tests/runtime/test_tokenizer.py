@@ -1,0 +1,143 @@
+"""The runtime's tokenizer on two real `tokenizers` files: the synthetic checkpoints' byte-level BPE and a Llama-style
+SentencePiece BPE with byte fallback, both trained here. Incremental decoding must give the whole list's text."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from k3build.config import preset
+from k3build.tokenizer import write_tokenizer
+from k3runtime.tokenizer import Detokenizer, IncrementalText, Tokenizer
+
+TEXT = ["The quick brown fox jumps over the lazy dog.", "café naïve über 東京 Москва 서울 مرحبا 😀 🎉",
+        "def add(a, b):\n    return a + b  # sum", "Numbers 0 1 2 42 3.14159 and  two  spaces."]
+
+
+def _sentencepiece(path):
+    """Llama's layout: ▁ for spaces, <0xNN> byte tokens for what the pieces lack, a decoder that strips the text's
+    first space."""
+    def tokenizer(model):
+        tok = HFTokenizer(model)
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        return tok
+
+    # Pieces learnt from ASCII text only; the byte tokens then join the model's vocabulary (not as added tokens,
+    # which decoding would skip) for everything else.
+    trained = tokenizer(models.BPE(unk_token="<unk>"))
+    ascii_only = [t.encode("ascii", "ignore").decode() for t in TEXT]
+    trained.train_from_iterator(ascii_only * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
+                                                                     show_progress=False))
+    state = json.loads(trained.to_str())["model"]
+    vocab = dict(state["vocab"])
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    tok = tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module", params=["byte_level", "sentencepiece"])
+def tokenizer(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "byte_level":
+        write_tokenizer(path, preset("tiny"))
+    else:
+        _sentencepiece(path)
+    return Tokenizer(path)
+
+
+def _pushed(tok, ids, stop=()):
+    det = Detokenizer(tok, stop)
+    deltas = [det.push(t, final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    return det, deltas
+
+
+def test_the_sentencepiece_tokenizer_falls_back_to_bytes(tokenizer):
+    # Both tokenizers must split multi-byte characters across tokens, or the tests below test nothing.
+    ids = tokenizer.encode(TEXT[1])
+    assert tokenizer.decode(ids) == TEXT[1]
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)
+
+
+@pytest.mark.parametrize("text", TEXT)
+def test_incremental_text_is_the_whole_text(tokenizer, text):
+    ids = tokenizer.encode(text)
+    inc = IncrementalText(tokenizer)
+    starts = [inc.push(t, final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    assert inc.text == tokenizer.decode(ids) == text
+    # Each token starts where its first byte's character does: the characters its bytes complete before it.
+    raw = [tokenizer.token_bytes(t) for t in ids]
+    stripped = len(b"".join(raw).decode()) - len(text)  # SentencePiece's decoder drops the first space
+    expect = [max(0, len(b"".join(raw[:i]).decode(errors="ignore")) - stripped) for i in range(len(ids))]
+    assert starts == expect
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_ids_decode_alike(tokenizer, data):
+    # Ids a model might emit: any, with bytes of split characters, special tokens (skipped) among them.
+    if tokenizer._byte_level is False:
+        # No whole-text oracle: the ByteFallback decoder turns a run of byte tokens that is invalid anywhere into
+        # one U+FFFD a byte, valid characters included, so a later byte can change text decoded before it.
+        pytest.skip("byte-fallback decoding of arbitrary ids is not prefix-stable")
+    ids = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), min_size=1, max_size=40))
+    det, deltas = _pushed(tokenizer, ids)
+    assert "".join(deltas) == det.text == tokenizer.decode(ids)
+
+
+def test_a_split_character_is_held_until_it_completes(tokenizer):
+    ids = tokenizer.encode("😀")
+    assert len(ids) > 1  # four bytes: never one token in these vocabularies
+    det = Detokenizer(tokenizer)
+    assert [det.push(t) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert det.push(ids[-1]) == "😀"
+    # The last token releases whatever is left, even a piece of a character.
+    det = Detokenizer(tokenizer)
+    piece = next(t for t in ids if tokenizer.decode([t]) == "\ufffd")
+    assert det.push(piece, final=True) == "\ufffd"
+
+
+def test_a_broken_character_ends_where_the_next_one_starts(tokenizer):
+    # A lead byte followed by a letter stays U+FFFD; the letter starts after it, not at the broken character.
+    by_bytes = {}
+    for t in range(tokenizer.vocab_size):
+        by_bytes.setdefault(tokenizer.token_bytes(t), t)
+    ids = [by_bytes[b"\xda"], by_bytes[b"y"], by_bytes[b"\xe6"], by_bytes[b"\x9d"], by_bytes[b"\xb1"]]
+    inc = IncrementalText(tokenizer)
+    assert [inc.push(t) for t in ids] == [0, 1, 2, 2, 2] and inc.text == "\ufffdy東"
+
+
+@pytest.mark.parametrize("stop", [("fox",), ("lazy dog", "jumps"), ("o",), ("q", "The quick brown fox jumps"),
+                                  ("own", "brown"), ("The",), ("quick brown",)])
+def test_stop_strings_cut_at_the_first_one_met(tokenizer, stop):
+    text = TEXT[0]
+    ids = tokenizer.encode(text)
+    det = Detokenizer(tokenizer, stop)
+    deltas = []
+    for i, t in enumerate(ids):
+        deltas.append(det.push(t, final=i == len(ids) - 1))
+        if det.stopped:
+            break
+    # The text is cut at the first stop string found once the tokens so far are decoded: the one that ends first.
+    k = next(k for k in range(1, len(ids) + 1) if any(s in tokenizer.decode(ids[:k]) for s in stop))
+    upto = tokenizer.decode(ids[:k])
+    assert det.stopped and len(deltas) == k
+    assert det.text == "".join(deltas) == upto[:min(upto.find(s) for s in stop if s in upto)]
+    # Released text never holds the start of a stop string that a later token completes.
+    assert all(s not in "".join(deltas) for s in stop)
+
+
+def test_decoding_cost_does_not_grow_with_the_output(tokenizer, monkeypatch):
+    # Every token decodes two short windows, not the output so far: count the ids decoded.
+    decoded = []
+    real = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw))
+    ids = tokenizer.encode(" ".join(TEXT * 8))
+    _pushed(tokenizer, ids, stop=("\n\n",))
+    assert len(ids) > 300 and max(decoded) <= 8, max(decoded)
