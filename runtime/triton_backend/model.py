@@ -29,18 +29,29 @@ def _scalar(request, name, default, kind):
     return kind(v.decode("utf-8") if isinstance(v, bytes) else v)
 
 
-def _outputs(text: str, ids: list, reason: str | None, logprobs: list):
-    return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)),
-        pb_utils.Tensor("finish_reason", np.array([(reason or "").encode()], dtype=np.object_)),
-        pb_utils.Tensor("output_log_probs", np.array(logprobs, dtype=np.float32)),
-    ])
+class _Output:
+    """A response's tokens so far: one event's (streamed), or a request's, collected (unary and not streamed)."""
 
+    def __init__(self):
+        self.text, self.ids, self.logprobs, self.reason, self.error = [], [], [], None, None
 
-def _logprobs(ev) -> list:
-    """The event's token's log-probability, when its request asked (return_log_probs)."""
-    return [] if ev.logprobs is None else [ev.logprobs.logprob]
+    def add(self, ev) -> "_Output":
+        self.text.append(ev.text)
+        self.ids.append(ev.token_id)
+        if ev.logprobs is not None:  # its request asked (return_log_probs)
+            self.logprobs.append(ev.logprobs.logprob)
+        self.reason = ev.finish_reason
+        return self
+
+    def response(self):
+        if self.error is not None:
+            return _error(self.error)
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array(["".join(self.text).encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("output_ids", np.array(self.ids, dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.array([(self.reason or "").encode()], dtype=np.object_)),
+            pb_utils.Tensor("output_log_probs", np.array(self.logprobs, dtype=np.float32)),
+        ])
 
 
 def _error(message: str):
@@ -106,8 +117,7 @@ class TritonPythonModel:
         except (ValueError, UnicodeDecodeError) as e:
             sender.send(_error(str(e)), flags=FINAL)
             return
-        acc = {"text": [], "ids": [], "logprobs": []}
-        rid = []
+        acc, rid = _Output(), []
 
         def on_event(ev):  # engine thread
             if isinstance(ev, str):  # accepted
@@ -120,14 +130,9 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 return
             if stream:
-                sender.send(_outputs(ev.text, [ev.token_id], ev.finish_reason, _logprobs(ev)),
-                            flags=FINAL if ev.finish_reason else 0)
-                return
-            acc["text"].append(ev.text)
-            acc["ids"].append(ev.token_id)
-            acc["logprobs"] += _logprobs(ev)
-            if ev.finish_reason:
-                sender.send(_outputs("".join(acc["text"]), acc["ids"], ev.finish_reason, acc["logprobs"]), flags=FINAL)
+                sender.send(_Output().add(ev).response(), flags=FINAL if ev.finish_reason else 0)
+            elif acc.add(ev).reason:
+                sender.send(acc.response(), flags=FINAL)
 
         rid.append(self.engine.submit(ids, sp, on_event))
 
@@ -143,28 +148,22 @@ class TritonPythonModel:
             except (ValueError, UnicodeDecodeError) as e:
                 responses[i] = _error(str(e))
                 continue
-            done, acc = threading.Event(), {"text": [], "ids": [], "logprobs": [], "reason": None, "error": None}
+            done, acc = threading.Event(), _Output()
 
             def on_event(ev, done=done, acc=acc):  # engine thread
                 if isinstance(ev, str):
                     return
                 if isinstance(ev, BaseException):
-                    acc["error"] = str(ev)
+                    acc.error = str(ev)
                     done.set()
-                    return
-                acc["text"].append(ev.text)
-                acc["ids"].append(ev.token_id)
-                acc["logprobs"] += _logprobs(ev)
-                if ev.finish_reason:
-                    acc["reason"] = ev.finish_reason
+                elif acc.add(ev).reason:
                     done.set()
 
             self.engine.submit(ids, sp, on_event)
             pending.append((i, done, acc))
         for i, done, acc in pending:
             done.wait()
-            responses[i] = _error(acc["error"]) if acc["error"] else \
-                _outputs("".join(acc["text"]), acc["ids"], acc["reason"], acc["logprobs"])
+            responses[i] = acc.response()
         return responses
 
     def finalize(self):
