@@ -59,7 +59,8 @@ class Communicator:
         return y
 
     def share_tokens(self, tokens: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Async scheduling: rank `src`'s sampled ids into `tokens` on every rank (this rank's own here)."""
+        """Async scheduling: rank `src`'s sampled ids (or their logprobs' rows) into `tokens` on every rank (this
+        rank's own here)."""
         return tokens
 
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:

@@ -25,7 +25,7 @@ import torch
 from .dist.comm import collective_timeout, sampling_rank
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
-from .logprobs import TokenLogprobs, step_logprobs, unpack
+from .logprobs import TokenLogprobs, rows_shape, step_logprobs, unpack
 from .micro_batch import StageCost, micro_batch_count
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
@@ -150,9 +150,20 @@ def sample_step(step: Step, logits: torch.Tensor) -> torch.Tensor:
                          [it.sample_index for it in items])
 
 
+def _sampled_params(items) -> list:
+    """The SamplingParams of a step's (or plan's) items that sample, in order."""
+    return [it.params for it in items if it.sample]
+
+
+def _asks(step_or_plan) -> bool:
+    """Whether an item that the step samples asks for logprobs: then their rows follow its ids wherever they go."""
+    return not getattr(step_or_plan, "all_logits", False) and \
+        any(p.logprobs is not None for p in _sampled_params(step_or_plan.items))
+
+
 def _logprobs(plan: StepPlan, rows: list[list[float]] | None) -> list[TokenLogprobs | None]:
     """Each sampled item's logprobs (None where its request did not ask, or no row came)."""
-    params = [it.params for it in plan.items if it.sample]
+    params = _sampled_params(plan.items)
     return unpack(rows, params) if rows is not None else [None] * len(params)
 
 
@@ -262,9 +273,6 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
-        if params.logprobs is not None and (self.pp_size > 1 or self.dp_size > 1):
-            raise ValueError("logprobs: not supported on an engine with pipeline stages or attention-DP (another "
-                             "rank than the driver samples there)")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                       eos_token_id=None if params.ignore_eos else self.eos_token_id)
         # Least-loaded attention-DP rank (the only one without attention-DP).
@@ -294,9 +302,9 @@ class LLMEngine:
         return any(s.has_unfinished() for s in self.schedulers) or any(self._in_flight) \
             or bool(self._held_events)
 
-    def _execute(self, steps: tuple[Step, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def _execute(self, steps: tuple[Step, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Run one step per attention-DP rank on every rank; returns, per DP rank, its sampled ids [M]
-        (or all logits [N, V] in score mode), and the logprobs' rows of this rank's (step_logprobs)."""
+        (or all logits [N, V] in score mode), and their logprobs' rows (step_logprobs; None when none asked)."""
         owes = self.options.async_scheduling and len(steps) > 1  # attention-DP ranks send what they owe (below)
         if owes and any(self._in_flight[1:]):
             raise RuntimeError("attention-DP steps in flight: collect them (_collect) before a step of all ranks")
@@ -304,13 +312,15 @@ class LLMEngine:
             self.comm.broadcast_step(steps)
         step = steps[0]
         logits = self.runner.run(step)
-        logprobs = None
-        if logits is None:
+        logprobs = [None] * len(steps)
+        if logits is None:  # pipeline stages: the last stage's
             results = [self.comm.recv_result(self._last_stage_rank)]
+            if _asks(step):
+                logprobs[0] = self.comm.recv_result(self._last_stage_rank)
         elif step.all_logits:
             results = [logits]
         else:
-            tokens, logprobs = self._sample(step, logits)
+            tokens, logprobs[0] = self._sample(step, logits)
             results = [tokens]
         # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens (or its logits).
         if owes:
@@ -322,14 +332,17 @@ class LLMEngine:
                         raise RuntimeError(f"attention-DP rank {d} sent ids where it owed an idle step's (none)")
             self._owed = True
             return results, logprobs
-        results += [self.comm.recv_result(d) for d in range(1, len(steps))]
+        for d in range(1, len(steps)):
+            results.append(self.comm.recv_result(d))
+            if _asks(steps[d]):
+                logprobs[d] = self.comm.recv_result(d)
         return results, logprobs
 
     @staticmethod
     def _sample(step: Step, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's step sampled: the ids [M] on the device, and their logprobs' rows when an item asked."""
         tokens = sample_step(step, logits)
-        return tokens, step_logprobs(logits, tokens, [it.params for it in step.items if it.sample])
+        return tokens, step_logprobs(logits, tokens, _sampled_params(step.items))
 
     def step(self) -> list[TokenEvent]:
         """One engine step; the tokens it appended (async scheduling: the previous step's)."""
@@ -345,7 +358,7 @@ class LLMEngine:
         for d, (sched, plan, tokens) in enumerate(zip(self.schedulers, plans, results)):
             sampled, finished = self._update(sched, plan, tokens.tolist())
             self.stats["tokens"] += plan.num_batched_tokens
-            lps = _logprobs(plan, logprobs.tolist() if d == 0 and logprobs is not None else None)
+            lps = _logprobs(plan, logprobs[d].tolist() if logprobs[d] is not None else None)
             events += [TokenEvent(rid, tok, finished.get(rid), lp) for (rid, tok), lp in zip(sampled.items(), lps)]
         return events
 
@@ -425,7 +438,7 @@ class LLMEngine:
         """Broadcast the steps, launch this rank's (steps[0]) and sample it (with pipeline stages: receive the ids
         that the last stage samples); then (attention-DP) receive what the other DP ranks owe: their previous step's
         ids, sent once they have launched these. Returns this rank's ids and their logprobs' rows (None when no item
-        asked) on the device, and the others' ids on the host (None when none were owed)."""
+        asked) on the device, and the others' (ids, rows) on the host (None when none were owed)."""
         if self.comm is not None:
             self.comm.broadcast_step(steps)
         step, flight = steps[0], self._in_flight[0]
@@ -433,20 +446,31 @@ class LLMEngine:
         logprobs = None
         if logits is not None:
             tokens, logprobs = self._sample(step, logits)
-        else:  # pipeline stages: the last stage samples, and shares them below
-            tokens = torch.empty(sum(it.sample for it in step.items), dtype=torch.int64, device=self.device)
+        else:  # pipeline stages: the last stage samples, and shares them (and their rows) below
+            params = _sampled_params(step.items)
+            tokens = torch.empty(len(params), dtype=torch.int64, device=self.device)
+            shape = rows_shape(params, self.facts.vocab_size)
+            if shape is not None:
+                logprobs = torch.empty(shape, dtype=torch.float64, device=self.device)
         if self.comm is not None and self.dp_size == 1 and tokens.numel():
             # every rank's next step feeds them (the first stage's embeds them)
             self.comm.share_tokens(tokens, src=self._last_stage_rank)
+            if logits is None and logprobs is not None:
+                self.comm.share_tokens(logprobs, src=self._last_stage_rank)
         remote = None
         if self.dp_size > 1:
-            remote = [self.comm.recv_result(d) for d in range(1, self.dp_size)] if self._owed else None
+            if self._owed:  # each DP rank's previous step's ids, then their rows if it asked
+                remote = []
+                for d in range(1, self.dp_size):
+                    ids, flight = self.comm.recv_result(d), self._in_flight[d]
+                    remote.append((ids, self.comm.recv_result(d) if flight is not None and _asks(flight.plan)
+                                   else None))
             self._owed = True
         return tokens, logprobs, remote
 
-    def _collect(self) -> list[torch.Tensor] | None:
-        """Attention-DP: idle steps on every DP rank, so that those with a step in flight send its ids; their ids
-        (None when no DP rank but this one has a step in flight)."""
+    def _collect(self) -> list[tuple] | None:
+        """Attention-DP: idle steps on every DP rank, so that those with a step in flight send its ids; their
+        (ids, logprobs' rows) (None when no DP rank but this one has a step in flight)."""
         if not any(self._in_flight[1:]) or self.comm is None:
             return None
         return self._launch((dummy_step(self.config, self.options),) * self.dp_size)[2]
@@ -464,7 +488,7 @@ class LLMEngine:
             raise RuntimeError(f"scheduler: requests {missing} feed a token that no step in flight samples")
         return tuple((i, src[plan.items[i].request_id]) for i in wanted)
 
-    def _land(self, remote: list[torch.Tensor] | None = None) -> list[TokenEvent]:
+    def _land(self, remote: list[tuple] | None = None) -> list[TokenEvent]:
         """The in-flight steps' tokens to the host (this rank's: its one sync; the other DP ranks': `remote`,
         received by _launch or _collect) and into the schedulers; their events."""
         events = []
@@ -474,15 +498,17 @@ class LLMEngine:
             if d == 0:
                 timeout = collective_timeout().total_seconds() if self.world_size > 1 else None
                 tokens = flight.host.tolist(timeout)
+                rows = flight.logprobs.tolist() if flight.logprobs is not None else None
             elif remote is None:
                 raise RuntimeError(f"attention-DP rank {d}'s step is in flight but its ids were not received")
             else:
-                tokens = remote[d - 1].tolist()
+                tokens, rows = remote[d - 1][0].tolist(), remote[d - 1][1]
+                rows = rows.tolist() if rows is not None else None
                 if len(tokens) != len(flight.requests):
                     raise RuntimeError(f"attention-DP rank {d} sent {len(tokens)} ids for a step that samples "
                                        f"{len(flight.requests)}")
             self._in_flight[d] = None
-            lps = _logprobs(flight.plan, flight.logprobs.tolist() if flight.logprobs is not None else None)
+            lps = _logprobs(flight.plan, rows)
             live = [(r, t, lp) for r, t, lp in zip(flight.requests, tokens, lps) if not r.is_finished]  # not ended
             _, finished = self._update(sched, flight.plan, tokens)  # meanwhile
             events += [TokenEvent(r.request_id, t, finished.get(r.request_id), lp) for r, t, lp in live]

@@ -28,13 +28,14 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[Sampl
     """logits [M, V] of a step's sampled rows, tokens [M] their sampled ids, params their SamplingParams. Returns,
     for the rows that ask, in order, [R, 1 + 2·top] float64: the sampled token's logprob, then the `top` most
     likely ids and their logprobs, top the most any row asks for (at most V); None when no row asks."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not rows:
+    shape = rows_shape(params, logits.shape[1]) if params else None  # an idle step may have no logits
+    if shape is None:
         return None
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if len(rows) < len(params):
         index = to_device(rows, logits.device)
         logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
-    top = min(max(params[i].logprobs for i in rows), logits.shape[1])
+    top = (shape[1] - 1) // 2
     packed = []
     for r0 in range(0, len(rows), ROWS_PER_PASS):
         x = logits[r0:r0 + ROWS_PER_PASS].float()
@@ -46,6 +47,13 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[Sampl
             cols += [ids, values - norm]
         packed.append(torch.cat([c.double() for c in cols], dim=1))
     return torch.cat(packed)
+
+
+def rows_shape(params: list[SamplingParams], vocab: int) -> tuple[int, int] | None:
+    """The shape of step_logprobs' rows for a step's sampled items' params (None when none asks): what a rank that
+    receives them allocates."""
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return (len(asked), 1 + 2 * min(max(asked), vocab)) if asked else None
 
 
 def unpack(rows: list[list[float]], params: list[SamplingParams]) -> list[TokenLogprobs | None]:

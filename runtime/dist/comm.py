@@ -55,7 +55,7 @@ def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
     return mine
 
 
-_RESULT_DTYPES = (torch.int64, torch.float32)  # what send_result carries, by header code
+_RESULT_DTYPES = (torch.int64, torch.float32, torch.float64)  # what send_result carries, by header code
 
 
 class ControlPlane:
@@ -73,12 +73,14 @@ class ControlPlane:
         return box[0]
 
     def send_result(self, t: torch.Tensor, dst: int = 0) -> None:
-        """Last stage -> driver: sampled token ids [M] int64, or logits [N, V] fp32 in score mode. A fixed-size
-        header (dtype, ndim, shape) goes first, so the driver needs no guess of what each rank's step returns
-        (under attention-DP one rank may score while the others run idle steps and send empty token ids)."""
+        """Last stage -> driver: sampled token ids [M] int64 (then their logprobs' rows [R, W] float64, when an
+        item asked), or logits [N, V] fp32 in score mode. A fixed-size header (dtype, ndim, shape) goes first, so
+        the driver needs no guess of what each rank's step returns (under attention-DP one rank may score while the
+        others run idle steps and send empty token ids)."""
         t = t.detach().cpu().contiguous()
         if t.dtype not in _RESULT_DTYPES or t.dim() > 2:
-            raise TypeError(f"send_result: a result is int64 token ids or fp32 logits of at most 2 dims, got "
+            raise TypeError(f"send_result: a result is int64 token ids, fp64 logprob rows or fp32 logits of at most "
+                            f"2 dims, got "
                             f"{t.dtype} {tuple(t.shape)}")
         shape = list(t.shape) + [0] * (2 - t.dim())
         header = torch.tensor([_RESULT_DTYPES.index(t.dtype), t.dim(), *shape], dtype=torch.int64)
@@ -128,7 +130,7 @@ class DistCommunicator(Communicator):
     def share_tokens(self, tokens: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Async scheduling: the sampled ids [M] int64 of rank `src` (the driver; with pipeline stages the last
         stage's first rank) broadcast into `tokens` on every rank, on the device (NCCL: queued on the stream, no
-        host sync), for the next step to feed."""
+        host sync), for the next step to feed; or their logprobs' rows [R, W] float64, for the driver."""
         dist.broadcast(tokens, src=src)
         return tokens
 

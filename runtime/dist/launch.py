@@ -93,6 +93,7 @@ def _release_all(quiet: bool = False) -> None:
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
     from ..llm_engine import HostCopy, open_rank, sample_step
+    from ..logprobs import rows_shape, step_logprobs
 
     config = read_engine_config(engine_dir)
     comm = _communicator(config, device)
@@ -107,27 +108,41 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     # async scheduling: the last step's sampled ids on this device, which the next step feeds (shared by the
     # last stage's first rank: the driver without pipeline stages; under attention-DP this rank's own); and,
     # under attention-DP, on their way to the host, owed to the driver once the next step is launched
-    fed, owed = None, None
+    # Logprobs' rows (when a sampled item asks) follow the ids they belong to, by the same route.
+    fed, owed, vocab = None, [], runner.engine.facts.vocab_size
     while True:
         steps = comm.control.broadcast()
         if steps[0].stop:
             break
         step = steps[tp_rank if attention_dp else 0]
         logits = runner.run(step, fed if step.feed else None)
+        params = [it.params for it in step.items if it.sample]
         if options.async_scheduling and attention_dp:  # a DP rank's steps never score: the driver's does
             fed = sample_step(step, logits)
-            if owed is not None:
-                comm.control.send_result(owed.wait(collective_timeout().total_seconds()), dst=0)
-            owed = HostCopy(fed)
+            for t in owed:
+                comm.control.send_result(t.wait(collective_timeout().total_seconds()), dst=0)
+            owed = [HostCopy(t) for t in (fed, step_logprobs(logits, fed, params)) if t is not None]
         elif options.async_scheduling and not step.all_logits:
-            sampled = sum(it.sample for it in step.items)
             fed = None
-            if sampled:
-                fed = sample_step(step, logits) if rank == sampler else \
-                    torch.empty(sampled, dtype=torch.int64, device=runner.device)
+            if params:
+                shape = rows_shape(params, vocab) if sampler != 0 else None  # the driver samples: its own rows
+                if rank == sampler:
+                    fed = sample_step(step, logits)
+                    rows = step_logprobs(logits, fed, params)
+                else:
+                    fed = torch.empty(len(params), dtype=torch.int64, device=runner.device)
+                    rows = None if shape is None else torch.empty(shape, dtype=torch.float64, device=runner.device)
                 comm.share_tokens(fed, src=sampler)
+                if shape is not None:
+                    comm.share_tokens(rows, src=sampler)
         elif reports:
-            comm.control.send_result(logits if step.all_logits else sample_step(step, logits), dst=0)
+            if step.all_logits:
+                comm.control.send_result(logits, dst=0)
+                continue
+            ids = sample_step(step, logits)
+            for t in (ids, step_logprobs(logits, ids, params)):
+                if t is not None:
+                    comm.control.send_result(t, dst=0)
 
 
 def run(engine_dir: str, driver_fn, device: str = "cpu"):

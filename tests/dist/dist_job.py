@@ -67,11 +67,10 @@ def main():
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],
                   "stats": dict(llm.engine.stats), "backend": llm.engine.expert_backend,
                   "micro_batches": sorted(set(counts))}
-        try:  # logprobs come from the rank that samples: the driver's, or refused
-            asks = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2)
-            result["logprobs"] = [[x.logprob, x.top] for x in llm.generate(job["prompts"][0], asks)[0].logprobs]
-        except ValueError as e:
-            result["logprobs"] = str(e)
+        # logprobs of two requests (under attention-DP one on each DP rank), from whichever rank samples them
+        asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3)]
+        result["logprobs"] = [[[x.logprob, x.top] for x in o.logprobs]
+                              for o in llm.generate(job["prompts"][:2], asks)]
         out.write_text(json.dumps(result))
 
     run(engine, drive)

@@ -39,9 +39,19 @@ MAPPINGS = {
 def reference(k3_tiny_engine):
     llm = LLM(k3_tiny_engine, **OPTIONS)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    asks = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2)
+    asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3)]
     return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)],
-            "logprobs": llm.generate(PROMPTS[0], asks)[0].logprobs}
+            "logprobs": [o.logprobs for o in llm.generate(PROMPTS[:2], asks)]}
+
+
+def assert_logprobs_match(got, reference):
+    """dist_job's logprobs (two requests asking for 2 and 3 alternatives) equal one rank's."""
+    assert len(got) == len(reference) == 2
+    for g, want in zip(got, reference):
+        assert [[t for t, _ in top] for _, top in g] == [[t for t, _ in w.top] for w in want]
+        assert [v for v, _ in g] == pytest.approx([w.logprob for w in want], abs=1e-4)
+        assert [[v for _, v in top] for _, top in g] == \
+            [pytest.approx([v for _, v in w.top], abs=1e-4) for w in want]
 
 
 def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | None = None, mode: str = "",
@@ -68,12 +78,8 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
     assert got["micro_batches"] == ([] if mapping.pp_size == 1 else [1, 2] if name in CUT else [1])
-    if mapping.pp_size > 1 or mapping.attention_dp:  # another rank than the driver samples
-        assert got["logprobs"].startswith("logprobs: not supported on an engine with pipeline stages or attention-DP")
-    else:
-        want = reference["logprobs"]
-        assert [[t for t, _ in top] for _, top in got["logprobs"]] == [[t for t, _ in w.top] for w in want]
-        assert [v for v, _ in got["logprobs"]] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    # with pipeline stages or attention-DP another rank than the driver samples, and sends the rows
+    assert_logprobs_match(got["logprobs"], reference["logprobs"])
 
 
 def test_long_prefill_is_cut_by_the_estimate(k3_tiny_ckpt, tmp_path):
@@ -137,6 +143,8 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
+    # the rows go by the ids' route: broadcast on the device with pipeline stages, owed with attention-DP
+    assert_logprobs_match(got["logprobs"], reference["logprobs"])
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2xtp2", "dp2xep2"])
