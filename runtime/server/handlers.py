@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -15,8 +16,8 @@ from ..sampling_params import SamplingParams
 from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs
 from .metrics import PrometheusMetrics
+from .protocol import MAX_CHOICES
 
-MAX_BATCH_PROMPTS = 16
 
 
 class APIError(Exception):
@@ -119,9 +120,9 @@ class Handlers:
         self._check(body)
         p = body.prompt
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) or not p else list(p)
-        if len(prompts) > MAX_BATCH_PROMPTS:
-            raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompts)}",
-                           "prompt")
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"prompt: {len(prompts)} prompts × n={body.n} choices is over this server's limit "
+                                f"of {MAX_CHOICES} choices per request", "prompt" if body.n == 1 else "n")
         ids = [self._encode(x, "prompt") for x in prompts]
         params = [self._params(body, body.max_tokens, len(x)) for x in ids]
         return await self._serve(request, body, ids, params, chat=False)
@@ -142,11 +143,15 @@ class Handlers:
         mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await self._serve(request, body, [ids], [self._params(body, mt, len(ids))], chat=True)
 
-    async def _start(self, ids, params) -> list[RequestStream]:
+    async def _start(self, ids, params, n: int) -> list[RequestStream]:
+        """Each prompt's requests, n of them (its choices, in order; choice j seeded seed + j when a seed is set,
+        else each its own random seed)."""
         streams = []
         try:
             for x, sp in zip(ids, params):
-                streams.append(await self.engine.add(x, sp))
+                for j in range(n):
+                    seed = sp.seed if sp.seed is None else (sp.seed + j) % 2**63
+                    streams.append(await self.engine.add(x, replace(sp, seed=seed)))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -160,7 +165,7 @@ class Handlers:
     async def _serve(self, request: Request, body, ids, params, chat: bool):
         await self._admit()
         try:
-            streams = await self._start(ids, params)
+            streams = await self._start(ids, params, body.n)
         except BaseException:
             self._release()
             raise
@@ -219,8 +224,9 @@ class Handlers:
         offsets = [ChoiceOffsets(self.token_text) for _ in streams]  # each choice's text_offset so far
         try:
             if chat:
-                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                             "logprobs": None})
+                for i in range(len(streams)):
+                    yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                 "logprobs": None})
             while live:
                 i, ch = await q.get()
                 if ch is None:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..sampling_params import MAX_LOGPROBS
 
 Number = float  # strict mode still accepts JSON integers for floats
+MAX_CHOICES = 16  # choices a request may ask for: its prompts × n
 
 
 class _Strict(BaseModel):
@@ -32,7 +33,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices a prompt: as many requests, seeded seed + j.")
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     logit_bias: dict[str, Number] | None = None
@@ -42,8 +43,6 @@ class _Sampling(_Strict):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to something this server cannot do."""
-        if self.n != 1:
-            return "n", f"n: only n=1 is supported, got {self.n}"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty", "presence_penalty / frequency_penalty: penalties are not supported (use 0)"
         if self.logit_bias:

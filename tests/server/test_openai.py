@@ -149,6 +149,39 @@ def test_seeded_sampling_is_reproducible(client, llm):
     assert a == b == ref and a != c
 
 
+def test_n_choices_are_seeded_requests(client, llm):
+    """n=3 on two prompts: six choices, prompt-major, choice j of a prompt the Python API's request with seed + j;
+    streamed, the same texts by index (chat too); usage counts each prompt once."""
+    sp = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    want = [llm.generate(p, SamplingParams(seed=100 + j, **sp))[0] for p in PROMPTS[:2] for j in range(3)]
+    assert len({tuple(w.token_ids) for w in want}) > 1  # the seeds give different choices
+    kw = dict(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=1.0, seed=100, n=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.model_extra["token_ids"] for c in r.choices] == [w.token_ids for w in want]
+    assert [c.text for c in r.choices] == [w.text for w in want]
+    assert r.usage.prompt_tokens == sum(len(llm.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert r.usage.completion_tokens == 36
+    texts = [""] * 6
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [w.text for w in want]
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    chat_want = [llm.generate(prompt, SamplingParams(seed=7 + j, **sp))[0].text for j in range(2)]
+    chat = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=7, n=2,
+                extra_body={"ignore_eos": True})
+    assert [c.message.content for c in client.chat.completions.create(**chat).choices] == chat_want
+    roles, texts = set(), ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **chat):
+        for c in chunk.choices:
+            roles |= {c.index} if c.delta.role == "assistant" else set()
+            texts[c.index] += c.delta.content or ""
+    assert roles == {0, 1} and texts == chat_want
+
+
 def test_concurrent_requests_equal_sequential(server, llm):
     prompts = [f"request number {i}" for i in range(10)]
     refs = [o.token_ids for o in llm.generate(prompts, greedy(8))]
