@@ -434,7 +434,7 @@ class LLMEngine:
             self._broken = self.options.async_scheduling
             raise
 
-    def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | None]:
+    def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple] | None]:
         """Broadcast the steps, launch this rank's (steps[0]) and sample it (with pipeline stages: receive the ids
         that the last stage samples); then (attention-DP) receive what the other DP ranks owe: their previous step's
         ids, sent once they have launched these. Returns this rank's ids and their logprobs' rows (None when no item
@@ -462,9 +462,8 @@ class LLMEngine:
             if self._owed:  # each DP rank's previous step's ids, then their rows if it asked
                 remote = []
                 for d in range(1, self.dp_size):
-                    ids, flight = self.comm.recv_result(d), self._in_flight[d]
-                    remote.append((ids, self.comm.recv_result(d) if flight is not None and _asks(flight.plan)
-                                   else None))
+                    ids, owed = self.comm.recv_result(d), self._in_flight[d]
+                    remote.append((ids, self.comm.recv_result(d) if owed is not None and _asks(owed.plan) else None))
             self._owed = True
         return tokens, logprobs, remote
 

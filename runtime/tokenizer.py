@@ -82,13 +82,16 @@ class Tokenizer:
 class IncrementalText:
     """Text of a growing token list, decoding only the last few tokens at each step (vLLM's window).
 
-    Decoding the whole list at every token costs O(n) a token: 0.3 ms a token at 4K tokens on the tiny
-    tokenizer, paid by the engine loop for every request between steps. Instead two windows that start at the
+    Decoding the whole list at every token costs O(n) a token: 0.6 ms a token 4K tokens in, on the tiny
+    tokenizer, paid by the engine loop for every request between steps (tools/bench_detok.py). Instead two windows that start at the
     same token are decoded: up to the tokens already read, and up to the newest. What the longer adds is the new
     text; both start alike, so a decoder's rules for a text's first token (SentencePiece drops its leading space)
     cancel. A window that ends inside a multi-byte character (U+FFFD) is kept open until the character completes,
-    or until the last token, whose text is taken as it is.
+    or until the last token, whose text is taken as it is, or until MAX_OPEN tokens wait (no character spans
+    that many: the window ends in invalid bytes or a literal U+FFFD, and is taken as it is).
     """
+
+    MAX_OPEN = 8
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -103,16 +106,26 @@ class IncrementalText:
         self.ids.append(token_id)
         done = self.tokenizer.decode(self.ids[self.prefix:self.read])
         new = self.tokenizer.decode(self.ids[self.prefix:])[len(done):]
-        common = len(os.path.commonprefix([self._pending, new])) if self._pending else 0
-        if not new[common:].strip("\ufffd"):  # it only adds to an unfinished character (U+FFFD, or one a byte
-            common = len(new.rstrip("\ufffd"))  # with byte-fallback tokens): it starts where that does
+        common = 0
+        if self._pending and self._continues(token_id):  # the character that the pending text ends with
+            common = len(self._pending.rstrip("\ufffd"))    # (U+FFFD; one a byte with byte-fallback tokens)
+        elif self._pending:
+            common = len(os.path.commonprefix([self._pending, new]))
         start = len(self.text) + common
-        if final or (new and not new.endswith("\ufffd")):
+        if final or (new and not new.endswith("\ufffd")) or len(self.ids) - self.read >= self.MAX_OPEN:
             self.text, self._pending = self.text + new, ""
             self.prefix, self.read = self.read, len(self.ids)
         else:
             self._pending = new
         return start
+
+    def _continues(self, token_id: int) -> bool:
+        """Whether the token's bytes begin with a UTF-8 continuation byte (10xxxxxx)."""
+        try:
+            raw = self.tokenizer.token_bytes(token_id)
+        except ValueError:
+            return False
+        return bool(raw) and 0x80 <= raw[0] < 0xC0
 
 
 class Detokenizer:
@@ -129,10 +142,6 @@ class Detokenizer:
         self.released = 0
         self.text = ""
         self.stopped = False
-
-    @property
-    def ids(self) -> list[int]:
-        return self._text.ids
 
     def push(self, token_id: int, final: bool = False) -> str:
         """Add one token; return the newly released text (stop strings cut the text and set `stopped`)."""

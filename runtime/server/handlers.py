@@ -19,7 +19,6 @@ from .metrics import PrometheusMetrics
 from .protocol import MAX_CHOICES
 
 
-
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str = "invalid_request_error"):

@@ -67,10 +67,12 @@ def main():
                   "tokens": [o.token_ids for o in llm.generate(job["prompts"], greedy)],
                   "stats": dict(llm.engine.stats), "backend": llm.engine.expert_backend,
                   "micro_batches": sorted(set(counts))}
-        # logprobs of two requests (under attention-DP one on each DP rank), from whichever rank samples them
-        asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3)]
-        result["logprobs"] = [[[x.logprob, x.top] for x in o.logprobs]
-                              for o in llm.generate(job["prompts"][:2], asks)]
+        # logprobs of two requests (under attention-DP one on each DP rank) beside one that does not ask (in a step
+        # with an asking one), from whichever rank samples them
+        asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3, None)]
+        outs = llm.generate(job["prompts"][:3], asks)
+        result["logprobs"] = [[[x.logprob, x.top] for x in o.logprobs] for o in outs[:2]]
+        result["unasked"] = [outs[2].logprobs, outs[2].token_ids]
         out.write_text(json.dumps(result))
 
     run(engine, drive)

@@ -13,7 +13,8 @@ from liveness import free_port
 from k3runtime.dist.comm import ControlPlane
 
 SENT = [torch.zeros(0, dtype=torch.int64), torch.arange(6, dtype=torch.float32).reshape(2, 3),
-        torch.tensor([7, 8, 9]), torch.zeros(0, 5, dtype=torch.float32)]
+        torch.tensor([7, 8, 9]), torch.zeros(0, 5, dtype=torch.float32),
+        torch.tensor([[-0.5, 42.0, -1.25]], dtype=torch.float64)]  # a logprobs row: a token id among its values
 
 
 def _rank(rank: int, port: int, out: str):
@@ -35,5 +36,5 @@ def test_results_carry_their_own_dtype_and_shape(tmp_path):
 
 
 def test_unsupported_results_are_refused_before_sending():
-    with pytest.raises(TypeError, match="int64 token ids or fp32 logits"):
+    with pytest.raises(TypeError, match="int64 token ids, fp64 logprob rows or fp32 logits"):
         ControlPlane.send_result(None, torch.zeros(2, dtype=torch.bfloat16))  # checked before the group is used

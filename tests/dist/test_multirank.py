@@ -39,13 +39,17 @@ MAPPINGS = {
 def reference(k3_tiny_engine):
     llm = LLM(k3_tiny_engine, **OPTIONS)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3)]
+    asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3, None)]
+    outs = llm.generate(PROMPTS[:3], asks)
     return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)],
-            "logprobs": [o.logprobs for o in llm.generate(PROMPTS[:2], asks)]}
+            "logprobs": [o.logprobs for o in outs[:2]], "unasked": [None, outs[2].token_ids]}
 
 
 def assert_logprobs_match(got, reference):
-    """dist_job's logprobs (two requests asking for 2 and 3 alternatives) equal one rank's."""
+    """dist_job's logprobs (two requests asking for 2 and 3 alternatives, beside one that does not ask) equal one
+    rank's."""
+    assert got["unasked"] == reference["unasked"]
+    got, reference = got["logprobs"], reference["logprobs"]
     assert len(got) == len(reference) == 2
     for g, want in zip(got, reference):
         assert [[t for t, _ in top] for _, top in g] == [[t for t, _ in w.top] for w in want]
@@ -79,7 +83,7 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     assert got["stats"]["preemptions"] > 0
     assert got["micro_batches"] == ([] if mapping.pp_size == 1 else [1, 2] if name in CUT else [1])
     # with pipeline stages or attention-DP another rank than the driver samples, and sends the rows
-    assert_logprobs_match(got["logprobs"], reference["logprobs"])
+    assert_logprobs_match(got, reference)
 
 
 def test_long_prefill_is_cut_by_the_estimate(k3_tiny_ckpt, tmp_path):
@@ -144,7 +148,7 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
     # the rows go by the ids' route: broadcast on the device with pipeline stages, owed with attention-DP
-    assert_logprobs_match(got["logprobs"], reference["logprobs"])
+    assert_logprobs_match(got, reference)
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2xtp2", "dp2xep2"])

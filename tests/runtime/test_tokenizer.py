@@ -108,9 +108,25 @@ def test_a_broken_character_ends_where_the_next_one_starts(tokenizer):
     by_bytes = {}
     for t in range(tokenizer.vocab_size):
         by_bytes.setdefault(tokenizer.token_bytes(t), t)
-    ids = [by_bytes[b"\xda"], by_bytes[b"y"], by_bytes[b"\xe6"], by_bytes[b"\x9d"], by_bytes[b"\xb1"]]
+    # Then a character in three tokens starts where its first byte does; two lead bytes are two broken characters.
+    # (A letter between runs of byte tokens: the byte-fallback decoder turns a whole run invalid anywhere into U+FFFDs.)
+    ids = [by_bytes[b] for b in (b"\xda", b"y", b"\xe6", b"\x9d", b"\xb1", b"y", b"\xe6", b"\xe6", b"y")]
     inc = IncrementalText(tokenizer)
-    assert [inc.push(t) for t in ids] == [0, 1, 2, 2, 2] and inc.text == "\ufffdy東"
+    assert [inc.push(t) for t in ids] == [0, 1, 2, 2, 2, 3, 4, 5, 6]
+    assert inc.text == tokenizer.decode(ids) == "\ufffdy東y\ufffd\ufffdy"
+
+
+def test_a_window_that_never_completes_is_released(tokenizer):
+    # Invalid bytes a model may emit (lone continuation bytes): each stays U+FFFD. The window is taken as it is once
+    # MAX_OPEN tokens wait, so text streams and the decodes stay short.
+    stray = next(t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == b"\x80")
+    det, inc = Detokenizer(tokenizer), IncrementalText(tokenizer)
+    deltas = [det.push(stray) for _ in range(3 * IncrementalText.MAX_OPEN)]
+    for _ in range(3 * IncrementalText.MAX_OPEN):
+        inc.push(stray)
+        assert len(inc.ids) - inc.read < IncrementalText.MAX_OPEN
+    assert "".join(deltas) == det.text and len(det.text) >= 2 * IncrementalText.MAX_OPEN
+    assert set(det.text) == {"\ufffd"} and inc.text == tokenizer.decode(inc.ids[:inc.read])
 
 
 @pytest.mark.parametrize("stop", [("fox",), ("lazy dog", "jumps"), ("o",), ("q", "The quick brown fox jumps"),

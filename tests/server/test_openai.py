@@ -242,4 +242,3 @@ def test_non_stream_disconnect_aborts_and_frees(server):
     while _aborts(server) != before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _aborts(server) == before + 1
-
