@@ -69,10 +69,11 @@ def main():
                   "micro_batches": sorted(set(counts))}
         # logprobs of two requests (under attention-DP one on each DP rank) beside one that does not ask (in a step
         # with an asking one), from whichever rank samples them
+        prompts = job["prompts"][:3]
         asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3, None)]
-        outs = llm.generate(job["prompts"][:3], asks)
+        outs = llm.generate(prompts, asks[:len(prompts)])
         result["logprobs"] = [[[x.logprob, x.top] for x in o.logprobs] for o in outs[:2]]
-        result["unasked"] = [outs[2].logprobs, outs[2].token_ids]
+        result["unasked"] = [outs[2].logprobs, outs[2].token_ids] if len(outs) > 2 else None
         out.write_text(json.dumps(result))
 
     run(engine, drive)
