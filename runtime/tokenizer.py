@@ -87,11 +87,11 @@ class IncrementalText:
     same token are decoded: up to the tokens already read, and up to the newest. What the longer adds is the new
     text; both start alike, so a decoder's rules for a text's first token (SentencePiece drops its leading space)
     cancel. A window that ends inside a multi-byte character (U+FFFD) is kept open until the character completes,
-    or until the last token, whose text is taken as it is, or until MAX_OPEN tokens wait (no character spans
-    that many: the window ends in invalid bytes or a literal U+FFFD, and is taken as it is).
+    or until the last token, whose text is taken as it is. Output that keeps ending in U+FFFD (invalid bytes, or
+    literal U+FFFDs) keeps its window open, as in vLLM: nothing streams and each token decodes the whole window
+    until a token ends in another character. Closing it early is not safe: a byte-fallback decoder turns a whole
+    run of byte tokens into U+FFFDs while its last character is unfinished, so their count tells nothing.
     """
-
-    MAX_OPEN = 8
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -112,7 +112,7 @@ class IncrementalText:
         elif self._pending:
             common = len(os.path.commonprefix([self._pending, new]))
         start = len(self.text) + common
-        if final or (new and not new.endswith("\ufffd")) or len(self.ids) - self.read >= self.MAX_OPEN:
+        if final or (new and not new.endswith("\ufffd")):
             self.text, self._pending = self.text + new, ""
             self.prefix, self.read = self.read, len(self.ids)
         else:

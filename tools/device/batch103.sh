@@ -1,7 +1,8 @@
-# Hundred-and-third device batch (not run yet: the twenty-ninth session had no device): the whole GPU suite on the
-# latest code. Not run on a GPU yet: the stronger page-row upload case and the per-row check
-# of the preemption case (tests/model/test_gpu_engine.py), the feed-length check in RankRunner.run, the engine
-# marked broken after a failed async step, async scheduling's default off on ROCm and with attention-DP.
+# Hundred-and-third device batch: the whole GPU suite on the latest code. Run in the thirty-first session
+# (2026-12-05): 308 passed, 16 skipped (BENCHMARKS.md, pytest -m gpu). It was the first GPU run of: the stronger
+# page-row upload case and the per-row check of the preemption case (tests/model/test_gpu_engine.py), the
+# feed-length check in RankRunner.run, the engine marked broken after a failed async step, async scheduling's
+# default off on ROCm and with attention-DP.
 # Twenty-ninth session (no device lent): the feed split by micro-batch in RankRunner.run (one micro-batch without
 # pipeline stages), share_tokens from a given rank, EngineOptions validated when made; a two-stage replay of fed
 # ids in both micro-batches (tests/runtime/test_pp_graphs_gpu.py, both stages in one process). Async scheduling

@@ -1,4 +1,4 @@
-# Hundred-and-fourth device batch (prepared in the twenty-ninth session, which had no device; not run yet): the
+# Hundred-and-fourth device batch (prepared in the twenty-ninth session; run in the thirty-first, BENCHMARKS.md): the
 # MoE decode over three processes. decode_l's 8-token figure (0.793 of the weight floor, goal 0.80) sat 0.9 % under
 # the goal in one process, so this batch measures how far it moves from run to run before anyone tunes against it.
 # Each process also times decode_l_yh beside it (decode_l with each pair's row y in bf16, thirtieth session): the
