@@ -161,6 +161,21 @@ def _asks(step_or_plan) -> bool:
         any(p.logprobs is not None for p in _sampled_params(step_or_plan.items))
 
 
+def sample_with_logprobs(step: Step, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rank that samples a step: its ids [M] on the device, and their logprobs' rows when an item asked."""
+    tokens = sample_step(step, logits)
+    return tokens, step_logprobs(logits, tokens, _sampled_params(step.items))
+
+
+def empty_sampled(step: Step, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A rank that receives a step's samples: buffers for its ids, and for their logprobs' rows when an item
+    asked (rows_shape: the sampler's step_logprobs gives that shape)."""
+    params = _sampled_params(step.items)
+    shape = rows_shape(params, vocab)
+    return (torch.empty(len(params), dtype=torch.int64, device=device),
+            None if shape is None else torch.empty(shape, dtype=torch.float64, device=device))
+
+
 def _logprobs(plan: StepPlan, rows: list[list[float]] | None) -> list[TokenLogprobs | None]:
     """Each sampled item's logprobs (None where its request did not ask, or no row came)."""
     params = _sampled_params(plan.items)
@@ -320,7 +335,7 @@ class LLMEngine:
         elif step.all_logits:
             results = [logits]
         else:
-            tokens, logprobs[0] = self._sample(step, logits)
+            tokens, logprobs[0] = sample_with_logprobs(step, logits)
             results = [tokens]
         # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens (or its logits).
         if owes:
@@ -337,12 +352,6 @@ class LLMEngine:
             if _asks(steps[d]):
                 logprobs[d] = self.comm.recv_result(d)
         return results, logprobs
-
-    @staticmethod
-    def _sample(step: Step, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's step sampled: the ids [M] on the device, and their logprobs' rows when an item asked."""
-        tokens = sample_step(step, logits)
-        return tokens, step_logprobs(logits, tokens, _sampled_params(step.items))
 
     def step(self) -> list[TokenEvent]:
         """One engine step; the tokens it appended (async scheduling: the previous step's)."""
@@ -443,15 +452,10 @@ class LLMEngine:
             self.comm.broadcast_step(steps)
         step, flight = steps[0], self._in_flight[0]
         logits = self.runner.run(step, flight.tokens if step.feed else None, wait=False)
-        logprobs = None
         if logits is not None:
-            tokens, logprobs = self._sample(step, logits)
+            tokens, logprobs = sample_with_logprobs(step, logits)
         else:  # pipeline stages: the last stage samples, and shares them (and their rows) below
-            params = _sampled_params(step.items)
-            tokens = torch.empty(len(params), dtype=torch.int64, device=self.device)
-            shape = rows_shape(params, self.facts.vocab_size)
-            if shape is not None:
-                logprobs = torch.empty(shape, dtype=torch.float64, device=self.device)
+            tokens, logprobs = empty_sampled(step, self.facts.vocab_size, self.device)
         if self.comm is not None and self.dp_size == 1 and tokens.numel():
             # every rank's next step feeds them (the first stage's embeds them)
             self.comm.share_tokens(tokens, src=self._last_stage_rank)

@@ -83,8 +83,8 @@ class IncrementalText:
     """Text of a growing token list, decoding only the last few tokens at each step (vLLM's window).
 
     Decoding the whole list at every token costs O(n) a token: 0.6 ms a token 4K tokens in, on the tiny
-    tokenizer, paid by the engine loop for every request between steps (tools/bench_detok.py). Instead two windows that start at the
-    same token are decoded: up to the tokens already read, and up to the newest. What the longer adds is the new
+    tokenizer, paid by the engine loop for every request between steps (tools/bench_detok.py). Instead two windows
+    that start at the same token are decoded: up to the tokens already read, and up to the newest. What the longer adds is the new
     text; both start alike, so a decoder's rules for a text's first token (SentencePiece drops its leading space)
     cancel. A window that ends inside a multi-byte character (U+FFFD) is kept open until the character completes,
     or until the last token, whose text is taken as it is. Output that keeps ending in U+FFFD (invalid bytes, or

@@ -92,8 +92,7 @@ def _release_all(quiet: bool = False) -> None:
 
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
-    from ..llm_engine import HostCopy, open_rank, sample_step
-    from ..logprobs import rows_shape, step_logprobs
+    from ..llm_engine import HostCopy, empty_sampled, open_rank, sample_with_logprobs
 
     config = read_engine_config(engine_dir)
     comm = _communicator(config, device)
@@ -116,31 +115,22 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
             break
         step = steps[tp_rank if attention_dp else 0]
         logits = runner.run(step, fed if step.feed else None)
-        params = [it.params for it in step.items if it.sample]
         if options.async_scheduling and attention_dp:  # a DP rank's steps never score: the driver's does
-            fed = sample_step(step, logits)
+            fed, rows = sample_with_logprobs(step, logits)
             for t in owed:
                 comm.control.send_result(t.wait(collective_timeout().total_seconds()), dst=0)
-            owed = [HostCopy(t) for t in (fed, step_logprobs(logits, fed, params)) if t is not None]
+            owed = [HostCopy(t) for t in (fed, rows) if t is not None]
         elif options.async_scheduling and not step.all_logits:
             fed = None
-            if params:
-                shape = rows_shape(params, vocab) if sampler != 0 else None  # the driver samples: its own rows
-                if rank == sampler:
-                    fed = sample_step(step, logits)
-                    rows = step_logprobs(logits, fed, params)
-                else:
-                    fed = torch.empty(len(params), dtype=torch.int64, device=runner.device)
-                    rows = None if shape is None else torch.empty(shape, dtype=torch.float64, device=runner.device)
+            if any(it.sample for it in step.items):
+                fed, rows = sample_with_logprobs(step, logits) if rank == sampler else \
+                    empty_sampled(step, vocab, runner.device)
                 comm.share_tokens(fed, src=sampler)
-                if shape is not None:
+                if rows is not None and sampler != 0:  # where the driver samples, it has its own rows
                     comm.share_tokens(rows, src=sampler)
         elif reports:
-            if step.all_logits:
-                comm.control.send_result(logits, dst=0)
-                continue
-            ids = sample_step(step, logits)
-            for t in (ids, step_logprobs(logits, ids, params)):
+            results = (logits,) if step.all_logits else sample_with_logprobs(step, logits)
+            for t in results:
                 if t is not None:
                     comm.control.send_result(t, dst=0)
 

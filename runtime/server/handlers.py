@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from ..sampling_params import SamplingParams
+from ..sampling_params import SEED_LIMIT, SamplingParams
 from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs
 from .metrics import PrometheusMetrics
@@ -149,7 +149,7 @@ class Handlers:
         try:
             for x, sp in zip(ids, params):
                 for j in range(n):
-                    seed = sp.seed if sp.seed is None else (sp.seed + j) % 2**63
+                    seed = sp.seed if sp.seed is None else (sp.seed + j) % SEED_LIMIT
                     streams.append(await self.engine.add(x, replace(sp, seed=seed)))
         except BaseException as e:
             for s in streams:
