@@ -52,6 +52,11 @@ def tokenizer(request, tmp_path_factory):
     return Tokenizer(path)
 
 
+def _id_of_bytes(tok) -> dict[bytes, int]:
+    """Token bytes -> the lowest id with them."""
+    return {tok.token_bytes(t): t for t in reversed(range(tok.vocab_size))}
+
+
 def _pushed(tok, ids, stop=()):
     det = Detokenizer(tok, stop)
     deltas = [det.push(t, final=i == len(ids) - 1) for i, t in enumerate(ids)]
@@ -93,7 +98,7 @@ def test_any_ids_decode_alike(tokenizer, data):
 
 def test_special_tokens_do_not_close_a_window(tokenizer):
     # Special tokens decode to nothing: many of them before a split character must not release it half-made.
-    by_bytes = {tokenizer.token_bytes(t): t for t in reversed(range(tokenizer.vocab_size))}
+    by_bytes = _id_of_bytes(tokenizer)
     if not tokenizer._added:
         pytest.skip("the SentencePiece tokenizer trained here has no special tokens")
     special = min(tokenizer._added)  # <|pad|>
@@ -117,9 +122,7 @@ def test_a_split_character_is_held_until_it_completes(tokenizer):
 
 def test_a_broken_character_ends_where_the_next_one_starts(tokenizer):
     # A lead byte followed by a letter stays U+FFFD; the letter starts after it, not at the broken character.
-    by_bytes = {}
-    for t in range(tokenizer.vocab_size):
-        by_bytes.setdefault(tokenizer.token_bytes(t), t)
+    by_bytes = _id_of_bytes(tokenizer)
     # Then a character in three tokens starts where its first byte does; two lead bytes are two broken characters.
     # (A letter between runs of byte tokens: the byte-fallback decoder turns a whole run invalid anywhere into U+FFFDs.)
     ids = [by_bytes[b] for b in (b"\xda", b"y", b"\xe6", b"\x9d", b"\xb1", b"y", b"\xe6", b"\xe6", b"y")]
