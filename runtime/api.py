@@ -31,6 +31,7 @@ class StreamChunk:
     text: str  # newly released text ("" when held back, e.g. inside a multi-byte character)
     finish_reason: str | None
     logprobs: TokenLogprobs | None = None  # the token's, when SamplingParams.logprobs asked
+    text_offset: int | None = None  # where the token's text starts in the output's text (None: no tokenizer)
 
 
 Prompt = str | list[int]
@@ -103,7 +104,7 @@ class LLM:
                 if det and det.stopped and reason is None:
                     self.engine.finish(req.request_id, "stop")
                     reason = "stop"
-                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs)
+                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, det.offset if det else None)
                 if reason is not None:
                     return
         finally:

@@ -290,7 +290,8 @@ class AsyncLLMEngine:
                 tpot = (now - live.first) / (live.num_out - 1) if live.num_out > 1 else None
                 self.metrics.on_finish(reason, live.num_prompt, live.num_out, tpot)
             # A broken consumer (closed event loop, Triton stream gone) cancels only its own request.
-            chunk = StreamChunk(ev.request_id, ev.token_id, text, reason, ev.logprobs)
+            chunk = StreamChunk(ev.request_id, ev.token_id, text, reason, ev.logprobs,
+                                live.detok.offset if live.detok is not None else None)
             if not _call(live.callback, chunk) and reason is None:
                 self._apply(("abort", ev.request_id))
         self.stats = self._snapshot(self.stats.num_steps + 1)

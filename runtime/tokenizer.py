@@ -141,11 +141,12 @@ class Detokenizer:
         self._searched = 0  # stop strings were looked for in text[:_searched]
         self.released = 0
         self.text = ""
+        self.offset = 0  # where the last token's text starts (IncrementalText.push; past a stop string's cut)
         self.stopped = False
 
     def push(self, token_id: int, final: bool = False) -> str:
         """Add one token; return the newly released text (stop strings cut the text and set `stopped`)."""
-        self._text.push(token_id, final)
+        self.offset = self._text.push(token_id, final)
         text = self._text.text  # whole characters only, unless final
         # Stop strings are looked for only where they could end in the new text; the earliest found cuts.
         found = [at for s in self.stop if (at := text.find(s, max(0, self._searched - len(s) + 1))) >= 0]

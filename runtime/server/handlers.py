@@ -183,13 +183,14 @@ class Handlers:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close), close)
         try:
-            outs = await _until_disconnect(request, asyncio.gather(*(_collect(s) for s in streams)))
+            collect = (_collect(s, ChoiceOffsets(self.token_text)) for s in streams)
+            outs = await _until_disconnect(request, asyncio.gather(*collect))
         finally:
             close()
         n_out = sum(len(o[1]) for o in outs)
         choices = []
-        for i, (text, tids, reason, lps) in enumerate(outs):
-            c = {"index": i, "finish_reason": reason, "logprobs": self._logprobs(chat, tids, lps)}
+        for i, (text, tids, reason, lps, starts) in enumerate(outs):
+            c = {"index": i, "finish_reason": reason, "logprobs": self._logprobs(chat, tids, lps, starts)}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -237,8 +238,9 @@ class Handlers:
                     return
                 n_out += 1
                 lps = None if ch.logprobs is None else [ch.logprobs]
+                start = offsets[i].push(ch.token_id, ch.text_offset)
                 c = {"index": i, "finish_reason": ch.finish_reason,
-                     "logprobs": self._logprobs(chat, [ch.token_id], lps, offsets[i])}
+                     "logprobs": self._logprobs(chat, [ch.token_id], lps, [start])}
                 if chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
                 else:
@@ -254,31 +256,34 @@ class Handlers:
                 t.cancel()
             close()
 
-    def _logprobs(self, chat: bool, ids: list[int], lps: list | None, offsets: ChoiceOffsets | None = None,
-                  ) -> dict | None:
-        """A choice's (or a streamed choice's chunk's) `logprobs`, None when its request did not ask."""
+    def _logprobs(self, chat: bool, ids: list[int], lps: list | None, starts: list[int]) -> dict | None:
+        """A choice's (or a streamed choice's chunk's) `logprobs`, None when its request did not ask; `starts`:
+        where its tokens start in the choice's text (ChoiceOffsets)."""
         if lps is None:
             return None
         return chat_logprobs(self.token_text, ids, lps) if chat else completion_logprobs(self.token_text, ids, lps,
-                                                                                          offsets)
+                                                                                          starts)
 
 
 def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(stream: RequestStream) -> tuple[str, list[int], str | None, list | None]:
-    """A request's text, token ids, finish reason and tokens' logprobs (None when it did not ask)."""
-    text, tids, reason, lps = [], [], None, []
+async def _collect(stream: RequestStream, offsets: ChoiceOffsets
+                   ) -> tuple[str, list[int], str | None, list | None, list[int]]:
+    """A request's text, token ids, finish reason, tokens' logprobs (None when it did not ask) and where its tokens
+    start in its text."""
+    text, tids, reason, lps, starts = [], [], None, [], []
     try:
         async for ch in stream:
             text.append(ch.text)
             tids.append(ch.token_id)
             reason = ch.finish_reason
             lps.append(ch.logprobs)
+            starts.append(offsets.push(ch.token_id, ch.text_offset))
     except EngineDeadError as e:
         raise APIError(503, str(e), type_="server_error") from None
-    return "".join(text), tids, reason, lps if lps and lps[0] is not None else None
+    return "".join(text), tids, reason, lps if lps and lps[0] is not None else None, starts
 
 
 async def _until_disconnect(request: Request, aw):

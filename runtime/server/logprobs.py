@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..logprobs import TokenLogprobs
-from ..tokenizer import IncrementalText, Tokenizer
+from ..tokenizer import Tokenizer
 
 FLOOR = -9999.0  # what a -inf (or NaN) logprob is written as
 
@@ -39,25 +39,23 @@ class TokenText:
 
 
 class ChoiceOffsets:
-    """Where a choice's tokens start in its text, a token at a time (IncrementalText: a token with a piece of a
-    character starts at the character); without a tokenizer, the tokens' texts' lengths add up."""
+    """Where a choice's tokens start in its text: the engine's detokenizer says (StreamChunk.text_offset); without a
+    tokenizer, the tokens' texts' lengths add up."""
 
     def __init__(self, text_of: TokenText):
         self.text_of, self.at = text_of, 0
-        self.text = IncrementalText(text_of.tokenizer) if text_of.tokenizer is not None else None
 
-    def push(self, token_id: int) -> int:
-        if self.text is not None:
-            return self.text.push(token_id)
+    def push(self, token_id: int, text_offset: int | None) -> int:
+        if text_offset is not None:
+            return text_offset
         start, self.at = self.at, self.at + len(self.text_of(token_id)[0])
         return start
 
 
-def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs],
-                        offsets: ChoiceOffsets | None = None) -> dict:
-    """The completions' `logprobs` of tokens `ids` (next in a streamed choice's `offsets`): tokens, token_logprobs,
-    top_logprobs (the most likely alternatives, and the token itself, as OpenAI does) and text_offset."""
-    offsets = offsets or ChoiceOffsets(text_of)
+def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs], starts: list[int]) -> dict:
+    """The completions' `logprobs` of tokens `ids` starting at `starts` in the choice's text (ChoiceOffsets):
+    tokens, token_logprobs, top_logprobs (the most likely alternatives, and the token itself, as OpenAI does) and
+    text_offset."""
     tokens, top = [], []
     for t, lp in zip(ids, lps):
         tokens.append(text_of(t)[0])
@@ -66,7 +64,7 @@ def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogpr
             alternatives.setdefault(text_of(a)[0], _finite(v))
         top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps], "top_logprobs": top,
-            "text_offset": [offsets.push(t) for t in ids]}
+            "text_offset": starts}
 
 
 def chat_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs]) -> dict:
