@@ -81,7 +81,7 @@ def test_ab_switches_flip_and_undo():
     undo()
     state = lambda: (dict(moe.TACTICS), router.blocks_for, ar.use_split, ar.NORM_MIX_WARPS,  # noqa: E731
                      router.SELECT_WARPS, router.CAST_COLUMNS, router.CAST_SPLIT_MAX_TOKENS,
-                     kda.F_B_FUSED_MAX_PROGRAMS, [b.fn for b in ex.nodes])
+                     kda.F_B_FUSED_MAX_PROGRAMS, moe.SORT_COLS, [b.fn for b in ex.nodes])
     before = state()
     for name, (_, flip) in br.AB_SWITCHES.items():
         if not name.startswith("unfused-"):

@@ -53,6 +53,9 @@ class MoETactic:
     # the bytes (6.4 -> 3.2 MB at 8 tokens an expert, 56 experts); each pair's product is rounded once before the
     # fp32 sum of a token's pairs
     y_half: bool = False
+    # the combine gathers a token's local rows of y at once (moe_combine_kernel's GATHER), not one position and
+    # row after another
+    gather_combine: bool = False
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -92,6 +95,10 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # the combine's read of it are 12.8 of those 9.6-28 MB in fp32 (BENCHMARKS.md, twenty-eighth session)
     "decode_l_yh": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, y_half=True),
+    # decode_l with the gathering combine: a candidate, not yet timed. The twenty-fourth session's timeline put
+    # the combine at 5.0 µs at 8 tokens an expert (2.7 at one), 16 dependent rounds of loads a program
+    "decode_l_gc": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
+                             overlap=True, gather_combine=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
     # 306 without (registers: 10 spill instructions); BM 64 with 3 stages and the packed multiply 315 against
     # prefill_p's 307, side by side (BENCHMARKS.md, twenty-third session)
@@ -183,10 +190,16 @@ def quantize_e4m3(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (z.float() / scale[:, None]).to(f8).contiguous(), scale.contiguous()
 
 
+# the sort's tile width (sort_pairs_kernel's COLS): 4 is a third fewer sm_90 instructions than 1, the flat scan, at
+# blocks of 512 to 8192 pairs, for the same output; not yet timed against it (tools/device/moe_sort_probe.py)
+SORT_COLS = 4
+
+
 def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 8192,
-               done: torch.Tensor | None = None):
+               done: torch.Tensor | None = None, cols: int | None = None):
     """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
     [num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert count, MoETactic.overlap).
+    cols: the kernel's tile width (None: SORT_COLS; a power of two up to 16).
 
     Returns:
         order int32 [P] (pair ids, local experts' pairs first, grouped by expert, in pair order within one; past
@@ -201,7 +214,7 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
-                                        done_ptr=done, ZERO_DONE=done is not None,
+                                        COLS=cols or SORT_COLS, done_ptr=done, ZERO_DONE=done is not None,
                                         num_warps=4 if block <= 2048 else 8, **pdl(flat))
     return order, offsets, inv
 
@@ -275,7 +288,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
-                                                 **pdl(y))
+                                                 GATHER=t.gather_combine, **pdl(y))
     return out
 
 

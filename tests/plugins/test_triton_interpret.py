@@ -57,15 +57,16 @@ def _moe_case(moe, dtype, act, entry=None):
     return {"rel": _rel(out, expect), "token0_zero": bool(torch.equal(out[0], torch.zeros(dl)))}
 
 
-def _sort_pairs_case(moe, max_block=256):
+def _sort_pairs_case(moe, max_block=256, cols=None):
     """The counting sort against a stable torch sort: ragged experts, empty ones, pairs of other ranks' experts,
-    more pairs than one block (several chunks per program; max_block 2048: all in one, read once)."""
+    more pairs than one block (several chunks per program; max_block 2048: all in one, read once); cols: the
+    kernel's tile width (None: the host's)."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 40, (300, 4), generator=g)  # experts 10..29 are local: about half the pairs are not
     ids[:, 0] = 12  # a crowded expert; experts 10 and 11 stay empty when their ids never come up
     ids[ids == 10] = 3
     done = torch.full((20,), 7, dtype=torch.int32)  # the overlap's per-expert counts: zeroed by the same launch
-    order, offsets, inv = moe.sort_pairs(ids, 10, 20, max_block=max_block, done=done)
+    order, offsets, inv = moe.sort_pairs(ids, 10, 20, max_block=max_block, done=done, cols=cols)
     key = ids.reshape(-1) - 10
     key = torch.where((key >= 0) & (key < 20), key, 20)
     want = torch.sort(key, stable=True).indices
@@ -79,14 +80,35 @@ def _sort_pairs_case(moe, max_block=256):
             "done_zeroed": not done.any().item()}
 
 
+def _combine_case(moe, top_k):
+    """moe_combine_kernel on its own, both ways (GATHER and the loop), against torch: each token's rows of y at its
+    positions (-1: not local; a token with none), top_k not a power of two too (the gather pads it)."""
+    import triton
+    from k3plugins.moe.triton_kernels import moe_combine_kernel
+    g = torch.Generator().manual_seed(9)
+    M, P, Dl, bd = 6, 40, 80, 32
+    y = torch.randn(P, Dl, generator=g)
+    inv = torch.randint(-1, P, (M, top_k), generator=g).int()
+    inv[0] = -1
+    want = torch.stack([sum((y[p] for p in row if p >= 0), torch.zeros(Dl)) for row in inv.tolist()])
+    res = {}
+    for gather in (False, True):
+        out = torch.empty(M, Dl)
+        moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
+                                                     GATHER=gather)
+        res["gather" if gather else "loop"] = _rel(out, want)
+    return res
+
+
 def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, block_n=None, overlap=False,
-                      down_block_n=None, lane=False, y_half=False):
+                      down_block_n=None, lane=False, y_half=False, gather_combine=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
     pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K, or
     block_n rows: half a tile at 32) vs the reference on the originals. rows_first: the grid (row blocks, experts).
     overlap: the down kernel awaits each expert's count of gate/up programs (the counts must add up, or it hangs).
     down_block_n: the down kernel's own rows per program. lane: lane_mxfp4's layout, z given in its K order.
-    y_half: the per-pair rows in z's dtype; also returns its distance from the same tactic with fp32 rows."""
+    y_half: the per-pair rows in z's dtype; also returns its distance from the same tactic with fp32 rows.
+    gather_combine: the combine gathering a token's rows at once; also returns its distance from the loop's."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
@@ -99,18 +121,19 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     s2 = torch.randint(116, 124, (E, dl, inter // 32), dtype=torch.uint8, generator=g)
     tactic = moe.MoETactic(block_m=16, block_n=block_n or (128 if tiled else 32), block_k=256, num_warps=4,
                            num_stages=1, strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first,
-                           overlap=overlap, down_block_n=down_block_n, lane=lane, y_half=y_half)
+                           overlap=overlap, down_block_n=down_block_n, lane=lane, y_half=y_half,
+                           gather_combine=gather_combine)
     out = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
                           moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
                           expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
-    if not y_half:
+    if not (y_half or gather_combine):
         return {"rel": _rel(out, expect)}
     from dataclasses import replace
-    full = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
-                           moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
-                           expert_start=start, act="situ", tactic=replace(tactic, y_half=False))
-    return {"rel": _rel(out, expect), "rel_fp32_y": _rel(out, full)}
+    other = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
+                            moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
+                            expert_start=start, act="situ", tactic=replace(tactic, y_half=False, gather_combine=False))
+    return {"rel": _rel(out, expect), "rel_fp32_y" if y_half else "rel_loop": _rel(out, other)}
 
 
 def _mla_case(mla, splits):
@@ -442,8 +465,15 @@ def _child() -> None:
     res["moe-lane-float16"] = _moe_strided_case(moe, torch.float16, paired=True, lane=True)
     res["moe-lane-y-half-float16"] = _moe_strided_case(moe, torch.float16, tiled=True, block_n=64, rows_first=True,
                                                        overlap=True, lane=True, y_half=True)
+    res["moe-lane-gather-float32"] = _moe_strided_case(moe, torch.float32, tiled=True, block_n=64, rows_first=True,
+                                                       overlap=True, lane=True, gather_combine=True)
+    res["combine-k3"] = _combine_case(moe, 3)
+    res["combine-k16"] = _combine_case(moe, 16)
     res["sort-pairs"] = _sort_pairs_case(moe)
     res["sort-pairs-one-block"] = _sort_pairs_case(moe, max_block=2048)
+    res["sort-pairs-flat"] = _sort_pairs_case(moe, cols=1)
+    res["sort-pairs-one-block-flat"] = _sort_pairs_case(moe, max_block=2048, cols=1)
+    res["sort-pairs-one-block-cols16"] = _sort_pairs_case(moe, max_block=2048, cols=16)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
     s = torch.randint(100, 129, (2, 64, 8), dtype=torch.uint8, generator=g)  # the W4 decode's exact range
@@ -520,11 +550,25 @@ def test_moe_half_pair_rows_interpreted(results):
     assert 0 < r["rel_fp32_y"] < 1e-3, r
 
 
+def test_moe_gather_combine_interpreted(results):
+    """The combine gathering a token's rows at once (decode_l_gc's) against the reference, and against the loop's
+    combine: the same sums in another order (fp32, so within a few ulps; a combine that dropped or doubled a row
+    would be far off)."""
+    r = results["moe-lane-gather-float32"]
+    assert r["rel"] < 1e-5 and r["rel_loop"] < 1e-6, r
+
+
+@pytest.mark.parametrize("case", ["combine-k3", "combine-k16"])
+def test_moe_combine_interpreted(results, case):
+    assert max(results[case].values()) < 1e-6, results[case]
+
+
 def test_moe_rows_first_grid_interpreted(results):
     assert results["moe-rows-first-float32"]["rel"] < 1e-5, results["moe-rows-first-float32"]
 
 
-@pytest.mark.parametrize("case", ["sort-pairs", "sort-pairs-one-block"])
+@pytest.mark.parametrize("case", ["sort-pairs", "sort-pairs-one-block", "sort-pairs-flat", "sort-pairs-one-block-flat",
+                                  "sort-pairs-one-block-cols16"])
 def test_sort_pairs_interpreted(results, case):
     assert all(results[case].values()), results[case]
 
