@@ -1,6 +1,7 @@
 """Where the lane MoE decode's fixed cost goes (device probe, JSON lines): `touched` experts with `tpe` tokens each
 on the rank's grid of 56, each launch's start and end (µs from the call's first kernel) inside CUDA-graph replays,
-medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes."""
+medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes. Three
+variants: decode_l; decode_l_gc (the gathering combine); decode_l with the sort's flat scan (SORT_COLS 1)."""
 
 from __future__ import annotations
 
@@ -47,20 +48,24 @@ def graph_timeline(fn, replays: int = 15) -> list:
 def main() -> None:
     bw = hbm_read_tbps()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    t = mt.TACTICS["decode_l"]
-    laid, one_expert = laid_out_experts(gen, t)
+    laid, one_expert = laid_out_experts(gen, mt.TACTICS["decode_l"])  # decode_l_gc reads the same layout
     emit(bench="moe_fixed_env", hbm_read_tbps=round(bw, 3))
+    cols = mt.SORT_COLS
     for touched, tpe in ((0, 1), (8, 1), (24, 1), (56, 1), (24, 2), (56, 8)):
         z, ids, tw = make_tokens(tpe, gen, touched=max(touched, 1))
         if touched == 0:  # one token, no local expert
             ids = ids.clone()
             ids[:, 0] = 0
-        z = mt.lay_out_input(t, z)
-        fn = lambda: mt.moe_experts(z, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
-        ms = time_ms(fn)
-        floor = touched * one_expert / (bw * 1e12) * 1e3
-        emit(bench="moe_fixed", touched=touched, tpe=tpe, ms=round(ms, 4), floor_ms=round(floor, 4),
-             of_floor=round(floor / ms, 3), timeline=graph_timeline(fn))
+        for tactic, mt.SORT_COLS in (("decode_l", cols), ("decode_l_gc", cols), ("decode_l", 1)):
+            t = mt.TACTICS[tactic]
+            zt = mt.lay_out_input(t, z)
+            fn = lambda: mt.moe_experts(zt, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
+            ms = time_ms(fn)
+            floor = touched * one_expert / (bw * 1e12) * 1e3
+            emit(bench="moe_fixed", tactic=tactic, sort_cols=mt.SORT_COLS, touched=touched, tpe=tpe,
+                 ms=round(ms, 4), floor_ms=round(floor, 4), of_floor=round(floor / ms, 3),
+                 timeline=graph_timeline(fn))
+    mt.SORT_COLS = cols
 
 
 if __name__ == "__main__":
