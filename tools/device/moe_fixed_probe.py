@@ -56,13 +56,14 @@ def main() -> None:
         if touched == 0:  # one token, no local expert
             ids = ids.clone()
             ids[:, 0] = 0
-        for tactic, mt.SORT_COLS in (("decode_l", cols), ("decode_l_gc", cols), ("decode_l", 1)):
+        for tactic, sort_cols in (("decode_l", cols), ("decode_l_gc", cols), ("decode_l", 1)):
+            mt.SORT_COLS = sort_cols  # read by sort_pairs at each call
             t = mt.TACTICS[tactic]
             zt = mt.lay_out_input(t, z)
             fn = lambda: mt.moe_experts(zt, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
             ms = time_ms(fn)
             floor = touched * one_expert / (bw * 1e12) * 1e3
-            emit(bench="moe_fixed", tactic=tactic, sort_cols=mt.SORT_COLS, touched=touched, tpe=tpe,
+            emit(bench="moe_fixed", tactic=tactic, sort_cols=sort_cols, touched=touched, tpe=tpe,
                  ms=round(ms, 4), floor_ms=round(floor, 4), of_floor=round(floor / ms, 3),
                  timeline=graph_timeline(fn))
     mt.SORT_COLS = cols
