@@ -31,7 +31,9 @@ class StreamChunk:
     text: str  # newly released text ("" when held back, e.g. inside a multi-byte character)
     finish_reason: str | None
     logprobs: TokenLogprobs | None = None  # the token's, when SamplingParams.logprobs asked
-    text_offset: int | None = None  # where the token's text starts in the output's text (None: no tokenizer)
+    # where the token's text starts in the output's text (None: no tokenizer); past the end of the text for a token
+    # that completed a stop string, which the text leaves out
+    text_offset: int | None = None
 
 
 Prompt = str | list[int]
@@ -104,7 +106,7 @@ class LLM:
                 if det and det.stopped and reason is None:
                     self.engine.finish(req.request_id, "stop")
                     reason = "stop"
-                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, det.offset if det else None)
+                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, det.offset if det is not None else None)
                 if reason is not None:
                     return
         finally:

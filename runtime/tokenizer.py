@@ -141,7 +141,9 @@ class Detokenizer:
         self._searched = 0  # stop strings were looked for in text[:_searched]
         self.released = 0
         self.text = ""
-        self.offset = 0  # where the last token's text starts (IncrementalText.push; past a stop string's cut)
+        # where the last token's text starts (IncrementalText.push); past the end of `text` for a token that
+        # completed a stop string, since the text is cut before the stop string
+        self.offset = 0
         self.stopped = False
 
     def push(self, token_id: int, final: bool = False) -> str:

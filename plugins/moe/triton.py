@@ -96,7 +96,8 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     "decode_l_yh": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, y_half=True),
     # decode_l with the gathering combine: a candidate, not yet timed. The twenty-fourth session's timeline put
-    # the combine at 5.0 µs at 8 tokens an expert (2.7 at one), 16 dependent rounds of loads a program
+    # the combine at 5.0 µs at 8 tokens an expert (2.7 at one); its loop loads a token's 16 positions one round
+    # after another
     "decode_l_gc": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, gather_combine=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
@@ -190,8 +191,9 @@ def quantize_e4m3(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (z.float() / scale[:, None]).to(f8).contiguous(), scale.contiguous()
 
 
-# the sort's tile width (sort_pairs_kernel's COLS): 4 is a third fewer sm_90 instructions than 1, the flat scan, at
-# blocks of 512 to 8192 pairs, for the same output; not yet timed against it (tools/device/moe_sort_probe.py)
+# the sort's tile width (sort_pairs_kernel's COLS): at 4 the kernel's sm_90 code is about a third shorter than at 1,
+# a flat scan (static instructions, compiled on a CPU, at blocks of 512 and 8192 pairs), for the same output; not
+# yet timed against it (tools/device/moe_sort_probe.py)
 SORT_COLS = 4
 
 
@@ -199,7 +201,7 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
                done: torch.Tensor | None = None, cols: int | None = None):
     """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
     [num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert count, MoETactic.overlap).
-    cols: the kernel's tile width (None: SORT_COLS; a power of two up to 16).
+    cols: the kernel's tile width (None: SORT_COLS; a power of two), at most the block.
 
     Returns:
         order int32 [P] (pair ids, local experts' pairs first, grouped by expert, in pair order within one; past
@@ -213,8 +215,9 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     inv = torch.empty(P, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
+    cols = min(SORT_COLS if cols is None else cols, block)
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
-                                        COLS=cols or SORT_COLS, done_ptr=done, ZERO_DONE=done is not None,
+                                        COLS=cols, done_ptr=done, ZERO_DONE=done is not None,
                                         num_warps=4 if block <= 2048 else 8, **pdl(flat))
     return order, offsets, inv
 

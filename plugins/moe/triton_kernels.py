@@ -411,10 +411,10 @@ def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E,
     pairs of other ranks' experts, marked inv -1 and left out of order). Its start is the count of smaller keys,
     so the programs need nothing from each other; within an expert, pairs keep their order (a prefix sum, taken
     only on blocks that hold some of its pairs). P <= BLOCK: the pairs are read once. The pairs of a block are
-    held as [BLOCK / COLS, COLS] tiles, and the prefix sum is taken over the rows' counts, then inside each row:
-    at COLS 4 its sm_90 code is a third shorter than one flat scan's (COLS 1, the kernel before; 4080 against 6680
-    instructions at BLOCK 8192 in 8 warps, 592 against 912 at 512 in 4), which matters where one program a SM
-    issues a long straight run of them (8192 pairs: 8 tokens an expert in bench_plugins).
+    held as [BLOCK / COLS, COLS] tiles, and the prefix sum is taken over the rows' counts, then inside each row.
+    COLS 1 is a flat scan (the kernel before took one too, in other code); at COLS 4 the kernel's sm_90 code is
+    about a third shorter (static instructions, compiled on a CPU, at BLOCK 8192 in 8 warps and 512 in 4). Not
+    timed yet: at 8192 pairs each program issues a long straight run of them on its SM, where that may matter.
     ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL)."""
     pdl_prologue(PDL)
     e = tl.program_id(0)
@@ -474,8 +474,9 @@ def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K:
                        GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic.
     GATHER: the token's TOP_K positions are loaded at once and its local rows gathered together, then summed as
-    one [TOP_K, BD] tile; without it, each of the TOP_K rounds loads a position, then (if local) its row, so a
-    program waits for 2 · TOP_K dependent loads one after another."""
+    one [TOP_K, BD] tile (another order than the loop's: not the same bits). Without it, the sm_90 code (compiled
+    on a CPU) loads each position only after the previous row's add: TOP_K rounds of a position load, then its
+    row's load."""
     pdl_prologue(PDL)
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -492,7 +493,7 @@ def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K:
         for j in range(TOP_K):
             pos = tl.load(inv_ptr + t * TOP_K + j)
             if pos >= 0:
-                acc += tl.load(y_ptr + pos * stride_ym + offs_d, mask=d_mask, other=0.0)
+                acc += tl.load(y_ptr + pos.to(tl.int64) * stride_ym + offs_d, mask=d_mask, other=0.0)
     tl.store(out_ptr + t * stride_om + offs_d, acc, mask=d_mask)
 
 

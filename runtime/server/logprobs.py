@@ -39,8 +39,8 @@ class TokenText:
 
 
 class ChoiceOffsets:
-    """Where a choice's tokens start in its text: the engine's detokenizer says (StreamChunk.text_offset); without a
-    tokenizer, the tokens' texts' lengths add up."""
+    """A choice's text_offset, a token at a time: the engine's detokenizer's (StreamChunk.text_offset); without a
+    tokenizer (no text), where each token starts in its `tokens` entries ("token_id:N") joined."""
 
     def __init__(self, text_of: TokenText):
         self.text_of, self.at = text_of, 0

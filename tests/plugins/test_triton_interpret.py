@@ -57,12 +57,12 @@ def _moe_case(moe, dtype, act, entry=None):
     return {"rel": _rel(out, expect), "token0_zero": bool(torch.equal(out[0], torch.zeros(dl)))}
 
 
-def _sort_pairs_case(moe, max_block=256, cols=None):
+def _sort_pairs_case(moe, max_block=256, cols=None, tokens=300):
     """The counting sort against a stable torch sort: ragged experts, empty ones, pairs of other ranks' experts,
     more pairs than one block (several chunks per program; max_block 2048: all in one, read once); cols: the
     kernel's tile width (None: the host's)."""
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, 40, (300, 4), generator=g)  # experts 10..29 are local: about half the pairs are not
+    ids = torch.randint(0, 40, (tokens, 4), generator=g)  # experts 10..29 are local: about half the pairs are not
     ids[:, 0] = 12  # a crowded expert; experts 10 and 11 stay empty when their ids never come up
     ids[ids == 10] = 3
     done = torch.full((20,), 7, dtype=torch.int32)  # the overlap's per-expert counts: zeroed by the same launch
@@ -474,6 +474,8 @@ def _child() -> None:
     res["sort-pairs-flat"] = _sort_pairs_case(moe, cols=1)
     res["sort-pairs-one-block-flat"] = _sort_pairs_case(moe, max_block=2048, cols=1)
     res["sort-pairs-one-block-cols16"] = _sort_pairs_case(moe, max_block=2048, cols=16)
+    res["sort-pairs-cols16"] = _sort_pairs_case(moe, cols=16)
+    res["sort-pairs-one-row-blocks"] = _sort_pairs_case(moe, max_block=16, cols=16, tokens=11)  # BLOCK == COLS
     g = torch.Generator().manual_seed(1)
     w = torch.randint(0, 256, (2, 64, 128), dtype=torch.uint8, generator=g)
     s = torch.randint(100, 129, (2, 64, 8), dtype=torch.uint8, generator=g)  # the W4 decode's exact range
@@ -568,7 +570,7 @@ def test_moe_rows_first_grid_interpreted(results):
 
 
 @pytest.mark.parametrize("case", ["sort-pairs", "sort-pairs-one-block", "sort-pairs-flat", "sort-pairs-one-block-flat",
-                                  "sort-pairs-one-block-cols16"])
+                                  "sort-pairs-one-block-cols16", "sort-pairs-cols16", "sort-pairs-one-row-blocks"])
 def test_sort_pairs_interpreted(results, case):
     assert all(results[case].values()), results[case]
 

@@ -151,6 +151,26 @@ def test_stop_strings_cut_at_the_first_one_met(tokenizer, stop):
     assert all(s not in "".join(deltas) for s in stop)
 
 
+def test_the_detokenizer_says_where_each_token_starts(tokenizer):
+    # Detokenizer.offset (what a stream chunk carries as text_offset) against the byte-based oracle of
+    # test_incremental_text_is_the_whole_text, through split characters; the token that completes a stop string
+    # starts past the cut text.
+    text = TEXT[1]
+    ids = tokenizer.encode(text)
+    raw = [tokenizer.token_bytes(t) for t in ids]
+    stripped = len(b"".join(raw).decode()) - len(text)
+    expect = [max(0, len(b"".join(raw[:i]).decode(errors="ignore")) - stripped) for i in range(len(ids))]
+    det = Detokenizer(tokenizer, ("Москва",))
+    offsets = []
+    for i, t in enumerate(ids):
+        det.push(t, final=i == len(ids) - 1)
+        offsets.append(det.offset)
+        if det.stopped:
+            break
+    assert det.stopped and offsets == expect[:len(offsets)]
+    assert det.text == text[:text.index("Москва")] and offsets[-1] > len(det.text)
+
+
 def test_decoding_cost_does_not_grow_with_the_output(tokenizer, monkeypatch):
     # Every token decodes two short windows, not the output so far: count the ids decoded.
     decoded = []

@@ -105,6 +105,27 @@ def test_completion_logprobs_match_python_api(client, llm):
     assert [list(d.items()) for d in lp.top_logprobs] == [[(t, v)] for t, v in zip(lp.tokens, lp.token_logprobs)]
 
 
+def test_logprobs_without_a_tokenizer_name_the_ids(tiny_engine, make_server, tmp_path):
+    """An engine without tokenizer.json: token ids in, no text out; each token is "token_id:N" and text_offset
+    counts those names' lengths, unary and streamed alike."""
+    import shutil
+
+    engine = shutil.copytree(tiny_engine, tmp_path / "engine", ignore=shutil.ignore_patterns("tokenizer.json"))
+    s = make_server(engine)
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model=MODEL, prompt=[5, 17, 99, 3], max_tokens=5, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        choice = c.completions.create(**kw).choices[0]
+        names = [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+        assert choice.text == "" and choice.logprobs.tokens == names
+        assert choice.logprobs.text_offset == [sum(map(len, names[:i])) for i in range(len(names))]
+        chunks = [ch.choices[0].logprobs for ch in c.completions.create(stream=True, **kw) if ch.choices]
+        assert [ch.text_offset[0] for ch in chunks] == choice.logprobs.text_offset
+    finally:
+        s.close()
+
+
 def test_chat_logprobs_match_python_api(client, llm):
     """logprobs with top_logprobs=2 in chat's shape: a token an entry, its bytes adding up to the tokens' text."""
     messages = [{"role": "user", "content": "hi there"}]
