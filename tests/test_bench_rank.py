@@ -39,6 +39,7 @@ def test_ab_switches_flip_and_undo():
     from k3build.mapping import Mapping
     from k3plugins.attn_res import triton as ar
     from k3plugins.kda import fla as kda
+    from k3plugins.mla import triton as mla
     from k3plugins.moe import triton as moe
     from k3plugins.router import triton as router
     from k3runtime.executor import Executor, StepBatch
@@ -81,7 +82,7 @@ def test_ab_switches_flip_and_undo():
     undo()
     state = lambda: (dict(moe.TACTICS), router.blocks_for, ar.use_split, ar.NORM_MIX_WARPS,  # noqa: E731
                      router.SELECT_WARPS, router.CAST_COLUMNS, router.CAST_SPLIT_MAX_TOKENS,
-                     kda.F_B_FUSED_MAX_PROGRAMS, moe.SORT_COLS, [b.fn for b in ex.nodes])
+                     kda.F_B_FUSED_MAX_PROGRAMS, moe.SORT_COLS, mla.SPLIT_WAVES, [b.fn for b in ex.nodes])
     before = state()
     for name, (_, flip) in br.AB_SWITCHES.items():
         if not name.startswith("unfused-"):
