@@ -106,7 +106,8 @@ class LLM:
                 if det and det.stopped and reason is None:
                     self.engine.finish(req.request_id, "stop")
                     reason = "stop"
-                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, det.offset if det is not None else None)
+                offset = det.offset if det is not None else None
+                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, offset)
                 if reason is not None:
                     return
         finally:
