@@ -94,6 +94,20 @@ def test_half_pair_rows_match_reference(case):
     assert 0 < ((half - full).norm() / full.norm()).item() < 5e-3
 
 
+@pytest.mark.parametrize("case", ["ragged", "all_local", "k3_dims"])
+def test_gathering_combine_matches_the_loop(case):
+    """decode_l_gc against decode_l: the same per-pair rows, each token's summed in another order (fp32), so within
+    a few ulps; a row dropped or added would be far off."""
+    M, k, E, eg, start, dl, inter = CASES[case]
+    z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=7, empty=(1,) if case == "ragged" else ())
+    t = mt.TACTICS["decode_l"]
+    args = (mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
+            mt.lay_out_scale(t, s2))
+    loop = mt.moe_experts(*args, expert_start=start, act="situ", tactic=t)
+    gather = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l_gc")
+    assert ((gather - loop).norm() / loop.norm()).item() < 1e-5
+
+
 def test_moe_silu():
     test_moe_matches_reference("ragged", "decode", act="silu")
 
