@@ -110,10 +110,11 @@ def test_attn_res_out_norm_matches_reference_and_unfused(K, M, D, split, fused_a
 
 @pytest.mark.parametrize("M,k,E,start", [(1, 16, 56, 0), (128, 16, 56, 560), (448, 16, 56, 112), (2048, 16, 56, 112),
                                          (7, 4, 3, 5)])
-def test_sort_pairs_matches_a_stable_sort(M, k, E, start):
+@pytest.mark.parametrize("cols", [None, 1], ids=["host_cols", "flat"])  # the host's tiles, and one flat scan
+def test_sort_pairs_matches_a_stable_sort(M, k, E, start, cols):
     g = torch.Generator(device="cuda").manual_seed(M)
     ids = torch.stack([torch.randperm(896, device="cuda", generator=g)[:k] for _ in range(M)]) % (E * 16)
-    order, offsets, inv = sort_pairs(ids, start, E)
+    order, offsets, inv = sort_pairs(ids, start, E, cols=cols)
     key = ids.reshape(-1) - start
     key = torch.where((key >= 0) & (key < E), key, E)
     want = torch.sort(key, stable=True).indices
