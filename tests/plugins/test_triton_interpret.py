@@ -5,7 +5,8 @@ the MLA split-K decode, the KDA decode steps, the KDA prefill conv kernels, the 
 latent MoE's output projection, each against its torch reference (fla-core's own kernels need a GPU:
 test_kda_gpu.py). The interpreter must be on
 before the first `import triton` of a process (triton.language's own @jit helpers are decorated then), so the checks
-run in one child process started with the variable set; each test reads its result.
+run in child processes started with the variable set (two at once, each with half the work); each test reads its
+result.
 """
 import functools
 import json
