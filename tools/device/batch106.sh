@@ -11,12 +11,13 @@
 # MoE call for both changes (moe_fixed_probe). batch107.sh, in a call of its own: bench_plugins' MoE and the rank.
 # Carry fla-core's wheel (.whl).
 source tools/device/env.sh
-timeout 200 python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py tests/plugins/test_norm_gpu.py -k 'moe or sort or gathering' -x \
-  2>&1 | tail -3
+timeout 200 python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py tests/plugins/test_norm_gpu.py \
+  -k 'moe or sort or gathering' -x 2>&1 | tail -3
 timeout 150 python3 tools/device/moe_sort_probe.py 2>&1 | grep '^{' | tee $OUT/sort.jsonl
 timeout 230 python3 tools/device/moe_fixed_probe.py 2>&1 | grep '^{' > $OUT/fixed.jsonl
 python3 -c "import json
 for l in open('$OUT/fixed.jsonl'):
     d = json.loads(l)
     if d['bench'] == 'moe_fixed':
-        print(d['tactic'], d['sort_cols'], d['touched'], d['tpe'], d['ms'], d['of_floor'], d['timeline'][0], d['timeline'][-1])"
+        print(d['tactic'], d['sort_cols'], d['touched'], d['tpe'], d['ms'], d['of_floor'], d['timeline'][0],
+              d['timeline'][-1])"

@@ -1,7 +1,7 @@
 """The MoE's pair sort alone (device probe, JSON lines): sort_pairs_kernel with its pairs in tiles of COLS 1 (one
-flat scan, the kernel before the thirty-second session) against 2, 4 (the host's, SORT_COLS) and 8, at a rank's
-decode sizes and bench_plugins' 8 tokens/expert, in the host's block and warps and a few around them; CUDA-graph
-medians, µs."""
+flat scan, as the kernel before the thirty-second session took, though not its exact code) against 2, 4 (the host's,
+SORT_COLS) and 8, at a rank's decode sizes and bench_plugins' 8 tokens/expert, in the host's block and warps and a
+few around them; CUDA-graph medians, µs."""
 
 from __future__ import annotations
 
