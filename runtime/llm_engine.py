@@ -27,11 +27,13 @@ from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
 from .logprobs import TokenLogprobs, rows_shape, step_logprobs, unpack
 from .micro_batch import StageCost, micro_batch_count
+from .penalties import adjust_logits
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
 from .scheduler import Scheduler, ScheduledItem, StepPlan
 from .scheduler_config import SchedulerConfig, check_ints, check_preemption
+from .upload import to_device
 
 
 @dataclass(frozen=True)
@@ -142,12 +144,32 @@ def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> R
                       spare=(pages, slots) if spare else None, cuda_graphs=graphs)
 
 
-def sample_step(step: Step, logits: torch.Tensor) -> torch.Tensor:
+def sample_step(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [M] int64 on the logits' device, for the step's sampled items (the same on every rank that holds
-    the logits); no host sync."""
+    the logits); no host sync. fed: the previous step's sampled ids (async scheduling), where the penalties of
+    a row find its last output token."""
     items = [it for it in step.items if it.sample]
-    return sample_tokens(logits, [it.params for it in items], [it.seed for it in items],
-                         [it.sample_index for it in items])
+    params = [it.params for it in items]
+    logits = adjust_logits(logits, params, [it.seen for it in items], _pending(step, fed))
+    return sample_tokens(logits, params, [it.seed for it in items], [it.sample_index for it in items])
+
+
+def _pending(step: Step, fed: torch.Tensor | None) -> torch.Tensor | None:
+    """[M] on fed's device: the output token each penalized sampled item's SeenTokens lacks (its fed input), -1
+    where none; None when no item lacks one."""
+    src, rows = dict(step.feed), []
+    for i, it in enumerate(step.items):
+        if not it.sample:
+            continue
+        late = it.sample_index - len(it.seen.output) if it.seen is not None else 0
+        if late not in (0, 1) or (late and (i not in src or fed is None)):
+            raise ValueError(f"request {it.request_id!r}: its penalties see {len(it.seen.output)} output tokens "
+                             f"before token {it.sample_index}, and the step feeds it {'one' if i in src else 'none'}")
+        rows.append(src[i] if late else -1)
+    if max(rows, default=-1) < 0:
+        return None
+    rows = to_device(rows, fed.device)
+    return torch.where(rows >= 0, fed.index_select(0, rows.clamp(min=0)), -1)
 
 
 def _sampled_params(items) -> list:
@@ -161,9 +183,11 @@ def _asks(step_or_plan) -> bool:
         any(p.logprobs is not None for p in _sampled_params(step_or_plan.items))
 
 
-def sample_with_logprobs(step: Step, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rank that samples a step: its ids [M] on the device, and their logprobs' rows when an item asked."""
-    tokens = sample_step(step, logits)
+def sample_with_logprobs(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rank that samples a step: its ids [M] on the device, and their logprobs' rows when an item asked (the
+    model's raw ones: from the logits before any penalty). fed: as sample_step's."""
+    tokens = sample_step(step, logits, fed)
     return tokens, step_logprobs(logits, tokens, _sampled_params(step.items))
 
 
@@ -288,6 +312,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                       eos_token_id=None if params.ignore_eos else self.eos_token_id)
         # Least-loaded attention-DP rank (the only one without attention-DP).
@@ -453,7 +480,7 @@ class LLMEngine:
         step, flight = steps[0], self._in_flight[0]
         logits = self.runner.run(step, flight.tokens if step.feed else None, wait=False)
         if logits is not None:
-            tokens, logprobs = sample_with_logprobs(step, logits)
+            tokens, logprobs = sample_with_logprobs(step, logits, flight.tokens if step.feed else None)
         else:  # pipeline stages: the last stage samples, and shares them (and their rows) below
             tokens, logprobs = empty_sampled(step, self.facts.vocab_size, self.device)
         if self.comm is not None and self.dp_size == 1 and tokens.numel():

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 MAX_TOKENS_LIMIT = 1 << 20
 SEED_LIMIT = 1 << 63
 MAX_LOGPROBS = 20  # alternatives a token at most (OpenAI's top_logprobs limit)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 
 
 def _is_int(x) -> bool:
@@ -36,6 +38,14 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token.
         logprobs: return each output token's log-probability and its `logprobs` most likely alternatives
             (0..MAX_LOGPROBS; 0: the token's alone); None = none. See runtime/logprobs.py.
+        presence_penalty: subtracted from the logit of every token already in the output, in [-2, 2]; 0 = off.
+        frequency_penalty: subtracted from a token's logit once for each time it is in the output, in [-2, 2].
+        repetition_penalty: divides the positive logits (multiplies the negative ones) of every token in the
+            prompt or the output, > 0; 1 = off (CTRL's penalty, as transformers and vLLM apply it).
+        logit_bias: {token id: bias in [-100, 100]} added to those logits before anything else (a sequence of
+            (id, bias) pairs also works); token ids are checked against the vocabulary when the request is added.
+        The four act before temperature, top-k and top-p, on greedy requests too; logprobs stay the model's raw
+        ones. See runtime/penalties.py.
     """
 
     max_tokens: int = 16
@@ -47,6 +57,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -70,6 +84,16 @@ class SamplingParams:
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: expected None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name}: expected a number in [-2, 2] (0 = off), got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty: expected a finite number > 0 (1 = off), "
+                             f"got {self.repetition_penalty!r}")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         # Lists are accepted for convenience but stored as tuples so the object stays hashable.
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -79,3 +103,28 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty counts the tokens seen so far (the scheduler then sends them with the item)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs sorted by id; ValueError names the bad entry."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise ValueError(f"logit_bias: expected {{token id: bias}} or (id, bias) pairs, got {bias!r}")
+    for t, b in pairs:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"logit_bias: token id {t!r}: expected an int >= 0")
+        if not _is_number(b) or not -MAX_BIAS <= b <= MAX_BIAS:
+            raise ValueError(f"logit_bias[{t}]: expected a number in [-100, 100], got {b!r}")
+    ids = [t for t, _ in pairs]
+    if len(set(ids)) < len(ids):
+        raise ValueError(f"logit_bias: token id {next(t for t in ids if ids.count(t) > 1)} is given twice")
+    return tuple(sorted((t, float(b)) for t, b in pairs))

@@ -33,6 +33,17 @@ from .scheduler_config import SchedulerConfig
 
 
 @dataclass(frozen=True)
+class SeenTokens:
+    """The tokens the penalties of a sampled item count (SamplingParams.penalized), as the host knew them when it
+    was scheduled: the prompt (only for a repetition_penalty) and the output so far. With async scheduling the
+    output may lack its last token, still on the device: the item's own PLACEHOLDER input, which the sampler
+    takes from the previous step's sampled ids."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ScheduledItem:
     """Feed `token_ids` (positions start_pos .. start_pos+num_tokens-1) of one request this step.
 
@@ -52,6 +63,7 @@ class ScheduledItem:
     params: SamplingParams
     seed: int  # Request.sampling_seed: params.seed, or a random seed fixed when the request was created
     sample_index: int  # index among the request's output tokens of the token this item samples
+    seen: SeenTokens | None = None  # what its penalties count, when its request has any (sample items only)
 
 
 @dataclass(frozen=True)
@@ -271,7 +283,7 @@ class Scheduler:
         request.num_pending += sample
         return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n, sample,
                              request.slot_id, tuple(request.page_ids), request.params, request.sampling_seed,
-                             request.num_output_tokens + pending)
+                             request.num_output_tokens + pending, _seen(request) if sample else None)
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether the request's pending tokens take it to max_tokens or max_model_len (it finishes on them)."""
@@ -363,3 +375,12 @@ class Scheduler:
     @staticmethod
     def _insert(queue: list[Request], request: Request) -> None:
         bisect.insort(queue, request, key=lambda r: r.arrival)
+
+
+def _seen(request: Request) -> SeenTokens | None:
+    """The tokens a sampled item's penalties count; None when its request has none."""
+    p = request.params
+    if not p.penalized:
+        return None
+    return SeenTokens(tuple(request.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
+                      tuple(request.output_token_ids))

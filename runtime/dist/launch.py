@@ -116,14 +116,14 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
         step = steps[tp_rank if attention_dp else 0]
         logits = runner.run(step, fed if step.feed else None)
         if options.async_scheduling and attention_dp:  # a DP rank's steps never score: the driver's does
-            fed, rows = sample_with_logprobs(step, logits)
+            fed, rows = sample_with_logprobs(step, logits, fed if step.feed else None)
             for t in owed:
                 comm.control.send_result(t.wait(collective_timeout().total_seconds()), dst=0)
             owed = [HostCopy(t) for t in (fed, rows) if t is not None]
         elif options.async_scheduling and not step.all_logits:
-            fed = None
+            last, fed = fed if step.feed else None, None
             if any(it.sample for it in step.items):
-                fed, rows = sample_with_logprobs(step, logits) if rank == sampler else \
+                fed, rows = sample_with_logprobs(step, logits, last) if rank == sampler else \
                     empty_sampled(step, vocab, runner.device)
                 comm.share_tokens(fed, src=sampler)
                 if rows is not None and sampler != 0:  # where the driver samples, it has its own rows

@@ -1,0 +1,85 @@
+"""Logit bias and penalties on a step's rows, against the oracle (oracles/penalties.py: transformers' own logits
+processors and OpenAI's formula) one row at a time; SamplingParams' checks of the four fields."""
+
+import pytest
+import torch
+from oracles.penalties import penalized_logits
+
+from k3runtime.penalties import adjust_logits
+from k3runtime.sampler import ROWS_PER_PASS
+from k3runtime.sampling_params import SamplingParams
+from k3runtime.scheduler import SeenTokens
+
+V = 40
+
+
+def _case(g: torch.Generator, i: int):
+    """Row i's params, prompt and output (some rows set nothing, some one thing, some everything)."""
+    kind = i % 5
+    prompt = torch.randint(0, V, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+    output = torch.randint(0, V // 2, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+    bias = {int(t): float(b) for t, b in zip(torch.randperm(V, generator=g)[:3], (torch.rand(3, generator=g) * 200 - 100))}
+    kw = [{}, {"logit_bias": bias}, {"repetition_penalty": 1.7},
+          {"frequency_penalty": 0.6, "presence_penalty": -0.4},
+          {"repetition_penalty": 0.8, "frequency_penalty": -1.1, "presence_penalty": 2.0, "logit_bias": bias}][kind]
+    return SamplingParams(**kw), prompt, output
+
+
+@pytest.mark.parametrize("rows", [5, ROWS_PER_PASS + 9])
+def test_rows_match_transformers_and_openai(rows):
+    g = torch.Generator().manual_seed(rows)
+    cases = [_case(g, i) for i in range(rows)]
+    logits = torch.randn(rows, V, generator=g) * 3
+    logits[0, 5] = float("-inf")  # a masked token stays masked
+    # every other penalized row has its last output token on the device (async scheduling's pending token)
+    pending, seen = [], []
+    for i, (p, prompt, output) in enumerate(cases):
+        late = p.penalized and output and i % 2 == 0
+        pending.append(output[-1] if late else -1)
+        known = output[:-1] if late else output
+        seen.append(SeenTokens(tuple(prompt) if p.repetition_penalty != 1.0 else (), tuple(known))
+                    if p.penalized else None)
+    got = adjust_logits(logits, [c[0] for c in cases], seen, torch.tensor(pending))
+    for i, (p, prompt, output) in enumerate(cases):
+        want = penalized_logits(logits[i], p, prompt, output)
+        if not (p.penalized or p.logit_bias):
+            assert torch.equal(got[i], logits[i]), i  # untouched, bit for bit
+        torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-5, msg=f"row {i}: {p}")
+
+
+def test_a_step_without_any_returns_its_logits():
+    logits = torch.randn(3, V)
+    assert adjust_logits(logits, [SamplingParams()] * 3, [None] * 3) is logits
+
+
+def test_penalties_change_only_seen_tokens_and_counts_matter():
+    x = torch.zeros(1, V) + 1.0
+    p = SamplingParams(frequency_penalty=0.5)
+    y = adjust_logits(x, [p], [SeenTokens((), (3, 3, 3, 7))])[0]
+    assert y[3].item() == pytest.approx(-0.5) and y[7].item() == pytest.approx(0.5)
+    assert torch.equal(y[[i for i in range(V) if i not in (3, 7)]], x[0, :V - 2])
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("presence_penalty", 2.5, "presence_penalty: expected a number in \\[-2, 2\\]"),
+    ("frequency_penalty", float("nan"), "frequency_penalty: expected a number in \\[-2, 2\\]"),
+    ("frequency_penalty", True, "frequency_penalty"),
+    ("repetition_penalty", 0.0, "repetition_penalty: expected a finite number > 0"),
+    ("repetition_penalty", float("inf"), "repetition_penalty"),
+    ("logit_bias", {5: 101.0}, "logit_bias\\[5\\]: expected a number in \\[-100, 100\\]"),
+    ("logit_bias", {-1: 1.0}, "logit_bias: token id -1: expected an int >= 0"),
+    ("logit_bias", {"5": 1.0}, "logit_bias: token id '5'"),
+    ("logit_bias", [(5, 1.0), (5, 2.0)], "logit_bias: token id 5 is given twice"),
+    ("logit_bias", [5], "logit_bias: expected"),
+])
+def test_bad_values_name_their_field(field, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**{field: value})
+
+
+def test_values_are_normalised_and_hashable():
+    p = SamplingParams(logit_bias={9: 1, 2: -3}, presence_penalty=1, repetition_penalty=2)
+    assert p.logit_bias == ((2, -3.0), (9, 1.0)) and p.presence_penalty == 1.0 and p.penalized
+    assert hash(p) == hash(SamplingParams(logit_bias=[(2, -3.0), (9, 1.0)], presence_penalty=1.0,
+                                          repetition_penalty=2.0))
+    assert not SamplingParams(logit_bias={1: 2.0}).penalized
