@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import replace
@@ -27,7 +28,7 @@ class APIError(Exception):
 
 
 def _param(e: ValueError) -> str:
-    return str(e).split(":")[0]  # runtime errors start with the field name
+    return re.split(r"[:\[]", str(e))[0]  # runtime errors start with the field name (logit_bias[7]: one entry's)
 
 
 class _SSE(StreamingResponse):
@@ -107,12 +108,17 @@ class Handlers:
         if max_tokens > limit:
             raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {limit}", "max_tokens")
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
-                seed=body.seed, stop=body.stop or (), ignore_eos=body.ignore_eos, logprobs=body.wanted_logprobs())
+                seed=body.seed, stop=body.stop or (), ignore_eos=body.ignore_eos, logprobs=body.wanted_logprobs(),
+                **body.penalties())
         except ValueError as e:
             raise APIError(400, str(e), _param(e)) from None
+        vocab = self.engine.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise APIError(400, f"logit_bias: token ids must be in 0..{vocab - 1}", "logit_bias")
+        return params
 
     # --- endpoints ---
     async def completions(self, body, request: Request):

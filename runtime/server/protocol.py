@@ -34,20 +34,29 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices a prompt: as many requests, seeded seed + j.")
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
-    logit_bias: dict[str, Number] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = Field(None, description="Extension: CTRL's penalty on prompt and output "
+                                                                "tokens; 1 = off.")
+    logit_bias: dict[str, Number] | None = Field(None, description="{token id: bias in [-100, 100]}.")
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     return_token_ids: bool = Field(False, description="Extension: add the generated token ids to each choice.")
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to something this server cannot do."""
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty", "presence_penalty / frequency_penalty: penalties are not supported (use 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias: not supported"
         return None
+
+    def penalties(self) -> dict:
+        """SamplingParams' penalty fields (logit_bias with int token ids); ValueError names a key that is not one."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias: key {key!r} is not a token id")
+            bias[int(key)] = value
+        return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "logit_bias": bias}
 
 
 class CompletionRequest(_Sampling):

@@ -44,6 +44,17 @@ def score_mid(llm, job, greedy) -> dict:
             "stats": eng.stats, "collected_in_flight": sum(collected), "in_flight_at_shutdown": in_flight}
 
 
+def penalized(max_tokens: int) -> list:
+    """Two greedy requests with penalties: the first's bias wins its first token and its frequency penalty every
+    later one, so its previous token must count at once (with async scheduling, from the ids on the device)."""
+    from k3runtime import SamplingParams
+
+    return [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logit_bias={123: 1.5},
+                           frequency_penalty=2.0),
+            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, repetition_penalty=2.0,
+                           presence_penalty=0.5)]
+
+
 def main():
     engine, out, job = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     Path(f"{out}.rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
@@ -74,6 +85,7 @@ def main():
         outs = llm.generate(prompts, asks[:len(prompts)])
         result["logprobs"] = [[[x.logprob, x.top] for x in o.logprobs] for o in outs[:2]]
         result["unasked"] = [outs[2].logprobs, outs[2].token_ids] if len(outs) > 2 else None
+        result["penalized"] = [o.token_ids for o in llm.generate(prompts[:2], penalized(job["max_tokens"]))]
         out.write_text(json.dumps(result))
 
     run(engine, drive)

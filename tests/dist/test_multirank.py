@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_job import penalized
 from engines import build_engine
 
 from k3build.mapping import Mapping
@@ -42,12 +43,14 @@ def reference(k3_tiny_engine):
     asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3, None)]
     outs = llm.generate(PROMPTS[:3], asks)
     return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)],
-            "logprobs": [o.logprobs for o in outs[:2]], "unasked": [None, outs[2].token_ids]}
+            "logprobs": [o.logprobs for o in outs[:2]], "unasked": [None, outs[2].token_ids],
+            "penalized": [o.token_ids for o in llm.generate(PROMPTS[:2], penalized(MAX_TOKENS))]}
 
 
-def assert_logprobs_match(got, reference):
-    """dist_job's logprobs (two requests asking for 2 and 3 alternatives, beside one that does not ask) equal one
-    rank's."""
+def assert_logprobs_and_penalties_match(got, reference):
+    """dist_job's logprobs (two requests asking for 2 and 3 alternatives, beside one that does not ask) and its
+    penalized requests' tokens equal one rank's."""
+    assert got["penalized"] == reference["penalized"]
     assert got["unasked"] == reference["unasked"]
     got, reference = got["logprobs"], reference["logprobs"]
     assert len(got) == len(reference) == 2
@@ -83,7 +86,7 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     assert got["stats"]["preemptions"] > 0
     assert got["micro_batches"] == ([] if mapping.pp_size == 1 else [1, 2] if name in CUT else [1])
     # with pipeline stages or attention-DP another rank than the driver samples, and sends the rows
-    assert_logprobs_match(got, reference)
+    assert_logprobs_and_penalties_match(got, reference)
 
 
 def test_long_prefill_is_cut_by_the_estimate(k3_tiny_ckpt, tmp_path):
@@ -148,7 +151,7 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["preemptions"] > 0
     # the rows go by the ids' route: broadcast on the device with pipeline stages, owed with attention-DP
-    assert_logprobs_match(got, reference)
+    assert_logprobs_and_penalties_match(got, reference)
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2xtp2", "dp2xep2"])

@@ -52,6 +52,13 @@ CASES = [  # (body, status, words the message must contain)
     (ok(prompt=["a"] * 17), 400, "16 choices"),
     (ok(logprobs=21), 400, "logprobs"),
     (ok(logprobs=True), 400, "logprobs"),
+    (ok(presence_penalty=2.5), 400, "presence_penalty: expected a number in [-2, 2]"),
+    (ok(frequency_penalty="x"), 400, "frequency_penalty"),
+    (ok(repetition_penalty=0), 400, "repetition_penalty: expected a finite number > 0"),
+    (ok(logit_bias={"abc": 1}), 400, "logit_bias: key 'abc' is not a token id"),
+    (ok(logit_bias={"5": 101}), 400, "logit_bias[5]: expected a number in [-100, 100]"),
+    (ok(logit_bias={"100000": 1}), 400, "logit_bias: token ids must be in 0.."),
+    (ok(logit_bias=[1]), 400, "logit_bias"),
     (ok(model="gpt-4"), 404, "does not exist"),
     (ok(prompt=""), 400, "empty"),
     (ok(prompt=[]), 400, "empty"),
@@ -72,6 +79,8 @@ def test_bad_completion_request(server, body, status, words):
     err = r.json()["error"]
     assert words in err["message"], err
     assert err["type"]
+    if words.startswith("logit_bias"):
+        assert err["param"] == "logit_bias"
 
 
 CHAT_CASES = [
@@ -123,10 +132,12 @@ def test_prompt_plus_max_tokens_over_context(server, tiny_engine):
 
 @given(st.dictionaries(
     st.sampled_from(["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                     "n", "echo", "ignore_eos", "logprobs", "stream_options", "extra"]),
+                     "n", "echo", "ignore_eos", "logprobs", "stream_options", "presence_penalty",
+                     "repetition_penalty", "logit_bias", "extra"]),
     st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
               st.text(max_size=12), st.lists(st.integers(-3, 600), max_size=6),
-              st.lists(st.text(max_size=3), max_size=3), st.just(MODEL), st.just({"include_usage": True})),
+              st.lists(st.text(max_size=3), max_size=3), st.just(MODEL), st.just({"include_usage": True}),
+              st.dictionaries(st.text(max_size=4), st.floats(-200, 200), max_size=3)),
     max_size=8))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_fuzz_never_5xx(fuzz_server, body):

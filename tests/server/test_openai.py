@@ -170,6 +170,25 @@ def test_seeded_sampling_is_reproducible(client, llm):
     assert a == b == ref and a != c
 
 
+def test_penalties_and_logit_bias_match_python_api(client, llm):
+    """OpenAI's presence / frequency penalties and logit_bias, and the repetition_penalty extension, reach the
+    engine as the Python API's SamplingParams do (completions and chat, seeded sampling)."""
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.5, logit_bias={"123": 5.0, "7": -100}, seed=3)
+    ref = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.3,
+                                                  **{**kw, "logit_bias": {123: 5.0, 7: -100}}))[0].token_ids
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.8, **kw,
+                                  extra_body={"return_token_ids": True, "repetition_penalty": 1.3})
+    assert r.choices[0].model_extra["token_ids"] == ref and ref[0] == 123 and 7 not in ref
+    plain = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.8, seed=3))[0].token_ids
+    assert plain != ref
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = llm.generate(prompt, greedy(8, frequency_penalty=2.0, logit_bias={123: 1.5}))[0].text
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       frequency_penalty=2.0, logit_bias={"123": 1.5})
+    assert c.choices[0].message.content == want
+
+
 def test_n_choices_are_seeded_requests(client, llm):
     """n=3 on two prompts: six choices, prompt-major, choice j of a prompt the Python API's request with seed + j;
     streamed, the same texts by index (chat too); usage counts each prompt once."""
