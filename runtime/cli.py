@@ -24,16 +24,22 @@ def main():
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
 @engine_flags
-def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, device, stream, **flags):
+def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
+                 repetition_penalty, device, stream, **flags):
     """Generate completions for PROMPTs."""
     from .api import LLM
     from .sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty)
         llm = LLM(engine, device=device, **given(flags))
         if stream:
             for chunk in llm.stream(prompts[0], params):

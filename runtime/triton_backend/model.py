@@ -1,7 +1,8 @@
 """Triton Python-backend model serving a k3build engine (copied as `<repo>/<model>/1/model.py`).
 
 Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `input_ids`), `max_tokens`,
-`temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop`, `return_log_probs` in; `text_output`, `output_ids`,
+`temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop`, `return_log_probs`, `presence_penalty`,
+`frequency_penalty`, `repetition_penalty` in (no logit bias: the TensorRT-LLM backend takes bias words instead); `text_output`, `output_ids`,
 `finish_reason`, `output_log_probs` (each output token's log-probability, flat; empty unless asked) out. In decoupled
 mode each request is handed to the engine thread and answered from there (one response per token when
 stream=true), so concurrent requests batch continuously; a cancelled request (client gone) is aborted on the
@@ -100,7 +101,10 @@ class TritonPythonModel:
         sp = self.SamplingParams(max_tokens=max_tokens, temperature=_scalar(request, "temperature", 1.0, float),
                                  top_p=_scalar(request, "top_p", 1.0, float), top_k=_scalar(request, "top_k", 0, int),
                                  seed=seed, stop=stop,
-                                 logprobs=0 if _scalar(request, "return_log_probs", False, bool) else None)
+                                 logprobs=0 if _scalar(request, "return_log_probs", False, bool) else None,
+                                 presence_penalty=_scalar(request, "presence_penalty", 0.0, float),
+                                 frequency_penalty=_scalar(request, "frequency_penalty", 0.0, float),
+                                 repetition_penalty=_scalar(request, "repetition_penalty", 1.0, float))
         return ids, sp, _scalar(request, "stream", False, bool)
 
     def execute(self, requests):

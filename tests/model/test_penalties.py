@@ -66,3 +66,19 @@ def test_a_bias_outside_the_vocabulary_is_refused(llm):
     vocab = llm.engine.facts.vocab_size
     with pytest.raises(ValueError, match=f"logit_bias: token id {vocab} outside the vocabulary 0..{vocab - 1}"):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_generate_cli_takes_the_penalties(llm, k3_tiny_engine):
+    from click.testing import CliRunner
+
+    from k3runtime.cli import main
+
+    prompt = "The quick brown fox"
+    args = ["generate", str(k3_tiny_engine), "--prompt", prompt, "--max-tokens", "24"]
+    want = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, frequency_penalty=2.0,
+                                               repetition_penalty=1.5))[0].text
+    assert want != llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0].text
+    res = CliRunner().invoke(main, [*args, "--frequency-penalty", "2", "--repetition-penalty", "1.5"])
+    assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
+    bad = CliRunner().invoke(main, [*args, "--presence-penalty", "3"])
+    assert bad.exit_code != 0 and "presence_penalty: expected a number in [-2, 2]" in bad.output

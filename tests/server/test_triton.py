@@ -120,7 +120,8 @@ def _inputs(mod, **values):
     kinds = {"text_input": ("BYTES", np.object_), "stop": ("BYTES", np.object_), "input_ids": ("INT32", np.int32),
              "max_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32), "temperature": ("FP32", np.float32),
              "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_),
-             "return_log_probs": ("BOOL", np.bool_)}
+             "return_log_probs": ("BOOL", np.bool_), "presence_penalty": ("FP32", np.float32),
+             "frequency_penalty": ("FP32", np.float32), "repetition_penalty": ("FP32", np.float32)}
     out = []
     for name, v in values.items():
         dt, npt = kinds[name]
@@ -209,16 +210,21 @@ def test_grpc_streaming_matches_python_api(triton, llm):
     assert got == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
 
 
-def test_seed_and_stop_pass_through(triton, llm):
+def test_seed_stop_and_penalties_pass_through(triton, llm):
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=99)
     ref = llm.generate("seeded", sp)[0]
     text = llm.generate("Hello world", SamplingParams(max_tokens=16, temperature=0))[0].text
     stop_ref = llm.generate("Hello world", SamplingParams(max_tokens=16, temperature=0, stop=(text[3:5],)))[0]
-    a, b = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [
+    penalties = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.25)  # exact in fp32
+    pen_ref = llm.generate("Hello world", SamplingParams(max_tokens=12, temperature=0, **penalties))[0]
+    assert pen_ref.token_ids != llm.generate("Hello world", SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    a, b, c = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [
         dict(text_input="seeded", max_tokens=10, temperature=1.0, top_k=40, seed=99),
-        dict(text_input="Hello world", max_tokens=16, temperature=0.0, stop=[text[3:5]])])
+        dict(text_input="Hello world", max_tokens=16, temperature=0.0, stop=[text[3:5]]),
+        dict(text_input="Hello world", max_tokens=12, temperature=0.0, **penalties)])
     assert _ids(a[0]) == ref.token_ids
     assert _ids(b[0]) == stop_ref.token_ids and b[0].as_numpy("finish_reason")[0].decode() == "stop"
+    assert _ids(c[0]) == pen_ref.token_ids
 
 
 def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
@@ -231,6 +237,8 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
             (dict(input_ids=[1, 2], max_tokens=0), "max_tokens"),
             (dict(input_ids=[1, 2], max_tokens=1000), "limit"),
             (dict(input_ids=[1, 2], temperature=-1.0), "temperature"),
+            (dict(input_ids=[1, 2], repetition_penalty=0.0), "repetition_penalty"),
+            (dict(input_ids=[1, 2], presence_penalty=3.0), "presence_penalty"),
             (dict(max_tokens=3), "exactly one"),
             (dict(input_ids=[1, 10**6]), "vocabulary"),
             (dict(input_ids=[1, 2], stream=True), "decoupled"),
