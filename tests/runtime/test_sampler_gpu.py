@@ -41,3 +41,29 @@ def test_one_sync_for_the_batch():
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message)[:100] for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) == 1, syncs  # the token ids to the host; the parameters go up without one
+
+
+def test_penalties_on_the_gpu_equal_the_cpu_and_never_sync():
+    """Bias and penalties over 40 rows (two passes), a pending token on the device for some: the CPU's values,
+    with no device->host sync at all (sync debug mode "error")."""
+    from k3runtime.penalties import adjust_logits
+    from k3runtime.scheduler import SeenTokens
+
+    g = torch.Generator().manual_seed(5)
+    V, M = 4096, 40
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                             logit_bias={i: 3.0, 7: -100.0}) if i % 3 else SamplingParams() for i in range(M)]
+    seen = [SeenTokens(tuple(range(i, i + 5)), tuple(torch.randint(0, V, (i,), generator=g).tolist()))
+            if p.penalized else None for i, p in enumerate(params)]
+    pending = torch.randint(0, V, (M,), generator=g).masked_fill(torch.arange(M) % 2 == 0, -1)
+    logits = torch.randn(M, V, generator=g) * 4
+    want = adjust_logits(logits, params, seen, pending)
+    on_gpu, late = logits.cuda(), pending.cuda()
+    adjust_logits(on_gpu, params, seen, late)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = adjust_logits(on_gpu, params, seen, late)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
