@@ -22,6 +22,8 @@ class CompletionOutput:
     text: str | None
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one a token of token_ids, when SamplingParams.logprobs asked
+    # one a token of prompt_token_ids (None for the first), when SamplingParams.prompt_logprobs asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class StreamChunk:
     # where the token's text starts in the output's text (None: no tokenizer); past the end of the text for a token
     # that completed a stop string, which the text leaves out
     text_offset: int | None = None
+    # on a request's first chunk, when SamplingParams.prompt_logprobs asked: one a prompt token (None for the first)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 Prompt = str | list[int]
@@ -83,6 +87,8 @@ class LLM:
             out.token_ids.append(ev.token_id)
             if out.logprobs is not None:
                 out.logprobs.append(ev.logprobs)
+            if ev.prompt_logprobs is not None:
+                out.prompt_logprobs = list(ev.prompt_logprobs)
             out.finish_reason = ev.finish_reason or out.finish_reason
             if det is not None:
                 det.push(ev.token_id, final=ev.finish_reason is not None)
@@ -107,7 +113,7 @@ class LLM:
                     self.engine.finish(req.request_id, "stop")
                     reason = "stop"
                 offset = det.offset if det is not None else None
-                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, offset)
+                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, offset, ev.prompt_logprobs)
                 if reason is not None:
                     return
         finally:

@@ -291,7 +291,7 @@ class AsyncLLMEngine:
                 self.metrics.on_finish(reason, live.num_prompt, live.num_out, tpot)
             # A broken consumer (closed event loop, Triton stream gone) cancels only its own request.
             chunk = StreamChunk(ev.request_id, ev.token_id, text, reason, ev.logprobs,
-                                live.detok.offset if live.detok is not None else None)
+                                live.detok.offset if live.detok is not None else None, ev.prompt_logprobs)
             if not _call(live.callback, chunk) and reason is None:
                 self._apply(("abort", ev.request_id))
         self.stats = self._snapshot(self.stats.num_steps + 1)

@@ -25,7 +25,7 @@ import torch
 from .dist.comm import collective_timeout, sampling_rank
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
-from .logprobs import TokenLogprobs, rows_shape, step_logprobs, unpack
+from .logprobs import TokenLogprobs, rows_shape, sampled_params, step_logprobs, unpack
 from .micro_batch import StageCost, micro_batch_count
 from .penalties import adjust_logits
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
@@ -81,6 +81,9 @@ class TokenEvent:
     token_id: int
     finish_reason: str | None
     logprobs: TokenLogprobs | None = None  # when its request asked (SamplingParams.logprobs)
+    # on a request's first token, when it asked (SamplingParams.prompt_logprobs): None for the prompt's first token,
+    # then each next one's
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 # resolve_async_scheduling's rule, for the command lines' help
@@ -150,6 +153,7 @@ def sample_step(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = Non
     a row find its last output token."""
     items = [it for it in step.items if it.sample]
     params = [it.params for it in items]
+    logits = logits[:len(items)]  # the prompt logprobs' rows follow the sampled ones
     logits = adjust_logits(logits, params, [it.seen for it in items], _pending(step, fed))
     return sample_tokens(logits, params, [it.seed for it in items], [it.sample_index for it in items])
 
@@ -172,15 +176,10 @@ def _pending(step: Step, fed: torch.Tensor | None) -> torch.Tensor | None:
     return torch.where(rows >= 0, fed.index_select(0, rows.clamp(min=0)), -1)
 
 
-def _sampled_params(items) -> list:
-    """The SamplingParams of a step's (or plan's) items that sample, in order."""
-    return [it.params for it in items if it.sample]
-
-
 def _asks(step_or_plan) -> bool:
-    """Whether an item that the step samples asks for logprobs: then their rows follow its ids wherever they go."""
-    return not getattr(step_or_plan, "all_logits", False) and \
-        any(p.logprobs is not None for p in _sampled_params(step_or_plan.items))
+    """Whether an item of the step asks for logprobs (of its sampled token, or of its prompt): then their rows
+    follow the step's ids wherever they go."""
+    return not getattr(step_or_plan, "all_logits", False) and rows_shape(step_or_plan.items, 1) is not None
 
 
 def sample_with_logprobs(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = None
@@ -188,22 +187,15 @@ def sample_with_logprobs(step: Step, logits: torch.Tensor, fed: torch.Tensor | N
     """The rank that samples a step: its ids [M] on the device, and their logprobs' rows when an item asked (the
     model's raw ones: from the logits before any penalty). fed: as sample_step's."""
     tokens = sample_step(step, logits, fed)
-    return tokens, step_logprobs(logits, tokens, _sampled_params(step.items))
+    return tokens, step_logprobs(logits, tokens, step.items)
 
 
 def empty_sampled(step: Step, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A rank that receives a step's samples: buffers for its ids, and for their logprobs' rows when an item
     asked (rows_shape: the sampler's step_logprobs gives that shape)."""
-    params = _sampled_params(step.items)
-    shape = rows_shape(params, vocab)
-    return (torch.empty(len(params), dtype=torch.int64, device=device),
+    shape = rows_shape(step.items, vocab)
+    return (torch.empty(len(sampled_params(step.items)), dtype=torch.int64, device=device),
             None if shape is None else torch.empty(shape, dtype=torch.float64, device=device))
-
-
-def _logprobs(plan: StepPlan, rows: list[list[float]] | None) -> list[TokenLogprobs | None]:
-    """Each sampled item's logprobs (None where its request did not ask, or no row came)."""
-    params = _sampled_params(plan.items)
-    return unpack(rows, params) if rows is not None else [None] * len(params)
 
 
 class HostCopy:
@@ -294,6 +286,7 @@ class LLMEngine:
         self._owed = False
         self._broken = False  # an async step failed (_guarded)
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # prompt rows of requests before their 1st token
         self.pp_size = mapping["pp_size"]
         # pipeline stages: what a micro-batch costs a stage, to choose how many a step is cut into
         self._stage_cost = StageCost.from_engine(runner.engine.weights, config["pretrained_config"],
@@ -336,8 +329,10 @@ class LLMEngine:
             sched.finish(request_id, reason)
 
     def _drop_held(self, request_id: str) -> None:
-        """A request ended by the caller gets no more tokens, also none landed early (score())."""
+        """A request ended by the caller gets no more tokens, also none landed early (score()), and its prompt
+        logprobs are not kept."""
         self._held_events = [ev for ev in self._held_events if ev.request_id != request_id]
+        self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         """Requests left, or (async scheduling) a launched step or its tokens not yet returned by step()."""
@@ -392,11 +387,28 @@ class LLMEngine:
         events = []
         results, logprobs = self._execute(self._steps(plans))
         for d, (sched, plan, tokens) in enumerate(zip(self.schedulers, plans, results)):
+            lps, prompts = self._logprobs(plan, logprobs[d].tolist() if logprobs[d] is not None else None)
             sampled, finished = self._update(sched, plan, tokens.tolist())
             self.stats["tokens"] += plan.num_batched_tokens
-            lps = _logprobs(plan, logprobs[d].tolist() if logprobs[d] is not None else None)
-            events += [TokenEvent(rid, tok, finished.get(rid), lp) for (rid, tok), lp in zip(sampled.items(), lps)]
+            events += [TokenEvent(rid, tok, finished.get(rid), lp, pl)
+                       for (rid, tok), lp, pl in zip(sampled.items(), lps, prompts)]
         return events
+
+    def _logprobs(self, plan: StepPlan, rows: list[list[float]] | None
+                  ) -> tuple[list[TokenLogprobs | None], list[tuple | None]]:
+        """Each sampled item's logprobs (None where its request did not ask, or no row came), and its prompt's
+        (SamplingParams.prompt_logprobs; None first, for the prompt's first token): only on a request's first
+        token, the rows of its earlier steps kept until then (of requests still owned: not ended by the caller)."""
+        items = [it for it in plan.items if it.sample]
+        lps = [None] * len(items)
+        if rows is not None:
+            lps, prompt = unpack(rows, plan.items)
+            for rid, entries in prompt:
+                if rid in self._owner:
+                    self._prompt_logprobs.setdefault(rid, []).extend(entries)
+        firsts = [(None, *self._prompt_logprobs.pop(it.request_id, ()))
+                  if it.sample_index == 0 and it.params.prompt_logprobs is not None else None for it in items]
+        return lps, firsts
 
     def _update(self, sched: Scheduler, plan: StepPlan, tokens: list[int]) -> tuple[dict[str, int], dict[str, str]]:
         """A step's sampled tokens (in the order of its sampled items) into its scheduler: (token by request id,
@@ -483,10 +495,10 @@ class LLMEngine:
             tokens, logprobs = sample_with_logprobs(step, logits, flight.tokens if step.feed else None)
         else:  # pipeline stages: the last stage samples, and shares them (and their rows) below
             tokens, logprobs = empty_sampled(step, self.facts.vocab_size, self.device)
-        if self.comm is not None and self.dp_size == 1 and tokens.numel():
-            # every rank's next step feeds them (the first stage's embeds them)
-            self.comm.share_tokens(tokens, src=self._last_stage_rank)
-            if logits is None and logprobs is not None:
+        if self.comm is not None and self.dp_size == 1:
+            if tokens.numel():  # every rank's next step feeds them (the first stage's embeds them)
+                self.comm.share_tokens(tokens, src=self._last_stage_rank)
+            if logits is None and logprobs is not None:  # (a step of prompt chunks alone may have rows)
                 self.comm.share_tokens(logprobs, src=self._last_stage_rank)
         remote = None
         if self.dp_size > 1:
@@ -538,10 +550,11 @@ class LLMEngine:
                     raise RuntimeError(f"attention-DP rank {d} sent {len(tokens)} ids for a step that samples "
                                        f"{len(flight.requests)}")
             self._in_flight[d] = None
-            lps = _logprobs(flight.plan, rows)
-            live = [(r, t, lp) for r, t, lp in zip(flight.requests, tokens, lps) if not r.is_finished]  # not ended
-            _, finished = self._update(sched, flight.plan, tokens)  # meanwhile
-            events += [TokenEvent(r.request_id, t, finished.get(r.request_id), lp) for r, t, lp in live]
+            lps, prompts = self._logprobs(flight.plan, rows)
+            live = [(r, t, lp, pl) for r, t, lp, pl in zip(flight.requests, tokens, lps, prompts)
+                    if not r.is_finished]  # not ended meanwhile
+            _, finished = self._update(sched, flight.plan, tokens)
+            events += [TokenEvent(r.request_id, t, finished.get(r.request_id), lp, pl) for r, t, lp, pl in live]
         return events
 
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -135,10 +135,10 @@ class RankRunner:
                 extra = self._receive(int(batch.input_ids.numel()))
             out = self.executor.run(batch, extra)
             if self.last:
-                logits.append(out["logits"])
+                logits.append((out["logits"], sum(it.sample for it in items)))
             else:
                 self._send_on(out)
-        return torch.cat(logits) if self.last else None
+        return _sampled_first(logits) if self.last else None
 
     def _receive(self, num_tokens: int) -> dict[str, torch.Tensor]:
         return self.comm.recv_stage(num_tokens, self.engine.facts.hidden_size, self.num_blocks_in, self.act_dtype)
@@ -181,6 +181,9 @@ class RankRunner:
         max_pages = max(len(it.page_ids) for it in items)
         table = [list(it.page_ids) + [-1] * (max_pages - len(it.page_ids)) for it in items]
         rows = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i, it in enumerate(items) if it.sample]
+        if not all_logits:  # then the prompt logprobs' rows (PromptRows), item by item
+            rows += [cu[i] + it.prompt_rows.start - it.start_pos + j for i, it in enumerate(items) if it.prompt_rows
+                     for j in range(len(it.prompt_rows.targets))]
 
         def tensor(values):
             return to_device(values, self.device)
@@ -188,6 +191,14 @@ class RankRunner:
         return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
                          context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
                          page_table=tensor(table), logits_indices=tensor(rows))
+
+
+def _sampled_first(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The logits of a step's micro-batches (each with its number of sampled rows, which come first in it): all the
+    sampled rows in item order, then all the prompt logprobs' rows."""
+    if len(parts) == 1:
+        return parts[0][0]
+    return torch.cat([x[:n] for x, n in parts] + [x[n:] for x, n in parts])
 
 
 def _fed_ids(items: tuple[ScheduledItem, ...], feed: tuple[tuple[int, int], ...]) -> dict[str, int]:

@@ -60,6 +60,9 @@ class Request:
     # Tokens sampled by steps scheduled but not yet updated (async scheduling feeds them to the next step on the
     # device, as PLACEHOLDER ids): 1 from schedule() to update() of a sampling step, 2 while the next is planned.
     num_pending: int = 0
+    # Prompt positions whose logprobs of the next prompt token are scheduled (SamplingParams.prompt_logprobs): a
+    # re-prefill after preemption by recompute does not report them again.
+    num_prompt_rows: int = 0
     page_ids: list[int] = field(default_factory=list)
     slot_id: int | None = None
     host_page_ids: list[int] = field(default_factory=list)

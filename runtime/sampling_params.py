@@ -38,6 +38,8 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token.
         logprobs: return each output token's log-probability and its `logprobs` most likely alternatives
             (0..MAX_LOGPROBS; 0: the token's alone); None = none. See runtime/logprobs.py.
+        prompt_logprobs: the same for the prompt's tokens, from its second (the first has nothing before it); they
+            come with the request's first output token. None = none.
         presence_penalty: subtracted from the logit of every token already in the output, in [-2, 2]; 0 = off.
         frequency_penalty: subtracted from a token's logit once for each time it is in the output, in [-2, 2].
         repetition_penalty: divides the positive logits (multiplies the negative ones) of every token in the
@@ -57,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -82,8 +85,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: expected a sequence of ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: expected None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: expected None or an int in 0..{MAX_LOGPROBS}, got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:

@@ -44,6 +44,15 @@ class SeenTokens:
 
 
 @dataclass(frozen=True)
+class PromptRows:
+    """Positions start .. start + len(targets) - 1 of an item whose logits give the logprob of the prompt token
+    after each, targets[i] (SamplingParams.prompt_logprobs)."""
+
+    start: int
+    targets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ScheduledItem:
     """Feed `token_ids` (positions start_pos .. start_pos+num_tokens-1) of one request this step.
 
@@ -64,6 +73,7 @@ class ScheduledItem:
     seed: int  # Request.sampling_seed: params.seed, or a random seed fixed when the request was created
     sample_index: int  # index among the request's output tokens of the token this item samples
     seen: SeenTokens | None = None  # what its penalties count, when its request has any (sample items only)
+    prompt_rows: PromptRows | None = None  # prompt logprobs this item reports, when its request asked
 
 
 @dataclass(frozen=True)
@@ -283,7 +293,8 @@ class Scheduler:
         request.num_pending += sample
         return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n, sample,
                              request.slot_id, tuple(request.page_ids), request.params, request.sampling_seed,
-                             request.num_output_tokens + pending, _seen(request) if sample else None)
+                             request.num_output_tokens + pending, _seen(request) if sample else None,
+                             _prompt_rows(request, start, n))
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether the request's pending tokens take it to max_tokens or max_model_len (it finishes on them)."""
@@ -384,3 +395,15 @@ def _seen(request: Request) -> SeenTokens | None:
         return None
     return SeenTokens(tuple(request.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
                       tuple(request.output_token_ids))
+
+
+def _prompt_rows(request: Request, start: int, n: int) -> PromptRows | None:
+    """The prompt positions among start .. start + n - 1 whose logprobs are still to report (their next token is a
+    prompt token), marked as reported; None when there are none or the request did not ask."""
+    if request.params.prompt_logprobs is None:
+        return None
+    lo, hi = max(start, request.num_prompt_rows), min(start + n, request.num_prompt_tokens - 1)
+    if lo >= hi:
+        return None
+    request.num_prompt_rows = hi
+    return PromptRows(lo, tuple(request.prompt_token_ids[lo + 1:hi + 1]))

@@ -93,6 +93,7 @@ def _release_all(quiet: bool = False) -> None:
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
     from ..llm_engine import HostCopy, empty_sampled, open_rank, sample_with_logprobs
+    from ..logprobs import rows_shape
 
     config = read_engine_config(engine_dir)
     comm = _communicator(config, device)
@@ -122,10 +123,12 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
             owed = [HostCopy(t) for t in (fed, rows) if t is not None]
         elif options.async_scheduling and not step.all_logits:
             last, fed = fed if step.feed else None, None
-            if any(it.sample for it in step.items):
+            # a step of prompt chunks alone may still have prompt logprobs' rows
+            if any(it.sample for it in step.items) or rows_shape(step.items, 1) is not None:
                 fed, rows = sample_with_logprobs(step, logits, last) if rank == sampler else \
                     empty_sampled(step, vocab, runner.device)
-                comm.share_tokens(fed, src=sampler)
+                if fed.numel():
+                    comm.share_tokens(fed, src=sampler)
                 if rows is not None and sampler != 0:  # where the driver samples, it has its own rows
                     comm.share_tokens(rows, src=sampler)
         elif reports:

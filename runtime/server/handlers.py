@@ -7,7 +7,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from ..sampling_params import SEED_LIMIT, SamplingParams
 from .config import ServerConfig
-from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs
+from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs, echoed_prompt, joined
 from .metrics import PrometheusMetrics
 from .protocol import MAX_CHOICES
 
@@ -129,8 +129,12 @@ class Handlers:
             raise APIError(400, f"prompt: {len(prompts)} prompts × n={body.n} choices is over this server's limit "
                                 f"of {MAX_CHOICES} choices per request", "prompt" if body.n == 1 else "n")
         ids = [self._encode(x, "prompt") for x in prompts]
-        params = [self._params(body, body.max_tokens, len(x)) for x in ids]
-        return await self._serve(request, body, ids, params, chat=False)
+        echo = _Echo(ids, body.n, body.max_tokens == 0) if body.echo else None
+        # max_tokens 0 with echo: the prompt alone (its logprobs): one token is generated and left out
+        params = [self._params(body, 1 if echo and echo.only else body.max_tokens, len(x)) for x in ids]
+        if echo and body.logprobs is not None:
+            params = [replace(p, prompt_logprobs=body.logprobs) for p in params]
+        return await self._serve(request, body, ids, params, chat=False, echo=echo)
 
     async def chat(self, body, request: Request):
         self._check(body)
@@ -167,7 +171,7 @@ class Handlers:
             raise
         return streams
 
-    async def _serve(self, request: Request, body, ids, params, chat: bool):
+    async def _serve(self, request: Request, body, ids, params, chat: bool, echo: _Echo | None = None):
         await self._admit()
         try:
             streams = await self._start(ids, params, body.n)
@@ -187,16 +191,22 @@ class Handlers:
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close), close)
+            return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close, echo), close)
         try:
             collect = (_collect(s, ChoiceOffsets(self.token_text)) for s in streams)
             outs = await _until_disconnect(request, asyncio.gather(*collect))
         finally:
             close()
+        if echo and echo.only:  # the generated token is left out
+            outs = [("", [], "length", None if o[3] is None else [], [], o[5]) for o in outs]
         n_out = sum(len(o[1]) for o in outs)
         choices = []
-        for i, (text, tids, reason, lps, starts) in enumerate(outs):
+        for i, (text, tids, reason, lps, starts, prompt_lps) in enumerate(outs):
             c = {"index": i, "finish_reason": reason, "logprobs": self._logprobs(chat, tids, lps, starts)}
+            if echo:
+                said, columns, shift = echoed_prompt(self.token_text, echo.prompt(i), prompt_lps)
+                text = said + text
+                c["logprobs"] = None if columns is None else joined(columns, c["logprobs"], shift)
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -207,7 +217,7 @@ class Handlers:
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": _usage(sum(map(len, ids)), n_out)}
 
-    async def _sse(self, streams, ids, meta, chat, include_usage, return_ids, close):
+    async def _sse(self, streams, ids, meta, chat, include_usage, return_ids, close, echo: _Echo | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         q: asyncio.Queue = asyncio.Queue()
 
@@ -228,6 +238,8 @@ class Handlers:
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         n_out, live = 0, len(streams)
         offsets = [ChoiceOffsets(self.token_text) for _ in streams]  # each choice's text_offset so far
+        shifts = [0] * len(streams)  # where each choice's output starts in its text (echo)
+        echoed = set()
         try:
             if chat:
                 for i in range(len(streams)):
@@ -242,9 +254,16 @@ class Handlers:
                     err = {"message": f"generation failed: {ch}", "type": "server_error", "param": None, "code": None}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     return
+                if echo and i not in echoed:  # the prompt first, as a chunk of its own
+                    echoed.add(i)
+                    said, columns, shifts[i] = echoed_prompt(self.token_text, echo.prompt(i), ch.prompt_logprobs)
+                    yield event({"index": i, "text": said, "logprobs": columns, "finish_reason": None})
+                if echo and echo.only:
+                    yield event({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
+                    continue
                 n_out += 1
                 lps = None if ch.logprobs is None else [ch.logprobs]
-                start = offsets[i].push(ch.token_id, ch.text_offset)
+                start = offsets[i].push(ch.token_id, ch.text_offset) + shifts[i]
                 c = {"index": i, "finish_reason": ch.finish_reason,
                      "logprobs": self._logprobs(chat, [ch.token_id], lps, [start])}
                 if chat:
@@ -271,17 +290,31 @@ class Handlers:
                                                                                           starts)
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """A completion that echoes its prompts (`echo`): choice i's is prompts[i // n]; only: max_tokens 0, the
+    prompt alone."""
+
+    prompts: list[list[int]]
+    n: int
+    only: bool
+
+    def prompt(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+
 def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 async def _collect(stream: RequestStream, offsets: ChoiceOffsets
-                   ) -> tuple[str, list[int], str | None, list | None, list[int]]:
-    """A request's text, token ids, finish reason, tokens' logprobs (None when it did not ask) and where its tokens
-    start in its text."""
-    text, tids, reason, lps, starts = [], [], None, [], []
+                   ) -> tuple[str, list[int], str | None, list | None, list[int], tuple | None]:
+    """A request's text, token ids, finish reason, tokens' logprobs (None when it did not ask), where its tokens
+    start in its text, and its prompt's logprobs (None when it did not ask)."""
+    text, tids, reason, lps, starts, prompt = [], [], None, [], [], None
     try:
         async for ch in stream:
+            prompt = ch.prompt_logprobs if prompt is None else prompt
             text.append(ch.text)
             tids.append(ch.token_id)
             reason = ch.finish_reason
@@ -289,7 +322,7 @@ async def _collect(stream: RequestStream, offsets: ChoiceOffsets
             starts.append(offsets.push(ch.token_id, ch.text_offset))
     except EngineDeadError as e:
         raise APIError(503, str(e), type_="server_error") from None
-    return "".join(text), tids, reason, lps if lps and lps[0] is not None else None, starts
+    return "".join(text), tids, reason, lps if lps and lps[0] is not None else None, starts, prompt
 
 
 async def _until_disconnect(request: Request, aw):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..logprobs import TokenLogprobs
-from ..tokenizer import Tokenizer
+from ..tokenizer import Detokenizer, Tokenizer
 
 FLOOR = -9999.0  # what a -inf (or NaN) logprob is written as
 
@@ -52,19 +52,49 @@ class ChoiceOffsets:
         return start
 
 
-def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs], starts: list[int]) -> dict:
+def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs | None], starts: list[int]
+                        ) -> dict:
     """The completions' `logprobs` of tokens `ids` starting at `starts` in the choice's text (ChoiceOffsets):
     tokens, token_logprobs, top_logprobs (the most likely alternatives, and the token itself, as OpenAI does) and
-    text_offset."""
+    text_offset. A token without logprobs (an echoed prompt's first) has null ones."""
     tokens, top = [], []
     for t, lp in zip(ids, lps):
         tokens.append(text_of(t)[0])
+        if lp is None:
+            top.append(None)
+            continue
         alternatives = {}
         for a, v in (*lp.top, (t, lp.logprob)):  # most likely first: it keeps a shared key
             alternatives.setdefault(text_of(a)[0], _finite(v))
         top.append(alternatives)
-    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps], "top_logprobs": top,
-            "text_offset": starts}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in lps],
+            "top_logprobs": top, "text_offset": starts}
+
+
+def echoed_prompt(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs | None] | None
+                  ) -> tuple[str, dict | None, int]:
+    """A completion's echoed prompt (`echo`): its text (the tokenizer's decoding of `ids`; "" without one), its
+    `logprobs` columns when lps (the request's prompt_logprobs) is given, and how far the output's text_offsets
+    move: the text's length, or without a tokenizer the length of the prompt's "token_id:N" names (ChoiceOffsets)."""
+    offsets = ChoiceOffsets(text_of)
+    if text_of.tokenizer is not None:
+        det, starts = Detokenizer(text_of.tokenizer), []
+        for i, t in enumerate(ids):
+            det.push(t, final=i == len(ids) - 1)
+            starts.append(det.offset)
+        text, shift = det.text, len(det.text)
+    else:
+        starts = [offsets.push(t, None) for t in ids]
+        text, shift = "", offsets.at
+    return text, None if lps is None else completion_logprobs(text_of, ids, lps, starts), shift
+
+
+def joined(prompt: dict, output: dict | None, shift: int) -> dict:
+    """An echoed prompt's `logprobs` columns followed by its output's (whose text_offsets move by `shift`)."""
+    if output is None:
+        return prompt
+    out = {k: prompt[k] + output[k] for k in ("tokens", "token_logprobs", "top_logprobs")}
+    return {**out, "text_offset": prompt["text_offset"] + [s + shift for s in output["text_offset"]]}
 
 
 def chat_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs]) -> dict:

@@ -61,8 +61,8 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
+    max_tokens: int | None = Field(16, description="0 with echo: the prompt alone (and its logprobs).")
+    echo: bool = Field(False, description="The prompt before the output (with logprobs: the prompt tokens' too).")
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
@@ -73,8 +73,6 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
     def unsupported(self):
-        if self.echo:
-            return "echo", "echo: not supported"
         if self.suffix:
             return "suffix", "suffix: not supported"
         if self.best_of not in (None, 1):

@@ -44,6 +44,16 @@ def score_mid(llm, job, greedy) -> dict:
             "stats": eng.stats, "collected_in_flight": sum(collected), "in_flight_at_shutdown": in_flight}
 
 
+def logprob_asks() -> list:
+    """Requests asking for 2 and 3 alternatives of their tokens (the first also of its prompt's), and one that does
+    not ask."""
+    from k3runtime import SamplingParams
+
+    return [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=3),
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+
+
 def penalized(max_tokens: int) -> list:
     """Two greedy requests with penalties: the first's bias wins its first token and its frequency penalty every
     later one, so its previous token must count at once (with async scheduling, from the ids on the device)."""
@@ -81,9 +91,9 @@ def main():
         # logprobs of two requests (under attention-DP one on each DP rank) beside one that does not ask (in a step
         # with an asking one), from whichever rank samples them
         prompts = job["prompts"][:3]
-        asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3, None)]
-        outs = llm.generate(prompts, asks[:len(prompts)])
+        outs = llm.generate(prompts, logprob_asks()[:len(prompts)])
         result["logprobs"] = [[[x.logprob, x.top] for x in o.logprobs] for o in outs[:2]]
+        result["prompt_logprobs"] = [x and [x.logprob, x.top] for x in outs[0].prompt_logprobs]
         result["unasked"] = [outs[2].logprobs, outs[2].token_ids] if len(outs) > 2 else None
         result["penalized"] = [o.token_ids for o in llm.generate(prompts[:2], penalized(job["max_tokens"]))]
         out.write_text(json.dumps(result))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_job import penalized
+from dist_job import logprob_asks, penalized
 from engines import build_engine
 
 from k3build.mapping import Mapping
@@ -40,18 +40,22 @@ MAPPINGS = {
 def reference(k3_tiny_engine):
     llm = LLM(k3_tiny_engine, **OPTIONS)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    asks = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=n) for n in (2, 3, None)]
-    outs = llm.generate(PROMPTS[:3], asks)
+    outs = llm.generate(PROMPTS[:3], logprob_asks())
     return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)],
             "logprobs": [o.logprobs for o in outs[:2]], "unasked": [None, outs[2].token_ids],
+            "prompt_logprobs": outs[0].prompt_logprobs,
             "penalized": [o.token_ids for o in llm.generate(PROMPTS[:2], penalized(MAX_TOKENS))]}
 
 
 def assert_logprobs_and_penalties_match(got, reference):
-    """dist_job's logprobs (two requests asking for 2 and 3 alternatives, beside one that does not ask) and its
-    penalized requests' tokens equal one rank's."""
+    """dist_job's logprobs (two requests asking for 2 and 3 alternatives, beside one that does not ask; the first
+    also for its prompt's) and its penalized requests' tokens equal one rank's."""
     assert got["penalized"] == reference["penalized"]
     assert got["unasked"] == reference["unasked"]
+    prompt, want = got["prompt_logprobs"], reference["prompt_logprobs"]
+    assert len(prompt) == len(want) == len(PROMPTS[0]) and prompt[0] is want[0] is None
+    assert [[t for t, _ in top] for _, top in prompt[1:]] == [[t for t, _ in w.top] for w in want[1:]]
+    assert [v for v, _ in prompt[1:]] == pytest.approx([w.logprob for w in want[1:]], abs=1e-4)
     got, reference = got["logprobs"], reference["logprobs"]
     assert len(got) == len(reference) == 2
     for g, want in zip(got, reference):

@@ -280,6 +280,7 @@ def test_logprobs_on_the_gpu(engines):
     its logprob the GPU engine's scoring logits' within bf16 noise, and computing them with the sampled ids
     launches without a host sync."""
     from k3runtime.logprobs import step_logprobs
+    from k3runtime.scheduler import PromptRows, ScheduledItem
 
     llm = LLM(engines[1], device="cuda", async_scheduling=True)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3))[0]
@@ -287,13 +288,19 @@ def test_logprobs_on_the_gpu(engines):
     for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert lp.top[0][0] == tok and len(lp.top) == 3
         assert abs(lp.logprob - want[i, tok].item()) < 5e-2, (i, lp.logprob, want[i, tok].item())
-    logits = torch.randn(4, llm.engine.facts.vocab_size, device="cuda")
-    tokens = logits.argmax(-1)
+    # four sampled rows (two ask), then a prompt chunk's two rows (prompt_logprobs=1)
+    logits = torch.randn(6, llm.engine.facts.vocab_size, device="cuda")
+    tokens = logits[:4].argmax(-1)
     params = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0), SamplingParams()]
+    items = [ScheduledItem(str(i), (1,), 0, 1, True, i, (0,), p, 0, 0) for i, p in enumerate(params)]
+    items.append(ScheduledItem("p", (1, 5, 6), 0, 3, False, 4, (1,), SamplingParams(prompt_logprobs=1), 0, 0,
+                               prompt_rows=PromptRows(0, (5, 6))))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        rows = step_logprobs(logits, tokens, params)
+        rows = step_logprobs(logits, tokens, items)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert rows.shape == (2, 5) and rows[:, 1].long().tolist() == tokens[[0, 2]].tolist()
+    assert rows.shape == (4, 5) and rows[:2, 1].long().tolist() == tokens[[0, 2]].tolist()
+    want = torch.log_softmax(logits[4:].double(), -1)
+    assert rows[2:, 0].tolist() == pytest.approx([want[0, 5].item(), want[1, 6].item()], abs=1e-4)

@@ -103,3 +103,46 @@ def test_an_abort_in_flight_leaves_the_others_logprobs_in_place(k3_tiny_engine):
     alone = llm.generate(PROMPT, asks)[0]
     assert tokens == alone.token_ids
     _assert_close(lps, alone.logprobs)
+
+
+LONG = [1, 40, 97, 311, 5, 260, 18, 77, 402, 9, 133, 64, 250, 3, 88, 500, 12] * 4  # 68 tokens: two pages
+
+
+def _assert_prompt_logprobs(llm, prompt, got, k):
+    """got: a request's prompt_logprobs: None, then each prompt token's logprob and its k most likely alternatives,
+    as the log-softmax of the engine's scoring logits of the prompt gives them."""
+    want = torch.log_softmax(llm.logits(prompt).double(), -1)
+    assert len(got) == len(prompt) and got[0] is None
+    for i, lp in enumerate(got[1:], start=1):
+        assert lp.logprob == pytest.approx(want[i - 1, prompt[i]].item(), abs=1e-4), i
+        assert [t for t, _ in lp.top] == torch.topk(want[i - 1], k).indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(torch.topk(want[i - 1], k).values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_are_the_models(llm, k3_tiny_engine):
+    """Each prompt token's logprob and alternatives, beside requests that do not ask, through prefill chunks; with
+    async scheduling and after preemption by recompute, the same; a one-token prompt has only its None."""
+    asks = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    out = llm.generate([[1, 7, 9], LONG, [5]], [plain, asks, asks])
+    assert out[0].prompt_logprobs is None and out[2].prompt_logprobs == [None]
+    _assert_prompt_logprobs(llm, LONG, out[1].prompt_logprobs, 3)
+    for options in ({"max_prefill_chunk": 8}, {"async_scheduling": True, "max_prefill_chunk": 8, "num_pages": 2}):
+        # the asking request comes second: with two pages it is the one preempted, mid-prefill, and re-prefilled
+        other = LLM(k3_tiny_engine, **options)
+        again = other.generate([[1, 300, 301, 302, 303] * 12, LONG], [plain, asks])
+        assert again[1].token_ids == out[1].token_ids
+        _assert_close(again[1].prompt_logprobs[1:], out[1].prompt_logprobs[1:])
+    assert other.engine.stats["preemptions"] > 0 and not other.engine._prompt_logprobs  # nothing left behind
+    # with the output tokens' own logprobs, in one step's rows (different widths: 3 and 1)
+    both = llm.generate(LONG, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3, logprobs=1))[0]
+    _assert_close(both.prompt_logprobs[1:], out[1].prompt_logprobs[1:])
+    assert [len(x.top) for x in both.logprobs] == [1, 1]
+
+
+def test_prompt_logprobs_come_with_the_first_chunk(llm):
+    chunks = list(llm.stream(LONG, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=0)))
+    assert chunks[0].prompt_logprobs is not None and all(c.prompt_logprobs is None for c in chunks[1:])
+    assert [lp.top for lp in chunks[0].prompt_logprobs[1:]] == [()] * (len(LONG) - 1)
+    with pytest.raises(ValueError, match="prompt_logprobs: expected None or an int in 0..20"):
+        SamplingParams(prompt_logprobs=21)

@@ -105,6 +105,36 @@ def test_completion_logprobs_match_python_api(client, llm):
     assert [list(d.items()) for d in lp.top_logprobs] == [[(t, v)] for t, v in zip(lp.tokens, lp.token_logprobs)]
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, llm):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs, max_tokens 1): the prompt's
+    tokens first, with the Python API's prompt_logprobs (null for the first), then the output's; max_tokens 0 gives
+    the prompt alone; streamed, the prompt comes as a chunk of its own, the same columns."""
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    ref = llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2, logprobs=2))[0]
+    said = llm.tokenizer.decode(ids)
+    kw = dict(model=MODEL, prompt=ids, temperature=0, echo=True, logprobs=2)
+    r = client.completions.create(max_tokens=1, **kw)
+    c, lp = r.choices[0], r.choices[0].logprobs
+    assert c.text == said + ref.text and r.usage.completion_tokens == 1
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [x.logprob for x in ref.prompt_logprobs[1:]] + [ref.logprobs[0].logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert all(t in top for t, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))  # the token itself, as OpenAI's
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(said)
+    assert all(c.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens) if "\ufffd" not in t)
+    alone = client.completions.create(max_tokens=0, **kw).choices[0]
+    assert alone.text == said and alone.finish_reason == "length"
+    assert alone.logprobs.tokens == lp.tokens[:-1] and alone.logprobs.token_logprobs == lp.token_logprobs[:-1]
+    chunks = [x.choices[0] for x in client.completions.create(max_tokens=1, stream=True, **kw) if x.choices]
+    assert chunks[0].text == said and "".join(x.text for x in chunks) == c.text
+    assert [t for x in chunks for t in x.logprobs.tokens] == lp.tokens
+    assert [o for x in chunks for o in x.logprobs.text_offset] == lp.text_offset
+    assert [v for x in chunks for v in x.logprobs.token_logprobs][1:] == pytest.approx(lp.token_logprobs[1:])
+    # echo alone: the prompt's text, no logprobs
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(said) and plain.choices[0].logprobs is None
+
+
 def test_logprobs_without_a_tokenizer_name_the_ids(tiny_engine, make_server, tmp_path):
     """An engine without tokenizer.json: token ids in, no text out; each token is "token_id:N" and text_offset
     counts those names' lengths, unary and streamed alike."""
@@ -122,6 +152,11 @@ def test_logprobs_without_a_tokenizer_name_the_ids(tiny_engine, make_server, tmp
         assert choice.logprobs.text_offset == [sum(map(len, names[:i])) for i in range(len(names))]
         chunks = [ch.choices[0].logprobs for ch in c.completions.create(stream=True, **kw) if ch.choices]
         assert [ch.text_offset[0] for ch in chunks] == choice.logprobs.text_offset
+        # echoed, the prompt's names come first, and the output's offsets follow theirs
+        echoed = c.completions.create(echo=True, **kw).choices[0].logprobs
+        names = [f"token_id:{t}" for t in [5, 17, 99, 3]] + names
+        assert echoed.tokens == names and echoed.token_logprobs[0] is None
+        assert echoed.text_offset == [sum(map(len, names[:i])) for i in range(len(names))]
     finally:
         s.close()
 
