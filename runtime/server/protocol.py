@@ -39,12 +39,17 @@ class _Sampling(_Strict):
     repetition_penalty: Number | None = Field(None, description="Extension: CTRL's penalty on prompt and output "
                                                                 "tokens; 1 = off.")
     logit_bias: dict[str, Number] | None = Field(None, description="{token id: bias in [-100, 100]}.")
+    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end the output.")
+    response_format: dict | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     return_token_ids: bool = Field(False, description="Extension: add the generated token ids to each choice.")
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to something this server cannot do."""
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", ("response_format: only {\"type\": \"text\"} is supported (no JSON mode or "
+                                       "structured output)")
         return None
 
     def penalties(self) -> dict:
@@ -99,6 +104,8 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list | None = None
+    functions: list | None = None
+    audio: dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -107,8 +114,11 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self):
-        if self.tools:
-            return "tools", "tools: tool calling is not supported"
+        if self.tools or self.functions:
+            field = "tools" if self.tools else "functions"
+            return field, f"{field}: tool calling is not supported"
+        if self.audio:
+            return "audio", "audio: audio output is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs set to true"
         return super().unsupported()

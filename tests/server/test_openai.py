@@ -192,6 +192,14 @@ def test_stop_string_matches_python_api(client, llm):
     assert r.choices[0].finish_reason == ref.finish_reason == "stop"
     assert r.choices[0].text == ref.text and stop not in ref.text
     assert r.choices[0].model_extra["token_ids"] == ref.token_ids
+    # the stop_token_ids extension: the output ends on the third token's id, which it keeps
+    ids = llm.generate(PROMPTS[0], greedy(16))[0].token_ids
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                  extra_body={"return_token_ids": True, "stop_token_ids": [ids[2]]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"] == ids[:ids.index(ids[2]) + 1]
+    # response_format text is what every output is: accepted
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          response_format={"type": "text"}).choices
 
 
 def test_seeded_sampling_is_reproducible(client, llm):
