@@ -190,6 +190,12 @@ def sample_with_logprobs(step: Step, logits: torch.Tensor, fed: torch.Tensor | N
     return tokens, step_logprobs(logits, tokens, step.items)
 
 
+def _reporters(sched: Scheduler, plan: StepPlan) -> dict[str, Request]:
+    """The plan's requests that asked for prompt logprobs, by id, as the scheduler holds them now."""
+    return {it.request_id: sched.get(it.request_id) for it in plan.items
+            if it.params is not None and it.params.prompt_logprobs is not None}
+
+
 def empty_sampled(step: Step, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A rank that receives a step's samples: buffers for its ids, and for their logprobs' rows when an item
     asked (rows_shape: the sampler's step_logprobs gives that shape)."""
@@ -236,7 +242,8 @@ class _InFlight:
     tokens: torch.Tensor | None
     host: HostCopy | None
     requests: tuple[Request, ...]  # of the sampled items, in order
-    logprobs: HostCopy | None = None  # step_logprobs' rows, when a sampled item asked for them
+    logprobs: HostCopy | None = None  # step_logprobs' rows, when an item asked for them
+    reporters: dict[str, Request] | None = None  # _reporters: its requests that asked for prompt logprobs
 
 
 class LLMEngine:
@@ -286,7 +293,7 @@ class LLMEngine:
         self._owed = False
         self._broken = False  # an async step failed (_guarded)
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
-        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # prompt rows of requests before their 1st token
+        self._prompt_logprobs: dict[Request, list[TokenLogprobs]] = {}  # prompt rows kept until the first token
         self.pp_size = mapping["pp_size"]
         # pipeline stages: what a micro-batch costs a stage, to choose how many a step is cut into
         self._stage_cost = StageCost.from_engine(runner.engine.weights, config["pretrained_config"],
@@ -317,22 +324,23 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
-        self._drop_held(request_id)
-        sched = self._owner.pop(request_id, None)
+        sched = self._drop_held(request_id)
         if sched is not None:
             sched.abort(request_id)
 
     def finish(self, request_id: str, reason: str) -> None:
-        self._drop_held(request_id)
-        sched = self._owner.pop(request_id, None)
+        sched = self._drop_held(request_id)
         if sched is not None:
             sched.finish(request_id, reason)
 
-    def _drop_held(self, request_id: str) -> None:
+    def _drop_held(self, request_id: str) -> Scheduler | None:
         """A request ended by the caller gets no more tokens, also none landed early (score()), and its prompt
-        logprobs are not kept."""
+        logprobs are not kept; returns the scheduler that owned it (None: none does)."""
         self._held_events = [ev for ev in self._held_events if ev.request_id != request_id]
-        self._prompt_logprobs.pop(request_id, None)
+        sched = self._owner.pop(request_id, None)
+        if sched is not None:
+            self._prompt_logprobs.pop(sched.get(request_id), None)
+        return sched
 
     def has_unfinished(self) -> bool:
         """Requests left, or (async scheduling) a launched step or its tokens not yet returned by step()."""
@@ -387,26 +395,28 @@ class LLMEngine:
         events = []
         results, logprobs = self._execute(self._steps(plans))
         for d, (sched, plan, tokens) in enumerate(zip(self.schedulers, plans, results)):
-            lps, prompts = self._logprobs(plan, logprobs[d].tolist() if logprobs[d] is not None else None)
+            rows = logprobs[d].tolist() if logprobs[d] is not None else None
+            lps, prompts = self._logprobs(plan, rows, _reporters(sched, plan))
             sampled, finished = self._update(sched, plan, tokens.tolist())
             self.stats["tokens"] += plan.num_batched_tokens
             events += [TokenEvent(rid, tok, finished.get(rid), lp, pl)
                        for (rid, tok), lp, pl in zip(sampled.items(), lps, prompts)]
         return events
 
-    def _logprobs(self, plan: StepPlan, rows: list[list[float]] | None
+    def _logprobs(self, plan: StepPlan, rows: list[list[float]] | None, reporters: dict[str, Request]
                   ) -> tuple[list[TokenLogprobs | None], list[tuple | None]]:
         """Each sampled item's logprobs (None where its request did not ask, or no row came), and its prompt's
         (SamplingParams.prompt_logprobs; None first, for the prompt's first token): only on a request's first
-        token, the rows of its earlier steps kept until then (of requests still owned: not ended by the caller)."""
+        token, the rows of its earlier steps kept until then. reporters: _reporters(plan) when it was scheduled,
+        so that rows of a request ended meanwhile go nowhere, also not to a new one under its id."""
         items = [it for it in plan.items if it.sample]
         lps = [None] * len(items)
         if rows is not None:
             lps, prompt = unpack(rows, plan.items)
             for rid, entries in prompt:
-                if rid in self._owner:
-                    self._prompt_logprobs.setdefault(rid, []).extend(entries)
-        firsts = [(None, *self._prompt_logprobs.pop(it.request_id, ()))
+                if not reporters[rid].is_finished:
+                    self._prompt_logprobs.setdefault(reporters[rid], []).extend(entries)
+        firsts = [(None, *self._prompt_logprobs.pop(reporters[it.request_id], ()))
                   if it.sample_index == 0 and it.params.prompt_logprobs is not None else None for it in items]
         return lps, firsts
 
@@ -433,7 +443,8 @@ class LLMEngine:
                     # the sampled requests as objects: one ended meanwhile and a new one under its id are told apart
                     sampled = tuple(sched.get(it.request_id) for it in plan.items if it.sample)
                     launched[d] = _InFlight(plan, *((tokens, HostCopy(tokens)) if d == 0 else (None, None)), sampled,
-                                            HostCopy(logprobs) if d == 0 and logprobs is not None else None)
+                                            HostCopy(logprobs) if d == 0 and logprobs is not None else None,
+                                            _reporters(sched, plan))
                     self.stats["tokens"] += plan.num_batched_tokens
         events, self._held_events = self._held_events + self._land(remote), []
         for sched, plan, flight in zip(self.schedulers, plans, launched):
@@ -550,7 +561,7 @@ class LLMEngine:
                     raise RuntimeError(f"attention-DP rank {d} sent {len(tokens)} ids for a step that samples "
                                        f"{len(flight.requests)}")
             self._in_flight[d] = None
-            lps, prompts = self._logprobs(flight.plan, rows)
+            lps, prompts = self._logprobs(flight.plan, rows, flight.reporters)
             live = [(r, t, lp, pl) for r, t, lp, pl in zip(flight.requests, tokens, lps, prompts)
                     if not r.is_finished]  # not ended meanwhile
             _, finished = self._update(sched, flight.plan, tokens)

@@ -6,8 +6,9 @@ vLLM calls raw logprobs), so they do not depend on how a token was drawn. A step
 together on the logits' device with no host sync, packed in one float64 tensor (token ids are exact in it) that
 goes to the host with the step's ids. As in the sampler, the alternatives come from a top-k, not a sort of the
 vocabulary, in passes of ROWS_PER_PASS rows, ties broken by lower token id. A prompt's rows are the logits of its
-prefill chunks' positions (fp32 [rows, V] a chunk: max_prefill_chunk bounds them), packed after the sampled
-rows', so they go to the driver the same way; a request gets them with its first output token.
+prefill chunks' positions, packed after the sampled rows', so they go to the driver the same way; a request gets
+them with its first output token. The scheduler holds a step to max_num_seqs prompt rows (Scheduler._chunk), so
+that its logits stay within twice the sampled rows' most.
 """
 
 from __future__ import annotations
@@ -37,23 +38,28 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, items) -> torch.Te
         return None
     shape = rows_shape(items, logits.shape[1])
     params = sampled_params(items)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    m, rows = len(params), [i for i, p in enumerate(params) if p.logprobs is not None]
     targets = [t for it in items if it.prompt_rows for t in it.prompt_rows.targets]
-    if len(rows) < len(params) or targets:
-        m = len(params)
-        logits = logits.index_select(0, to_device(rows + list(range(m, m + len(targets))), logits.device))
-        tokens = torch.cat([tokens.index_select(0, to_device(rows, tokens.device)), to_device(targets, logits.device)])
+    blocks = []  # (logits, their tokens): the asking sampled rows (a copy when some do not ask), the prompt rows
+    if rows:
+        index = to_device(rows, logits.device)
+        blocks.append((logits[:m], tokens) if len(rows) == m else
+                      (logits.index_select(0, index), tokens.index_select(0, index)))
+    if targets:  # a view: a step may hold max_num_seqs prompt rows
+        blocks.append((logits[m:m + len(targets)], to_device(targets, logits.device)))
     top = (shape[1] - 1) // 2
     packed = []
-    for r0 in range(0, shape[0], ROWS_PER_PASS):
-        x = logits[r0:r0 + ROWS_PER_PASS].float()
-        norm = torch.logsumexp(x, dim=-1, keepdim=True)
-        cols = [x.gather(1, tokens[r0:r0 + ROWS_PER_PASS].view(-1, 1)) - norm]
-        if top:
-            k = torch.full((x.shape[0],), top, dtype=torch.int64, device=x.device)
-            values, ids = best_first(*torch.topk(x.masked_fill(~top_k_mask(x, k, top), float("-inf")), top, dim=-1))
-            cols += [ids, values - norm]
-        packed.append(torch.cat([c.double() for c in cols], dim=1))
+    for block, ids_of in blocks:
+        for r0 in range(0, block.shape[0], ROWS_PER_PASS):
+            x = block[r0:r0 + ROWS_PER_PASS].float()
+            norm = torch.logsumexp(x, dim=-1, keepdim=True)
+            cols = [x.gather(1, ids_of[r0:r0 + ROWS_PER_PASS].view(-1, 1)) - norm]
+            if top:
+                k = torch.full((x.shape[0],), top, dtype=torch.int64, device=x.device)
+                values, ids = best_first(*torch.topk(x.masked_fill(~top_k_mask(x, k, top), float("-inf")), top,
+                                                     dim=-1))
+                cols += [ids, values - norm]
+            packed.append(torch.cat([c.double() for c in cols], dim=1))
     return torch.cat(packed)
 
 

@@ -95,7 +95,8 @@ class RankRunner:
             self.graphs.capture()
 
     def run(self, step: Step, fed: torch.Tensor | None = None, wait: bool = True) -> torch.Tensor | None:
-        """Apply the step's cache edits and run its tokens. Returns fp32 logits [M, V] on the last stage.
+        """Apply the step's cache edits and run its tokens. Returns fp32 logits on the last stage: [M, V] for the
+        M sampled items, then the rows of their prompt logprobs (PromptRows), if any.
         fed: the previous step's sampled token ids on this device, which the step's `feed` inputs take.
         wait: rank 0 of several waits for a replayed step (_await_replay); async scheduling waits for the
         step's tokens instead."""

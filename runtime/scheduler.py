@@ -198,6 +198,7 @@ class Scheduler:
                 "planning); update() the oldest first"
             raise RuntimeError(f"schedule: {why}")
         budget = self.config.max_num_batched_tokens
+        rows = self.config.max_num_seqs  # prompt logprobs' rows the step may still hold (_chunk)
         items: list[tuple[int, ScheduledItem]] = []
         reset: list[int] = []
         swap_out: list[SwapEntry] = []
@@ -210,23 +211,26 @@ class Scheduler:
             if request.num_pending and self._ends_by_length(request):
                 i += 1  # its pending token is its last
                 continue
-            n = self._chunk(request, budget)
+            n = self._chunk(request, budget, rows)
+            if n == 0:  # its next position reports a prompt logprob: next step
+                i += 1
+                continue
             if not self._reserve_pages(request, n, swap_out, preempted):
                 break  # the request preempted itself; every later one already was
             items.append((request.arrival, self._item(request, n)))
-            budget -= n
+            budget, rows = budget - n, rows - _num_rows(items[-1][1])
             i += 1
 
         # No admissions in a step that had to preempt: the freed room went to older requests.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = self._chunk(request, budget)
-            if not self._admit(request, n, reset, swap_in):
+            n = self._chunk(request, budget, rows)
+            if n == 0 or not self._admit(request, n, reset, swap_in):
                 break  # FCFS: nothing overtakes the head of the queue
             self.waiting.pop(0)
             self._insert(self.running, request)
             items.append((request.arrival, self._item(request, n)))
-            budget -= n
+            budget, rows = budget - n, rows - _num_rows(items[-1][1])
 
         items.sort(key=lambda x: x[0])
         plan = StepPlan(items=tuple(it for _, it in items), reset_slot_ids=tuple(reset), swap_out=tuple(swap_out),
@@ -281,10 +285,18 @@ class Scheduler:
             total = min(total, self.config.max_model_len)
         return total - 1
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens + request.num_pending - request.num_computed_tokens
+    def _chunk(self, request: Request, budget: int, rows: int) -> int:
+        """Tokens of the request this step: within the step's token budget and its prefill chunk, and holding at
+        most `rows` prompt positions whose logprobs it reports (their logits rows: SamplingParams.prompt_logprobs);
+        0 when its next position reports one and the step holds no more."""
+        start = request.num_computed_tokens
+        remaining = request.num_tokens + request.num_pending - start
         assert remaining > 0, f"request {request.request_id} has nothing to compute"
-        return min(remaining, self.config.max_prefill_chunk, budget)
+        n = min(remaining, self.config.max_prefill_chunk, budget)
+        first = max(start, request.num_prompt_rows)  # the first position still to report, if any
+        if request.params.prompt_logprobs is not None and first < request.num_prompt_tokens - 1:
+            n = min(n, first - start + rows)
+        return n
 
     def _item(self, request: Request, n: int) -> ScheduledItem:
         start, pending = request.num_computed_tokens, request.num_pending
@@ -395,6 +407,10 @@ def _seen(request: Request) -> SeenTokens | None:
         return None
     return SeenTokens(tuple(request.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
                       tuple(request.output_token_ids))
+
+
+def _num_rows(item: ScheduledItem) -> int:
+    return len(item.prompt_rows.targets) if item.prompt_rows else 0
 
 
 def _prompt_rows(request: Request, start: int, n: int) -> PromptRows | None:

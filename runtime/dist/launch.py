@@ -108,7 +108,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     # async scheduling: the last step's sampled ids on this device, which the next step feeds (shared by the
     # last stage's first rank: the driver without pipeline stages; under attention-DP this rank's own); and,
     # under attention-DP, on their way to the host, owed to the driver once the next step is launched
-    # Logprobs' rows (when a sampled item asks) follow the ids they belong to, by the same route.
+    # Logprobs' rows (when an item asks: for its sampled token or its prompt) follow the ids, by the same route.
     fed, owed, vocab = None, [], runner.engine.facts.vocab_size
     while True:
         steps = comm.control.broadcast()

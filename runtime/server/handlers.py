@@ -129,7 +129,8 @@ class Handlers:
             raise APIError(400, f"prompt: {len(prompts)} prompts × n={body.n} choices is over this server's limit "
                                 f"of {MAX_CHOICES} choices per request", "prompt" if body.n == 1 else "n")
         ids = [self._encode(x, "prompt") for x in prompts]
-        echo = _Echo(ids, body.n, body.max_tokens == 0) if body.echo else None
+        texts = [x if isinstance(x, str) else None for x in prompts]
+        echo = _Echo(ids, texts, body.n, body.max_tokens == 0) if body.echo else None
         # max_tokens 0 with echo: the prompt alone (its logprobs): one token is generated and left out
         params = [self._params(body, 1 if echo and echo.only else body.max_tokens, len(x)) for x in ids]
         if echo and body.logprobs is not None:
@@ -204,7 +205,7 @@ class Handlers:
         for i, (text, tids, reason, lps, starts, prompt_lps) in enumerate(outs):
             c = {"index": i, "finish_reason": reason, "logprobs": self._logprobs(chat, tids, lps, starts)}
             if echo:
-                said, columns, shift = echoed_prompt(self.token_text, echo.prompt(i), prompt_lps)
+                said, columns, shift = echo(self.token_text, i, prompt_lps)
                 text = said + text
                 c["logprobs"] = None if columns is None else joined(columns, c["logprobs"], shift)
             if chat:
@@ -256,7 +257,7 @@ class Handlers:
                     return
                 if echo and i not in echoed:  # the prompt first, as a chunk of its own
                     echoed.add(i)
-                    said, columns, shifts[i] = echoed_prompt(self.token_text, echo.prompt(i), ch.prompt_logprobs)
+                    said, columns, shifts[i] = echo(self.token_text, i, ch.prompt_logprobs)
                     yield event({"index": i, "text": said, "logprobs": columns, "finish_reason": None})
                 if echo and echo.only:
                     yield event({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
@@ -292,15 +293,19 @@ class Handlers:
 
 @dataclass(frozen=True)
 class _Echo:
-    """A completion that echoes its prompts (`echo`): choice i's is prompts[i // n]; only: max_tokens 0, the
-    prompt alone."""
+    """A completion that echoes its prompts (`echo`): choice i's is prompts[i // n], written as the client's text
+    where it sent one (texts[i // n]; None: token ids, decoded); only: max_tokens 0, the prompt alone."""
 
     prompts: list[list[int]]
+    texts: list[str | None]
     n: int
     only: bool
 
-    def prompt(self, choice: int) -> list[int]:
-        return self.prompts[choice // self.n]
+    def __call__(self, text_of: TokenText, choice: int, lps) -> tuple[str, dict | None, int]:
+        """echoed_prompt's (text, logprobs columns, shift) for a choice."""
+        said, columns, shift = echoed_prompt(text_of, self.prompts[choice // self.n], lps)
+        text = self.texts[choice // self.n]
+        return (said, columns, shift) if text is None else (text, columns, shift + len(text) - len(said))
 
 
 def _usage(p: int, c: int) -> dict:

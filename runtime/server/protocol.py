@@ -54,11 +54,11 @@ class _Sampling(_Strict):
 
     def penalties(self) -> dict:
         """SamplingParams' penalty fields (logit_bias with int token ids); ValueError names a key that is not one."""
-        bias = {}
+        bias = []  # pairs: SamplingParams refuses an id given twice ("5" and "05")
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
+            if not (key.isascii() and key.isdecimal()):
                 raise ValueError(f"logit_bias: key {key!r} is not a token id")
-            bias[int(key)] = value
+            bias.append((int(key), value))
         return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
                 "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 "logit_bias": bias}

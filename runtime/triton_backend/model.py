@@ -2,11 +2,11 @@
 
 Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `input_ids`), `max_tokens`,
 `temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop`, `return_log_probs`, `presence_penalty`,
-`frequency_penalty`, `repetition_penalty` in (no logit bias: the TensorRT-LLM backend takes bias words instead); `text_output`, `output_ids`,
-`finish_reason`, `output_log_probs` (each output token's log-probability, flat; empty unless asked) out. In decoupled
-mode each request is handed to the engine thread and answered from there (one response per token when
-stream=true), so concurrent requests batch continuously; a cancelled request (client gone) is aborted on the
-engine, which frees its pages and KDA slot.
+`frequency_penalty`, `repetition_penalty` in (no logit bias: TensorRT-LLM's backend takes bias words instead);
+`text_output`, `output_ids`, `finish_reason`, `output_log_probs` (each output token's log-probability, flat; empty
+unless asked) out. In decoupled mode each request is handed to the engine thread and answered from there (one
+response per token when stream=true), so concurrent requests batch continuously; a cancelled request (client gone)
+is aborted on the engine, which frees its pages and KDA slot.
 Needs numpy<2 in the stub's environment (Triton 2.51's stub), plus k3runtime and its dependencies.
 """
 

@@ -45,12 +45,12 @@ def score_mid(llm, job, greedy) -> dict:
 
 
 def logprob_asks() -> list:
-    """Requests asking for 2 and 3 alternatives of their tokens (the first also of its prompt's), and one that does
-    not ask."""
+    """Requests asking for 2 and 3 alternatives of their tokens (and of their prompt's: 2 and 1; under attention-DP
+    the first goes to the driver's DP rank, the second to the other), and one that does not ask."""
     from k3runtime import SamplingParams
 
     return [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2),
-            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=3),
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1),
             SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
 
 
@@ -93,7 +93,7 @@ def main():
         prompts = job["prompts"][:3]
         outs = llm.generate(prompts, logprob_asks()[:len(prompts)])
         result["logprobs"] = [[[x.logprob, x.top] for x in o.logprobs] for o in outs[:2]]
-        result["prompt_logprobs"] = [x and [x.logprob, x.top] for x in outs[0].prompt_logprobs]
+        result["prompt_logprobs"] = [[x and [x.logprob, x.top] for x in o.prompt_logprobs] for o in outs[:2]]
         result["unasked"] = [outs[2].logprobs, outs[2].token_ids] if len(outs) > 2 else None
         result["penalized"] = [o.token_ids for o in llm.generate(prompts[:2], penalized(job["max_tokens"]))]
         out.write_text(json.dumps(result))

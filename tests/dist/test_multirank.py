@@ -43,19 +43,19 @@ def reference(k3_tiny_engine):
     outs = llm.generate(PROMPTS[:3], logprob_asks())
     return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)],
             "logprobs": [o.logprobs for o in outs[:2]], "unasked": [None, outs[2].token_ids],
-            "prompt_logprobs": outs[0].prompt_logprobs,
+            "prompt_logprobs": [o.prompt_logprobs for o in outs[:2]],
             "penalized": [o.token_ids for o in llm.generate(PROMPTS[:2], penalized(MAX_TOKENS))]}
 
 
 def assert_logprobs_and_penalties_match(got, reference):
-    """dist_job's logprobs (two requests asking for 2 and 3 alternatives, beside one that does not ask; the first
-    also for its prompt's) and its penalized requests' tokens equal one rank's."""
+    """dist_job's logprobs (two requests asking for 2 and 3 alternatives, and for their prompt's, beside one that
+    does not ask) and its penalized requests' tokens equal one rank's."""
     assert got["penalized"] == reference["penalized"]
     assert got["unasked"] == reference["unasked"]
-    prompt, want = got["prompt_logprobs"], reference["prompt_logprobs"]
-    assert len(prompt) == len(want) == len(PROMPTS[0]) and prompt[0] is want[0] is None
-    assert [[t for t, _ in top] for _, top in prompt[1:]] == [[t for t, _ in w.top] for w in want[1:]]
-    assert [v for v, _ in prompt[1:]] == pytest.approx([w.logprob for w in want[1:]], abs=1e-4)
+    for prompt, want, ids in zip(got["prompt_logprobs"], reference["prompt_logprobs"], PROMPTS):
+        assert len(prompt) == len(want) == len(ids) and prompt[0] is want[0] is None
+        assert [[t for t, _ in top] for _, top in prompt[1:]] == [[t for t, _ in w.top] for w in want[1:]]
+        assert [v for v, _ in prompt[1:]] == pytest.approx([w.logprob for w in want[1:]], abs=1e-4)
     got, reference = got["logprobs"], reference["logprobs"]
     assert len(got) == len(reference) == 2
     for g, want in zip(got, reference):

@@ -146,3 +146,41 @@ def test_prompt_logprobs_come_with_the_first_chunk(llm):
     assert [lp.top for lp in chunks[0].prompt_logprobs[1:]] == [()] * (len(LONG) - 1)
     with pytest.raises(ValueError, match="prompt_logprobs: expected None or an int in 0..20"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_a_step_holds_at_most_max_num_seqs_prompt_rows(k3_tiny_engine, llm):
+    """The prompt's rows are logits over the vocabulary: a step holds max_num_seqs of them, so the prompt is
+    prefilled in chunks that small; the values are the same."""
+    small = LLM(k3_tiny_engine, max_num_seqs=2)
+    counts, schedule = [], small.engine.scheduler.schedule
+
+    def counted():
+        plan = schedule()
+        counts.append(sum(len(it.prompt_rows.targets) for it in plan.items if it.prompt_rows))
+        return plan
+
+    small.engine.scheduler.schedule = counted
+    asks = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    got = small.generate([LONG, [1, 7, 9]], [asks, asks])
+    assert max(counts) == 2 and sum(counts) == len(LONG) - 1 + 2
+    want = llm.generate([LONG, [1, 7, 9]], [asks, asks])
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        _assert_close(g.prompt_logprobs[1:], w.prompt_logprobs[1:])
+
+
+def test_an_id_reused_while_rows_are_in_flight_gets_its_own(k3_tiny_engine, llm):
+    """Async scheduling: a request asking for prompt logprobs is aborted while a step with its prompt rows is in
+    flight, and a new request takes its id; the new one's prompt logprobs are its own, as it gets them alone."""
+    fast = LLM(k3_tiny_engine, async_scheduling=True, max_prefill_chunk=16)
+    eng, asks = fast.engine, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    eng.add_request(LONG, asks, request_id="x")
+    eng.step()  # its first chunk's step launched, its rows not landed
+    eng.abort("x")
+    eng.add_request([1, 300, 301, 302, 303] * 4, asks, request_id="x")
+    firsts = [ev.prompt_logprobs for _ in range(40) if eng.has_unfinished() for ev in eng.step()
+              if ev.prompt_logprobs is not None]
+    assert len(firsts) == 1 and not eng._prompt_logprobs
+    alone = llm.generate([1, 300, 301, 302, 303] * 4, asks)[0].prompt_logprobs
+    assert len(firsts[0]) == len(alone) and firsts[0][0] is None
+    _assert_close(firsts[0][1:], alone[1:])

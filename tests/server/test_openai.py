@@ -130,9 +130,9 @@ def test_echo_with_logprobs_scores_the_prompt(client, llm):
     assert [t for x in chunks for t in x.logprobs.tokens] == lp.tokens
     assert [o for x in chunks for o in x.logprobs.text_offset] == lp.text_offset
     assert [v for x in chunks for v in x.logprobs.token_logprobs][1:] == pytest.approx(lp.token_logprobs[1:])
-    # echo alone: the prompt's text, no logprobs
+    # echo alone, of a text prompt: the client's text, no logprobs
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True)
-    assert plain.choices[0].text.startswith(said) and plain.choices[0].logprobs is None
+    assert plain.choices[0].text.startswith(PROMPTS[1]) and plain.choices[0].logprobs is None
 
 
 def test_logprobs_without_a_tokenizer_name_the_ids(tiny_engine, make_server, tmp_path):
