@@ -12,8 +12,9 @@ scheduling a row's last output token is not among them, being still on the devic
 step's sampled ids (`pending`). Either way there is no host sync.
 
 Rows that set none of the four are left as they are, bit for bit. Rows are done ROWS_PER_PASS at a time, which
-bounds the [rows, V] counts. The cost is on the host: a penalized item carries its output (and, for
-repetition_penalty, its prompt) in every step's plan.
+bounds the [rows, V] counts. The cost is on the host: a penalized item carries its whole output (and, for
+repetition_penalty, its prompt's distinct ids) in every step's plan, so a request of L output tokens costs O(L) a
+step, O(L^2) in all; counts kept on the sampling rank would make it O(1) a step.
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ class Request:
     num_preemptions: int = 0
     # Fixed at creation so a request without an explicit seed still samples identically after recompute.
     sampling_seed: int = -1
+    _distinct_prompt: tuple[int, ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -91,6 +92,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def distinct_prompt_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids, each once, ascending (what a repetition penalty needs; made once)."""
+        if self._distinct_prompt is None:
+            self._distinct_prompt = tuple(sorted(set(self.prompt_token_ids)))
+        return self._distinct_prompt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,9 +35,9 @@ from .scheduler_config import SchedulerConfig
 @dataclass(frozen=True)
 class SeenTokens:
     """The tokens the penalties of a sampled item count (SamplingParams.penalized), as the host knew them when it
-    was scheduled: the prompt (only for a repetition_penalty) and the output so far. With async scheduling the
-    output may lack its last token, still on the device: the item's own PLACEHOLDER input, which the sampler
-    takes from the previous step's sampled ids."""
+    was scheduled: the prompt's distinct ids (only for a repetition_penalty) and the output so far. With async
+    scheduling the output may lack its last token, still on the device: the item's own PLACEHOLDER input, which
+    the sampler takes from the previous step's sampled ids."""
 
     prompt: tuple[int, ...]
     output: tuple[int, ...]
@@ -405,7 +405,7 @@ def _seen(request: Request) -> SeenTokens | None:
     p = request.params
     if not p.penalized:
         return None
-    return SeenTokens(tuple(request.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
+    return SeenTokens(request.distinct_prompt_ids() if p.repetition_penalty != 1.0 else (),
                       tuple(request.output_token_ids))
 
 
