@@ -65,7 +65,7 @@ class LLM:
         return ids
 
     def _detok(self, params: SamplingParams) -> Detokenizer | None:
-        return Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        return Detokenizer(self.tokenizer, params.stop, params.min_tokens) if self.tokenizer is not None else None
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:

@@ -255,7 +255,7 @@ class AsyncLLMEngine:
             except ValueError as e:
                 _call(callback, e)
                 return
-            detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+            detok = Detokenizer(self.tokenizer, params.stop, params.min_tokens) if self.tokenizer is not None else None
             self._live[rid] = _Live(callback, detok, req.num_prompt_tokens, time.monotonic())
             if not _call(callback, ACCEPTED):
                 self._apply(("abort", rid))

@@ -154,7 +154,7 @@ def sample_step(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = Non
     items = [it for it in step.items if it.sample]
     params = [it.params for it in items]
     logits = logits[:len(items)]  # the prompt logprobs' rows follow the sampled ones
-    logits = adjust_logits(logits, params, [it.seen for it in items], _pending(step, fed))
+    logits = adjust_logits(logits, params, [it.seen for it in items], _pending(step, fed), [it.banned for it in items])
     return sample_tokens(logits, params, [it.seed for it in items], [it.sample_index for it in items])
 
 

@@ -1,6 +1,7 @@
-"""Logit bias and the repetition, frequency and presence penalties (SamplingParams), applied to a step's sampled
-rows before the sampler draws from them, in vLLM's order:
+"""Logit bias, the repetition, frequency and presence penalties and min_tokens (SamplingParams), applied to a step's
+sampled rows before the sampler draws from them, in vLLM's order:
 
+0. ids a row may not sample yet (EOS and stop_token_ids under min_tokens: ScheduledItem.banned) become -inf;
 1. logit_bias is added;
 2. repetition_penalty (CTRL's) divides the positive logits, and multiplies the negative ones, of every token in
    the prompt or the output;
@@ -31,13 +32,14 @@ def adjusts(p: SamplingParams) -> bool:
     return bool(p.logit_bias) or p.penalized
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], seen: list, pending: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], seen: list, pending: torch.Tensor | None = None,
+                  banned: list[tuple[int, ...]] | None = None) -> torch.Tensor:
     """logits [M, V] of a step's sampled rows; per row its params and its scheduler.SeenTokens (None where it is
     not penalized); pending [M] int64 on the logits' device: each row's output token that its SeenTokens lacks,
-    -1 for none (None: no row lacks one). Returns the logits with every row's bias and penalties applied, fp32
-    (the input itself when no row has any)."""
-    rows = [i for i, p in enumerate(params) if adjusts(p)]
+    -1 for none (None: no row lacks one); banned: per row the ids it may not sample (None: none). Returns the
+    logits with every row's changes applied, fp32 (the input itself when no row has any)."""
+    banned = banned or [()] * len(params)
+    rows = [i for i, p in enumerate(params) if adjusts(p) or banned[i]]
     if not rows:
         return logits
     out = logits.float().clone()
@@ -46,12 +48,21 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], seen: list
         index = to_device(part, logits.device)
         x = out.index_select(0, index)
         late = None if pending is None else pending.index_select(0, index)
+        x = _ban(x, [banned[i] for i in part])
         out.index_copy_(0, index, _adjust(x, [params[i] for i in part], [seen[i] for i in part], late))
     return out
 
 
+def _ban(x: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+    """x [R, V] with each row's banned ids at -inf."""
+    flat = [r * x.shape[1] + t for r, ids in enumerate(banned) for t in ids]
+    if flat:
+        x.view(-1).index_fill_(0, to_device(flat, x.device), float("-inf"))
+    return x
+
+
 def _adjust(x: torch.Tensor, params: list[SamplingParams], seen: list, pending: torch.Tensor | None) -> torch.Tensor:
-    """adjust_logits on R rows that all have something to apply: x [R, V] fp32."""
+    """adjust_logits's bias and penalties on R rows: x [R, V] fp32."""
     R, V = x.shape
     dev = x.device
     bias = [(r * V + t, b) for r, p in enumerate(params) for t, b in p.logit_bias]

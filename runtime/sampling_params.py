@@ -29,6 +29,8 @@ class SamplingParams:
 
     Args:
         max_tokens: output tokens to generate at most, 1..MAX_TOKENS_LIMIT.
+        min_tokens: output tokens before EOS, stop_token_ids or a stop string may end the output (0..max_tokens):
+            until then their logits are -inf and stop strings are not looked for.
         temperature: 0 = greedy (so is anything under sampler.MIN_TEMPERATURE, 1e-5); above, divides the logits.
         top_p: nucleus mass in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens (ties at the k-th broken by lower token id); 0 = off.
@@ -51,6 +53,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -68,6 +71,9 @@ class SamplingParams:
     def __post_init__(self):
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise ValueError(f"max_tokens: expected an int in 1..{MAX_TOKENS_LIMIT}, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: expected an int in 0..max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")

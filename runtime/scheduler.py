@@ -73,6 +73,8 @@ class ScheduledItem:
     seed: int  # Request.sampling_seed: params.seed, or a random seed fixed when the request was created
     sample_index: int  # index among the request's output tokens of the token this item samples
     seen: SeenTokens | None = None  # what its penalties count, when its request has any (sample items only)
+    # ids it may not sample (EOS and stop_token_ids while under SamplingParams.min_tokens)
+    banned: tuple[int, ...] = ()
     prompt_rows: PromptRows | None = None  # prompt logprobs this item reports, when its request asked
 
 
@@ -305,8 +307,9 @@ class Scheduler:
         request.num_pending += sample
         return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n, sample,
                              request.slot_id, tuple(request.page_ids), request.params, request.sampling_seed,
-                             request.num_output_tokens + pending, _seen(request) if sample else None,
-                             _prompt_rows(request, start, n))
+                             request.num_output_tokens + pending, seen=_seen(request) if sample else None,
+                             banned=_banned(request, request.num_output_tokens + pending) if sample else (),
+                             prompt_rows=_prompt_rows(request, start, n))
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether the request's pending tokens take it to max_tokens or max_model_len (it finishes on them)."""
@@ -361,7 +364,8 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         p = request.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token == request.eos_token_id):
+        stops = request.num_output_tokens > p.min_tokens  # (the token is counted): min_tokens were before it
+        if stops and (token in p.stop_token_ids or (not p.ignore_eos and token == request.eos_token_id)):
             return "stop"
         if request.num_output_tokens >= p.max_tokens:
             return "length"
@@ -407,6 +411,15 @@ def _seen(request: Request) -> SeenTokens | None:
         return None
     return SeenTokens(request.distinct_prompt_ids() if p.repetition_penalty != 1.0 else (),
                       tuple(request.output_token_ids))
+
+
+def _banned(request: Request, index: int) -> tuple[int, ...]:
+    """The ids output token `index` may not be: EOS and the stop ids while under min_tokens."""
+    p = request.params
+    if index >= p.min_tokens:
+        return ()
+    eos = () if p.ignore_eos or request.eos_token_id is None else (request.eos_token_id,)
+    return tuple(sorted({*eos, *p.stop_token_ids}))
 
 
 def _num_rows(item: ScheduledItem) -> int:

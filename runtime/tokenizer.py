@@ -134,8 +134,9 @@ class Detokenizer:
     The released prefix never changes afterwards, so streamed deltas concatenate to the final text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
-        self.stop = stop
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
+        """min_tokens: stop strings are looked for only in text that ends past the first min_tokens tokens."""
+        self.stop, self.min_tokens, self._tokens = stop, min_tokens, 0
         self._hold = max((len(s) - 1 for s in stop), default=0)  # the longest tail that could begin one
         self._text = IncrementalText(tokenizer)
         self._searched = 0  # stop strings were looked for in text[:_searched]
@@ -149,9 +150,11 @@ class Detokenizer:
     def push(self, token_id: int, final: bool = False) -> str:
         """Add one token; return the newly released text (stop strings cut the text and set `stopped`)."""
         self.offset = self._text.push(token_id, final)
+        self._tokens += 1
         text = self._text.text  # whole characters only, unless final
         # Stop strings are looked for only where they could end in the new text; the earliest found cuts.
-        found = [at for s in self.stop if (at := text.find(s, max(0, self._searched - len(s) + 1))) >= 0]
+        found = [at for s in self.stop if (at := text.find(s, max(0, self._searched - len(s) + 1))) >= 0] \
+            if self._tokens > self.min_tokens else []
         if found:
             text, self.stopped, final = text[:min(found)], True, True
         self._searched = len(text)

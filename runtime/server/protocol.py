@@ -40,6 +40,7 @@ class _Sampling(_Strict):
                                                                 "tokens; 1 = off.")
     logit_bias: dict[str, Number] | None = Field(None, description="{token id: bias in [-100, 100]}.")
     stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end the output.")
+    min_tokens: int = Field(0, description="Extension: tokens before EOS, a stop id or a stop string may end it.")
     response_format: dict | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")

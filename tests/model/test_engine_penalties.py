@@ -82,3 +82,28 @@ def test_generate_cli_takes_the_penalties(llm, k3_tiny_engine):
     assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
     bad = CliRunner().invoke(main, [*args, "--presence-penalty", "3"])
     assert bad.exit_code != 0 and "presence_penalty: expected a number in [-2, 2]" in bad.output
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm, k3_tiny_engine):
+    """A bias makes EOS (then a stop id) the greedy choice at every step: with min_tokens k the output runs k tokens
+    and ends on the k+1-th, with sync and async scheduling; a stop string inside the first k tokens' text does not
+    end it either."""
+    eos = llm.engine.eos_token_id
+    for options in ({}, {"async_scheduling": True}):
+        engine = LLM(k3_tiny_engine, **options)
+        for kw in ({"logit_bias": {eos: 100}}, {"logit_bias": {77: 100}, "stop_token_ids": (77,), "ignore_eos": True}):
+            out = engine.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, min_tokens=5, **kw))[0]
+            stop = kw.get("stop_token_ids", (eos,))[0]
+            assert len(out.token_ids) == 6 and out.finish_reason == "stop", (options, kw, out.token_ids)
+            assert stop not in out.token_ids[:5] and out.token_ids[5] == stop
+            without = engine.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, **kw))[0]
+            assert without.token_ids == [stop]
+    text = llm.generate("Hello there", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].text
+    stop = text[1:3]  # inside the first token or two
+    early = llm.generate("Hello there", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=(stop,)))[0]
+    late = llm.generate("Hello there", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=(stop,),
+                                                      min_tokens=8))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 8
+    assert len(late.token_ids) >= 9 and late.text.startswith(text[:3])
+    with pytest.raises(ValueError, match=r"min_tokens: expected an int in 0..max_tokens \(4\), got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)

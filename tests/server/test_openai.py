@@ -197,6 +197,11 @@ def test_stop_string_matches_python_api(client, llm):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                   extra_body={"return_token_ids": True, "stop_token_ids": [ids[2]]})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"] == ids[:ids.index(ids[2]) + 1]
+    # the min_tokens extension: EOS made the greedy choice still waits for 3 tokens, and ends the output on the 4th
+    eos = llm.engine.eos_token_id
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                  logit_bias={str(eos): 100}, extra_body={"return_token_ids": True, "min_tokens": 3})
+    assert r.choices[0].finish_reason == "stop" and len(r.choices[0].model_extra["token_ids"]) == 4
     # response_format text is what every output is: accepted
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                           response_format={"type": "text"}).choices
