@@ -10,6 +10,8 @@
 # Thirtieth session (no device lent): the two-stage replay of a step whole (Step.micro_batches = 1, its logits not
 # copied) beside the cut one; decode_l_yh (bf16 per-pair rows) in every MoE case and against decode_l
 # (test_half_pair_rows_match_reference); logprobs on the graphs with async scheduling (test_logprobs_on_the_gpu).
+# Thirty-third session (no device lent): penalties and min_tokens' bans on the GPU against the CPU with no sync
+# (tests/runtime/test_sampler_gpu.py), prompt logprobs' rows in step_logprobs without a sync (test_logprobs_on_the_gpu).
 source tools/device/env.sh
 timeout 540 python3 -m pytest -q -m gpu tests/plugins tests/model tests/runtime tests/dist/test_graphs_nccl_gpu.py \
   -p no:cacheprovider --tb=short -rs > $OUT/pytest.txt 2>&1
