@@ -44,8 +44,8 @@ def test_one_sync_for_the_batch():
 
 
 def test_penalties_on_the_gpu_equal_the_cpu_and_never_sync():
-    """Bias and penalties over 40 rows (two passes), a pending token on the device for some: the CPU's values,
-    with no device->host sync at all (sync debug mode "error")."""
+    """Bias, penalties and bans over 40 rows (two passes), a pending token on the device for some: the CPU's
+    values, with no device->host sync at all (sync debug mode "error")."""
     from k3runtime.penalties import adjust_logits
     from k3runtime.scheduler import SeenTokens
 
@@ -56,14 +56,16 @@ def test_penalties_on_the_gpu_equal_the_cpu_and_never_sync():
     seen = [SeenTokens(tuple(range(i, i + 5)), tuple(torch.randint(0, V, (i,), generator=g).tolist()))
             if p.penalized else None for i, p in enumerate(params)]
     pending = torch.randint(0, V, (M,), generator=g).masked_fill(torch.arange(M) % 2 == 0, -1)
+    banned = [(2, 9) if i % 4 == 0 else () for i in range(M)]  # min_tokens' EOS and stop ids
     logits = torch.randn(M, V, generator=g) * 4
-    want = adjust_logits(logits, params, seen, pending)
+    want = adjust_logits(logits, params, seen, pending, banned)
+    assert torch.isinf(want[0, [2, 9]]).all()
     on_gpu, late = logits.cuda(), pending.cuda()
-    adjust_logits(on_gpu, params, seen, late)  # warm-up
+    adjust_logits(on_gpu, params, seen, late, banned)  # warm-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = adjust_logits(on_gpu, params, seen, late)
+        got = adjust_logits(on_gpu, params, seen, late, banned)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
