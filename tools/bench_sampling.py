@@ -1,0 +1,102 @@
+"""A decode step's sampling as the driver does it, with penalties or logprobs beside plain sampling (JSON lines).
+
+    python tools/bench_sampling.py [--device cuda] [--rows 32,128] [--outputs 1024,8192] [--vocab 163840]
+                                   [--steps 20]
+
+ROWS requests each sample one token from fp32 logits [ROWS, VOCAB] (K3's vocabulary by default) through
+llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
+- plain_ms: that alone, the baseline;
+- penalized_ms: every row also with frequency, presence and repetition penalties over OUTPUT earlier tokens and a
+  prompt of 1024 distinct ids, its last token still on the device (async scheduling's case); the plan's
+  SeenTokens are rebuilt at each call, as the scheduler does at each step;
+- logprobs_ms: plain, every row also asking for 5 alternatives (runtime/logprobs.py).
+The floor, floor_ms, reads the logits once (a max over the vocabulary). Each figure is the median over STEPS calls,
+the device synchronized after each (the driver reads the ids next); x_floor and x_plain are its ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from k3runtime.llm_engine import sample_step, sample_with_logprobs
+from k3runtime.rank_runner import Step
+from k3runtime.request import PLACEHOLDER
+from k3runtime.sampling_params import SamplingParams
+from k3runtime.scheduler import ScheduledItem, SeenTokens
+
+PROMPT_IDS = 1024  # distinct prompt ids a repetition penalty counts
+
+
+def _median_ms(call, steps: int, device: torch.device) -> float:
+    times = []
+    for _ in range(steps + 1):  # the first call warms up
+        t0 = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _step(params: SamplingParams, rows: int, outputs: list[list[int]] | None, prompt: tuple[int, ...]) -> Step:
+    """One decode item a row, fed its last token (async scheduling); with `outputs`, their SeenTokens."""
+    def item(i: int) -> ScheduledItem:
+        if outputs is None:
+            return ScheduledItem(str(i), (PLACEHOLDER,), 100, 1, True, i, (0,), params, i, 0)
+        seen = SeenTokens(prompt, tuple(outputs[i][:-1]))  # the scheduler's copy; the last token is fed
+        return ScheduledItem(str(i), (PLACEHOLDER,), 100, 1, True, i, (0,), params, i, len(outputs[i]), seen=seen)
+    return Step(tuple(item(i) for i in range(rows)), feed=tuple((i, i) for i in range(rows)))
+
+
+def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) -> dict:
+    g = torch.Generator().manual_seed(rows + output)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(device)
+    outputs = torch.randint(0, vocab, (rows, output), generator=g).tolist()
+    fed = torch.tensor([o[-1] for o in outputs], device=device)
+    prompt = tuple(sorted(torch.randperm(vocab, generator=g)[:PROMPT_IDS].tolist()))
+    plain = SamplingParams(temperature=0.8, top_p=0.95)
+    penal = SamplingParams(temperature=0.8, top_p=0.95, frequency_penalty=0.5, presence_penalty=0.5,
+                           repetition_penalty=1.1)
+    asks = SamplingParams(temperature=0.8, top_p=0.95, logprobs=5)
+    figures = {
+        "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows, None, ()), logits, fed), steps, device),
+        "penalized_ms": _median_ms(lambda: sample_step(_step(penal, rows, outputs, prompt), logits, fed), steps,
+                                   device),
+        "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows, None, ()), logits, fed), steps,
+                                  device),
+        "floor_ms": _median_ms(lambda: logits.max(dim=-1), steps, device),
+    }
+    out = {"bench": "sampling", "rows": rows, "output": output, "vocab": vocab,
+           **{k: round(v, 6) for k, v in figures.items()}}
+    for case in ("plain", "penalized", "logprobs"):
+        out[f"{case}_x_floor"] = round(figures[f"{case}_ms"] / figures["floor_ms"], 2)
+    for case in ("penalized", "logprobs"):
+        out[f"{case}_x_plain"] = round(figures[f"{case}_ms"] / figures["plain_ms"], 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", default="32,128")
+    ap.add_argument("--outputs", default="1024,8192")
+    ap.add_argument("--vocab", type=int, default=163840)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(json.dumps({"bench": "sampling_env", "device": name, "torch": torch.__version__,
+                      "date": time.strftime("%Y-%m-%d")}), flush=True)
+    for rows in map(int, args.rows.split(",")):
+        for output in map(int, args.outputs.split(",")):
+            print(json.dumps(run(device, rows, output, args.vocab, args.steps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
