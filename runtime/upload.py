@@ -9,8 +9,9 @@ import torch
 
 
 def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """`values` (numbers or nested lists of them) as a tensor on `device`, its copy queued on the current stream."""
-    t = torch.tensor(values, dtype=dtype)
+    """`values` (numbers or nested lists of them, or a numpy array) as a tensor on `device`, its copy queued on the
+    current stream."""
+    t = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
