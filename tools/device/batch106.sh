@@ -1,4 +1,5 @@
-# Hundred-and-sixth device batch (prepared in the thirty-second session, which had no device; not yet run): the MoE
+# Run in the thirty-third session on an H100 (BENCHMARKS.md, bench_plugins: the tiles pay, the gathering combine
+# does not). Hundred-and-sixth device batch (prepared in the thirty-second session, which had no device): the MoE
 # decode's two small launches around its GEMMs. At 8 tokens an expert decode_l is 1-2 % short of 0.80 of the weight
 # floor, and the twenty-fourth session's timeline put 6.5 µs of its 8.9 µs over the 1-token case in the pair sort
 # (6.4 against 2.2 µs) and the combine (5.0 against 2.7 µs). Two changes aim at them:

@@ -1,4 +1,5 @@
-# Hundred-and-ninth device batch (prepared in the thirty-third session; not yet run): what a decode step's sampling
+# Its bench ran in the thirty-third session on an H100 (BENCHMARKS.md, bench_sampling); on an H200 not yet.
+# Hundred-and-ninth device batch (prepared in the thirty-third session): what a decode step's sampling
 # costs on the GPU with penalties and with logprobs, beside plain sampling and the floor of reading the logits once
 # (tools/bench_sampling.py: 32 and 128 rows, K3's vocabulary, 1K and 8K earlier output tokens a row). The penalties'
 # counts are made on the device from the plan's token lists (runtime/penalties.py), so their host work grows with
