@@ -176,7 +176,7 @@ def _pending(step: Step, fed: torch.Tensor | None) -> torch.Tensor | None:
     return torch.where(rows >= 0, fed.index_select(0, rows.clamp(min=0)), -1)
 
 
-def _asks(step_or_plan) -> bool:
+def wants_rows(step_or_plan) -> bool:
     """Whether an item of the step asks for logprobs (of its sampled token, or of its prompt): then their rows
     follow the step's ids wherever they go."""
     return not getattr(step_or_plan, "all_logits", False) and rows_shape(step_or_plan.items, 1) is not None
@@ -360,7 +360,7 @@ class LLMEngine:
         logprobs = [None] * len(steps)
         if logits is None:  # pipeline stages: the last stage's
             results = [self.comm.recv_result(self._last_stage_rank)]
-            if _asks(step):
+            if wants_rows(step):
                 logprobs[0] = self.comm.recv_result(self._last_stage_rank)
         elif step.all_logits:
             results = [logits]
@@ -379,7 +379,7 @@ class LLMEngine:
             return results, logprobs
         for d in range(1, len(steps)):
             results.append(self.comm.recv_result(d))
-            if _asks(steps[d]):
+            if wants_rows(steps[d]):
                 logprobs[d] = self.comm.recv_result(d)
         return results, logprobs
 
@@ -517,7 +517,8 @@ class LLMEngine:
                 remote = []
                 for d in range(1, self.dp_size):
                     ids, owed = self.comm.recv_result(d), self._in_flight[d]
-                    remote.append((ids, self.comm.recv_result(d) if owed is not None and _asks(owed.plan) else None))
+                    rows = self.comm.recv_result(d) if owed is not None and wants_rows(owed.plan) else None
+                    remote.append((ids, rows))
             self._owed = True
         return tokens, logprobs, remote
 

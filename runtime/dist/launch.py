@@ -92,8 +92,7 @@ def _release_all(quiet: bool = False) -> None:
 
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
-    from ..llm_engine import HostCopy, empty_sampled, open_rank, sample_with_logprobs
-    from ..logprobs import rows_shape
+    from ..llm_engine import HostCopy, empty_sampled, open_rank, sample_with_logprobs, wants_rows
 
     config = read_engine_config(engine_dir)
     comm = _communicator(config, device)
@@ -124,7 +123,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
         elif options.async_scheduling and not step.all_logits:
             last, fed = fed if step.feed else None, None
             # a step of prompt chunks alone may still have prompt logprobs' rows
-            if any(it.sample for it in step.items) or rows_shape(step.items, 1) is not None:
+            if any(it.sample for it in step.items) or wants_rows(step):
                 fed, rows = sample_with_logprobs(step, logits, last) if rank == sampler else \
                     empty_sampled(step, vocab, runner.device)
                 if fed.numel():
