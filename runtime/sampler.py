@@ -146,6 +146,50 @@ def _top_p_drop(sorted_x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return drop
 
 
+def top_p_keep_sorted(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p_keep by sorting the vocabulary, ties by ascending id: its reference, and the baseline it is timed
+    against (tools/bench_sampling.py)."""
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    return torch.ones_like(x, dtype=torch.bool).scatter(1, order, ~_top_p_drop(sorted_x, top_p))
+
+
+def top_p_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[M, V] bool: the tokens _top_p_drop keeps of each row (tempered logits x [M, V] fp32, -inf for dropped ones;
+    top_p [M] fp64), found without sorting the vocabulary, the same set bit for bit.
+
+    Sorted best first, a token stays while the integer mass before it, as fp64, is below T = top_p · total. That
+    mass only grows, so the kept tokens are those above one cut value, and the first ones by id of the tokens at
+    it. The cut is found in two histograms of the integer weights over the fp32 values' order-keeping 32-bit keys:
+    by their high 16 bits (the bucket where the mass before and with it crosses T), then by the low 16 bits inside
+    that bucket (the cut value itself). Integer sums are exact in any order, so the masses match the sorted ones."""
+    x = x + 0.0                                                                  # -0.0 -> +0.0: one key a value
+    wi = (torch.exp((x - x.max(dim=-1, keepdim=True).values).double()) * TOP_P_SCALE).round().long()
+    T = top_p * wi.sum(dim=-1).double()                                          # _top_p_drop's threshold
+    bits = x.view(torch.int32)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)                        # ordered as the fp32 values
+    hi, lo = (key >> 16) + (1 << 15), key & 0xFFFF                               # both in [0, 2^16)
+    no_mass = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    cut_hi, above = _crossing(hi, wi, no_mass, T)
+    in_hi = hi == cut_hi[:, None]
+    cut_lo, above = _crossing(lo, torch.where(in_hi, wi, 0), above, T)
+    tied = in_hi & (lo == cut_lo[:, None])
+    before = above[:, None] + (tied.cumsum(dim=-1) - 1) * wi                     # a tied token's mass before it
+    keep = (hi > cut_hi[:, None]) | (in_hi & (lo > cut_lo[:, None])) | (tied & (before.double() < T[:, None]))
+    return keep | (top_p >= 1.0)[:, None]
+
+
+def _crossing(bucket: torch.Tensor, wi: torch.Tensor, above: torch.Tensor,
+              T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of each row's 2^16 buckets (wi summed in each), best (highest) first after a mass `above`: the one where the
+    mass before and with it first reaches T, and the mass before it."""
+    hist = torch.zeros(bucket.shape[0], 1 << 16, dtype=torch.int64, device=bucket.device)
+    hist.scatter_add_(1, bucket.long(), wi)
+    upto = hist.flip(-1).cumsum(dim=-1) + above[:, None]                         # with each bucket, best first
+    n = (upto.double() < T[:, None]).sum(dim=-1, keepdim=True).clamp(max=(1 << 16) - 1)
+    cut = (1 << 16) - 1 - n
+    return cut[:, 0], (upto.gather(1, n) - hist.gather(1, cut))[:, 0]
+
+
 def best_first(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(vals, ids) [M, n] reordered best first, ties by ascending id: sorted by id, then stably by value."""
     by_id = ids.argsort(dim=-1)
@@ -160,8 +204,7 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     if rows.any_top_k:
         x = x.masked_fill(~top_k_mask(x, rows.k, rows.kmax), float("-inf"))
     if rows.any_top_p:
-        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)           # ties by ascending id
-        x = x.scatter(1, order, sorted_x.masked_fill(_top_p_drop(sorted_x, rows.top_p), float("-inf")))
+        x = x.masked_fill(~top_p_keep(x, rows.top_p), float("-inf"))
     ids = torch.arange(x.shape[1], device=x.device)
     return (x + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)              # the first (lowest id) on a tie
 

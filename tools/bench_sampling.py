@@ -5,7 +5,10 @@
 
 ROWS requests each sample one token from fp32 logits [ROWS, VOCAB] (K3's vocabulary by default) through
 llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
-- plain_ms: that alone, the baseline;
+- plain_ms: that alone;
+- sorted_ms: the same with top-p's kept tokens found by sorting the vocabulary (sampler.top_p_keep_sorted, the
+  sampler's way before the thirty-fourth session), the baseline of plain_ms: the same draws (same_tokens_as_sorted
+  checks it);
 - penalized_ms: every row also with frequency, presence and repetition penalties over OUTPUT earlier tokens and a
   prompt of 1024 distinct ids, its last token still on the device (async scheduling's case); the plan's
   SeenTokens are rebuilt at each call, as the scheduler does at each step;
@@ -24,6 +27,7 @@ import time
 
 import torch
 
+from k3runtime import sampler
 from k3runtime.llm_engine import sample_step, sample_with_logprobs
 from k3runtime.rank_runner import Step
 from k3runtime.request import PLACEHOLDER
@@ -54,6 +58,16 @@ def _step(params: SamplingParams, rows: int, outputs: list[list[int]] | None, pr
     return Step(tuple(item(i) for i in range(rows)), feed=tuple((i, i) for i in range(rows)))
 
 
+def _sorted(call):
+    """call() with the sampler's top-p by sorting the vocabulary."""
+    keep = sampler.top_p_keep
+    sampler.top_p_keep = sampler.top_p_keep_sorted
+    try:
+        return call()
+    finally:
+        sampler.top_p_keep = keep
+
+
 def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(rows + output)
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(device)
@@ -66,6 +80,8 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     asks = SamplingParams(temperature=0.8, top_p=0.95, logprobs=5)
     figures = {
         "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows, None, ()), logits, fed), steps, device),
+        "sorted_ms": _median_ms(lambda: _sorted(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)),
+                                steps, device),
         "penalized_ms": _median_ms(lambda: sample_step(_step(penal, rows, outputs, prompt), logits, fed), steps,
                                    device),
         "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows, None, ()), logits, fed), steps,
@@ -76,6 +92,10 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
            **{k: round(v, 6) for k, v in figures.items()}}
     for case in ("plain", "penalized", "logprobs"):
         out[f"{case}_x_floor"] = round(figures[f"{case}_ms"] / figures["floor_ms"], 2)
+    # the two top-p ways draw the same tokens (seeded draws: the same call twice gives the same ids)
+    out["same_tokens_as_sorted"] = torch.equal(sample_step(_step(plain, rows, None, ()), logits, fed),
+                                               _sorted(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)))
+    out["plain_x_sorted"] = round(figures["plain_ms"] / figures["sorted_ms"], 3)
     for case in ("penalized", "logprobs"):
         out[f"{case}_x_plain"] = round(figures[f"{case}_ms"] / figures["plain_ms"], 2)
     return out

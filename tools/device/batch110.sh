@@ -1,0 +1,39 @@
+# Hundred-and-tenth device batch (thirty-fourth session): 1. the sampling bench with top-p found without sorting the
+# vocabulary (sampler.top_p_keep) beside the sort (sorted_ms), and a breakdown of plain sampling's parts at 32 and
+# 128 rows (the noise, top-p's kept set by selection and by sorting, the whole draw); 2. bench_plugins' MLA with one
+# wave's split counts beside the host's two; 3. the sampler's GPU tests. Carry fla-core's wheel (.whl).
+source tools/device/env.sh
+timeout 200 python3 tools/bench_sampling.py --device cuda 2>&1 | tee $OUT/sampling.jsonl
+python3 - <<'PY' 2>&1 | tee $OUT/sampling_parts.txt
+import torch
+from k3runtime import sampler
+def ms(f, reps=20):
+    for _ in range(3):
+        f()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        f()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+for M in (32, 128):
+    x = torch.randn(M, 163840, device="cuda") * 3
+    tp = torch.full((M,), 0.95, dtype=torch.float64, device="cuda")
+    seeds = torch.arange(M, device="cuda") * 7919
+    ids = torch.arange(163840, device="cuda")
+    print(M, {"noise": round(ms(lambda: sampler.gumbel_noise(seeds, ids)), 3),
+              "keep_select": round(ms(lambda: sampler.top_p_keep(x, tp)), 3),
+              "keep_sorted": round(ms(lambda: sampler.top_p_keep_sorted(x, tp)), 3),
+              "same": bool(torch.equal(sampler.top_p_keep(x, tp), sampler.top_p_keep_sorted(x, tp))),
+              "max": round(ms(lambda: x.max(-1)), 3)})
+PY
+timeout 200 python3 tools/bench_plugins.py --only mla 2>&1 | grep '^{' > $OUT/mla.jsonl
+python3 - <<'PY'
+import json, os
+for r in map(json.loads, open(f"{os.environ['OUT']}/mla.jsonl")):
+    if r["bench"] == "mla_config":
+        print(r["B"], r["L"], r["H"], r["block_h"], r["num_splits"], r["ms"], r["frac_of_floor"])
+PY
+timeout 150 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -3
