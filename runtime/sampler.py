@@ -11,11 +11,13 @@ bits on any device (its logarithms may differ in the last bit between devices). 
 before, took a launch sequence and a host sync a row. Ties, common in logits upcast from bf16, are broken by
 token id at every step, so that nothing depends on the order a sort or top-k returns. When every row of a pass
 has a top-k, the rows are drawn from their kept tokens only (_draw_top_k): the same sets, order and noise, so the
-same tokens, without sorting the vocabulary.
+same tokens. Nothing sorts the vocabulary: top-p's kept tokens come from two histograms (top_p_keep, the same set
+as a sort gives), and on a GPU the noise and the argmax are one Triton launch (k3plugins.sample).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -205,8 +207,26 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
         x = x.masked_fill(~top_k_mask(x, rows.k, rows.kmax), float("-inf"))
     if rows.any_top_p:
         x = x.masked_fill(~top_p_keep(x, rows.top_p), float("-inf"))
+    return gumbel_argmax(x, rows.draw_seeds)
+
+
+def gumbel_argmax(x: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
+    """argmax(x + gumbel_noise) of each row over the whole vocabulary, the first (lowest id) on a tie: on a CUDA or
+    ROCm GPU one Triton launch (k3plugins.sample), which makes the noise in registers; elsewhere the torch ops."""
+    if x.is_cuda and _triton_draw() is not None:
+        return _triton_draw()(x.contiguous(), draw_seeds)
     ids = torch.arange(x.shape[1], device=x.device)
-    return (x + gumbel_noise(rows.draw_seeds, ids)).argmax(dim=-1)              # the first (lowest id) on a tie
+    return (x + gumbel_noise(draw_seeds, ids)).argmax(dim=-1)
+
+
+@functools.cache
+def _triton_draw():
+    """k3plugins.sample's launch, or None where Triton does not import (the torch ops then)."""
+    try:
+        from k3plugins.sample.triton import gumbel_argmax as draw
+    except ImportError:
+        return None
+    return draw
 
 
 def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:

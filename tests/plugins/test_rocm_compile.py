@@ -20,6 +20,7 @@ from k3plugins.moe import triton_kernels as moe  # noqa: E402
 from k3plugins.moe_out import triton as moe_out  # noqa: E402
 from k3plugins.norm import triton as norm  # noqa: E402
 from k3plugins.router import triton as router  # noqa: E402
+from k3plugins.sample import triton as sample  # noqa: E402
 
 # (kernel, pointer element types by arg name, constexprs); other args: *_ptr -> *fp32, ints i32, listed floats fp32
 _MOE = dict(TOP_K=16, ACT=0, BM=16, BN=64, BK=128, STRIDED=False, F8=None)
@@ -151,6 +152,7 @@ SPECS = {
     # past CAST_SPLIT_MAX_TOKENS tokens: a whole row of the latent MoE's 4352 columns a cast program
     "router_topk_cast_row": (router.router_topk_kernel, dict(ids_ptr="*i64", h_ptr="*fp32", out_ptr="*bf16"),
                              dict(NUM_SPLITS=1, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True, CAST=True, BC=8192)),
+    "gumbel_argmax": (sample.gumbel_argmax_kernel, dict(seed_ptr="*i64", idx_ptr="*i64"), dict(BLOCK=1024)),
 }
 _FLOATS = {"beta", "linear_beta", "sm_scale", "scale", "lower_bound", "eps", "out_eps", "scaling"}
 TARGETS = {"gfx942": GPUTarget("hip", "gfx942", 64), "sm90": GPUTarget("cuda", 90, 32)}

@@ -440,6 +440,29 @@ def _moe_in_cases() -> dict:
     return res
 
 
+def _gumbel_argmax_cases() -> dict:
+    """The sampler's draw in one launch against its torch ops (k3runtime.sampler): rows of several lengths (one
+    chunk, several, a ragged last block), -inf tokens, a row all -inf, ties (logits rounded to halves), and more
+    chunks than blocks (PROGRAMS small)."""
+    from k3plugins.sample import triton as st
+    from k3runtime.sampler import _draw_seed, gumbel_noise
+    g = torch.Generator().manual_seed(11)
+    res = {}
+    for M, V, programs in ((3, 700, 1024), (5, 5000, 1024), (2, 5000, 4)):
+        x = (torch.randn(M, V, generator=g) * 2).round() / 2
+        x[0, ::3] = float("-inf")
+        x[-1] = float("-inf") if M == 3 else x[-1]
+        seeds = torch.tensor([_draw_seed(m, 9) for m in range(M)], dtype=torch.int64)
+        want = (x + gumbel_noise(seeds, torch.arange(V))).argmax(dim=-1)
+        st.PROGRAMS, old = programs, st.PROGRAMS
+        try:
+            got = st.gumbel_argmax(x, seeds)
+        finally:
+            st.PROGRAMS = old
+        res[f"gumbel-argmax-{M}-{V}-{programs}"] = {"equal": bool(torch.equal(got, want))}
+    return res
+
+
 def _child(part: str) -> None:
     """The checks of one part ("norms": RMSNorm and AttnRes, about half the time; "kernels": the others), printed
     as one JSON line."""
@@ -500,6 +523,7 @@ def _child(part: str) -> None:
     res.update(_router_cases())
     res.update(_moe_in_cases())
     res.update(_moe_out_cases())
+    res.update(_gumbel_argmax_cases())
     print("RESULTS " + json.dumps(res))
 
 
@@ -675,6 +699,11 @@ def test_glu_interpreted(results, dtype, tol, act):
 def test_moe_out_proj_interpreted(results, dtype, tol, norm):
     r = results[f"moe-out-{dtype}-{norm}"]
     assert r["dtype_ok"] and r["empty_ok"] and r["rel_input"] < tol and r["rel"] < tol, r
+
+
+@pytest.mark.parametrize("case", ["3-700-1024", "5-5000-1024", "2-5000-4"])
+def test_gumbel_argmax_interpreted(results, case):
+    assert results[f"gumbel-argmax-{case}"]["equal"]
 
 
 if __name__ == "__main__":

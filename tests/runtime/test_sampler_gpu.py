@@ -69,3 +69,19 @@ def test_penalties_on_the_gpu_equal_the_cpu_and_never_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_triton_draw_equals_the_torch_ops():
+    """The one-launch draw (k3plugins.sample) against the sampler's torch ops on the same GPU: K3's vocabulary, 130
+    rows (chunked rows, a ragged last block), logits rounded to bf16 (ties), -inf tokens, many seeds."""
+    from k3runtime.sampler import _draw_seed, _triton_draw, gumbel_noise
+    draw = _triton_draw()
+    assert draw is not None
+    g = torch.Generator(device="cuda").manual_seed(2)
+    V = 163840
+    ids = torch.arange(V, device="cuda")
+    for trial in range(5):
+        x = (torch.randn(130, V, device="cuda", generator=g) * 3).bfloat16().float()
+        x[::7, ::5] = float("-inf")
+        seeds = torch.tensor([_draw_seed(trial, m) for m in range(130)], dtype=torch.int64, device="cuda")
+        assert torch.equal(draw(x, seeds), (x + gumbel_noise(seeds, ids)).argmax(dim=-1)), trial
