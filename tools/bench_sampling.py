@@ -6,9 +6,9 @@
 ROWS requests each sample one token from fp32 logits [ROWS, VOCAB] (K3's vocabulary by default) through
 llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
 - plain_ms: that alone;
-- sorted_ms: the same with top-p's kept tokens found by sorting the vocabulary (sampler.top_p_keep_sorted, the
-  sampler's way before the thirty-fourth session), the baseline of plain_ms: the same draws (same_tokens_as_sorted
-  checks it);
+- before_ms: the same as the sampler did it before the thirty-fourth session, the baseline of plain_ms: top-p's
+  kept tokens by sorting the vocabulary (sampler.top_p_keep_sorted) and the draw as torch ops, not one Triton
+  launch; the same draws (same_tokens_as_before checks it);
 - penalized_ms: every row also with frequency, presence and repetition penalties over OUTPUT earlier tokens and a
   prompt of 1024 distinct ids, its last token still on the device (async scheduling's case); the plan's
   SeenTokens are rebuilt at each call, as the scheduler does at each step;
@@ -58,14 +58,14 @@ def _step(params: SamplingParams, rows: int, outputs: list[list[int]] | None, pr
     return Step(tuple(item(i) for i in range(rows)), feed=tuple((i, i) for i in range(rows)))
 
 
-def _sorted(call):
-    """call() with the sampler's top-p by sorting the vocabulary."""
-    keep = sampler.top_p_keep
-    sampler.top_p_keep = sampler.top_p_keep_sorted
+def _before(call):
+    """call() with the sampler as before the thirty-fourth session: top-p by a sort, the draw as torch ops."""
+    keep, draw = sampler.top_p_keep, sampler._triton_draw
+    sampler.top_p_keep, sampler._triton_draw = sampler.top_p_keep_sorted, lambda: None
     try:
         return call()
     finally:
-        sampler.top_p_keep = keep
+        sampler.top_p_keep, sampler._triton_draw = keep, draw
 
 
 def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) -> dict:
@@ -80,7 +80,7 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     asks = SamplingParams(temperature=0.8, top_p=0.95, logprobs=5)
     figures = {
         "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows, None, ()), logits, fed), steps, device),
-        "sorted_ms": _median_ms(lambda: _sorted(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)),
+        "before_ms": _median_ms(lambda: _before(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)),
                                 steps, device),
         "penalized_ms": _median_ms(lambda: sample_step(_step(penal, rows, outputs, prompt), logits, fed), steps,
                                    device),
@@ -92,10 +92,10 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
            **{k: round(v, 6) for k, v in figures.items()}}
     for case in ("plain", "penalized", "logprobs"):
         out[f"{case}_x_floor"] = round(figures[f"{case}_ms"] / figures["floor_ms"], 2)
-    # the two top-p ways draw the same tokens (seeded draws: the same call twice gives the same ids)
-    out["same_tokens_as_sorted"] = torch.equal(sample_step(_step(plain, rows, None, ()), logits, fed),
-                                               _sorted(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)))
-    out["plain_x_sorted"] = round(figures["plain_ms"] / figures["sorted_ms"], 3)
+    # both ways draw the same tokens (seeded draws: the same call twice gives the same ids)
+    out["same_tokens_as_before"] = torch.equal(sample_step(_step(plain, rows, None, ()), logits, fed),
+                                               _before(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)))
+    out["plain_x_before"] = round(figures["plain_ms"] / figures["before_ms"], 3)
     for case in ("penalized", "logprobs"):
         out[f"{case}_x_plain"] = round(figures[f"{case}_ms"] / figures["plain_ms"], 2)
     return out

@@ -1,7 +1,8 @@
-# Hundred-and-tenth device batch (thirty-fourth session): 1. the sampling bench with top-p found without sorting the
-# vocabulary (sampler.top_p_keep) beside the sort (sorted_ms), and a breakdown of plain sampling's parts at 32 and
-# 128 rows (the noise, top-p's kept set by selection and by sorting, the whole draw); 2. bench_plugins' MLA with one
-# wave's split counts beside the host's two; 3. the sampler's GPU tests. Carry fla-core's wheel (.whl).
+# Hundred-and-tenth device batch (thirty-fourth session): 1. the sampling bench, now without a sort of the vocabulary
+# (sampler.top_p_keep) and with the draw in one Triton launch (k3plugins.sample), beside the sampler as it was
+# (before_ms), and a breakdown of plain sampling's parts at 32 and 128 rows (the noise; the draw as torch ops and as
+# one launch; top-p's kept set by selection and by sorting); 2. bench_plugins' MLA with one wave's split counts
+# beside the host's two; 3. the GPU tests of the sampler and of the engine. Carry fla-core's wheel (.whl).
 source tools/device/env.sh
 timeout 200 python3 tools/bench_sampling.py --device cuda 2>&1 | tee $OUT/sampling.jsonl
 python3 - <<'PY' 2>&1 | tee $OUT/sampling_parts.txt
@@ -24,6 +25,8 @@ for M in (32, 128):
     seeds = torch.arange(M, device="cuda") * 7919
     ids = torch.arange(163840, device="cuda")
     print(M, {"noise": round(ms(lambda: sampler.gumbel_noise(seeds, ids)), 3),
+              "draw_torch": round(ms(lambda: (x + sampler.gumbel_noise(seeds, ids)).argmax(-1)), 3),
+              "draw_triton": round(ms(lambda: sampler._triton_draw()(x, seeds)), 3),
               "keep_select": round(ms(lambda: sampler.top_p_keep(x, tp)), 3),
               "keep_sorted": round(ms(lambda: sampler.top_p_keep_sorted(x, tp)), 3),
               "same": bool(torch.equal(sampler.top_p_keep(x, tp), sampler.top_p_keep_sorted(x, tp))),
@@ -36,4 +39,4 @@ for r in map(json.loads, open(f"{os.environ['OUT']}/mla.jsonl")):
     if r["bench"] == "mla_config":
         print(r["B"], r["L"], r["H"], r["block_h"], r["num_splits"], r["ms"], r["frac_of_floor"])
 PY
-timeout 150 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -3
+timeout 240 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py tests/model/test_gpu_engine.py -p no:cacheprovider --tb=short 2>&1 | tail -5
