@@ -27,7 +27,7 @@ from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
 from .logprobs import TokenLogprobs, rows_shape, sampled_params, step_logprobs, unpack
 from .micro_batch import StageCost, micro_batch_count
-from .penalties import adjust_logits
+from .penalties import SeenCounts, adjust_logits
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
@@ -147,14 +147,17 @@ def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> R
                       spare=(pages, slots) if spare else None, cuda_graphs=graphs)
 
 
-def sample_step(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = None) -> torch.Tensor:
+def sample_step(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = None,
+                seen: SeenCounts | None = None) -> torch.Tensor:
     """Token ids [M] int64 on the logits' device, for the step's sampled items (the same on every rank that holds
     the logits); no host sync. fed: the previous step's sampled ids (async scheduling), where the penalties of
-    a row find its last output token."""
+    a row find its last output token; seen: the penalized requests' counts this rank keeps (the rank that samples
+    every step of theirs must pass the same one; None: a new one, for items whose SeenTokens are all fresh)."""
     items = [it for it in step.items if it.sample]
     params = [it.params for it in items]
     logits = logits[:len(items)]  # the prompt logprobs' rows follow the sampled ones
-    logits = adjust_logits(logits, params, [it.seen for it in items], _pending(step, fed), [it.banned for it in items])
+    logits = adjust_logits(logits, params, [it.seen for it in items], _pending(step, fed), [it.banned for it in items],
+                           [it.slot_id for it in items], seen)
     return sample_tokens(logits, params, [it.seed for it in items], [it.sample_index for it in items])
 
 
@@ -165,9 +168,10 @@ def _pending(step: Step, fed: torch.Tensor | None) -> torch.Tensor | None:
     for i, it in enumerate(step.items):
         if not it.sample:
             continue
-        late = it.sample_index - len(it.seen.output) if it.seen is not None else 0
+        known = it.seen.start + len(it.seen.output) if it.seen is not None else it.sample_index
+        late = it.sample_index - known
         if late not in (0, 1) or (late and (i not in src or fed is None)):
-            raise ValueError(f"request {it.request_id!r}: its penalties see {len(it.seen.output)} output tokens "
+            raise ValueError(f"request {it.request_id!r}: its penalties see {known} output tokens "
                              f"before token {it.sample_index}, and the step feeds it {'one' if i in src else 'none'}")
         rows.append(src[i] if late else -1)
     if max(rows, default=-1) < 0:
@@ -182,11 +186,11 @@ def wants_rows(step_or_plan) -> bool:
     return not getattr(step_or_plan, "all_logits", False) and rows_shape(step_or_plan.items, 1) is not None
 
 
-def sample_with_logprobs(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_with_logprobs(step: Step, logits: torch.Tensor, fed: torch.Tensor | None = None,
+                         seen: SeenCounts | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rank that samples a step: its ids [M] on the device, and their logprobs' rows when an item asked (the
-    model's raw ones: from the logits before any penalty). fed: as sample_step's."""
-    tokens = sample_step(step, logits, fed)
+    model's raw ones: from the logits before any penalty). fed, seen: as sample_step's."""
+    tokens = sample_step(step, logits, fed, seen)
     return tokens, step_logprobs(logits, tokens, step.items)
 
 
@@ -294,6 +298,7 @@ class LLMEngine:
         self._broken = False  # an async step failed (_guarded)
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
         self._prompt_logprobs: dict[Request, list[TokenLogprobs]] = {}  # prompt rows kept until the first token
+        self._seen = SeenCounts()  # the penalties' counts of the requests this rank samples (DP rank 0's)
         self.pp_size = mapping["pp_size"]
         # pipeline stages: what a micro-batch costs a stage, to choose how many a step is cut into
         self._stage_cost = StageCost.from_engine(runner.engine.weights, config["pretrained_config"],
@@ -365,7 +370,7 @@ class LLMEngine:
         elif step.all_logits:
             results = [logits]
         else:
-            tokens, logprobs[0] = sample_with_logprobs(step, logits)
+            tokens, logprobs[0] = sample_with_logprobs(step, logits, seen=self._seen)
             results = [tokens]
         # Under attention-DP (pp = 1) DP rank d is global rank d and reports its own tokens (or its logits).
         if owes:
@@ -503,7 +508,7 @@ class LLMEngine:
         step, flight = steps[0], self._in_flight[0]
         logits = self.runner.run(step, flight.tokens if step.feed else None, wait=False)
         if logits is not None:
-            tokens, logprobs = sample_with_logprobs(step, logits, flight.tokens if step.feed else None)
+            tokens, logprobs = sample_with_logprobs(step, logits, flight.tokens if step.feed else None, self._seen)
         else:  # pipeline stages: the last stage samples, and shares them (and their rows) below
             tokens, logprobs = empty_sampled(step, self.facts.vocab_size, self.device)
         if self.comm is not None and self.dp_size == 1:

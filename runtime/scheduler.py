@@ -35,12 +35,16 @@ from .scheduler_config import SchedulerConfig
 @dataclass(frozen=True)
 class SeenTokens:
     """The tokens the penalties of a sampled item count (SamplingParams.penalized), as the host knew them when it
-    was scheduled: the prompt's distinct ids (only for a repetition_penalty) and the output so far. With async
-    scheduling the output may lack its last token, still on the device: the item's own PLACEHOLDER input, which
-    the sampler takes from the previous step's sampled ids."""
+    was scheduled. The sampling rank keeps each slot's counts (penalties.SeenCounts), so an item carries only what
+    they lack: when `fresh`, the prompt's distinct ids (only for a repetition_penalty) and the whole output, which
+    replace the slot's; otherwise the output tokens from index `start` on, which its counts already hold up to.
+    With async scheduling the output may lack its last token, still on the device: the item's own PLACEHOLDER
+    input, which the sampler takes from the previous step's sampled ids."""
 
     prompt: tuple[int, ...]
     output: tuple[int, ...]
+    start: int = 0
+    fresh: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,8 @@ class Scheduler:
         # plans scheduled and not yet updated (oldest first), each with its requests by id
         self._in_flight: list[tuple[StepPlan, dict[str, Request]]] = []
         self._max_in_flight = 2 if config.async_scheduling else 1
+        # slot -> (the penalized request whose counts the sampling rank holds there, its output tokens counted)
+        self._counted: dict[int, tuple[Request, int]] = {}
 
     # --- queue state, for the engine and metrics ---
     def has_unfinished(self) -> bool:
@@ -307,9 +313,23 @@ class Scheduler:
         request.num_pending += sample
         return ScheduledItem(request.request_id, request.token_slice(start, start + n), start, n, sample,
                              request.slot_id, tuple(request.page_ids), request.params, request.sampling_seed,
-                             request.num_output_tokens + pending, seen=_seen(request) if sample else None,
+                             request.num_output_tokens + pending, seen=self._seen(request) if sample else None,
                              banned=_banned(request, request.num_output_tokens + pending) if sample else (),
                              prompt_rows=_prompt_rows(request, start, n))
+
+    def _seen(self, request: Request) -> SeenTokens | None:
+        """What a sampled item's penalties count and its slot's counts lack (None when its request has none): the
+        output tokens since its last sampled item, or everything when its slot holds another request's counts (a
+        request new to the slot: admitted, re-admitted after preemption, swapped in)."""
+        p = request.params
+        if not p.penalized:
+            return None
+        out, slot = request.output_token_ids, request.slot_id
+        owner, counted = self._counted.get(slot, (None, 0))
+        self._counted[slot] = (request, len(out))
+        if owner is request:
+            return SeenTokens((), tuple(out[counted:]), counted, fresh=False)
+        return SeenTokens(request.distinct_prompt_ids() if p.repetition_penalty != 1.0 else (), tuple(out))
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether the request's pending tokens take it to max_tokens or max_model_len (it finishes on them)."""
@@ -404,13 +424,6 @@ class Scheduler:
         bisect.insort(queue, request, key=lambda r: r.arrival)
 
 
-def _seen(request: Request) -> SeenTokens | None:
-    """The tokens a sampled item's penalties count; None when its request has none."""
-    p = request.params
-    if not p.penalized:
-        return None
-    return SeenTokens(request.distinct_prompt_ids() if p.repetition_penalty != 1.0 else (),
-                      tuple(request.output_token_ids))
 
 
 def _banned(request: Request, index: int) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ def test_bench_sampling_times_the_cases_side_by_side():
     for d in lines[1:]:
         assert d["same_tokens_as_before"] is True
         assert abs(d["plain_x_before"] - d["plain_ms"] / d["before_ms"]) <= 0.01 * d["plain_x_before"] + 0.001
-        assert min(d["plain_ms"], d["before_ms"], d["penalized_ms"], d["logprobs_ms"], d["floor_ms"]) > 0
+        assert min(d["plain_ms"], d["before_ms"], d["penalized_ms"], d["penalized_first_ms"], d["logprobs_ms"],
+                   d["floor_ms"]) > 0
         assert abs(d["penalized_x_plain"] - d["penalized_ms"] / d["plain_ms"]) <= 0.01 * d["penalized_x_plain"] + 0.01
         assert abs(d["plain_x_floor"] - d["plain_ms"] / d["floor_ms"]) <= 0.01 * d["plain_x_floor"] + 0.01

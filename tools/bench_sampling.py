@@ -9,9 +9,11 @@ llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
 - before_ms: the same as the sampler did it before the thirty-fourth session, the baseline of plain_ms: top-p's
   kept tokens by sorting the vocabulary (sampler.top_p_keep_sorted) and the draw as torch ops, not one Triton
   launch; the same draws (same_tokens_as_before checks it);
-- penalized_ms: every row also with frequency, presence and repetition penalties over OUTPUT earlier tokens and a
-  prompt of 1024 distinct ids, its last token still on the device (async scheduling's case); the plan's
-  SeenTokens are rebuilt at each call, as the scheduler does at each step;
+- penalized_ms: every row also with frequency, presence and repetition penalties, in a decode step after the first:
+  it brings the one token sampled since (the plan's SeenTokens), the counts kept on the sampling rank, its own
+  last token still on the device (async scheduling's case);
+- penalized_first_ms: the first such step of each row on its slot, which brings OUTPUT - 1 earlier tokens and a
+  prompt of 1024 distinct ids (a request admitted, or back after preemption);
 - logprobs_ms: plain, every row also asking for 5 alternatives (runtime/logprobs.py).
 The floor, floor_ms, reads the logits once (a max over the vocabulary). Each figure is the median over STEPS calls,
 the device synchronized after each (the driver reads the ids next); x_floor and x_plain are its ratios.
@@ -29,6 +31,7 @@ import torch
 
 from k3runtime import sampler
 from k3runtime.llm_engine import sample_step, sample_with_logprobs
+from k3runtime.penalties import SeenCounts
 from k3runtime.rank_runner import Step
 from k3runtime.request import PLACEHOLDER
 from k3runtime.sampling_params import SamplingParams
@@ -48,14 +51,33 @@ def _median_ms(call, steps: int, device: torch.device) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
-def _step(params: SamplingParams, rows: int, outputs: list[list[int]] | None, prompt: tuple[int, ...]) -> Step:
-    """One decode item a row, fed its last token (async scheduling); with `outputs`, their SeenTokens."""
-    def item(i: int) -> ScheduledItem:
-        if outputs is None:
-            return ScheduledItem(str(i), (PLACEHOLDER,), 100, 1, True, i, (0,), params, i, 0)
-        seen = SeenTokens(prompt, tuple(outputs[i][:-1]))  # the scheduler's copy; the last token is fed
-        return ScheduledItem(str(i), (PLACEHOLDER,), 100, 1, True, i, (0,), params, i, len(outputs[i]), seen=seen)
-    return Step(tuple(item(i) for i in range(rows)), feed=tuple((i, i) for i in range(rows)))
+def _step(params: SamplingParams, rows: int, seen: list[SeenTokens] | None = None, index: int = 0) -> Step:
+    """One decode item a row (in slot i), fed its last token (async scheduling); with `seen`, its SeenTokens, and
+    it samples output token `index`."""
+    return Step(tuple(ScheduledItem(str(i), (PLACEHOLDER,), 100, 1, True, i, (0,), params, i, index,
+                                    seen=None if seen is None else seen[i]) for i in range(rows)),
+                feed=tuple((i, i) for i in range(rows)))
+
+
+class _Decode:
+    """Penalized decode steps as the sampling rank sees them: the first brings each row's OUTPUT - 1 known tokens
+    (fresh: what a request's first step on a slot costs); each later one the token the step before sampled, the
+    counts kept in between (SeenCounts), the step's own last token fed."""
+
+    def __init__(self, params, rows, outputs, prompt, logits, fed):
+        self.params, self.rows, self.outputs, self.prompt, self.logits, self.fed = params, rows, outputs, prompt, \
+            logits, fed
+        self.store, self.known = None, 0
+
+    def first(self):
+        self.store, self.known = SeenCounts(), len(self.outputs[0]) - 1
+        seen = [SeenTokens(self.prompt, tuple(o[:self.known])) for o in self.outputs]
+        return sample_step(_step(self.params, self.rows, seen, self.known + 1), self.logits, self.fed, self.store)
+
+    def next(self):
+        seen = [SeenTokens((), (o[self.known % len(o)],), self.known, fresh=False) for o in self.outputs]
+        self.known += 1
+        return sample_step(_step(self.params, self.rows, seen, self.known + 1), self.logits, self.fed, self.store)
 
 
 def _before(call):
@@ -78,25 +100,25 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     penal = SamplingParams(temperature=0.8, top_p=0.95, frequency_penalty=0.5, presence_penalty=0.5,
                            repetition_penalty=1.1)
     asks = SamplingParams(temperature=0.8, top_p=0.95, logprobs=5)
+    decode = _Decode(penal, rows, outputs, prompt, logits, fed)
+    decode.first()
     figures = {
-        "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows, None, ()), logits, fed), steps, device),
-        "before_ms": _median_ms(lambda: _before(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)),
-                                steps, device),
-        "penalized_ms": _median_ms(lambda: sample_step(_step(penal, rows, outputs, prompt), logits, fed), steps,
-                                   device),
-        "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows, None, ()), logits, fed), steps,
-                                  device),
+        "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows), logits, fed), steps, device),
+        "before_ms": _median_ms(lambda: _before(lambda: sample_step(_step(plain, rows), logits, fed)), steps, device),
+        "penalized_ms": _median_ms(decode.next, steps, device),
+        "penalized_first_ms": _median_ms(decode.first, steps, device),
+        "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows), logits, fed), steps, device),
         "floor_ms": _median_ms(lambda: logits.max(dim=-1), steps, device),
     }
     out = {"bench": "sampling", "rows": rows, "output": output, "vocab": vocab,
            **{k: round(v, 6) for k, v in figures.items()}}
-    for case in ("plain", "penalized", "logprobs"):
+    for case in ("plain", "penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_floor"] = round(figures[f"{case}_ms"] / figures["floor_ms"], 2)
     # both ways draw the same tokens (seeded draws: the same call twice gives the same ids)
-    out["same_tokens_as_before"] = torch.equal(sample_step(_step(plain, rows, None, ()), logits, fed),
-                                               _before(lambda: sample_step(_step(plain, rows, None, ()), logits, fed)))
+    out["same_tokens_as_before"] = torch.equal(sample_step(_step(plain, rows), logits, fed),
+                                               _before(lambda: sample_step(_step(plain, rows), logits, fed)))
     out["plain_x_before"] = round(figures["plain_ms"] / figures["before_ms"], 3)
-    for case in ("penalized", "logprobs"):
+    for case in ("penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_plain"] = round(figures[f"{case}_ms"] / figures["plain_ms"], 2)
     return out
 

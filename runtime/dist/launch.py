@@ -93,6 +93,7 @@ def _release_all(quiet: bool = False) -> None:
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
     from ..llm_engine import HostCopy, empty_sampled, open_rank, sample_with_logprobs, wants_rows
+    from ..penalties import SeenCounts
 
     config = read_engine_config(engine_dir)
     comm = _communicator(config, device)
@@ -109,6 +110,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     # under attention-DP, on their way to the host, owed to the driver once the next step is launched
     # Logprobs' rows (when an item asks: for its sampled token or its prompt) follow the ids, by the same route.
     fed, owed, vocab = None, [], runner.engine.facts.vocab_size
+    seen = SeenCounts()  # the penalties' counts of the requests this rank samples
     while True:
         steps = comm.control.broadcast()
         if steps[0].stop:
@@ -116,7 +118,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
         step = steps[tp_rank if attention_dp else 0]
         logits = runner.run(step, fed if step.feed else None)
         if options.async_scheduling and attention_dp:  # a DP rank's steps never score: the driver's does
-            fed, rows = sample_with_logprobs(step, logits, fed if step.feed else None)
+            fed, rows = sample_with_logprobs(step, logits, fed if step.feed else None, seen)
             for t in owed:
                 comm.control.send_result(t.wait(collective_timeout().total_seconds()), dst=0)
             owed = [HostCopy(t) for t in (fed, rows) if t is not None]
@@ -124,14 +126,14 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
             last, fed = fed if step.feed else None, None
             # a step of prompt chunks alone may still have prompt logprobs' rows
             if any(it.sample for it in step.items) or wants_rows(step):
-                fed, rows = sample_with_logprobs(step, logits, last) if rank == sampler else \
+                fed, rows = sample_with_logprobs(step, logits, last, seen) if rank == sampler else \
                     empty_sampled(step, vocab, runner.device)
                 if fed.numel():
                     comm.share_tokens(fed, src=sampler)
                 if rows is not None and sampler != 0:  # where the driver samples, it has its own rows
                     comm.share_tokens(rows, src=sampler)
         elif reports:
-            results = (logits,) if step.all_logits else sample_with_logprobs(step, logits)
+            results = (logits,) if step.all_logits else sample_with_logprobs(step, logits, seen=seen)
             for t in results:
                 if t is not None:
                     comm.control.send_result(t, dst=0)

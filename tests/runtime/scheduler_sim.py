@@ -61,6 +61,8 @@ class FakeExecutor:
         self.host_pages = [None] * scheduler.config.num_host_pages
         self.host_slots = [None] * scheduler.config.num_host_slots
         self.num_swaps = 0
+        self.counted: dict[int, list[int]] = {}  # slot -> the output tokens the sampling rank counts there
+        self.num_fresh = self.num_deltas = 0
 
     def step(self, plan: StepPlan, fed: dict[str, int] | None = None) -> dict[str, int]:
         """The plan's sampled tokens; fed: the previous plan's sampled tokens (PLACEHOLDER inputs take them)."""
@@ -106,8 +108,32 @@ class FakeExecutor:
                 # its own token is pending, and the in-flight plan's if it sampled this request
                 index = r.num_output_tokens + r.num_pending - 1
                 assert (it.seed, it.sample_index, it.params) == (r.sampling_seed, index, r.params)
+                if it.seen is not None:
+                    self._check_seen(it, r, fed)
                 sampled[it.request_id] = next_token(kv, state, it.seed, it.sample_index)
         return sampled
+
+    def _check_seen(self, it, r: Request, fed: dict[str, int] | None) -> None:
+        """Keep the penalties' counts as a sampling rank does (penalties.SeenCounts: by slot, never poisoned) and
+        check that with the fed token they hold exactly the request's output before the token sampled."""
+        seen = it.seen
+        if seen.fresh:
+            want_prompt = r.distinct_prompt_ids() if r.params.repetition_penalty != 1.0 else ()
+            assert seen.start == 0 and seen.prompt == want_prompt, f"{it.request_id}: fresh SeenTokens' prompt"
+            have = []
+            self.num_fresh += 1
+        else:
+            have = self.counted.get(it.slot_id)
+            assert have is not None and len(have) == seen.start, \
+                f"{it.request_id}: slot {it.slot_id} counts {have and len(have)} tokens, the item adds from {seen.start}"
+            self.num_deltas += 1
+        have = have + list(seen.output)
+        self.counted[it.slot_id] = have
+        late = it.sample_index - len(have)
+        assert late in ((0, 1) if self.sched.config.async_scheduling else (0,)), f"{it.request_id}: {late} late"
+        full = have + ([fed[it.request_id]] if late else [])
+        assert full == r.output_token_ids[:len(have)] + full[len(have):] and len(full) == it.sample_index, \
+            f"{it.request_id}: counts {full}, output {r.output_token_ids}"
 
     def poison_free(self) -> None:
         for i, used in enumerate(self.sched.page_pool._used):

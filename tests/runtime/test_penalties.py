@@ -83,3 +83,41 @@ def test_values_are_normalised_and_hashable():
     assert hash(p) == hash(SamplingParams(logit_bias=[(2, -3.0), (9, 1.0)], presence_penalty=1.0,
                                           repetition_penalty=2.0))
     assert not SamplingParams(logit_bias={1: 2.0}).penalized
+
+
+def test_counts_kept_by_slot_equal_whole_outputs_each_step():
+    """A rank's SeenCounts over 30 steps of 6 rows: each row's output grows by one token a step and comes as a delta
+    (fresh at first, and whenever its slot passes to another request); the logits equal those from the whole
+    outputs each step, and slots move between rows."""
+    from k3runtime.penalties import SeenCounts
+    g = torch.Generator().manual_seed(4)
+    store = SeenCounts()
+    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3)] * 6
+    prompts = [tuple(sorted(set(torch.randint(0, V, (5,), generator=g).tolist()))) for _ in range(6)]
+    outputs, counted, slots = [[] for _ in range(6)], [None] * 6, [9, 2, 5, 0, 7, 3]
+    for step in range(30):
+        if step in (10, 20):  # rows 1 and 4 swap slots, row 0 starts a new request (a new output) in its slot
+            slots[1], slots[4] = slots[4], slots[1]
+            counted[1] = counted[4] = counted[0] = None
+            outputs[0] = []
+        seen = [SeenTokens(prompts[r], tuple(outputs[r])) if counted[r] is None else
+                SeenTokens((), tuple(outputs[r][counted[r]:]), counted[r], fresh=False) for r in range(6)]
+        logits = torch.randn(6, V, generator=g)
+        got = adjust_logits(logits, params, seen, slots=slots, store=store)
+        want = adjust_logits(logits, params, [SeenTokens(prompts[r], tuple(outputs[r])) for r in range(6)])
+        assert torch.equal(got, want), step
+        for r in range(6):
+            counted[r] = len(outputs[r])
+            outputs[r].append(int(torch.randint(0, V, (1,), generator=g)))
+
+
+def test_a_step_that_does_not_start_where_the_counts_end_is_refused():
+    from k3runtime.penalties import SeenCounts
+    store = SeenCounts()
+    p = [SamplingParams(frequency_penalty=1.0)]
+    adjust_logits(torch.zeros(1, V), p, [SeenTokens((), (3, 4))], slots=[6], store=store)
+    with pytest.raises(ValueError, match="slot 6: the step brings output tokens from index 3, this rank's counts "
+                                         "hold 2"):
+        adjust_logits(torch.zeros(1, V), p, [SeenTokens((), (5,), 3, fresh=False)], slots=[6], store=store)
+    with pytest.raises(ValueError, match="slot 1: .* counts hold none"):
+        adjust_logits(torch.zeros(1, V), p, [SeenTokens((), (5,), 0, fresh=False)], slots=[1], store=store)

@@ -44,9 +44,10 @@ def test_one_sync_for_the_batch():
 
 
 def test_penalties_on_the_gpu_equal_the_cpu_and_never_sync():
-    """Bias, penalties and bans over 40 rows (two passes), a pending token on the device for some: the CPU's
-    values, with no device->host sync at all (sync debug mode "error")."""
-    from k3runtime.penalties import adjust_logits
+    """Bias, penalties and bans over 40 rows (two passes), a pending token on the device for some, then a step of one
+    token more a row on the counts kept by slot: the CPU's values, with no device->host sync at all (sync debug
+    mode "error", the counts allocated inside it)."""
+    from k3runtime.penalties import SeenCounts, adjust_logits
     from k3runtime.scheduler import SeenTokens
 
     g = torch.Generator().manual_seed(5)
@@ -60,15 +61,24 @@ def test_penalties_on_the_gpu_equal_the_cpu_and_never_sync():
     logits = torch.randn(M, V, generator=g) * 4
     want = adjust_logits(logits, params, seen, pending, banned)
     assert torch.isinf(want[0, [2, 9]]).all()
+    # the next step: each penalized row brings one more token, its counts kept on the device (SeenCounts)
+    more = [None if t is None else SeenTokens((), (i % V,), len(t.output), fresh=False) for i, t in enumerate(seen)]
+    cpu_store = SeenCounts()
+    adjust_logits(logits, params, seen, pending, banned, store=cpu_store)
+    want_next = adjust_logits(logits, params, more, pending, banned, store=cpu_store)
     on_gpu, late = logits.cuda(), pending.cuda()
     adjust_logits(on_gpu, params, seen, late, banned)  # warm-up
+    store = SeenCounts()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = adjust_logits(on_gpu, params, seen, late, banned)
+        got = adjust_logits(on_gpu, params, seen, late, banned, store=store)
+        got_next = adjust_logits(on_gpu, params, more, late, banned, store=store)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_next.cpu(), want_next, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(want_next, want)
 
 
 def test_triton_draw_equals_the_torch_ops():

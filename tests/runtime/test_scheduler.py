@@ -249,6 +249,10 @@ def test_engine_options_validation_names_field(field, value):
         EngineOptions(**{field: value})
 
 
+# some requests penalized: their items carry SeenTokens, which FakeExecutor checks against its counts by slot
+PENALTIES = ({}, {"frequency_penalty": 0.5}, {}, {"repetition_penalty": 1.2, "presence_penalty": -1.0})
+
+
 def _random_run(sched, rng, *, count, per_step, prompt, max_tokens, abort_rate, max_model_len):
     """`count` random requests, `per_step` arriving a step, some aborted at random between schedule and update;
     checks that everything is freed and every output against the reference (an aborted request's: a prefix).
@@ -256,7 +260,7 @@ def _random_run(sched, rng, *, count, per_step, prompt, max_tokens, abort_rate, 
     arrivals, reqs = {}, []
     for i in range(count):
         r = req(f"r{i}", rng.randint(1, prompt), max_tokens=rng.randint(1, max_tokens), seed=rng.choice([None, i]),
-                ignore_eos=rng.random() < 0.3)
+                ignore_eos=rng.random() < 0.3, **PENALTIES[i % len(PENALTIES)])
         arrivals.setdefault(i // per_step, []).append(r)
         reqs.append(r)
     aborted = set()
@@ -266,7 +270,8 @@ def _random_run(sched, rng, *, count, per_step, prompt, max_tokens, abort_rate, 
         if live and rng.random() < abort_rate:
             aborted.add(sched.abort(rng.choice(live)).request_id)
 
-    _, plans = run(sched, arrivals, on_step=chaos)
+    ex, plans = run(sched, arrivals, on_step=chaos)
+    assert ex.num_deltas > ex.num_fresh > 0  # the penalized requests' SeenTokens, checked by the executor
     assert_all_free(sched)
     assert all(r.is_finished for r in reqs)
     assert_matches_reference([r for r in reqs if r.request_id not in aborted], max_model_len=max_model_len)
@@ -294,7 +299,7 @@ def test_outputs_invariant_to_limits(page_size, num_pages, num_slots, chunk, bud
     sched = make(num_pages=num_pages * 8 // page_size, num_slots=num_slots, page_size=page_size,
                  max_prefill_chunk=chunk, max_num_batched_tokens=budget, preemption_mode=mode,
                  num_host_pages=host * 8 // page_size, num_host_slots=host // 3, async_scheduling=async_scheduling)
-    reqs = [req(f"r{i}", n, max_tokens=1 + (i * 7) % 10, seed=i) for i, n in enumerate(lens)]
+    reqs = [req(f"r{i}", n, max_tokens=1 + (i * 7) % 10, seed=i, **PENALTIES[i % 4]) for i, n in enumerate(lens)]
     run(sched, {0: reqs[::2], 3: reqs[1::2]})
     assert_matches_reference(reqs)
     assert_all_free(sched)

@@ -1,8 +1,11 @@
-# Hundred-and-tenth device batch (thirty-fourth session): 1. the sampling bench, now without a sort of the vocabulary
-# (sampler.top_p_keep) and with the draw in one Triton launch (k3plugins.sample), beside the sampler as it was
-# (before_ms), and a breakdown of plain sampling's parts at 32 and 128 rows (the noise; the draw as torch ops and as
-# one launch; top-p's kept set by selection and by sorting); 2. bench_plugins' MLA with one wave's split counts
-# beside the host's two; 3. the GPU tests of the sampler and of the engine. Carry fla-core's wheel (.whl).
+# Hundred-and-tenth device batch (thirty-fourth session):
+# 1. the sampling bench: top-p without a sort of the vocabulary (sampler.top_p_keep) and the draw in one Triton
+#    launch (k3plugins.sample), beside the sampler as it was (before_ms); the penalties' counts kept on the sampling
+#    rank (penalized_ms: a step after the first; penalized_first_ms: the first, which brings the whole output); and
+#    plain sampling's parts at 32 and 128 rows (the noise; the draw as torch ops and as one launch; top-p's kept set
+#    by selection and by sorting);
+# 2. bench_plugins' MLA with one wave's split counts beside the host's two;
+# 3. the GPU tests of the sampler and of the engine. Carry fla-core's wheel (.whl).
 source tools/device/env.sh
 timeout 200 python3 tools/bench_sampling.py --device cuda 2>&1 | tee $OUT/sampling.jsonl
 python3 - <<'PY' 2>&1 | tee $OUT/sampling_parts.txt
