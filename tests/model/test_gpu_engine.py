@@ -244,10 +244,10 @@ def test_default_async_scheduling_with_preemption(engines, mode, monkeypatch):
 
     rows, sample = {}, llm_engine.sample_step
 
-    def record(step, logits, fed=None):
+    def record(step, logits, fed=None, seen=None):
         for row, it in enumerate(i for i in step.items if i.sample):
             rows[(it.request_id, it.sample_index)] = logits[row].float().cpu()
-        return sample(step, logits, fed)
+        return sample(step, logits, fed, seen)
     monkeypatch.setattr(llm_engine, "sample_step", record)
     prompts = [list(range(1, 86)), PROMPTS[0], [9, 8, 7], list(range(100, 160)), list(range(200, 270)), [3] * 11,
                [1, 499], [1, 33] * 20]

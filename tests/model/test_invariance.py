@@ -24,10 +24,10 @@ class _LogitsRecorder:
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
         orig = llm_engine.sample_step
 
-        def record(step, logits, fed=None):
+        def record(step, logits, fed=None, seen=None):
             for row, it in enumerate(i for i in step.items if i.sample):
                 self.rows[(it.request_id, it.sample_index)] = logits[row].clone()
-            return orig(step, logits, fed)
+            return orig(step, logits, fed, seen)
 
         monkeypatch.setattr(llm_engine, "sample_step", record)
 
