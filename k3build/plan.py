@@ -162,7 +162,7 @@ def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, int]) -> str:
     w = plan.worst_rank
     peak = max((k for k in w.reserve if k.startswith("peak_")), key=w.reserve.get)
     lines += [f"reserve of rank {w.rank}: " + ", ".join(f"{k} {w.reserve[k] / scale:.2f}" for k in
-                                                       ("overhead", "residual", "exchange", peak))
+                                                       ("overhead", "residual", "exchange", "penalty_counts", peak))
               + f" {unit}", ""]
     lines.append("max concurrent requests (all ranks): "
                  + ", ".join(f"{n} at {_tokens(L)}" for L, n in by_len.items()))

@@ -18,7 +18,7 @@ Rows that set none of the four are left as they are, bit for bit. Rows are done 
 bounds the [rows, V] temporaries. Host work is O(1) a step for a penalized request, O(L) once when its slot gets
 its whole output (the flat ids go through numpy: about 30 ns a token). The counts take V int32 and V bools a slot,
 up to the highest slot a penalized request has had (about 0.8 MB a slot with K3's vocabulary), allocated on first
-use.
+use; the build's memory plan reserves them for every slot on the last stage (k3build.memory: penalty_counts).
 """
 
 from __future__ import annotations
