@@ -7,7 +7,7 @@
 # 2. bench_plugins' MLA with one wave's split counts beside the host's two;
 # 3. the GPU tests of the sampler and of the engine. Carry fla-core's wheel (.whl).
 source tools/device/env.sh
-timeout 200 python3 tools/bench_sampling.py --device cuda 2>&1 | tee $OUT/sampling.jsonl
+timeout 150 python3 tools/bench_sampling.py --device cuda 2>&1 | tee $OUT/sampling.jsonl
 python3 - <<'PY' 2>&1 | tee $OUT/sampling_parts.txt
 import torch
 from k3runtime import sampler
@@ -35,11 +35,11 @@ for M in (32, 128):
               "same": bool(torch.equal(sampler.top_p_keep(x, tp), sampler.top_p_keep_sorted(x, tp))),
               "max": round(ms(lambda: x.max(-1)), 3)})
 PY
-timeout 200 python3 tools/bench_plugins.py --only mla 2>&1 | grep '^{' > $OUT/mla.jsonl
+timeout 150 python3 tools/bench_plugins.py --only mla 2>&1 | grep '^{' > $OUT/mla.jsonl
 python3 - <<'PY'
 import json, os
 for r in map(json.loads, open(f"{os.environ['OUT']}/mla.jsonl")):
     if r["bench"] == "mla_config":
         print(r["B"], r["L"], r["H"], r["block_h"], r["num_splits"], r["ms"], r["frac_of_floor"])
 PY
-timeout 240 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py tests/model/test_gpu_engine.py -p no:cacheprovider --tb=short 2>&1 | tail -5
+timeout 150 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py tests/model/test_gpu_engine.py -p no:cacheprovider --tb=short 2>&1 | tail -5
