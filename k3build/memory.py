@@ -81,8 +81,9 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
       moe   latent (MoEInProj): T x (latent + 2 shared_tp + E) x fp32 + T x (latent + 3 shared_tp) x bf16; else
             T x E x fp32 router + T x 3 x shared_tp x bf16; then + rows x 3 x moe_intermediate_tp x bf16;
       logits B x vocab x fp32 (gathered) + B x vocab_tp x fp32 (last stage).
-    penalty_counts: B x vocab x (int32 + bool) on the last stage (persistent): the sampling rank's counts of the
-      penalized requests' tokens, a row per KDA slot (runtime/penalties.py SeenCounts; slots <= B).
+    penalty_counts: B x vocab x (int32 + bool) on the ranks that sample (persistent): the last stage's first TP
+      rank, every rank under attention-DP; the penalized requests' token counts, a row per KDA slot
+      (runtime/penalties.py SeenCounts; the plan's slots are at most B).
     Returns {"residual", "exchange", "penalty_counts", "peak_kda", "peak_mla", "peak_dense", "peak_moe",
     "peak_logits"}; `reserve_bytes` adds them up as overhead + residual + exchange + penalty_counts + the largest
     peak (layers run one by one).
@@ -105,7 +106,8 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
     return {
         "residual": T * cfg.hidden_size * 2 * (3 + snaps),
         "exchange": rows * cfg.expert_hidden_size * 2 * 2,
-        "penalty_counts": max_batch_size * cfg.vocab_size * 5 if mapping.is_last_stage(rank) else 0,
+        "penalty_counts": max_batch_size * cfg.vocab_size * 5
+        if mapping.is_last_stage(rank) and (mapping.attention_dp or mapping.tp_rank(rank) == 0) else 0,
         "peak_kda": T * (5 * 2 + 4) * d_tp + T * h_tp * (4 + 2 * CHUNK * 4) if "kda" in kinds else 0,
         "peak_mla": (T * mla_h * (cfg.qk_head_dim + cfg.qk_nope_head_dim + 3 * cfg.v_head_dim) * 2
                 + T * cfg.mla_cache_width * 2) if "mla" in kinds else 0,

@@ -298,7 +298,7 @@ class LLMEngine:
         self._broken = False  # an async step failed (_guarded)
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
         self._prompt_logprobs: dict[Request, list[TokenLogprobs]] = {}  # prompt rows kept until the first token
-        self._seen = SeenCounts()  # the penalties' counts of the requests this rank samples (DP rank 0's)
+        self._seen = SeenCounts(num_slots)  # the penalties' counts of the requests this rank samples (DP rank 0's)
         self.pp_size = mapping["pp_size"]
         # pipeline stages: what a micro-batch costs a stage, to choose how many a step is cut into
         self._stage_cost = StageCost.from_engine(runner.engine.weights, config["pretrained_config"],

@@ -10,15 +10,17 @@ sampled rows before the sampler draws from them, in vLLM's order:
 
 The sampling rank keeps each penalized request's counts on the logits' device, by its KDA slot (SeenCounts): a
 plan's item brings only what they lack (scheduler.SeenTokens), usually the one token sampled since its last step,
-and everything when the slot is new to the request (admitted, or back after preemption or a swap). With async
+and everything when the slot's counts are another request's (a request new to the slot; also one back after
+preemption or a swap in a slot another penalized request has used meanwhile). With async
 scheduling a row's last output token is not among them, being still on the device: it comes from the previous
 step's sampled ids (`pending`). Either way there is no host sync.
 
 Rows that set none of the four are left as they are, bit for bit. Rows are done ROWS_PER_PASS at a time, which
 bounds the [rows, V] temporaries. Host work is O(1) a step for a penalized request, O(L) once when its slot gets
-its whole output (the flat ids go through numpy: about 30 ns a token). The counts take V int32 and V bools a slot,
-up to the highest slot a penalized request has had (about 0.8 MB a slot with K3's vocabulary), allocated on first
-use; the build's memory plan reserves them for every slot on the last stage (k3build.memory: penalty_counts).
+its whole output (the flat ids go through numpy: about 30 ns a token). The counts take V int32 and V bools a slot
+(about 0.8 MB with K3's vocabulary), for every slot of the rank, allocated at the first penalized step; the build's
+memory plan reserves them on the ranks that sample (k3build.memory: penalty_counts; num_slots above the build's
+max_batch_size is not covered).
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def adjusts(p: SamplingParams) -> bool:
 class SeenCounts:
     """On a sampling rank, per KDA slot: how often each token is in the output of the penalized request the slot
     holds (int32 [slots, V]), and which are in its prompt (bool, for repetition_penalty), as the SeenTokens of its
-    items have brought them. Slots past the highest one used are not allocated."""
+    items have brought them. num_slots: the rank's slots, all allocated at the first penalized step (what the
+    memory plan reserves: penalty_counts); None: as many as the highest slot seen needs (tests, tools)."""
 
-    def __init__(self):
+    def __init__(self, num_slots: int | None = None):
+        self.num_slots = num_slots
         self.counts: torch.Tensor | None = None
         self.prompt: torch.Tensor | None = None
         self.counted: dict[int, int] = {}  # slot -> output tokens its counts hold
@@ -55,7 +59,9 @@ class SeenCounts:
                 have = self.counted.get(slot)
                 raise ValueError(f"slot {slot}: the step brings output tokens from index {t.start}, this rank's "
                                  f"counts hold {'none' if have is None else have}")
-        self._grow(max(slots) + 1, V, device)
+        if self.num_slots is not None and max(slots) >= self.num_slots:
+            raise ValueError(f"slot {max(slots)}: this rank's penalty counts hold {self.num_slots} slots")
+        self._grow(self.num_slots or max(slots) + 1, V, device)
         fresh = [slot for slot, t in zip(slots, seen) if t.fresh]
         if fresh:
             index = to_device(fresh, device)
@@ -75,9 +81,8 @@ class SeenCounts:
         have = 0 if self.counts is None else self.counts.shape[0]
         if num_slots <= have:
             return
-        rows = max(num_slots, 2 * have)
-        counts = torch.zeros(rows, V, dtype=torch.int32, device=device)
-        prompt = torch.zeros(rows, V, dtype=torch.bool, device=device)
+        counts = torch.zeros(num_slots, V, dtype=torch.int32, device=device)
+        prompt = torch.zeros(num_slots, V, dtype=torch.bool, device=device)
         if have:
             counts[:have], prompt[:have] = self.counts, self.prompt
         self.counts, self.prompt = counts, prompt

@@ -320,7 +320,8 @@ class Scheduler:
     def _seen(self, request: Request) -> SeenTokens | None:
         """What a sampled item's penalties count and its slot's counts lack (None when its request has none): the
         output tokens since its last sampled item, or everything when its slot holds another request's counts (a
-        request new to the slot: admitted, re-admitted after preemption, swapped in)."""
+        request new to the slot; also one back after preemption or a swap in a slot that another penalized request
+        has used meanwhile)."""
         p = request.params
         if not p.penalized:
             return None

@@ -1,4 +1,4 @@
-"""The sampler's Gumbel-max draw in one Triton launch: argmax over each row of x + g, where g is the sampler's
+"""The sampler's Gumbel-max draw in one Triton launch (and a small argmax over its chunks): argmax over each row of x + g, where g is the sampler's
 counter-based noise of (the row's draw seed, the token id) made in registers (k3runtime.sampler.gumbel_noise does
 it in about twenty torch launches through [rows, V] int64 temporaries). The same integer hash, the same fp32
 arithmetic and the lowest id on a tie: the same token as the torch ops wherever their logarithms agree (libdevice's
@@ -49,8 +49,10 @@ PROGRAMS = 1024  # about this many programs a launch (a few waves on an H200's 1
 
 def gumbel_argmax(x: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
     """argmax(x + gumbel_noise(draw_seeds, ids)) a row, the lowest id on a tie: x [M, V] fp32 (its last dim
-    contiguous), draw_seeds [M] int64 -> [M] int64 on x's device, with no sync. A row all -inf gives 0."""
+    contiguous), draw_seeds [M] int64 (any stride: the sampler's is a column of its parameters) -> [M] int64 on x's
+    device, with no sync. A row all -inf gives 0."""
     M, V = x.shape
+    draw_seeds = draw_seeds.contiguous()
     parts = max(1, min(triton.cdiv(V, BLOCK), PROGRAMS // max(M, 1)))
     chunk = triton.cdiv(triton.cdiv(V, parts), BLOCK) * BLOCK
     parts = triton.cdiv(V, chunk)

@@ -92,7 +92,7 @@ def _release_all(quiet: bool = False) -> None:
 
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
-    from ..llm_engine import HostCopy, empty_sampled, open_rank, sample_with_logprobs, wants_rows
+    from ..llm_engine import HostCopy, cache_sizes, empty_sampled, open_rank, sample_with_logprobs, wants_rows
     from ..penalties import SeenCounts
 
     config = read_engine_config(engine_dir)
@@ -110,7 +110,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     # under attention-DP, on their way to the host, owed to the driver once the next step is launched
     # Logprobs' rows (when an item asks: for its sampled token or its prompt) follow the ids, by the same route.
     fed, owed, vocab = None, [], runner.engine.facts.vocab_size
-    seen = SeenCounts()  # the penalties' counts of the requests this rank samples
+    seen = SeenCounts(cache_sizes(config, options)[1])  # the penalties' counts of the requests this rank samples
     while True:
         steps = comm.control.broadcast()
         if steps[0].stop:

@@ -189,3 +189,19 @@ def test_bad_inputs_name_the_field():
         plan_memory(TINY, Mapping(), **kw, kv_dtype_bytes=3)
     with pytest.raises(ValueError, match="expert_format"):
         plan_memory(TINY, Mapping(), **kw, expert_format="nvfp4")
+
+
+def test_penalty_counts_are_reserved_where_sampling_happens():
+    """A row of int32 counts and a bool prompt mask over the vocabulary per slot (max_batch_size of them), on the
+    ranks that sample: the last stage's first TP rank, or every rank under attention-DP; nowhere else."""
+    row = K3.vocab_size * 5
+    by_rank = lambda plan: [r.reserve["penalty_counts"] for r in plan.ranks]  # noqa: E731
+    assert by_rank(_k3_plan(TEP16, 8192, max_batch_size=64)) == [64 * row] + [0] * 15
+    assert by_rank(_k3_plan(DEP16, 8192, max_batch_size=64)) == [64 * row] * 16
+    pp = Mapping(tp_size=8, pp_size=2)
+    plan = _k3_plan(pp, 8192, max_batch_size=8)
+    assert by_rank(plan) == [8 * row if pp.is_last_stage(r) and pp.tp_rank(r) == 0 else 0 for r in range(16)]
+    assert sum(map(bool, by_rank(plan))) == 1 and by_rank(plan)[8] == 8 * row
+    r = plan.ranks[8]
+    assert r.reserve_bytes == sum(v for k, v in r.reserve.items() if not k.startswith("peak_")) + max(
+        v for k, v in r.reserve.items() if k.startswith("peak_"))

@@ -442,8 +442,8 @@ def _moe_in_cases() -> dict:
 
 def _gumbel_argmax_cases() -> dict:
     """The sampler's draw in one launch against its torch ops (k3runtime.sampler): rows of several lengths (one
-    chunk, several, a ragged last block), -inf tokens, a row all -inf, ties (logits rounded to halves), and more
-    chunks than blocks (PROGRAMS small)."""
+    chunk, several, a ragged last block), -inf tokens, a row all -inf, ties (logits rounded to halves), more chunks
+    than blocks (PROGRAMS small), and the seeds strided as the sampler's are."""
     from k3plugins.sample import triton as st
     from k3runtime.sampler import _draw_seed, gumbel_noise
     g = torch.Generator().manual_seed(11)
@@ -452,7 +452,8 @@ def _gumbel_argmax_cases() -> dict:
         x = (torch.randn(M, V, generator=g) * 2).round() / 2
         x[0, ::3] = float("-inf")
         x[-1] = float("-inf") if M == 3 else x[-1]
-        seeds = torch.tensor([_draw_seed(m, 9) for m in range(M)], dtype=torch.int64)
+        # the seeds as the sampler passes them: a column of its [M, 3] parameters (stride 3)
+        seeds = torch.tensor([[1, 1, _draw_seed(m, 9)] for m in range(M)], dtype=torch.int64)[:, 2]
         want = (x + gumbel_noise(seeds, torch.arange(V))).argmax(dim=-1)
         st.PROGRAMS, old = programs, st.PROGRAMS
         try:

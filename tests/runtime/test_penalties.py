@@ -121,3 +121,15 @@ def test_a_step_that_does_not_start_where_the_counts_end_is_refused():
         adjust_logits(torch.zeros(1, V), p, [SeenTokens((), (5,), 3, fresh=False)], slots=[6], store=store)
     with pytest.raises(ValueError, match="slot 1: .* counts hold none"):
         adjust_logits(torch.zeros(1, V), p, [SeenTokens((), (5,), 0, fresh=False)], slots=[1], store=store)
+
+
+def test_counts_take_the_ranks_slots_at_once():
+    """Given the rank's slot count, the counts are allocated for all of them at the first penalized step (what the
+    memory plan reserves), and a slot past them is refused by name."""
+    from k3runtime.penalties import SeenCounts
+    store = SeenCounts(num_slots=4)
+    p = [SamplingParams(presence_penalty=1.0)]
+    adjust_logits(torch.zeros(1, V), p, [SeenTokens((), (3,))], slots=[1], store=store)
+    assert tuple(store.counts.shape) == tuple(store.prompt.shape) == (4, V)
+    with pytest.raises(ValueError, match="slot 4: this rank's penalty counts hold 4 slots"):
+        adjust_logits(torch.zeros(1, V), p, [SeenTokens((), (3,))], slots=[4], store=store)
