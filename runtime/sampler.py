@@ -12,7 +12,7 @@ before, took a launch sequence and a host sync a row. Ties, common in logits upc
 token id at every step, so that nothing depends on the order a sort or top-k returns. When every row of a pass
 has a top-k, the rows are drawn from their kept tokens only (_draw_top_k): the same sets, order and noise, so the
 same tokens. Nothing sorts the vocabulary: top-p's kept tokens come from two histograms (top_p_keep, the same set
-as a sort gives), and on a GPU the noise and the argmax are one Triton launch (k3plugins.sample).
+as a sort gives). On a GPU the noise and the argmax can be one Triton launch (TRITON_DRAW, k3plugins.sample).
 """
 
 from __future__ import annotations
@@ -210,10 +210,16 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     return gumbel_argmax(x, rows.draw_seeds)
 
 
+# The draw as one Triton launch on GPUs (k3plugins.sample). Off until it has run on a GPU: it is tested in Triton's
+# interpreter and compiled for sm90 and gfx942, and tools/device/batch111.sh holds its GPU tests and timing.
+TRITON_DRAW = False
+
+
 def gumbel_argmax(x: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
-    """argmax(x + gumbel_noise) of each row over the whole vocabulary, the first (lowest id) on a tie: on a CUDA or
-    ROCm GPU one Triton launch (k3plugins.sample), which makes the noise in registers; elsewhere the torch ops."""
-    if x.is_cuda and _triton_draw() is not None:
+    """argmax(x + gumbel_noise) of each row over the whole vocabulary, the first (lowest id) on a tie: with
+    TRITON_DRAW on a CUDA or ROCm GPU one Triton launch (k3plugins.sample), which makes the noise in registers;
+    otherwise the torch ops."""
+    if TRITON_DRAW and x.is_cuda and _triton_draw() is not None:
         return _triton_draw()(x.contiguous(), draw_seeds)
     ids = torch.arange(x.shape[1], device=x.device)
     return (x + gumbel_noise(draw_seeds, ids)).argmax(dim=-1)

@@ -14,8 +14,11 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k
           SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8)]
 
 
+@pytest.mark.parametrize("triton_draw", [False, True], ids=["torch_draw", "triton_draw"])
 @pytest.mark.parametrize("top_k_only", [False, True], ids=["full", "top_k_rows"])
-def test_gpu_draws_equal_cpu_draws(top_k_only):
+def test_gpu_draws_equal_cpu_draws(top_k_only, triton_draw, monkeypatch):
+    from k3runtime import sampler
+    monkeypatch.setattr(sampler, "TRITON_DRAW", triton_draw)
     g = torch.Generator().manual_seed(3)
     params = [p for p in PARAMS if p.top_k or p.temperature == 0] if top_k_only else PARAMS
     M = len(params)

@@ -1,4 +1,5 @@
-# Hundred-and-tenth device batch (thirty-fourth session):
+# Hundred-and-tenth device batch (prepared in the thirty-fourth session; not yet run: no device came after the
+# session's first four calls; batch111.sh is its short form):
 # 1. the sampling bench: top-p without a sort of the vocabulary (sampler.top_p_keep) and the draw in one Triton
 #    launch (k3plugins.sample), beside the sampler as it was (before_ms); the penalties' counts kept on the sampling
 #    rank (penalized_ms: a step after the first; penalized_first_ms: the first, which brings the whole output); and
