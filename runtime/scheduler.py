@@ -425,8 +425,6 @@ class Scheduler:
         bisect.insort(queue, request, key=lambda r: r.arrival)
 
 
-
-
 def _banned(request: Request, index: int) -> tuple[int, ...]:
     """The ids output token `index` may not be: EOS and the stop ids while under min_tokens."""
     p = request.params

@@ -1,11 +1,11 @@
-"""The sampler's Gumbel-max draw in one Triton launch (and a small argmax over its chunks): argmax over each row of x + g, where g is the sampler's
-counter-based noise of (the row's draw seed, the token id) made in registers (k3runtime.sampler.gumbel_noise does
-it in about twenty torch launches through [rows, V] int64 temporaries). The same integer hash, the same fp32
-arithmetic and the lowest id on a tie: the same token as the torch ops wherever their logarithms agree (libdevice's
-on NVIDIA is CUDA's logf, which torch calls too).
+"""The sampler's Gumbel-max draw in one Triton launch (and a small argmax over its chunks): argmax over each row of
+x + g, where g is the sampler's counter-based noise of (the row's draw seed, the token id) made in registers
+(k3runtime.sampler.gumbel_noise does it in about twenty torch launches through [rows, V] int64 temporaries). The
+same integer hash, the same fp32 arithmetic and the lowest id on a tie: the same token as the torch ops wherever
+their logarithms agree (Triton's log on NVIDIA is libdevice's logf, as CUDA's is, which torch calls).
 
 Each row is cut into chunks, a program a chunk, so that a few rows still fill the GPU; the chunks' maxima are
-reduced by the host's torch ops (argmax takes the first maximum: the lowest chunk, so the lowest id)."""
+reduced by two small torch launches (argmax takes the first maximum: the lowest chunk, so the lowest id)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         del cache
         # the host's split count (num_splits_for: about two waves of programs; 8 at 64 x 8K and 16 at 32 x 64K with
         # 16 heads) beside fewer, which write and merge fewer partial outputs (fp32 [B, splits, H, 512]: 16.8 MB at
-        # 8 splits, about 3 % of the KV bytes, read again by the merge); about one wave is 4 / 8 with 16 heads, 2 / 4 with 96
+        # 8 splits, about 3 % of the KV bytes, read again by the merge); one wave is 4 / 8 splits (16 heads), 2 / 4 (96)
         configs = ([(16, None, 4, 2), (16, 2, 4, 2), (16, 4, 4, 2), (16, 8, 4, 2)] if H == 16 else
                    [(32, None, 4, 2), (64, None, 8, 2), (64, 2, 8, 2), (64, 4, 8, 2)])
         if sweep:
