@@ -63,7 +63,10 @@ def test_pp_ranks_get_separate_rows():
     text = _run("plan", "--preset", "k3", "--tp-size", "8", "--pp-size", "2", "--gpu-memory-gib", "191",
                 "--max-seq-len", "32768").stdout
     assert any(line.startswith("0-7 ") for line in text.splitlines())
-    assert any(line.startswith("8-15 ") for line in text.splitlines())
+    # the last stage's first TP rank samples: it alone reserves the penalties' counts (penalty_counts)
+    assert any(line.startswith("8 ") for line in text.splitlines())
+    assert any(line.startswith("9-15 ") for line in text.splitlines())
+    assert "reserve of rank 8:" in text and "penalty_counts 0.05" in text
 
 
 @pytest.mark.parametrize("flavour", ["wrapper", "text", "converted"])
@@ -126,4 +129,6 @@ def test_missing_model_or_limits_is_a_usage_error(tmp_path):
 def test_tiny_report_uses_mib():
     res = _run("plan", "--recipe", str(ENGINES / "tiny_ep4.toml"))
     assert res.exit_code == 0 and "weights per rank (MiB)" in res.stdout
-    assert any(line.startswith("0-3 ") for line in res.stdout.splitlines())
+    # rank 0 samples (it alone reserves penalty_counts), ranks 1-3 share one row
+    assert any(line.startswith("0 ") for line in res.stdout.splitlines())
+    assert any(line.startswith("1-3 ") for line in res.stdout.splitlines())
