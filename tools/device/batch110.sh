@@ -1,8 +1,9 @@
 # Hundred-and-tenth device batch (prepared in the thirty-fourth session; not yet run: no device came after the
 # session's first four calls; batch111.sh is its short form):
-# 1. the sampling bench: top-p without a sort of the vocabulary (sampler.top_p_keep) and the draw in one Triton
-#    launch (k3plugins.sample), beside the sampler as it was (before_ms); the penalties' counts kept on the sampling
-#    rank (penalized_ms: a step after the first; penalized_first_ms: the first, which brings the whole output); and
+# 1. the sampling bench: top-p without a sort of the vocabulary (sampler.top_p_keep) beside the sampler as it was
+#    (before_ms), the draw as one Triton launch (triton_draw_ms, k3plugins.sample); the penalties' counts kept on
+#    the sampling rank (penalized_ms: a step after the first; penalized_first_ms: the first, which brings the whole
+#    output); and
 #    plain sampling's parts at 32 and 128 rows (the noise; the draw as torch ops and as one launch; top-p's kept set
 #    by selection and by sorting);
 # 2. bench_plugins' MLA with one wave's split counts beside the host's two;
