@@ -168,7 +168,7 @@ def _pending(step: Step, fed: torch.Tensor | None) -> torch.Tensor | None:
     for i, it in enumerate(step.items):
         if not it.sample:
             continue
-        known = it.seen.start + len(it.seen.output) if it.seen is not None else it.sample_index
+        known = it.seen.end if it.seen is not None else it.sample_index
         late = it.sample_index - known
         if late not in (0, 1) or (late and (i not in src or fed is None)):
             raise ValueError(f"request {it.request_id!r}: its penalties see {known} output tokens "

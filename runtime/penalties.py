@@ -75,7 +75,7 @@ class SeenCounts:
             self.counts.view(-1).index_add_(0, to_device(tokens, device),
                                             torch.ones(tokens.size, dtype=torch.int32, device=device))
         for slot, t in zip(slots, seen):
-            self.counted[slot] = t.start + len(t.output)
+            self.counted[slot] = t.end
 
     def _grow(self, num_slots: int, V: int, device: torch.device) -> None:
         have = 0 if self.counts is None else self.counts.shape[0]

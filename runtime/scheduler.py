@@ -46,6 +46,11 @@ class SeenTokens:
     start: int = 0
     fresh: bool = True
 
+    @property
+    def end(self) -> int:
+        """How many output tokens the slot's counts hold once this is applied."""
+        return self.start + len(self.output)
+
 
 @dataclass(frozen=True)
 class PromptRows:
