@@ -413,8 +413,8 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-y-half": ("the MoE decode's per-pair rows y in bf16, not fp32 (MoETactic.y_half)", _moe_decode(y_half=True)),
     "moe-gather-combine": ("the MoE decode's combine gathering a token's rows at once (MoETactic.gather_combine)",
                            _moe_decode(gather_combine=True)),
-    "mla-one-wave": ("the MLA decode split for about one wave of programs, not two (fewer partial outputs to merge)",
-                     _module_flag("mla.triton", "SPLIT_WAVES", 1)),
+    "mla-two-waves": ("the MLA decode split for about two waves of programs, not one (as before the thirty-fifth "
+                      "session)", _module_flag("mla.triton", "SPLIT_WAVES", 2)),
     "moe-sort-flat": ("the MoE's pair sort as one flat scan (SORT_COLS 1), not in rows of SORT_COLS pairs",
                       _module_flag("moe.triton", "SORT_COLS", 1)),
     "unfused-residual": ("the residual adds as separate launches, not inside AttnRes", _unfused_residual),

@@ -6,11 +6,9 @@
 ROWS requests each sample one token from fp32 logits [ROWS, VOCAB] (K3's vocabulary by default) through
 llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
 - plain_ms: that alone;
-- before_ms: the same as the sampler did it before the thirty-fourth session, the baseline of plain_ms: top-p's
-  kept tokens by sorting the vocabulary (sampler.top_p_keep_sorted); the same draws (same_tokens_as_before
-  checks it);
-- triton_draw_ms: plain with the draw as one Triton launch (sampler.TRITON_DRAW; on a CPU the torch ops, as
-  plain); same_tokens_triton_draw checks its draws;
+- before_ms: the same with the draw as torch ops (sampler.TRITON_DRAW off: the sampler before the thirty-fifth
+  session), the baseline of plain_ms, which on a GPU draws in one Triton launch (on a CPU both are the torch ops);
+  the same draws (same_tokens_as_before checks it);
 - penalized_ms: every row also with frequency, presence and repetition penalties, in a decode step after the first:
   it brings the one token sampled since (the plan's SeenTokens), the counts kept on the sampling rank, its own
   last token still on the device (async scheduling's case);
@@ -83,19 +81,9 @@ class _Decode:
 
 
 def _before(call):
-    """call() with the sampler as before the thirty-fourth session: top-p by a sort, the draw as torch ops."""
-    keep, draw = sampler.top_p_keep, sampler.TRITON_DRAW
-    sampler.top_p_keep, sampler.TRITON_DRAW = sampler.top_p_keep_sorted, False
-    try:
-        return call()
-    finally:
-        sampler.top_p_keep, sampler.TRITON_DRAW = keep, draw
-
-
-def _triton(call):
-    """call() with the draw as one Triton launch (sampler.TRITON_DRAW), where the device has it."""
+    """call() with the draw as torch ops, as the sampler drew before the thirty-fifth session."""
     draw = sampler.TRITON_DRAW
-    sampler.TRITON_DRAW = True
+    sampler.TRITON_DRAW = False
     try:
         return call()
     finally:
@@ -117,8 +105,6 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     figures = {
         "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows), logits, fed), steps, device),
         "before_ms": _median_ms(lambda: _before(lambda: sample_step(_step(plain, rows), logits, fed)), steps, device),
-        "triton_draw_ms": _median_ms(lambda: _triton(lambda: sample_step(_step(plain, rows), logits, fed)), steps,
-                                     device),
         "penalized_ms": _median_ms(decode.next, steps, device),
         "penalized_first_ms": _median_ms(decode.first, steps, device),
         "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows), logits, fed), steps, device),
@@ -131,9 +117,6 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     # both ways draw the same tokens (seeded draws: the same call twice gives the same ids)
     out["same_tokens_as_before"] = torch.equal(sample_step(_step(plain, rows), logits, fed),
                                                _before(lambda: sample_step(_step(plain, rows), logits, fed)))
-    out["same_tokens_triton_draw"] = torch.equal(sample_step(_step(plain, rows), logits, fed),
-                                                 _triton(lambda: sample_step(_step(plain, rows), logits, fed)))
-    out["triton_draw_x_before"] = round(figures["triton_draw_ms"] / figures["before_ms"], 3)
     out["plain_x_before"] = round(figures["plain_ms"] / figures["before_ms"], 3)
     for case in ("penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_plain"] = round(figures[f"{case}_ms"] / figures["plain_ms"], 2)

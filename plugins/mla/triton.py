@@ -141,8 +141,10 @@ def mla_gate_kernel(o_ptr, g_ptr, out_ptr, VD, stride_oh, stride_ot, stride_gt, 
 
 
 # the grid num_splits_for aims at, in programs per SM: each split adds a partial output [H, 512] fp32 a query that
-# the merge reads again (at 64 x 8K with 16 heads, 8 splits' are about 3 % of the KV bytes)
-SPLIT_WAVES = 2
+# the merge reads again (at 64 x 8K with 16 heads, 8 splits' are about 3 % of the KV bytes). On the H200 one wave
+# against two: 0.893 / 0.854 of the KV floor at 64 x 8K (16 heads), 1.022 / 1.013 at 32 x 64K, 0.270 / 0.262 at
+# 96 heads; in a K3 rank 0.12-0.24 ms a step less (BENCHMARKS.md, thirty-fifth session)
+SPLIT_WAVES = 1
 
 
 def num_splits_for(batch: int, num_heads: int, max_pages: int, *, block_h: int = 16, num_sms: int = 132) -> int:

@@ -51,11 +51,11 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         t_base = time_ms(base, rep=10)
         ref = base().float()
         del cache
-        # the host's split count (num_splits_for: about two waves of programs; 8 at 64 x 8K and 16 at 32 x 64K with
-        # 16 heads) beside fewer, which write and merge fewer partial outputs (fp32 [B, splits, H, 512]: 16.8 MB at
-        # 8 splits, about 3 % of the KV bytes, read again by the merge); one wave is 4 / 8 splits (16 heads), 2 / 4 (96)
-        configs = ([(16, None, 4, 2), (16, 2, 4, 2), (16, 4, 4, 2), (16, 8, 4, 2)] if H == 16 else
-                   [(32, None, 4, 2), (64, None, 8, 2), (64, 2, 8, 2), (64, 4, 8, 2)])
+        # the host's split count (num_splits_for: about one wave of programs; 4 at 64 x 8K and 8 at 32 x 64K with
+        # 16 heads, 2 / 4 with 96) beside fewer and beside two waves' (8 / 16, and 4 / 8), which write and merge more
+        # partial outputs (fp32 [B, splits, H, 512]: 16.8 MB at 8 splits, about 3 % of the KV bytes)
+        configs = ([(16, None, 4, 2), (16, 2, 4, 2), (16, 8, 4, 2), (16, 16, 4, 2)] if H == 16 else
+                   [(32, None, 4, 2), (64, None, 8, 2), (64, 4, 8, 2), (64, 8, 8, 2)])
         if sweep:
             configs += ([(16, None, 4, 1), (16, None, 4, 3), (16, None, 8, 2)] if H == 16 else
                         [(32, None, 8, 2), (32, None, 4, 1), (32, None, 4, 3), (64, None, 8, 1), (16, None, 2, 2)])

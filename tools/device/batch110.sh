@@ -1,5 +1,5 @@
-# Hundred-and-tenth device batch (prepared in the thirty-fourth session; not yet run: no device came after the
-# session's first four calls; batch111.sh is its short form):
+# Hundred-and-tenth device batch (prepared in the thirty-fourth session, run in the thirty-fifth on that session's
+# code, 6c3822b, whose sampler.top_p_keep_sorted it names; BENCHMARKS.md has its figures):
 # 1. the sampling bench: top-p without a sort of the vocabulary (sampler.top_p_keep) beside the sampler as it was
 #    (before_ms), the draw as one Triton launch (triton_draw_ms, k3plugins.sample); the penalties' counts kept on
 #    the sampling rank (penalized_ms: a step after the first; penalized_first_ms: the first, which brings the whole
