@@ -11,7 +11,8 @@ bits on any device (its logarithms may differ in the last bit between devices). 
 before, took a launch sequence and a host sync a row. Ties, common in logits upcast from bf16, are broken by
 token id at every step, so that nothing depends on the order a sort or top-k returns. When every row of a pass
 has a top-k, the rows are drawn from their kept tokens only (_draw_top_k): the same sets, order and noise, so the
-same tokens. On a GPU the noise and the argmax are one Triton launch (TRITON_DRAW, k3plugins.sample).
+same tokens. On a GPU the noise and the argmax are one Triton launch (TRITON_DRAW, k3plugins.sample), and top-p's
+kept set can come from Triton's histograms instead of a sort (TRITON_TOP_P).
 """
 
 from __future__ import annotations
@@ -170,33 +171,40 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     if rows.any_top_k:
         x = x.masked_fill(~top_k_mask(x, rows.k, rows.kmax), float("-inf"))
     if rows.any_top_p:
-        x = x.masked_fill(~top_p_keep(x, rows.top_p), float("-inf"))
+        if TRITON_TOP_P and x.is_cuda and _triton("top_p_filter") is not None:
+            x = _triton("top_p_filter")(x, rows.top_p)
+        else:
+            x = x.masked_fill(~top_p_keep(x, rows.top_p), float("-inf"))
     return gumbel_argmax(x, rows.draw_seeds)
 
 
 # The draw as one Triton launch on GPUs (k3plugins.sample): on the H200 0.05 ms against the torch ops' 0.49 at 32
 # rows of 163840 tokens, 0.10 against 1.79 at 128, the same tokens (BENCHMARKS.md, bench_sampling)
 TRITON_DRAW = True
+# Top-p's kept set without a sort, in Triton (k3plugins.sample.top_p): the sort's set bit for bit in the interpreter
+# and compiled for sm90 and gfx942; off until it has run on a GPU (tools/device/batch113.sh)
+TRITON_TOP_P = False
 
 
 def gumbel_argmax(x: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
     """argmax(x + gumbel_noise) of each row over the whole vocabulary, the first (lowest id) on a tie: with
     TRITON_DRAW on a CUDA or ROCm GPU one Triton launch (k3plugins.sample), which makes the noise in registers;
     otherwise the torch ops."""
-    if TRITON_DRAW and x.is_cuda and _triton_draw() is not None:
-        return _triton_draw()(x.contiguous(), draw_seeds)
+    if TRITON_DRAW and x.is_cuda and _triton("gumbel_argmax") is not None:
+        return _triton("gumbel_argmax")(x.contiguous(), draw_seeds)
     ids = torch.arange(x.shape[1], device=x.device)
     return (x + gumbel_noise(draw_seeds, ids)).argmax(dim=-1)
 
 
 @functools.cache
-def _triton_draw():
-    """k3plugins.sample's launch, or None where Triton does not import (the torch ops then)."""
+def _triton(name: str):
+    """k3plugins.sample's launch `name` (gumbel_argmax, top_p_filter), or None where Triton does not import (the
+    torch ops then)."""
     try:
-        from k3plugins.sample.triton import gumbel_argmax as draw
+        from k3plugins.sample import top_p, triton
     except ImportError:
         return None
-    return draw
+    return {"gumbel_argmax": triton.gumbel_argmax, "top_p_filter": top_p.top_p_filter}[name]
 
 
 def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:

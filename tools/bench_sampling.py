@@ -6,9 +6,11 @@
 ROWS requests each sample one token from fp32 logits [ROWS, VOCAB] (K3's vocabulary by default) through
 llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
 - plain_ms: that alone;
-- before_ms: the same with the draw as torch ops (sampler.TRITON_DRAW off: the sampler before the thirty-fifth
-  session), the baseline of plain_ms, which on a GPU draws in one Triton launch (on a CPU both are the torch ops);
-  the same draws (same_tokens_as_before checks it);
+- before_ms: the same with the draw as torch ops and top-p by the sort (sampler.TRITON_DRAW and TRITON_TOP_P off:
+  the sampler before the thirty-fifth session), the baseline of plain_ms (on a CPU both are the torch ops); the
+  same draws (same_tokens_as_before checks it);
+- triton_top_p_ms: plain with top-p's kept set from Triton's histograms (sampler.TRITON_TOP_P on, on a GPU);
+  same_tokens_triton_top_p checks its draws;
 - penalized_ms: every row also with frequency, presence and repetition penalties, in a decode step after the first:
   it brings the one token sampled since (the plan's SeenTokens), the counts kept on the sampling rank, its own
   last token still on the device (async scheduling's case);
@@ -80,14 +82,16 @@ class _Decode:
         return sample_step(_step(self.params, self.rows, seen, self.known + 1), self.logits, self.fed, self.store)
 
 
-def _before(call):
-    """call() with the draw as torch ops, as the sampler drew before the thirty-fifth session."""
-    draw = sampler.TRITON_DRAW
-    sampler.TRITON_DRAW = False
+def _with(call, **flags):
+    """call() with the sampler's flags (TRITON_DRAW, TRITON_TOP_P) set as given."""
+    old = {name: getattr(sampler, name) for name in flags}
+    for name, value in flags.items():
+        setattr(sampler, name, value)
     try:
         return call()
     finally:
-        sampler.TRITON_DRAW = draw
+        for name, value in old.items():
+            setattr(sampler, name, value)
 
 
 def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) -> dict:
@@ -104,7 +108,10 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     decode.first()
     figures = {
         "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows), logits, fed), steps, device),
-        "before_ms": _median_ms(lambda: _before(lambda: sample_step(_step(plain, rows), logits, fed)), steps, device),
+        "before_ms": _median_ms(lambda: _with(lambda: sample_step(_step(plain, rows), logits, fed), TRITON_DRAW=False,
+                                              TRITON_TOP_P=False), steps, device),
+        "triton_top_p_ms": _median_ms(lambda: _with(lambda: sample_step(_step(plain, rows), logits, fed),
+                                                    TRITON_TOP_P=True), steps, device),
         "penalized_ms": _median_ms(decode.next, steps, device),
         "penalized_first_ms": _median_ms(decode.first, steps, device),
         "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows), logits, fed), steps, device),
@@ -115,8 +122,12 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     for case in ("plain", "penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_floor"] = round(figures[f"{case}_ms"] / figures["floor_ms"], 2)
     # both ways draw the same tokens (seeded draws: the same call twice gives the same ids)
-    out["same_tokens_as_before"] = torch.equal(sample_step(_step(plain, rows), logits, fed),
-                                               _before(lambda: sample_step(_step(plain, rows), logits, fed)))
+    drawn = sample_step(_step(plain, rows), logits, fed)
+    out["same_tokens_as_before"] = torch.equal(drawn, _with(lambda: sample_step(_step(plain, rows), logits, fed),
+                                                            TRITON_DRAW=False, TRITON_TOP_P=False))
+    out["same_tokens_triton_top_p"] = torch.equal(drawn, _with(lambda: sample_step(_step(plain, rows), logits, fed),
+                                                               TRITON_TOP_P=True))
+    out["triton_top_p_x_before"] = round(figures["triton_top_p_ms"] / figures["before_ms"], 3)
     out["plain_x_before"] = round(figures["plain_ms"] / figures["before_ms"], 3)
     for case in ("penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_plain"] = round(figures[f"{case}_ms"] / figures["plain_ms"], 2)

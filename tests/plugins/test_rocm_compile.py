@@ -20,6 +20,7 @@ from k3plugins.moe import triton_kernels as moe  # noqa: E402
 from k3plugins.moe_out import triton as moe_out  # noqa: E402
 from k3plugins.norm import triton as norm  # noqa: E402
 from k3plugins.router import triton as router  # noqa: E402
+from k3plugins.sample import top_p  # noqa: E402
 from k3plugins.sample import triton as sample  # noqa: E402
 
 # (kernel, pointer element types by arg name, constexprs); other args: *_ptr -> *fp32, ints i32, listed floats fp32
@@ -153,6 +154,13 @@ SPECS = {
     "router_topk_cast_row": (router.router_topk_kernel, dict(ids_ptr="*i64", h_ptr="*fp32", out_ptr="*bf16"),
                              dict(NUM_SPLITS=1, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True, CAST=True, BC=8192)),
     "gumbel_argmax": (sample.gumbel_argmax_kernel, dict(seed_ptr="*i64", idx_ptr="*i64"), dict(BLOCK=1024)),
+    # top-p without a sort: a later round's histogram (the prefix check on), the first crossing, the mask
+    "top_p_hist": (top_p.top_p_hist_kernel, dict(state_ptr="*i64", hist_ptr="*i64"),
+                   dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False, BLOCK=1024)),
+    "top_p_cross": (top_p.top_p_cross_kernel, dict(hist_ptr="*i64", state_ptr="*i64", top_p_ptr="*fp64",
+                                                   t_ptr="*fp64"), dict(NB=4096, FIRST=True)),
+    "top_p_mask": (top_p.top_p_mask_kernel, dict(state_ptr="*i64", top_p_ptr="*fp64", t_ptr="*fp64"),
+                   dict(BLOCK=1024)),
 }
 _FLOATS = {"beta", "linear_beta", "sm_scale", "scale", "lower_bound", "eps", "out_eps", "scaling"}
 TARGETS = {"gfx942": GPUTarget("hip", "gfx942", 64), "sm90": GPUTarget("cuda", 90, 32)}

@@ -464,12 +464,55 @@ def _gumbel_argmax_cases() -> dict:
     return res
 
 
+def _top_p_cases() -> dict:
+    """Top-p's kept set by histograms (k3plugins.sample.top_p) against the sampler's sort, bit for bit: fp32 logits,
+    bf16 and coarse ties (ties at the cut keep the lowest ids), -inf tokens (a top-k before it), +0.0 and -0.0 ties;
+    top_p at 1 (all), tiny (the best alone), just under 1 and random; rows of 7 to 3000 tokens, one program a row
+    or many (PROGRAMS large or small); and a cut at an exact mass (the token at it goes, as the sort's >=)."""
+    from k3plugins.sample import top_p as tp
+    from k3runtime.sampler import top_p_keep
+    g = torch.Generator().manual_seed(3)
+    res = {}
+    for kind in ("fp32", "bf16_ties", "coarse_ties", "masked", "zeros"):
+        equal = []
+        for trial in range(6):
+            M, V = 5, (7, 64, 3000)[trial % 3]
+            x = torch.randn(M, V, generator=g) * (0.05 + trial % 6)
+            if kind == "bf16_ties":
+                x = x.bfloat16().float()
+            elif kind == "coarse_ties":
+                x = (x * 2).round() / 2
+            elif kind == "masked":
+                x = x.masked_fill(torch.rand(M, V, generator=g) < 0.7, float("-inf"))
+                x[:, trial % V] = 1.0  # a finite token a row
+            elif kind == "zeros":
+                x = x.clamp(max=0.0)
+                x[0], x[1, ::2] = -0.0, -0.0
+            top_p = torch.rand(M, generator=g, dtype=torch.float64)
+            top_p[:3] = torch.tensor([1.0, 1e-46, 1 - 1e-9], dtype=torch.float64)
+            want = x.masked_fill(~top_p_keep(x, top_p), float("-inf"))
+            tp.PROGRAMS, old = (1024, 2)[trial % 2], tp.PROGRAMS
+            try:
+                got = tp.top_p_filter(x, torch.stack([top_p, top_p], 1)[:, 1])  # a strided column, as the sampler's
+            finally:
+                tp.PROGRAMS = old
+            equal.append(torch.equal(got.view(torch.int32), want.view(torch.int32)))
+        res[f"top-p-{kind}"] = {"equal": equal}
+    # four equal tokens at top_p 0.5 keep the two lowest ids, at 0.75 three; a higher token first keeps only it
+    x = torch.zeros(3, 4)
+    x[2, 3] = 10.0
+    keep = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    got = tp.top_p_filter(x, torch.tensor([0.5, 0.75, 0.5], dtype=torch.float64))
+    res["top-p-exact-mass"] = {"equal": [torch.equal(got, x.masked_fill(~keep, float("-inf")))]}
+    return res
+
+
 def _child(part: str) -> None:
-    """The checks of one part ("norms": RMSNorm and AttnRes, about half the time; "kernels": the others), printed
+    """The checks of one part ("norms": RMSNorm, AttnRes and top-p, about half the time; "kernels": the others), printed
     as one JSON line."""
     _patch_interpreter()
     if part == "norms":
-        print("RESULTS " + json.dumps(_norm_cases()))
+        print("RESULTS " + json.dumps({**_norm_cases(), **_top_p_cases()}))
         return
     from k3plugins.kda import fla as kd
     from k3plugins.mla import triton as mla
@@ -705,6 +748,11 @@ def test_moe_out_proj_interpreted(results, dtype, tol, norm):
 @pytest.mark.parametrize("case", ["3-700-1024", "5-5000-1024", "2-5000-4"])
 def test_gumbel_argmax_interpreted(results, case):
     assert results[f"gumbel-argmax-{case}"]["equal"]
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16_ties", "coarse_ties", "masked", "zeros", "exact-mass"])
+def test_top_p_by_histograms_interpreted(results, case):
+    assert all(results[f"top-p-{case}"]["equal"]), results[f"top-p-{case}"]
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k
           SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8)]
 
 
-@pytest.mark.parametrize("triton_draw", [False, True], ids=["torch_draw", "triton_draw"])
+@pytest.mark.parametrize("triton", [(False, False), (True, False), (True, True)],
+                         ids=["torch_ops", "triton_draw", "triton_draw_and_top_p"])
 @pytest.mark.parametrize("top_k_only", [False, True], ids=["full", "top_k_rows"])
-def test_gpu_draws_equal_cpu_draws(top_k_only, triton_draw, monkeypatch):
+def test_gpu_draws_equal_cpu_draws(top_k_only, triton, monkeypatch):
     from k3runtime import sampler
-    monkeypatch.setattr(sampler, "TRITON_DRAW", triton_draw)
+    monkeypatch.setattr(sampler, "TRITON_DRAW", triton[0])
+    monkeypatch.setattr(sampler, "TRITON_TOP_P", triton[1])
     g = torch.Generator().manual_seed(3)
     params = [p for p in PARAMS if p.top_k or p.temperature == 0] if top_k_only else PARAMS
     M = len(params)
@@ -87,8 +89,8 @@ def test_penalties_on_the_gpu_equal_the_cpu_and_never_sync():
 def test_triton_draw_equals_the_torch_ops():
     """The one-launch draw (k3plugins.sample) against the sampler's torch ops on the same GPU: K3's vocabulary, 130
     rows (chunked rows, a ragged last block), logits rounded to bf16 (ties), -inf tokens, many seeds."""
-    from k3runtime.sampler import _draw_seed, _triton_draw, gumbel_noise
-    draw = _triton_draw()
+    from k3runtime.sampler import _draw_seed, _triton, gumbel_noise
+    draw = _triton("gumbel_argmax")
     assert draw is not None
     g = torch.Generator(device="cuda").manual_seed(2)
     V = 163840
@@ -98,3 +100,32 @@ def test_triton_draw_equals_the_torch_ops():
         x[::7, ::5] = float("-inf")
         seeds = torch.tensor([_draw_seed(trial, m) for m in range(130)], dtype=torch.int64, device="cuda")
         assert torch.equal(draw(x, seeds), (x + gumbel_noise(seeds, ids)).argmax(dim=-1)), trial
+
+
+@pytest.mark.parametrize("kind", ["bf16_ties", "fp32", "masked", "flat"])
+def test_triton_top_p_keeps_what_the_sort_keeps(kind):
+    """Top-p by Triton's histograms (k3plugins.sample.top_p) against the sampler's sort on the same GPU, bit for bit:
+    K3's vocabulary, 40 rows (a chunked grid), logits rounded to bf16 (ties, also at the cut), -inf tokens, nearly
+    flat rows (the cut deep in the vocabulary); top_p at 1, tiny, just under 1 and random; with no sync."""
+    from k3runtime.sampler import _triton, top_p_keep
+    top_p_filter = _triton("top_p_filter")
+    assert top_p_filter is not None
+    g = torch.Generator(device="cuda").manual_seed(4)
+    M, V = 40, 163840
+    for trial in range(3):
+        x = torch.randn(M, V, device="cuda", generator=g) * (0.01 if kind == "flat" else 3.0 / (trial + 1))
+        if kind == "bf16_ties":
+            x = x.bfloat16().float()
+        elif kind == "masked":
+            x = x.masked_fill(torch.rand(M, V, device="cuda", generator=g) < 0.9, float("-inf"))
+            x[:, trial] = 0.5
+        top_p = torch.rand(M, device="cuda", generator=g, dtype=torch.float64)
+        top_p[:3] = torch.tensor([1.0, 1e-46, 1 - 1e-9], dtype=torch.float64)
+        want = x.masked_fill(~top_p_keep(x, top_p), float("-inf"))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = top_p_filter(x, top_p)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (trial, int((got != want).sum()))

@@ -1,0 +1,29 @@
+# Hundred-and-thirteenth device batch (thirty-fifth session): top-p's kept set by Triton's histograms
+# (k3plugins.sample.top_p, sampler.TRITON_TOP_P): its GPU tests against the sort and in the GPU-against-CPU draws,
+# the part alone against the sort's, and the sampling bench (triton_top_p_ms beside plain_ms and before_ms). Turn
+# TRITON_TOP_P on if the tests pass and it is faster. Carry fla-core's wheel (.whl).
+source tools/device/env.sh
+timeout 150 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -8
+python3 - <<'PY' 2>&1 | tee $OUT/top_p_parts.txt
+import torch
+from k3runtime import sampler
+from k3plugins.sample.top_p import top_p_filter
+def ms(f, reps=20):
+    for _ in range(3):
+        f()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        f()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+for M in (32, 128):
+    x = torch.randn(M, 163840, device="cuda") * 3 / 0.8
+    tp = torch.full((M,), 0.95, dtype=torch.float64, device="cuda")
+    sort = lambda: x.masked_fill(~sampler.top_p_keep(x, tp), float("-inf"))
+    print(M, {"sort_ms": round(ms(sort), 3), "histograms_ms": round(ms(lambda: top_p_filter(x, tp)), 3),
+              "same": bool(torch.equal(sort(), top_p_filter(x, tp)))})
+PY
+timeout 120 python3 tools/bench_sampling.py --device cuda --steps 10 2>&1 | tee $OUT/sampling.jsonl
