@@ -155,12 +155,19 @@ SPECS = {
                              dict(NUM_SPLITS=1, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True, CAST=True, BC=8192)),
     "gumbel_argmax": (sample.gumbel_argmax_kernel, dict(seed_ptr="*i64", idx_ptr="*i64"), dict(BLOCK=1024)),
     # top-p without a sort: a later round's histogram (the prefix check on), the first crossing, the mask
-    "top_p_hist": (top_p.top_p_hist_kernel, dict(state_ptr="*i64", hist_ptr="*i64"),
-                   dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False, BLOCK=1024)),
-    "top_p_cross": (top_p.top_p_cross_kernel, dict(hist_ptr="*i64", state_ptr="*i64", top_p_ptr="*fp64",
-                                                   t_ptr="*fp64"), dict(NB=4096, FIRST=True)),
-    "top_p_mask": (top_p.top_p_mask_kernel, dict(state_ptr="*i64", top_p_ptr="*fp64", t_ptr="*fp64"),
+    "top_p_mass": (top_p.top_p_mass_kernel, dict(mass_ptr="*i64"), dict(BLOCK=512)),
+    "top_p_hist_first": (top_p.top_p_hist_kernel, dict(mass_ptr="*i64", top_p_ptr="*fp64", state_ptr="*i64",
+                                                       hist_ptr="*i64"),
+                         dict(SHIFT=20, NB=4096, ABOVE=32, FIRST=True, BLOCK=1024)),
+    "top_p_hist": (top_p.top_p_hist_kernel, dict(mass_ptr="*i64", top_p_ptr="*fp64", state_ptr="*i64",
+                                                 hist_ptr="*i64"), dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False,
+                                                                        BLOCK=1024)),
+    "top_p_cross": (top_p.top_p_cross_kernel, dict(hist_ptr="*i64", mass_ptr="*i64", top_p_ptr="*fp64",
+                                                   state_ptr="*i64", t_ptr="*fp64"), dict(NB=4096, FIRST=True)),
+    "top_p_ties": (top_p.top_p_ties_kernel, dict(state_ptr="*i64", top_p_ptr="*fp64", ties_ptr="*i32"),
                    dict(BLOCK=1024)),
+    "top_p_mask": (top_p.top_p_mask_kernel, dict(state_ptr="*i64", top_p_ptr="*fp64", t_ptr="*fp64", ties_ptr="*i32"),
+                   dict(PARTS=32, BLOCK=1024)),
 }
 _FLOATS = {"beta", "linear_beta", "sm_scale", "scale", "lower_bound", "eps", "out_eps", "scaling"}
 TARGETS = {"gfx942": GPUTarget("hip", "gfx942", 64), "sm90": GPUTarget("cuda", 90, 32)}

@@ -25,5 +25,11 @@ for M in (32, 128):
     sort = lambda: x.masked_fill(~sampler.top_p_keep(x, tp), float("-inf"))
     print(M, {"sort_ms": round(ms(sort), 3), "histograms_ms": round(ms(lambda: top_p_filter(x, tp)), 3),
               "same": bool(torch.equal(sort(), top_p_filter(x, tp)))})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            top_p_filter(x, tp)
+        torch.cuda.synchronize()
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+        print("  ", e.key[:50], e.count, round(e.device_time_total / e.count, 1), "us")
 PY
 timeout 120 python3 tools/bench_sampling.py --device cuda --steps 10 2>&1 | tee $OUT/sampling.jsonl
