@@ -5,20 +5,13 @@
 source tools/device/env.sh
 timeout 150 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -8
 python3 - <<'PY' 2>&1 | tee $OUT/top_p_parts.txt
+import sys
 import torch
+sys.path.insert(0, "tools/bench")
+from common import time_ms
 from k3runtime import sampler
 from k3plugins.sample.top_p import top_p_filter
-def ms(f, reps=20):
-    for _ in range(3):
-        f()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        f()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+ms = lambda f: time_ms(f, graph=False, flush=False)  # medians of 20, launched as the sampler does
 for M in (32, 128):
     x = torch.randn(M, 163840, device="cuda") * 3 / 0.8
     tp = torch.full((M,), 0.95, dtype=torch.float64, device="cuda")
