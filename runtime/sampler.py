@@ -151,8 +151,8 @@ def _top_p_drop(sorted_x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def top_p_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[M, V] bool: the tokens _top_p_drop keeps of each row (tempered logits x [M, V] fp32, -inf for dropped ones;
     top_p [M] fp64), by sorting the vocabulary, ties by ascending id. (Two histograms of the weights over the fp32
-    values' bits found the same set without a sort, and took 1.4x the sort's time on the H200: BENCHMARKS.md,
-    bench_sampling, thirty-fifth session.)"""
+    values' bits in torch ops found the same set and took 1.1-1.4x the sort's time on the H200, BENCHMARKS.md,
+    bench_sampling; k3plugins.sample.top_p makes such histograms in Triton: TRITON_TOP_P.)"""
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
     return torch.ones_like(x, dtype=torch.bool).scatter(1, order, ~_top_p_drop(sorted_x, top_p))
 
