@@ -12,7 +12,7 @@ before, took a launch sequence and a host sync a row. Ties, common in logits upc
 token id at every step, so that nothing depends on the order a sort or top-k returns. When every row of a pass
 has a top-k, the rows are drawn from their kept tokens only (_draw_top_k): the same sets, order and noise, so the
 same tokens. On a GPU the noise and the argmax are one Triton launch (TRITON_DRAW, k3plugins.sample), and top-p's
-kept set can come from Triton's histograms instead of a sort (TRITON_TOP_P).
+kept set comes from Triton's histograms instead of a sort (TRITON_TOP_P).
 """
 
 from __future__ import annotations
@@ -181,9 +181,10 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
 # The draw as one Triton launch on GPUs (k3plugins.sample): on the H200 0.05 ms against the torch ops' 0.49 at 32
 # rows of 163840 tokens, 0.10 against 1.79 at 128, the same tokens (BENCHMARKS.md, bench_sampling)
 TRITON_DRAW = True
-# Top-p's kept set without a sort, in Triton (k3plugins.sample.top_p): the sort's set bit for bit in the interpreter
-# and compiled for sm90 and gfx942; off until it has run on a GPU (tools/device/batch113.sh)
-TRITON_TOP_P = False
+# Top-p's kept set without a sort, in Triton (k3plugins.sample.top_p): the sort's set bit for bit on an H100 (and in
+# the interpreter; compiled for gfx942 too), 0.58 ms against the sort's 1.27 at 32 rows of 163840 tokens, 1.09 against
+# 4.35 at 128 (BENCHMARKS.md, bench_sampling)
+TRITON_TOP_P = True
 
 
 def gumbel_argmax(x: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
