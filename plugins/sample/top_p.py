@@ -1,18 +1,18 @@
 """Top-p's kept tokens without sorting the vocabulary, in Triton: the same set as k3runtime.sampler.top_p_keep (which
-sorts each row), in ten Triton launches (and a max and a fill of zeros) with no device->host sync.
+sorts each row), in eight Triton launches (and a max and a fill of zeros) with no device->host sync.
 
 A token's weight is round(exp(f64(x - max)) · 2^40) as int64, as the sampler's; sorted best first (ties by id) a
 token stays while the integer mass before it, as fp64, is below T = top_p · total. That mass only grows, so the kept
 tokens are those above one cut value c, then the first ones by id of the tokens at c. c is the fp32 value's
 order-keeping key (32 bits), found in three rounds of weight histograms (12, 12 and 8 bits of the key): each round's
 histogram (every token of the row that matches the bits found so far, atomic int64 adds, exact in any order) gives the
-bucket where the mass above first falls below T. A first pass sums each row's weights exactly (T) and those above a
-few values below its max: the highest of those with a mass above it of at least T is below the cut, and the first
-round leaves out the tokens under its bucket (most of a row's atomic adds: they were 0.5 ms at 128 rows on an H100). Then the tokens at c are counted a chunk, and a last pass writes x
+bucket where the mass above first falls below T. Then the tokens at c are counted a chunk, and a last pass writes x
 with every other token at -inf, the tied tokens before each (they all weigh the same) from those counts.
 
 On the H200 the sort took 1.1 ms at 32 rows of 163840 tokens (BENCHMARKS.md, bench_sampling); the torch form of
-these histograms (scatter-adds into 2^16 buckets) was slower than the sort.
+these histograms (scatter-adds into 2^16 buckets) was slower than the sort. On an H100 at 128 rows these rounds took
+about 0.18 ms each, most of it the first round's atomic adds; a pass that bounded the cut from below so that the
+first round could leave most tokens out cost more (0.245 ms) than it saved, and is gone.
 """
 
 from __future__ import annotations
@@ -44,61 +44,14 @@ def _key_weight(x, m):
 
 
 @triton.jit
-def _thresholds(m):
-    """[4] keys of m - 4, m - 8, m - 16 and m - 24 (m: the row's max)."""
-    d = tl.arange(0, 4)
-    return _order_key(m - tl.where(d == 0, 4.0, tl.where(d == 1, 8.0, tl.where(d == 2, 16.0, 24.0))))
-
-
-@triton.jit
-def top_p_mass_kernel(x_ptr, m_ptr, mass_ptr, V, stride_x, stride_m, CHUNK, BLOCK: tl.constexpr):
-    """mass[row, 0] += the chunk's total weight, mass[row, 1 + j] += its weight above the j-th threshold key (a
-    program's exact sums, one atomic add each)."""
-    row = tl.program_id(0)
-    start = tl.program_id(1) * CHUNK
-    m = tl.load(m_ptr + row)
-    tk = _thresholds(m)
-    x_row = x_ptr + row.to(tl.int64) * stride_x
-    total = tl.zeros([], tl.int64)
-    above = tl.zeros([4], tl.int64)
-    for c0 in range(0, CHUNK, BLOCK):
-        ids = start + c0 + tl.arange(0, BLOCK)
-        mask = (ids < V) & (c0 + tl.arange(0, BLOCK) < CHUNK)
-        key, w = _key_weight(tl.load(x_row + ids, mask=mask, other=float("-inf")), m)
-        w = tl.where(mask, w, 0)
-        total += tl.sum(w, 0)
-        above += tl.sum(tl.where(key[:, None] > tk[None, :], w[:, None], 0), 0)
-    m_row = mass_ptr + row.to(tl.int64) * stride_m
-    tl.atomic_add(m_row, total, sem="relaxed")
-    tl.atomic_add(m_row + 1 + tl.arange(0, 4), above, sem="relaxed")
-
-
-@triton.jit
-def _threshold_and_floor(mass_ptr, top_p_ptr, m, row, stride_m):
-    """T = top_p · total, and a key below the cut: the largest threshold key with a mass above it of at least T (no
-    key at or under it can be the cut, whose mass above is below T), 0 where none is."""
-    m_row = mass_ptr + row.to(tl.int64) * stride_m
-    T = tl.load(top_p_ptr + row) * tl.load(m_row).to(tl.float64)
-    heavy = tl.load(m_row + 1 + tl.arange(0, 4)).to(tl.float64) >= T
-    return T, tl.max(tl.where(heavy, _thresholds(m), 0), 0)
-
-
-@triton.jit
-def top_p_hist_kernel(x_ptr, m_ptr, mass_ptr, top_p_ptr, state_ptr, hist_ptr, V, stride_x, stride_m, stride_h, CHUNK,
-                      SHIFT: tl.constexpr, NB: tl.constexpr, ABOVE: tl.constexpr, FIRST: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def top_p_hist_kernel(x_ptr, m_ptr, state_ptr, hist_ptr, V, stride_x, stride_h, CHUNK, SHIFT: tl.constexpr,
+                      NB: tl.constexpr, ABOVE: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
     """hist[row, b] += the weights of the row's tokens (of one chunk) in bucket b: key bits SHIFT and up (NB
-    buckets), among those whose bits from ABOVE up match the row's prefix so far (state[row, 0]). FIRST: among those
-    in the floor's bucket and above (_threshold_and_floor): the tokens below it cannot move the cut, and most of a
-    row's atomic adds go."""
+    buckets), among those whose bits from ABOVE up match the row's prefix so far (state[row, 0]; FIRST: all)."""
     row = tl.program_id(0)
     start = tl.program_id(1) * CHUNK
     m = tl.load(m_ptr + row)
-    if FIRST:
-        _, floor = _threshold_and_floor(mass_ptr, top_p_ptr, m, row, stride_m)
-        prefix = floor >> SHIFT
-    else:
-        prefix = tl.load(state_ptr + row * 2)
+    prefix = tl.load(state_ptr + row * 2)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     h_row = hist_ptr + row.to(tl.int64) * stride_h
     for c0 in range(0, CHUNK, BLOCK):
@@ -106,26 +59,23 @@ def top_p_hist_kernel(x_ptr, m_ptr, mass_ptr, top_p_ptr, state_ptr, hist_ptr, V,
         mask = (ids < V) & (c0 + tl.arange(0, BLOCK) < CHUNK)
         x = tl.load(x_row + ids, mask=mask, other=float("-inf"))
         key, w = _key_weight(x, m)
-        if FIRST:
-            ok = mask & (w > 0) & ((key >> SHIFT) >= prefix)
-        else:
-            ok = mask & (w > 0) & ((key >> ABOVE) == prefix)
+        ok = mask & (w > 0)
+        if not FIRST:
+            ok = ok & ((key >> ABOVE) == prefix)
         tl.atomic_add(h_row + ((key >> SHIFT) & (NB - 1)), w, mask=ok, sem="relaxed")
 
 
 @triton.jit
-def top_p_cross_kernel(hist_ptr, mass_ptr, top_p_ptr, m_ptr, state_ptr, t_ptr, stride_h, stride_m, NB: tl.constexpr,
-                       FIRST: tl.constexpr):
+def top_p_cross_kernel(hist_ptr, state_ptr, top_p_ptr, t_ptr, stride_h, NB: tl.constexpr, FIRST: tl.constexpr):
     """The bucket of this round that holds the cut: the lowest whose mass above (the mass above this round's buckets,
     state[row, 1], and the buckets above it) is below T. Its bits are appended to the prefix (state[row, 0]) and the
-    mass above it kept (state[row, 1]). FIRST: the round that also finds T (t[row]); the buckets under its floor hold
-    nothing there, but the mass above each is that of the floor's bucket and up, at least the floor's own mass above:
-    at least T, as the whole mass above them is."""
+    mass above it kept (state[row, 1]). FIRST: the round that also finds T = top_p · total (t[row])."""
     row = tl.program_id(0)
     b = tl.arange(0, NB)
     h = tl.load(hist_ptr + row.to(tl.int64) * stride_h + b)
+    level = tl.sum(h, 0)
     if FIRST:
-        T, _ = _threshold_and_floor(mass_ptr, top_p_ptr, tl.load(m_ptr + row), row, stride_m)
+        T = tl.load(top_p_ptr + row) * level.to(tl.float64)
         tl.store(t_ptr + row, T)
         prefix = tl.zeros([], tl.int64)
         above = tl.zeros([], tl.int64)
@@ -133,7 +83,7 @@ def top_p_cross_kernel(hist_ptr, mass_ptr, top_p_ptr, m_ptr, state_ptr, t_ptr, s
         T = tl.load(t_ptr + row)
         prefix = tl.load(state_ptr + row * 2)
         above = tl.load(state_ptr + row * 2 + 1)
-    upto = above + tl.sum(h, 0) - tl.cumsum(h, 0)                           # the mass above each bucket
+    upto = above + level - tl.cumsum(h, 0)                                  # the mass above each bucket
     # below T from some bucket up (the top one's mass above is the rounds' before: below T); the lowest such
     cut = tl.minimum(NB - tl.sum((upto.to(tl.float64) < T).to(tl.int32), 0), NB - 1)
     tl.store(state_ptr + row * 2, prefix * NB + cut)
@@ -200,23 +150,19 @@ def top_p_filter(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"top_p_filter: x must be fp32 with a contiguous last dim, got {x.dtype} {tuple(x.stride())}")
     top_p = top_p.to(torch.float64).contiguous()
     row_max = x.max(dim=1).values
-    # the mass sums (total, and above each threshold) and the three rounds' histograms, zeroed at once
-    hist = torch.zeros(M, 5 + sum(nb for _, nb in ROUNDS), dtype=torch.int64, device=x.device)
+    hist = torch.zeros(M, sum(nb for _, nb in ROUNDS), dtype=torch.int64, device=x.device)
     state = torch.zeros(M, 2, dtype=torch.int64, device=x.device)
     T = torch.empty(M, dtype=torch.float64, device=x.device)
     parts = max(1, min(triton.cdiv(V, BLOCK), PROGRAMS // max(M, 1)))
     chunk = triton.cdiv(triton.cdiv(V, parts), BLOCK) * BLOCK
     parts = triton.cdiv(V, chunk)
-    top_p_mass_kernel[(M, parts)](x, row_max, hist, V, x.stride(0), hist.stride(0), chunk, BLOCK=BLOCK // 2,
-                                  num_warps=4)
-    offset = 5
+    offset = 0
     for i, (shift, nb) in enumerate(ROUNDS):
         h = hist[:, offset:offset + nb]
-        top_p_hist_kernel[(M, parts)](x, row_max, hist, top_p, state, h, V, x.stride(0), hist.stride(0),
-                                      hist.stride(0), chunk, SHIFT=shift, NB=nb, ABOVE=shift + nb.bit_length() - 1,
-                                      FIRST=i == 0, BLOCK=BLOCK, num_warps=4)
-        top_p_cross_kernel[(M,)](h, hist, top_p, row_max, state, T, hist.stride(0), hist.stride(0), NB=nb,
-                                 FIRST=i == 0, num_warps=4)
+        top_p_hist_kernel[(M, parts)](x, row_max, state, h, V, x.stride(0), hist.stride(0), chunk, SHIFT=shift,
+                                      NB=nb, ABOVE=shift + nb.bit_length() - 1, FIRST=i == 0, BLOCK=BLOCK,
+                                      num_warps=4)
+        top_p_cross_kernel[(M,)](h, state, top_p, T, hist.stride(0), NB=nb, FIRST=i == 0, num_warps=4)
         offset += nb
     ties = torch.empty(M, parts, dtype=torch.int32, device=x.device)
     top_p_ties_kernel[(M, parts)](x, state, top_p, ties, V, x.stride(0), chunk, BLOCK=BLOCK, num_warps=4)
