@@ -17,8 +17,9 @@ def test_bench_sampling_times_the_cases_side_by_side():
     assert [(d["rows"], d["output"], d["vocab"]) for d in lines[1:]] == [(3, 8, 2048), (3, 40, 2048)]
     for d in lines[1:]:
         assert d["same_tokens_as_before"] is True and d["same_tokens_triton_top_p"] is True
-        ratio = d["triton_top_p_ms"] / d["before_ms"]
-        assert abs(d["triton_top_p_x_before"] - ratio) <= 0.01 * ratio + 0.001
+        for base in ("before", "sorted_top_p"):
+            ratio = d["triton_top_p_ms"] / d[f"{base}_ms"]
+            assert abs(d[f"triton_top_p_x_{base.split('_')[0]}"] - ratio) <= 0.01 * ratio + 0.001
         assert abs(d["plain_x_before"] - d["plain_ms"] / d["before_ms"]) <= 0.01 * d["plain_x_before"] + 0.001
         assert min(d["plain_ms"], d["before_ms"], d["penalized_ms"], d["penalized_first_ms"], d["logprobs_ms"],
                    d["floor_ms"]) > 0

@@ -9,8 +9,8 @@ llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
 - before_ms: the same with the draw as torch ops and top-p by the sort (sampler.TRITON_DRAW and TRITON_TOP_P off:
   the sampler before the thirty-fifth session), the baseline of plain_ms (on a CPU both are the torch ops); the
   same draws (same_tokens_as_before checks it);
-- triton_top_p_ms: plain with top-p's kept set from Triton's histograms (sampler.TRITON_TOP_P on, on a GPU);
-  same_tokens_triton_top_p checks its draws;
+- triton_top_p_ms / sorted_top_p_ms: plain with top-p's kept set from Triton's histograms (sampler.TRITON_TOP_P on,
+  on a GPU) / from the sort (off); same_tokens_triton_top_p checks the histograms' draws against the sort's;
 - penalized_ms: every row also with frequency, presence and repetition penalties, in a decode step after the first:
   it brings the one token sampled since (the plan's SeenTokens), the counts kept on the sampling rank, its own
   last token still on the device (async scheduling's case);
@@ -112,6 +112,8 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
                                               TRITON_TOP_P=False), steps, device),
         "triton_top_p_ms": _median_ms(lambda: _with(lambda: sample_step(_step(plain, rows), logits, fed),
                                                     TRITON_TOP_P=True), steps, device),
+        "sorted_top_p_ms": _median_ms(lambda: _with(lambda: sample_step(_step(plain, rows), logits, fed),
+                                                    TRITON_TOP_P=False), steps, device),
         "penalized_ms": _median_ms(decode.next, steps, device),
         "penalized_first_ms": _median_ms(decode.first, steps, device),
         "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows), logits, fed), steps, device),
@@ -125,9 +127,11 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     drawn = sample_step(_step(plain, rows), logits, fed)
     out["same_tokens_as_before"] = torch.equal(drawn, _with(lambda: sample_step(_step(plain, rows), logits, fed),
                                                             TRITON_DRAW=False, TRITON_TOP_P=False))
-    out["same_tokens_triton_top_p"] = torch.equal(drawn, _with(lambda: sample_step(_step(plain, rows), logits, fed),
-                                                               TRITON_TOP_P=True))
+    out["same_tokens_triton_top_p"] = torch.equal(
+        _with(lambda: sample_step(_step(plain, rows), logits, fed), TRITON_TOP_P=True),
+        _with(lambda: sample_step(_step(plain, rows), logits, fed), TRITON_TOP_P=False))
     out["triton_top_p_x_before"] = round(figures["triton_top_p_ms"] / figures["before_ms"], 3)
+    out["triton_top_p_x_sorted"] = round(figures["triton_top_p_ms"] / figures["sorted_top_p_ms"], 3)
     out["plain_x_before"] = round(figures["plain_ms"] / figures["before_ms"], 3)
     for case in ("penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_plain"] = round(figures[f"{case}_ms"] / figures["plain_ms"], 2)

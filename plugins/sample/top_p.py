@@ -29,10 +29,11 @@ PROGRAMS = 1024  # about this many programs a histogram launch, whatever the row
 
 @triton.jit
 def _order_key(x):
-    """The fp32 values' order as int64 keys in [0, 2^32), +0.0 and -0.0 one key."""
+    """The fp32 values' order as int64 keys in [0, 2^32), +0.0 and -0.0 one key (told by their bits, so that a
+    compiler flushing subnormals to zero could not merge those with them)."""
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return tl.where(x == 0.0, 0, key).to(tl.int64) + 2147483648
+    return tl.where((bits & 0x7FFFFFFF) == 0, 0, key).to(tl.int64) + 2147483648
 
 
 @triton.jit
