@@ -38,7 +38,8 @@ def _order_key(x):
 
 @triton.jit
 def _key_weight(x, m):
-    """Each token's order key (_order_key) and its top-p weight, round-half-even(exp(f64(x - m)) · 2^40) as int64 (0 where x - m is NaN: a row whose max m is not finite)."""
+    """Each token's order key (_order_key) and its top-p weight, round-half-even(exp(f64(x - m)) · 2^40) as int64
+    (0 where x - m is NaN: a row whose max m is not finite)."""
     v = tl.exp((x - m).to(tl.float64)) * 1099511627776.0                  # 2^40: sampler.TOP_P_SCALE
     v = (v + 4503599627370496.0) - 4503599627370496.0                      # 2^52: to an integer, half to even
     return _order_key(x), tl.where(v == v, v, 0.0).to(tl.int64)
