@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton import row_chunks
+
 # (bits of the key below the round's bucket, buckets) of the three rounds: the key's bits 31-20, 19-8, 7-0
 ROUNDS = ((20, 4096), (8, 4096), (0, 256))
 BLOCK = 1024
@@ -155,9 +157,7 @@ def top_p_filter(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     hist = torch.zeros(M, sum(nb for _, nb in ROUNDS), dtype=torch.int64, device=x.device)
     state = torch.zeros(M, 2, dtype=torch.int64, device=x.device)
     T = torch.empty(M, dtype=torch.float64, device=x.device)
-    parts = max(1, min(triton.cdiv(V, BLOCK), PROGRAMS // max(M, 1)))
-    chunk = triton.cdiv(triton.cdiv(V, parts), BLOCK) * BLOCK
-    parts = triton.cdiv(V, chunk)
+    parts, chunk = row_chunks(M, V, BLOCK, PROGRAMS)
     offset = 0
     for i, (shift, nb) in enumerate(ROUNDS):
         h = hist[:, offset:offset + nb]

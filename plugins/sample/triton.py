@@ -47,15 +47,21 @@ BLOCK = 1024
 PROGRAMS = 1024  # about this many programs a launch (a few waves on an H200's 132 SMs)
 
 
+def row_chunks(M: int, V: int, block: int, programs: int) -> tuple[int, int]:
+    """(chunks a row, tokens a chunk) for a grid (M rows, chunks) of about `programs` programs: each chunk whole
+    blocks of `block`, the last one ragged."""
+    parts = max(1, min(triton.cdiv(V, block), programs // max(M, 1)))
+    chunk = triton.cdiv(triton.cdiv(V, parts), block) * block
+    return triton.cdiv(V, chunk), chunk
+
+
 def gumbel_argmax(x: torch.Tensor, draw_seeds: torch.Tensor) -> torch.Tensor:
     """argmax(x + gumbel_noise(draw_seeds, ids)) a row, the lowest id on a tie: x [M, V] fp32 (its last dim
     contiguous), draw_seeds [M] int64 (any stride: the sampler's is a column of its parameters) -> [M] int64 on x's
     device, with no sync. A row all -inf gives 0."""
     M, V = x.shape
     draw_seeds = draw_seeds.contiguous()
-    parts = max(1, min(triton.cdiv(V, BLOCK), PROGRAMS // max(M, 1)))
-    chunk = triton.cdiv(triton.cdiv(V, parts), BLOCK) * BLOCK
-    parts = triton.cdiv(V, chunk)
+    parts, chunk = row_chunks(M, V, BLOCK, PROGRAMS)
     vals = torch.empty(M, parts, dtype=torch.float32, device=x.device)
     idx = torch.empty(M, parts, dtype=torch.int64, device=x.device)
     gumbel_argmax_kernel[(M, parts)](x, draw_seeds, vals, idx, V, x.stride(0), chunk, BLOCK=BLOCK, num_warps=4)
