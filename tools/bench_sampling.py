@@ -106,14 +106,15 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     asks = SamplingParams(temperature=0.8, top_p=0.95, logprobs=5)
     decode = _Decode(penal, rows, outputs, prompt, logits, fed)
     decode.first()
+
+    def plain_step(**flags):  # plain sampling, with the sampler's flags set as given
+        return _with(lambda: sample_step(_step(plain, rows), logits, fed), **flags)
+
     figures = {
-        "plain_ms": _median_ms(lambda: sample_step(_step(plain, rows), logits, fed), steps, device),
-        "before_ms": _median_ms(lambda: _with(lambda: sample_step(_step(plain, rows), logits, fed), TRITON_DRAW=False,
-                                              TRITON_TOP_P=False), steps, device),
-        "triton_top_p_ms": _median_ms(lambda: _with(lambda: sample_step(_step(plain, rows), logits, fed),
-                                                    TRITON_TOP_P=True), steps, device),
-        "sorted_top_p_ms": _median_ms(lambda: _with(lambda: sample_step(_step(plain, rows), logits, fed),
-                                                    TRITON_TOP_P=False), steps, device),
+        "plain_ms": _median_ms(plain_step, steps, device),
+        "before_ms": _median_ms(lambda: plain_step(TRITON_DRAW=False, TRITON_TOP_P=False), steps, device),
+        "triton_top_p_ms": _median_ms(lambda: plain_step(TRITON_TOP_P=True), steps, device),
+        "sorted_top_p_ms": _median_ms(lambda: plain_step(TRITON_TOP_P=False), steps, device),
         "penalized_ms": _median_ms(decode.next, steps, device),
         "penalized_first_ms": _median_ms(decode.first, steps, device),
         "logprobs_ms": _median_ms(lambda: sample_with_logprobs(_step(asks, rows), logits, fed), steps, device),
@@ -124,12 +125,8 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
     for case in ("plain", "penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_floor"] = round(figures[f"{case}_ms"] / figures["floor_ms"], 2)
     # both ways draw the same tokens (seeded draws: the same call twice gives the same ids)
-    drawn = sample_step(_step(plain, rows), logits, fed)
-    out["same_tokens_as_before"] = torch.equal(drawn, _with(lambda: sample_step(_step(plain, rows), logits, fed),
-                                                            TRITON_DRAW=False, TRITON_TOP_P=False))
-    out["same_tokens_triton_top_p"] = torch.equal(
-        _with(lambda: sample_step(_step(plain, rows), logits, fed), TRITON_TOP_P=True),
-        _with(lambda: sample_step(_step(plain, rows), logits, fed), TRITON_TOP_P=False))
+    out["same_tokens_as_before"] = torch.equal(plain_step(), plain_step(TRITON_DRAW=False, TRITON_TOP_P=False))
+    out["same_tokens_triton_top_p"] = torch.equal(plain_step(TRITON_TOP_P=True), plain_step(TRITON_TOP_P=False))
     out["triton_top_p_x_before"] = round(figures["triton_top_p_ms"] / figures["before_ms"], 3)
     out["triton_top_p_x_sorted"] = round(figures["triton_top_p_ms"] / figures["sorted_top_p_ms"], 3)
     out["plain_x_before"] = round(figures["plain_ms"] / figures["before_ms"], 3)
