@@ -182,9 +182,8 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
 # rows of 163840 tokens, 0.10 against 1.79 at 128, the same tokens (BENCHMARKS.md, bench_sampling)
 TRITON_DRAW = True
 # Top-p's kept set without a sort, in Triton (k3plugins.sample.top_p): the sort's set bit for bit on an H100 (and in
-# the interpreter; compiled for gfx942 too), 0.48-0.58 ms against the sort's 1.25-1.27 at 32 rows of 163840 tokens,
-# 0.95-1.09 against 4.32-4.35 at 128 in its first two forms (BENCHMARKS.md, bench_sampling; the form in the tree joins
-# their kernels and has not run on a GPU as a whole: tools/device/batch113.sh)
+# the interpreter; compiled for gfx942 too), 0.28-0.29 ms against the sort's 1.24 at 32 rows of 163840 tokens,
+# 0.81-0.84 against 4.29 at 128 (BENCHMARKS.md, bench_sampling, thirty-sixth session)
 TRITON_TOP_P = True
 
 

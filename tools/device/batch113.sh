@@ -1,8 +1,8 @@
 # Hundred-and-thirteenth device batch (thirty-fifth session): top-p's kept set by Triton's histograms
 # (k3plugins.sample.top_p, sampler.TRITON_TOP_P): its GPU tests against the sort and in the GPU-against-CPU draws,
 # the part alone against the sort's (with a profile of its kernels), and the sampling bench (triton_top_p_ms beside
-# sorted_top_p_ms and before_ms). Run twice on an H100 in the thirty-fifth session (BENCHMARKS.md); the form in the
-# tree since then has not run. Carry fla-core's wheel (.whl).
+# sorted_top_p_ms and before_ms). Run twice on an H100 in the thirty-fifth session on two earlier forms, and twice on
+# an H100 in the thirty-sixth on the tree's form (BENCHMARKS.md). Carry fla-core's wheel (.whl).
 source tools/device/env.sh
 timeout 150 python3 -m pytest -q -m gpu tests/runtime/test_sampler_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -8
 python3 - <<'PY' 2>&1 | tee $OUT/top_p_parts.txt
