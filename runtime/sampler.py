@@ -183,7 +183,8 @@ def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
 TRITON_DRAW = True
 # Top-p's kept set without a sort, in Triton (k3plugins.sample.top_p): the sort's set bit for bit on an H100 (and in
 # the interpreter; compiled for gfx942 too), 0.28-0.29 ms against the sort's 1.24 at 32 rows of 163840 tokens,
-# 0.81-0.84 against 4.29 at 128 (BENCHMARKS.md, bench_sampling, thirty-sixth session)
+# 0.81-0.84 against 4.29 at 128 in the form of the thirty-sixth session's start, about a fifth less since at 128 rows
+# (BENCHMARKS.md, bench_sampling)
 TRITON_TOP_P = True
 
 

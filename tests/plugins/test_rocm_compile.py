@@ -154,11 +154,15 @@ SPECS = {
     "router_topk_cast_row": (router.router_topk_kernel, dict(ids_ptr="*i64", h_ptr="*fp32", out_ptr="*bf16"),
                              dict(NUM_SPLITS=1, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True, CAST=True, BC=8192)),
     "gumbel_argmax": (sample.gumbel_argmax_kernel, dict(seed_ptr="*i64", idx_ptr="*i64"), dict(BLOCK=1024)),
-    # top-p without a sort: a later round's histogram (the prefix check on), the first crossing, the mask
+    # top-p without a sort: the first round's histogram in copies, its crossing and list, a later round's histogram
+    # on the list (the prefix check on), the ties, the mask
+    "top_p_hist_first": (top_p.top_p_hist_kernel, dict(state_ptr="*i64", hist_ptr="*i64"),
+                         dict(SHIFT=20, NB=4096, ABOVE=32, FIRST=True, BLOCK=1024, COPIES=8)),
     "top_p_hist": (top_p.top_p_hist_kernel, dict(state_ptr="*i64", hist_ptr="*i64"),
-                   dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False, BLOCK=1024)),
+                   dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False, BLOCK=1024, LISTED=True)),
     "top_p_cross": (top_p.top_p_cross_kernel, dict(hist_ptr="*i64", state_ptr="*i64", top_p_ptr="*fp64",
-                                                   t_ptr="*fp64"), dict(NB=4096, FIRST=True)),
+                                                   t_ptr="*fp64"), dict(NB=4096, FIRST=True, COPIES=8)),
+    "top_p_list": (top_p.top_p_list_kernel, dict(state_ptr="*i64"), dict(SHIFT=20, BLOCK=1024)),
     "top_p_ties": (top_p.top_p_ties_kernel, dict(state_ptr="*i64", top_p_ptr="*fp64", ties_ptr="*i32"),
                    dict(BLOCK=1024)),
     "top_p_mask": (top_p.top_p_mask_kernel, dict(state_ptr="*i64", top_p_ptr="*fp64", t_ptr="*fp64", ties_ptr="*i32"),

@@ -468,7 +468,9 @@ def _top_p_cases() -> dict:
     """Top-p's kept set by histograms (k3plugins.sample.top_p) against the sampler's sort, bit for bit: fp32 logits,
     bf16 and coarse ties (ties at the cut keep the lowest ids), -inf tokens (a top-k before it), +0.0 and -0.0 ties;
     top_p at 1 (all), tiny (the best alone), just under 1 and random; rows of 7 to 3000 tokens, one program a row
-    or many (PROGRAMS large or small); and a cut at an exact mass (the token at it goes, as the sort's >=)."""
+    or many (PROGRAMS large or small), the later rounds on the rows or on the list of the first round's bucket
+    (LIST_MIN_ROWS), the first round in one histogram a row or several (FIRST_COPIES); and a cut at an exact mass
+    (the token at it goes, as the sort's >=)."""
     from k3plugins.sample import top_p as tp
     from k3runtime.sampler import top_p_keep
     g = torch.Generator().manual_seed(3)
@@ -491,11 +493,12 @@ def _top_p_cases() -> dict:
             top_p = torch.rand(M, generator=g, dtype=torch.float64)
             top_p[:3] = torch.tensor([1.0, 1e-46, 1 - 1e-9], dtype=torch.float64)
             want = x.masked_fill(~top_p_keep(x, top_p), float("-inf"))
-            tp.PROGRAMS, old = (1024, 2)[trial % 2], tp.PROGRAMS
+            old = tp.PROGRAMS, tp.LIST_MIN_ROWS, tp.FIRST_COPIES
+            tp.PROGRAMS, tp.LIST_MIN_ROWS, tp.FIRST_COPIES = (1024, 2)[trial % 2], (1, 10**9)[trial // 3], trial % 3 + 1
             try:
                 got = tp.top_p_filter(x, torch.stack([top_p, top_p], 1)[:, 1])  # a strided column, as the sampler's
             finally:
-                tp.PROGRAMS = old
+                tp.PROGRAMS, tp.LIST_MIN_ROWS, tp.FIRST_COPIES = old
             equal.append(torch.equal(got.view(torch.int32), want.view(torch.int32)))
         res[f"top-p-{kind}"] = {"equal": equal}
     # four equal tokens at top_p 0.5 keep the two lowest ids, at 0.75 three; a higher token first keeps only it

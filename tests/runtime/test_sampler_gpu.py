@@ -102,14 +102,18 @@ def test_triton_draw_equals_the_torch_ops():
         assert torch.equal(draw(x, seeds), (x + gumbel_noise(seeds, ids)).argmax(dim=-1)), trial
 
 
+@pytest.mark.parametrize("listed", [False, True], ids=["rows", "listed"])
 @pytest.mark.parametrize("kind", ["bf16_ties", "fp32", "masked", "flat"])
-def test_triton_top_p_keeps_what_the_sort_keeps(kind):
+def test_triton_top_p_keeps_what_the_sort_keeps(kind, listed, monkeypatch):
     """Top-p by Triton's histograms (k3plugins.sample.top_p) against the sampler's sort on the same GPU, bit for bit:
     K3's vocabulary, 40 rows (a chunked grid), logits rounded to bf16 (ties, also at the cut), -inf tokens, nearly
-    flat rows (the cut deep in the vocabulary); top_p at 1, tiny, just under 1 and random; with no sync."""
+    flat rows (the cut deep in the vocabulary); top_p at 1, tiny, just under 1 and random; with no sync. The later
+    rounds on the rows, and on the list of the first round's bucket (the form from LIST_MIN_ROWS rows on)."""
+    from k3plugins.sample import top_p as tp
     from k3runtime.sampler import _triton, top_p_keep
     top_p_filter = _triton("top_p_filter")
     assert top_p_filter is not None
+    monkeypatch.setattr(tp, "LIST_MIN_ROWS", 1 if listed else 10**9)
     g = torch.Generator(device="cuda").manual_seed(4)
     M, V = 40, 163840
     for trial in range(3):
