@@ -13,10 +13,11 @@ The first round's atomic adds fall on few buckets (a row's logits share few expo
 copies of its histogram. From LIST_MIN_ROWS rows on, the tokens in the first round's bucket are listed, and the later
 rounds read the list, not the rows: their fp64 exp a token was most of their time.
 
-On an H100 at 128 rows of 163840 tokens this takes 0.76 ms a call (wall, its launches included) against 0.98 for the form
-before (one histogram a row, the later rounds on the rows), and the sort's 4.3; at 32 rows, where the launches are most of it,
-0.48 against 0.51 (BENCHMARKS.md, bench_sampling). The torch form of these histograms (scatter-adds into 2^16 buckets)
-was slower than the sort on the H200, and a pass that bounded the cut from below cost more than it saved.
+On an H100 at 128 rows of 163840 tokens this takes 0.76 ms a call (wall, its launches included) against 0.98 for
+the form before (one histogram a row, the later rounds on the rows) and the sort's 4.3; at 32 rows, where the
+launches are most of it, 0.48 against 0.51 (BENCHMARKS.md, bench_sampling). The torch form of these histograms
+(scatter-adds into 2^16 buckets) was slower than the sort on the H200, and a pass that bounded the cut from below
+cost more than it saved.
 """
 
 from __future__ import annotations
