@@ -211,12 +211,12 @@ def top_p_filter(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"top_p_filter: x must be fp32 with a contiguous last dim, got {x.dtype} {tuple(x.stride())}")
     top_p = top_p.to(torch.float64).contiguous()
     row_max = x.max(dim=1).values
-    copies = [FIRST_COPIES] + [1] * (len(ROUNDS) - 1)
+    parts, chunk = row_chunks(M, V, BLOCK, PROGRAMS)
+    copies = [min(FIRST_COPIES, parts)] + [1] * (len(ROUNDS) - 1)  # a copy past the row's chunks would stay zero
     hist = torch.zeros(M, sum(nb * n for (_, nb), n in zip(ROUNDS, copies)), dtype=torch.int64, device=x.device)
     state = torch.zeros(M, 3, dtype=torch.int64, device=x.device)  # prefix, mass above it, listed tokens
     T = torch.empty(M, dtype=torch.float64, device=x.device)
     out = torch.empty_like(x)  # the list of the first round's bucket until the mask kernel writes it
-    parts, chunk = row_chunks(M, V, BLOCK, PROGRAMS)
     offset = 0
     listed = M >= LIST_MIN_ROWS
     for i, ((shift, nb), n) in enumerate(zip(ROUNDS, copies)):

@@ -155,11 +155,13 @@ SPECS = {
                              dict(NUM_SPLITS=1, TOP_K=16, BE=1024, HAS_BIAS=True, RENORM=True, CAST=True, BC=8192)),
     "gumbel_argmax": (sample.gumbel_argmax_kernel, dict(seed_ptr="*i64", idx_ptr="*i64"), dict(BLOCK=1024)),
     # top-p without a sort: the first round's histogram in copies, its crossing and list, a later round's histogram
-    # on the list (the prefix check on), the ties, the mask
+    # on the rows and on the list (the prefix check on), the ties, the mask
     "top_p_hist_first": (top_p.top_p_hist_kernel, dict(state_ptr="*i64", hist_ptr="*i64"),
                          dict(SHIFT=20, NB=4096, ABOVE=32, FIRST=True, BLOCK=1024, COPIES=8)),
     "top_p_hist": (top_p.top_p_hist_kernel, dict(state_ptr="*i64", hist_ptr="*i64"),
-                   dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False, BLOCK=1024, LISTED=True)),
+                   dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False, BLOCK=1024)),
+    "top_p_hist_listed": (top_p.top_p_hist_kernel, dict(state_ptr="*i64", hist_ptr="*i64"),
+                          dict(SHIFT=8, NB=4096, ABOVE=20, FIRST=False, BLOCK=1024, LISTED=True)),
     "top_p_cross": (top_p.top_p_cross_kernel, dict(hist_ptr="*i64", state_ptr="*i64", top_p_ptr="*fp64",
                                                    t_ptr="*fp64"), dict(NB=4096, FIRST=True, COPIES=8)),
     "top_p_list": (top_p.top_p_list_kernel, dict(state_ptr="*i64"), dict(SHIFT=20, BLOCK=1024)),

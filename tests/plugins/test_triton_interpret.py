@@ -10,6 +10,7 @@ result.
 """
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -472,13 +473,16 @@ def _top_p_cases() -> dict:
     (LIST_MIN_ROWS), the first round in one histogram a row or several (FIRST_COPIES); and a cut at an exact mass
     (the token at it goes, as the sort's >=)."""
     from k3plugins.sample import top_p as tp
-    from k3runtime.sampler import top_p_keep
+    from k3runtime.sampler import TOP_P_SCALE, top_p_keep
     g = torch.Generator().manual_seed(3)
     res = {}
+    # (tokens a row, PROGRAMS, later rounds on the list): one block a program and several, on either path
+    configs = [(7, 1024, True), (64, 2, False), (3000, 1024, True), (3000, 2, False), (64, 1024, False),
+               (3000, 2, True)]
     for kind in ("fp32", "bf16_ties", "coarse_ties", "masked", "zeros"):
         equal = []
-        for trial in range(6):
-            M, V = 5, (7, 64, 3000)[trial % 3]
+        for trial, (V, programs, listed) in enumerate(configs):
+            M = 5
             x = torch.randn(M, V, generator=g) * (0.05 + trial % 6)
             if kind == "bf16_ties":
                 x = x.bfloat16().float()
@@ -494,7 +498,7 @@ def _top_p_cases() -> dict:
             top_p[:3] = torch.tensor([1.0, 1e-46, 1 - 1e-9], dtype=torch.float64)
             want = x.masked_fill(~top_p_keep(x, top_p), float("-inf"))
             old = tp.PROGRAMS, tp.LIST_MIN_ROWS, tp.FIRST_COPIES
-            tp.PROGRAMS, tp.LIST_MIN_ROWS, tp.FIRST_COPIES = (1024, 2)[trial % 2], (1, 10**9)[trial // 3], trial % 3 + 1
+            tp.PROGRAMS, tp.LIST_MIN_ROWS, tp.FIRST_COPIES = programs, 1 if listed else 10**9, trial % 3 + 1
             try:
                 got = tp.top_p_filter(x, torch.stack([top_p, top_p], 1)[:, 1])  # a strided column, as the sampler's
             finally:
@@ -507,6 +511,33 @@ def _top_p_cases() -> dict:
     keep = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
     got = tp.top_p_filter(x, torch.tensor([0.5, 0.75, 0.5], dtype=torch.float64))
     res["top-p-exact-mass"] = {"equal": [torch.equal(got, x.masked_fill(~keep, float("-inf")))]}
+    # the tie weight to the last unit: a row's max and eight ties at c, T on the mass of the max and two ties, and one
+    # fp64 step either side (two ties kept at or under it, three over it), positive, negative, zero and tiny cuts
+    rows, top_ps = [], []
+    for m, c in ((2.0, 0.7), (1.0, -1.3), (0.0, -0.0), (3.0, 1e-40), (0.25, -2.0 ** -130)):
+        x = torch.full((9,), c)
+        x[0] = m
+        w = (torch.exp((x - m).double()) * TOP_P_SCALE).round().long()
+        total, mass = int(w.sum()), int(w[0] + 2 * w[1])
+        p = mass / total
+        while p * total < mass:
+            p = math.nextafter(p, 2.0)
+        while p * total > mass:
+            p = math.nextafter(p, 0.0)
+        for q in (math.nextafter(p, 0.0), p, math.nextafter(p, 2.0)):
+            rows.append(x)
+            top_ps.append(q)
+    x, top_p = torch.stack(rows), torch.tensor(top_ps, dtype=torch.float64)
+    want = x.masked_fill(~top_p_keep(x, top_p), float("-inf"))
+    equal = [set((want[:, 1:] > float("-inf")).sum(1).tolist()) == {2, 3}]  # the one step does move the cut
+    for listed in (False, True):
+        old = tp.LIST_MIN_ROWS
+        tp.LIST_MIN_ROWS = 1 if listed else 10**9
+        try:
+            equal.append(torch.equal(tp.top_p_filter(x, top_p).view(torch.int32), want.view(torch.int32)))
+        finally:
+            tp.LIST_MIN_ROWS = old
+    res["top-p-tie-weight"] = {"equal": equal}
     return res
 
 
@@ -753,7 +784,7 @@ def test_gumbel_argmax_interpreted(results, case):
     assert results[f"gumbel-argmax-{case}"]["equal"]
 
 
-@pytest.mark.parametrize("case", ["fp32", "bf16_ties", "coarse_ties", "masked", "zeros", "exact-mass"])
+@pytest.mark.parametrize("case", ["fp32", "bf16_ties", "coarse_ties", "masked", "zeros", "exact-mass", "tie-weight"])
 def test_top_p_by_histograms_interpreted(results, case):
     assert all(results[f"top-p-{case}"]["equal"]), results[f"top-p-{case}"]
 
