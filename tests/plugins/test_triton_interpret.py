@@ -10,7 +10,6 @@ result.
 """
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -473,7 +472,7 @@ def _top_p_cases() -> dict:
     (LIST_MIN_ROWS), the first round in one histogram a row or several (FIRST_COPIES); and a cut at an exact mass
     (the token at it goes, as the sort's >=)."""
     from k3plugins.sample import top_p as tp
-    from k3runtime.sampler import TOP_P_SCALE, top_p_keep
+    from k3runtime.sampler import top_p_keep
     g = torch.Generator().manual_seed(3)
     res = {}
     # (tokens a row, PROGRAMS, later rounds on the list): one block a program and several, on either path
@@ -511,25 +510,12 @@ def _top_p_cases() -> dict:
     keep = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
     got = tp.top_p_filter(x, torch.tensor([0.5, 0.75, 0.5], dtype=torch.float64))
     res["top-p-exact-mass"] = {"equal": [torch.equal(got, x.masked_fill(~keep, float("-inf")))]}
-    # the tie weight to the last unit: a row's max and eight ties at c, T on the mass of the max and two ties, and one
-    # fp64 step either side (two ties kept at or under it, three over it), positive, negative, zero and tiny cuts
-    rows, top_ps = [], []
-    for m, c in ((2.0, 0.7), (1.0, -1.3), (0.0, -0.0), (3.0, 1e-40), (0.25, -2.0 ** -130)):
-        x = torch.full((9,), c)
-        x[0] = m
-        w = (torch.exp((x - m).double()) * TOP_P_SCALE).round().long()
-        total, mass = int(w.sum()), int(w[0] + 2 * w[1])
-        p = mass / total
-        while p * total < mass:
-            p = math.nextafter(p, 2.0)
-        while p * total > mass:
-            p = math.nextafter(p, 0.0)
-        for q in (math.nextafter(p, 0.0), p, math.nextafter(p, 2.0)):
-            rows.append(x)
-            top_ps.append(q)
-    x, top_p = torch.stack(rows), torch.tensor(top_ps, dtype=torch.float64)
+    # the tie weight to the last unit (tests/top_p_rows.py), on both paths
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from top_p_rows import tie_weight_rows
+    x, top_p = tie_weight_rows(64)
     want = x.masked_fill(~top_p_keep(x, top_p), float("-inf"))
-    equal = [set((want[:, 1:] > float("-inf")).sum(1).tolist()) == {2, 3}]  # the one step does move the cut
+    equal = [set((want[:, 1:9] > float("-inf")).sum(1).tolist()) == {2, 3}]  # the one step does move the cut
     for listed in (False, True):
         old = tp.LIST_MIN_ROWS
         tp.LIST_MIN_ROWS = 1 if listed else 10**9

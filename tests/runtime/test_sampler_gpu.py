@@ -137,27 +137,14 @@ def test_triton_top_p_keeps_what_the_sort_keeps(kind, listed, monkeypatch):
 
 @pytest.mark.parametrize("listed", [False, True], ids=["rows", "listed"])
 def test_triton_top_p_tie_weight_to_the_last_unit(listed, monkeypatch):
-    """Rows of K3's vocabulary: the max, then ties at c (the rest -inf, as after a top-k), with T on the mass of the
-    max and two ties and one fp64 step either side: the GPU's fp64 exp of the tie weight (taken once a row) against
-    the sort's, to the last unit; cuts positive, negative, zero and tiny."""
-    import math
+    """Rows of K3's vocabulary whose cut falls among ties to the last unit (tests/top_p_rows.py): the GPU's fp64 exp
+    of the tie weight (taken once a row) against the sort's."""
+    from top_p_rows import tie_weight_rows
+
     from k3plugins.sample import top_p as tp
-    from k3runtime.sampler import TOP_P_SCALE, _triton, top_p_keep
+    from k3runtime.sampler import _triton, top_p_keep
     monkeypatch.setattr(tp, "LIST_MIN_ROWS", 1 if listed else 10**9)
-    rows, top_ps = [], []
-    for m, c in ((2.0, 0.7), (1.0, -1.3), (0.0, -0.0), (3.0, 1e-40), (0.25, -2.0 ** -130), (17.5, -3.1)):
-        x = torch.full((163840,), float("-inf"))
-        x[0], x[1:9] = m, c
-        w = (torch.exp((x[:9] - m).double()) * TOP_P_SCALE).round().long()
-        total, mass = int(w.sum()), int(w[0] + 2 * w[1])
-        p = mass / total
-        while p * total < mass:
-            p = math.nextafter(p, 2.0)
-        while p * total > mass:
-            p = math.nextafter(p, 0.0)
-        rows += [x] * 3
-        top_ps += [math.nextafter(p, 0.0), p, math.nextafter(p, 2.0)]
-    x, top_p = torch.stack(rows).cuda(), torch.tensor(top_ps, dtype=torch.float64, device="cuda")
+    x, top_p = (t.cuda() for t in tie_weight_rows(163840))
     want = x.masked_fill(~top_p_keep(x, top_p), float("-inf"))
     assert set((want[:, 1:9] > float("-inf")).sum(1).tolist()) == {2, 3}  # the one step moves the cut
     got = _triton("top_p_filter")(x, top_p)
