@@ -73,8 +73,9 @@ def main() -> None:
     fn, ptrs, consts = specs.SPECS[args.kernel]
     for item in args.set:
         name, sep, value = item.partition("=")
-        if not sep or name not in consts:
-            raise SystemExit(f"sass_loops: --set {item!r}: expected NAME=VALUE with NAME one of {sorted(consts)}")
+        if not sep or (name not in consts and name not in fn.arg_names):
+            raise SystemExit(f"sass_loops: --set {item!r}: expected NAME=VALUE with NAME a constexpr of "
+                             f"{args.kernel} (the spec sets {sorted(consts)})")
         consts = {**consts, name: _value(value)}
     specs.SPECS[args.kernel] = (fn, ptrs, consts)
     source = specs._source(args.kernel, "sm90")

@@ -282,7 +282,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        SIGNAL=t.overlap, EARLY=early, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
+        SIGNAL=t.overlap, EARLY=early, ASM=asm, SREG=GATE_UP_SREG and layout in (2, 4) and not t.fp8,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,
@@ -293,6 +294,9 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
                                                  GATHER=t.gather_combine, **pdl(y))
     return out
+
+
+GATE_UP_SREG = False  # probe switch (sreg_probe.py)
 
 
 def _by_step(decode: str, prefill: str, name: str, doc: str):

@@ -274,7 +274,8 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
                        ROWS_FIRST: tl.constexpr = False, done_ptr=None, SIGNAL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False,
+                       SREG: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -322,14 +323,28 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
         z_ptrs = z_ptr + tok[None, :] * stride_zm + rk[:, None]
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        if SREG:
+            sg_next = tl.load(sg_ptrs, volatile=True)
+            su_next = tl.load(su_ptrs, volatile=True)
         for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
             kw = (k0 // 8 if W4 else k0 // 2) * KMUL
             ks = k0 // 32 * KMUL
+            if SREG:
+                sg_cur = sg_next
+                su_cur = su_next
+                kn = tl.minimum(k0 + BK, Dl - BK) // 32 * KMUL
+                sg_next = tl.load(sg_ptrs + kn, volatile=True)
+                su_next = tl.load(su_ptrs + kn, volatile=True)
             if STRIDED == 3:
                 acc_g = _fp8_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), sg_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
                 acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), su_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
+            elif SREG:
+                acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), sg_cur, z_ptrs,
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
+                acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), su_cur, z_ptrs,
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
             elif STRIDED == 2 or STRIDED == 4:
                 acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                     p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
