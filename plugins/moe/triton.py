@@ -56,6 +56,9 @@ class MoETactic:
     # the combine gathers a token's local rows of y at once (moe_combine_kernel's GATHER), not one position and
     # row after another
     gather_combine: bool = False
+    # with paired: the gate/up kernel's scales prefetched into registers a K step ahead, out of Triton's pipeline
+    # buffers (moe_gate_up_kernel's SREG): 57344 bytes of shared memory, four programs an SM instead of three
+    scale_regs: bool = False
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -100,6 +103,11 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # after another
     "decode_l_gc": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, gather_combine=True),
+    # decode_l with its gate/up scales in registers (scale_regs): a candidate for the H200, where decode_l stops at
+    # 0.79-0.80 of the weight floor at 8 tokens an expert for its issue rate. On an H100 (0.92 of floor there)
+    # 0.3-0.5 % slower, the same bits (BENCHMARKS.md, thirty-seventh session)
+    "decode_l_sr": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
+                             overlap=True, scale_regs=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
     # 306 without (registers: 10 spill instructions); BM 64 with 3 stages and the packed multiply 315 against
     # prefill_p's 307, side by side (BENCHMARKS.md, twenty-third session)
@@ -282,7 +290,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        SIGNAL=t.overlap, EARLY=early, ASM=asm, SREG=GATE_UP_SREG and layout in (2, 4) and not t.fp8,
+        SIGNAL=t.overlap, EARLY=early, ASM=asm, SREG=t.scale_regs and t.paired and not t.fp8,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
@@ -294,9 +302,6 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
                                                  GATHER=t.gather_combine, **pdl(y))
     return out
-
-
-GATE_UP_SREG = False  # probe switch (sreg_probe.py)
 
 
 def _by_step(decode: str, prefill: str, name: str, doc: str):

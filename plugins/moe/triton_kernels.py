@@ -290,7 +290,10 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     (row blocks, experts) instead of (experts, row blocks), so programs that run together share an expert's tokens.
     SIGNAL: each program with pairs counts itself in done[e] once its rows of h are stored, so that the down kernel
     can start on an expert as soon as its h is whole (moe_down_kernel's AWAIT); EARLY (sm_90): the down kernel,
-    launched with PDL, may take SMs as soon as every program of this one has started.
+    launched with PDL, may take SMs as soon as every program of this one has started. SREG (STRIDED 2 or 4): each
+    K step's scales are loaded one step ahead into registers (a loop-carried value, which Triton's pipeliner leaves
+    alone) instead of into its shared buffers: 2 KB less a program at BN 64, the last KB that kept a fourth program
+    off an SM (sm_90: 57344 bytes against 59392); the carried scales reach the MMA's layout through shuffles.
     """
     pdl_prologue(PDL or EARLY)
     e, offs_n = _program(BN, ROWS_FIRST)
@@ -324,17 +327,17 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         if SREG:
-            sg_next = tl.load(sg_ptrs, volatile=True)
-            su_next = tl.load(su_ptrs, volatile=True)
+            sg_next = tl.load(sg_ptrs)
+            su_next = tl.load(su_ptrs)
         for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
             kw = (k0 // 8 if W4 else k0 // 2) * KMUL
             ks = k0 // 32 * KMUL
             if SREG:
                 sg_cur = sg_next
                 su_cur = su_next
-                kn = tl.minimum(k0 + BK, Dl - BK) // 32 * KMUL
-                sg_next = tl.load(sg_ptrs + kn, volatile=True)
-                su_next = tl.load(su_ptrs + kn, volatile=True)
+                kn = tl.minimum(k0 + BK, Dl - BK) // 32 * KMUL  # the last step reloads its own (in bounds)
+                sg_next = tl.load(sg_ptrs + kn)
+                su_next = tl.load(su_ptrs + kn)
             if STRIDED == 3:
                 acc_g = _fp8_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), sg_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)

@@ -108,6 +108,19 @@ def test_gathering_combine_matches_the_loop(case):
     assert ((gather - loop).norm() / loop.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("case", ["ragged", "k3_dims"])
+def test_scale_regs_match_the_pipelined_loads(case):
+    """decode_l_sr (the gate/up scales prefetched into registers) against decode_l: the same products in the same
+    order, so the same bits."""
+    M, k, E, eg, start, dl, inter = CASES[case]
+    z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=8, empty=(1,))
+    t = mt.TACTICS["decode_l"]
+    args = (mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
+            mt.lay_out_scale(t, s2))
+    regs = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l_sr")
+    assert torch.equal(regs, mt.moe_experts(*args, expert_start=start, act="situ", tactic=t))
+
+
 def test_moe_silu():
     test_moe_matches_reference("ragged", "decode", act="silu")
 

@@ -1,5 +1,7 @@
-"""A/B probe: the lane gate/up kernel with its scales through shared memory (Triton's pipeline) or prefetched into
-registers one K step ahead (SREG: 57344 bytes of shared, four programs an SM). Interleaved, graph-timed, JSON."""
+"""A/B probe: decode_l (the lane gate/up kernel's scales through Triton's pipeline buffers) against decode_l_sr (the
+scales prefetched into registers a K step ahead: 57344 bytes of shared, four programs an SM) on the rank's 56 experts
+at 8, 1 and 4 tokens an expert: interleaved rounds of graph-timed medians, the outputs compared bit for bit, and the
+driver's occupancy of each compiled gate/up kernel. JSON lines."""
 from __future__ import annotations
 
 import ctypes
@@ -44,23 +46,21 @@ def main() -> None:
     emit(bench="sreg_env", hbm_read_tbps=round(bw, 3), device=torch.cuda.get_device_name())
     for tpe in (8, 1, 4):
         z, ids, tw = make_tokens(tpe, gen, touched=56)
-        t = mt.TACTICS["decode_l"]
-        zt = mt.lay_out_input(t, z)
-        fn = lambda: mt.moe_experts(zt, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t)
+        zt = mt.lay_out_input(mt.TACTICS["decode_l"], z)  # decode_l_sr reads the same layouts
+        fns = {sreg: (lambda t=("decode_l_sr" if sreg else "decode_l"):
+                      mt.moe_experts(zt, ids, tw, *laid, expert_start=E_START, act="situ", tactic=t))
+               for sreg in (False, True)}
         outs, times = {}, {False: [], True: []}
         for sreg in (False, True):
-            mt.GATE_UP_SREG = sreg
-            outs[sreg] = fn().clone()
+            outs[sreg] = fns[sreg]().clone()
             emit(bench="sreg_occupancy", sreg=sreg, **occupancy(got["k"]))
         for _ in range(4):
             for sreg in (False, True):
-                mt.GATE_UP_SREG = sreg
-                times[sreg].append(time_ms(fn))
+                times[sreg].append(time_ms(fns[sreg]))
         floor = 56 * one_expert / (bw * 1e12) * 1e3
         emit(bench="sreg", tpe=tpe, same=bool(torch.equal(outs[False], outs[True])), floor_ms=round(floor, 4),
              ms_shared=[round(x, 4) for x in times[False]], ms_sreg=[round(x, 4) for x in times[True]],
              of_floor_shared=round(floor / min(times[False]), 3), of_floor_sreg=round(floor / min(times[True]), 3))
-    mt.GATE_UP_SREG = False
 
 
 if __name__ == "__main__":
