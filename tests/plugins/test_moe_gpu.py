@@ -77,18 +77,25 @@ def test_lane_plain_product_matches_reference(case, name):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def _decode_l_case(case: str, seed: int, empty: tuple):
+    """A case laid out for decode_l, whose variants (decode_l_yh, _gc, _sr) read the same layouts: (moe_experts'
+    tensor arguments, expert_start, the case as _case made it)."""
+    M, k, E, eg, start, dl, inter = CASES[case]
+    raw = _case(M, k, E, eg, start, dl, inter, seed=seed, empty=empty)
+    z, ids, w, w13, s13, w2, s2 = raw
+    t = mt.TACTICS["decode_l"]
+    return (mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
+            mt.lay_out_scale(t, s2)), start, raw
+
+
 @pytest.mark.parametrize("case", ["ragged", "k3_dims"])
 def test_half_pair_rows_match_reference(case):
     """decode_l_yh (decode_l with the per-pair rows y in bf16) against the reference, and against decode_l's fp32
     rows: close, and not the same bits."""
-    M, k, E, eg, start, dl, inter = CASES[case]
-    z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=6, empty=(1,))
-    t = mt.TACTICS["decode_l"]
-    args = (mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
-            mt.lay_out_scale(t, s2))
+    args, start, raw = _decode_l_case(case, seed=6, empty=(1,))
     half = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l_yh")
-    full = mt.moe_experts(*args, expert_start=start, act="situ", tactic=t)
-    ref = moe_ref(z, ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
+    full = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l")
+    ref = moe_ref(*raw, expert_start=start, act="situ")
     assert half.dtype == torch.float32
     assert ((half - ref).norm() / ref.norm()).item() < 1e-2
     assert 0 < ((half - full).norm() / full.norm()).item() < 5e-3
@@ -98,12 +105,8 @@ def test_half_pair_rows_match_reference(case):
 def test_gathering_combine_matches_the_loop(case):
     """decode_l_gc against decode_l: the same per-pair rows, each token's summed in another order (fp32), so within
     a few ulps; a row dropped or added would be far off."""
-    M, k, E, eg, start, dl, inter = CASES[case]
-    z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=7, empty=(1,) if case == "ragged" else ())
-    t = mt.TACTICS["decode_l"]
-    args = (mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
-            mt.lay_out_scale(t, s2))
-    loop = mt.moe_experts(*args, expert_start=start, act="situ", tactic=t)
+    args, start, _ = _decode_l_case(case, seed=7, empty=(1,) if case == "ragged" else ())
+    loop = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l")
     gather = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l_gc")
     assert ((gather - loop).norm() / loop.norm()).item() < 1e-5
 
@@ -112,13 +115,9 @@ def test_gathering_combine_matches_the_loop(case):
 def test_scale_regs_match_the_pipelined_loads(case):
     """decode_l_sr (the gate/up scales prefetched into registers) against decode_l: the same products in the same
     order, so the same bits."""
-    M, k, E, eg, start, dl, inter = CASES[case]
-    z, ids, w, w13, s13, w2, s2 = _case(M, k, E, eg, start, dl, inter, seed=8, empty=(1,))
-    t = mt.TACTICS["decode_l"]
-    args = (mt.lay_out_input(t, z), ids, w, mt.lay_out(t, w13), mt.lay_out_scale(t, s13), mt.lay_out(t, w2),
-            mt.lay_out_scale(t, s2))
+    args, start, _ = _decode_l_case(case, seed=8, empty=(1,))
     regs = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l_sr")
-    assert torch.equal(regs, mt.moe_experts(*args, expert_start=start, act="situ", tactic=t))
+    assert torch.equal(regs, mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l"))
 
 
 def test_moe_silu():
