@@ -7,8 +7,8 @@
 source tools/device/env.sh
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
-timeout 120 python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py\
-  -k "scale_regs or half_pair or gathering" -p no:cacheprovider   --tb=short 2>&1 | tail -2
+timeout 120 python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py \
+  -k "scale_regs or half_pair or gathering" -p no:cacheprovider --tb=short 2>&1 | tail -2
 [[ "$card" == *H200* ]] || exit 0
 timeout 150 python3 tools/device/sreg_probe.py 2>&1 | tee $OUT/sreg.jsonl | grep -v occupancy
 source tools/device/rank_ab.sh
