@@ -36,6 +36,7 @@ from .config import K3Config
 from .convert_plan import ConvertError, Job, Source, check_mapping, open_source, output_config, plan_jobs
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
+from .output_dir import check_output_dir
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 
@@ -217,8 +218,8 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     out = Path(out_dir).absolute()
     if quantize not in (None, "none", "mxfp4"):
         raise ConvertError(f"--quantize: expected 'none' or 'mxfp4', got {quantize!r}")
-    if out.exists() and not overwrite:
-        raise ConvertError(f"{out}: already exists; pass --overwrite to replace it")
+    check_output_dir(out, Path(ckpt_dir), overwrite=overwrite, ours=lambda cfg: cfg.get("format") == FORMAT,
+                     what="a converted checkpoint", error=ConvertError)
     out.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(out)
     src = open_source(ckpt_dir)
@@ -285,14 +286,15 @@ def _on_sigterm(signum, frame):
 @click.command("convert")
 @click.argument("ckpt", type=click.Path(file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--tp-size", type=int, default=None, help="ranks per PP stage [default: ep x moe-tp]")
-@click.option("--ep-size", type=int, default=None, help="expert-parallel ranks [default: tp / moe-tp]")
-@click.option("--pp-size", type=int, default=1, show_default=True)
-@click.option("--moe-tp-size", type=int, default=1, show_default=True)
+@click.option("--tp-size", type=click.IntRange(min=1), default=None, help="ranks per PP stage [default: ep x moe-tp]")
+@click.option("--ep-size", type=click.IntRange(min=1), default=None, help="expert-parallel ranks [default: tp / moe-tp]")
+@click.option("--pp-size", type=click.IntRange(min=1), default=1, show_default=True, help="pipeline stages")
+@click.option("--moe-tp-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="ranks splitting each expert's intermediate dim")
 @click.option("--attention-dp", is_flag=True, help="replicate attention/dense weights; experts stay EP")
 @click.option("--quantize", type=click.Choice(["none", "mxfp4"]), default=None,
               help="expert format of the output [default: as the source]")
-@click.option("--workers", type=int, default=1, show_default=True, help="parallel processes")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="parallel processes")
 @click.option("--overwrite", is_flag=True, help="replace an existing OUT")
 def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, quantize, workers, overwrite):
     """Shard checkpoint CKPT into OUT/rank{N}.safetensors for the given mapping."""

@@ -37,18 +37,21 @@ def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **l
 @click.option("--preset", "preset_name", help="a named config instead of a checkpoint (k3, tiny, small)")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="engines/X.toml: model, mapping and limits; options given here override it")
-@click.option("--tp-size", type=int, help="ranks per PP stage (attention TP unless --attention-dp)")
-@click.option("--ep-size", type=int, help="routed-expert parallelism (moe_ep_size); default tp / moe-tp")
-@click.option("--pp-size", type=int)
-@click.option("--moe-tp-size", type=int, help="split each expert's intermediate dim; default tp / ep")
+@click.option("--tp-size", type=click.IntRange(min=1), help="ranks per PP stage (attention TP unless --attention-dp)")
+@click.option("--ep-size", type=click.IntRange(min=1), help="routed-expert parallelism (moe_ep_size); default tp / moe-tp")
+@click.option("--pp-size", type=click.IntRange(min=1), help="pipeline stages [default: 1]")
+@click.option("--moe-tp-size", type=click.IntRange(min=1), help="split each expert's intermediate dim; default tp / ep")
 @click.option("--attention-dp/--no-attention-dp", default=None, help="replicate attention, each rank its requests")
-@click.option("--gpu-memory-gib", type=float, help="device memory per rank as torch reports it (H200: 139.8)")
-@click.option("--max-seq-len", type=int)
-@click.option("--max-batch-size", type=int, help="[default: 64]")
-@click.option("--max-num-tokens", type=int, help="tokens per forward step per rank [default: 8192]")
+@click.option("--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True),
+              help="device memory per rank as torch reports it (H200: 139.8); required without --recipe")
+@click.option("--max-seq-len", type=click.IntRange(min=1),
+              help="longest sequence a request may reach; required without --recipe")
+@click.option("--max-batch-size", type=click.IntRange(min=1), help="[default: 64; `build` defaults to 8]")
+@click.option("--max-num-tokens", type=click.IntRange(min=1),
+              help="tokens per forward step per rank [default: 8192; `build` defaults to 2048]")
 @click.option("--state-dtype", type=click.Choice(["fp32", "bf16"]), help="KDA recurrent state [default: fp32]")
 @click.option("--kv-dtype", type=click.Choice(sorted(KV_DTYPES)), help="MLA cache [default: bf16]")
-@click.option("--page-size", type=int, help="[default: 64]")
+@click.option("--page-size", type=click.IntRange(min=1), help="[default: 64]")
 @click.option("--overhead-gib", type=float, help="fixed reserve per rank [default: 1.0]")
 @click.option("--expert-format", type=click.Choice(["mxfp4", "bf16"]),
               help="routed experts as converted (convert --quantize mxfp4 of a bf16 checkpoint) [default: as stored]")

@@ -12,6 +12,8 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -59,12 +61,41 @@ def make_expert(prefix: str, shape: tuple[int, int], seed: int) -> tuple[torch.T
     return quantize_mxfp4(w)
 
 
-def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int = 2, progress: bool = True) -> Path:
-    """Write a random K3 checkpoint for `cfg` into out_dir. Returns out_dir."""
+def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int = 2, progress: bool = True,
+          overwrite: bool = False) -> Path:
+    """Write a random K3 checkpoint for `cfg` as out_dir, whole or not at all (it is written beside, then renamed
+    into place). An existing out_dir must be empty, or a checkpoint (a config.json) with `overwrite`; the other
+    files of a replaced checkpoint go with it. Returns out_dir."""
     if num_shards < 1:
         raise ValueError(f"num_shards: expected >= 1, got {num_shards}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if not overwrite:
+            raise ValueError(f"{out_dir}: already exists; pass --overwrite to replace it")
+        if not (out_dir / "config.json").is_file():
+            raise ValueError(f"{out_dir}: not a checkpoint (no config.json), so --overwrite leaves it alone; remove "
+                             "it yourself or pick another path")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new dir
+        _write_checkpoint(staging, cfg, seed, num_shards, progress)
+        if out_dir.exists():
+            old = staging.with_name(staging.name + "-old")
+            os.rename(out_dir, old)
+            os.rename(staging, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_checkpoint(out_dir: Path, cfg: K3Config, seed: int, num_shards: int, progress: bool) -> None:
     specs = checkpoint_tensors(cfg, "k3")
     names = list(specs)
     sizes = [math.prod(specs[n][0]) * DTYPE_SIZES[specs[n][1]] for n in names]
@@ -107,19 +138,20 @@ def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int 
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(to_hf_wrapper_config(cfg), indent=2) + "\n")
     write_tokenizer(out_dir, cfg)
-    return out_dir
 
 
 @click.command("synth")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--preset", "preset_name", default="tiny", show_default=True, help="config preset (tiny, small, k3)")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--shards", default=2, show_default=True, help="number of safetensors shards")
+@click.option("--seed", default=0, show_default=True, help="seed of the random weights")
+@click.option("--shards", type=click.IntRange(min=1), default=2, show_default=True,
+              help="number of safetensors shards")
 @click.option("--dtype", type=click.Choice(["bf16"]), default="bf16", show_default=True,
               help="dtype of the non-quantized weights (K3 checkpoints are bf16)")
 @click.option("--num-layers", type=int, default=None, help="override num_hidden_layers (K3's MLA pattern)")
 @click.option("--num-experts", type=int, default=None, help="override num_experts")
-def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts):
+@click.option("--overwrite", is_flag=True, help="replace an existing checkpoint at OUT")
+def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, overwrite):
     """Write a random K3 checkpoint (MXFP4 experts) to OUT."""
     try:
         cfg = preset(preset_name)
@@ -128,7 +160,7 @@ def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts):
         if num_experts is not None:
             cfg = dataclasses.replace(cfg, num_experts=num_experts,
                                       num_experts_per_token=min(cfg.num_experts_per_token, num_experts))
-        synth(out, cfg, seed=seed, num_shards=shards)
+        synth(out, cfg, seed=seed, num_shards=shards, overwrite=overwrite)
     except (ConfigError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {out}")

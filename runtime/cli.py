@@ -19,16 +19,16 @@ def main():
 @main.command("generate")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
-@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens to generate a prompt, at most.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1]; 1 = off.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampling draws (none: a random one).")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--stream/--no-stream", default=False, help="Print tokens as they come (first prompt only).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
+@click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one --prompt).")
 @engine_flags
 def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
                  repetition_penalty, device, stream, **flags):
@@ -36,6 +36,8 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
     from .api import LLM
     from .sampling_params import SamplingParams
 
+    if stream and len(prompts) > 1:
+        raise click.UsageError(f"--stream prints one completion as it comes; got {len(prompts)} --prompt")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,

@@ -85,10 +85,15 @@ def given(values: dict) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
+# fields the commands take as options of the same name besides the engine flags (sampling, the device)
+COMMAND_FIELDS = ("device", "model_name", "max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty")
+
+
 def as_options(message: str) -> str:
-    """An EngineOptions error as a command-line user reads it: each field named by its option (--num-host-pages);
-    not inside a longer name, an attribute or a path (/k3-num_pages/)."""
-    fields = "|".join(map(re.escape, _FIELDS))
+    """An EngineOptions or SamplingParams error as a command-line user reads it: each field named by its option
+    (--num-host-pages, --max-tokens); not inside a longer name, an attribute or a path (/k3-num_pages/)."""
+    fields = "|".join(map(re.escape, (*_FIELDS, *COMMAND_FIELDS)))
     return re.sub(rf"(?<![\w/.-])({fields})(?![\w/-])", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 

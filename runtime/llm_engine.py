@@ -36,6 +36,17 @@ from .scheduler_config import SchedulerConfig, check_ints, check_preemption
 from .upload import to_device
 
 
+def check_device(device: str) -> None:
+    """ValueError for a device string that is not cpu, cuda or cuda:N (whether that GPU is here is the loader's
+    check: a Triton model repository may be written for another machine's GPU)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected cpu, cuda or cuda:N, got {device!r}")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Runtime sizes; None = the engine's memory plan / build limits."""
@@ -60,6 +71,7 @@ class EngineOptions:
     pp_micro_batches: int | None = None
 
     def __post_init__(self):
+        check_device(self.device)
         check_ints(self, ("num_pages", "num_slots", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
                           "pp_micro_batches"), 1, optional=True)
         check_ints(self, ("num_host_pages", "num_host_slots"), 0)
@@ -262,6 +274,10 @@ class LLMEngine:
         mapping = config["mapping"]
         options = resolve_async_scheduling(options, mapping)
         check_build_limits(options, config, engine_dir)
+        num_pages, num_slots = cache_sizes(config, options)
+        if options.max_num_seqs is not None and options.max_num_seqs > num_slots:
+            raise EngineError(f"{engine_dir}: max_num_seqs {options.max_num_seqs} is past the engine's {num_slots} "
+                              "KDA state slots (num_slots), one a running request: lower it or give num_slots")
         self.config, self.options = config, options
         self.world_size = mapping["world_size"]
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
@@ -276,7 +292,6 @@ class LLMEngine:
         self.runner = runner = open_rank(engine_dir, options, 0, comm)
         self.comm = comm
         build = runner.engine.build
-        num_pages, num_slots = cache_sizes(config, options)
         self.device, self.page_size = runner.device, build["page_size"]
         sched_cfg = SchedulerConfig(
             max_num_seqs=min(options.max_num_seqs or build["max_batch_size"], num_slots),

@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .dist import weight_store
+from .engine_dir import not_an_engine
 from .weight_reader import WeightFileError, read_weights
 
 ENGINE_FORMAT_VERSION = 1
@@ -93,8 +94,22 @@ def _device_target(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
+def check_device_present(device: torch.device, path: Path) -> None:
+    """Refuse a GPU device that torch cannot use here, before anything touches it."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = "" if (torch.version.cuda or torch.version.hip) else ", a CPU-only build"
+        raise EngineError(f"{path}: --device {device}: torch {torch.__version__}{build} sees no GPU here; run a cpu "
+                          "engine with --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise EngineError(f"{path}: --device {device}: torch sees {torch.cuda.device_count()} GPU(s) here")
+
+
 def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> None:
     """Refuse an engine this runtime cannot run, naming what to rebuild."""
+    if why := not_an_engine(cfg, path):
+        raise EngineError(why)
     rebuild = f"rebuild it with `k3build build` from this installation"
     if cfg.get("version") != ENGINE_FORMAT_VERSION:
         raise EngineError(f"{path}: engine format v{cfg.get('version')} but this runtime reads v{ENGINE_FORMAT_VERSION}; {rebuild}")
@@ -107,6 +122,7 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
             have = f"v{impl.version}" if impl else "none"
             raise EngineError(f"{path}: plugin {op}/{p['tactic']} v{p['version']} is not available here ({have}); {rebuild}")
     if device is not None:
+        check_device_present(device, path)
         here, target = _device_target(device), stamp.get("target")
         if here != target and not (target == "cpu" and device.type == "cpu"):
             raise EngineError(f"{path}: engine built for target {target!r} but this device is {here!r}; "

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..config import ConfigError
+from ..convert import FORMAT as CONVERTED_FORMAT
 from ..mapping import Mapping, MappingError
 from .engine import BuildError, build
 from .options import DTYPES, EXPERT_BACKENDS, TARGETS, BuildOptions
@@ -111,6 +112,12 @@ def inspect_cmd(engine, as_json):
         raise click.ClickException(f"{engine}: not an engine dir (no config.json); build one with `k3build build`")
     try:
         cfg = json.loads(path.read_text())
+        if isinstance(cfg, dict) and cfg.get("format") == CONVERTED_FORMAT:
+            raise click.ClickException(f"{engine}: a converted checkpoint, not an engine; build one from it with "
+                                       f"`k3build build {engine} ENGINE_DIR`")
+        if isinstance(cfg, dict) and "mapping" not in cfg and "model_type" in cfg:
+            raise click.ClickException(f"{engine}: a Hugging Face checkpoint, not an engine; run `k3build convert` "
+                                       "on it, then `k3build build` on the result")
         lines = _describe(Path(engine), cfg)
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise click.ClickException(f"{path}: not a k3build engine config ({type(e).__name__}: {e})") from None

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
+from ..output_dir import check_output_dir
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
@@ -49,10 +50,8 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         BuildError naming the file/option at fault; ENGINE is then left as it was.
     """
     converted_dir, engine_dir = Path(converted_dir), Path(engine_dir)
-    if engine_dir.exists() and not overwrite:
-        raise BuildError(f"{engine_dir}: already exists (pass --overwrite to replace it)")
-    if engine_dir.resolve() == converted_dir.resolve():
-        raise BuildError(f"{engine_dir}: the engine dir must differ from the converted checkpoint dir")
+    check_output_dir(engine_dir, converted_dir, overwrite=overwrite,
+                     ours=lambda cfg: "version" in cfg and "build_config" in cfg, what="an engine", error=BuildError)
     _, cfg, mapping = read_converted(converted_dir)
     if options.max_seq_len > cfg.max_position_embeddings:
         raise BuildError(f"--max-seq-len: {options.max_seq_len} exceeds the model's max_position_embeddings "

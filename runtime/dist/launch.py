@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
+import click
 import torch
 import torch.distributed as dist
 
@@ -194,7 +195,16 @@ def main(argv: list[str] | None = None) -> None:
         # The command opens the engine itself: ENGINE is its first argument.
         cli.main([command[0], engine_dir, *command[1:]], standalone_mode=False)
 
-    run(engine_dir, drive, device)
+    try:
+        run(engine_dir, drive, device)
+    except click.ClickException as e:  # the command's own error, one line as k3runtime alone prints it
+        e.show()
+        raise SystemExit(e.exit_code) from None
+    except click.Abort:
+        raise SystemExit(1) from None
+    except EngineError as e:  # on any rank (a worker finds a rank count that does not match, for one)
+        click.echo(f"Error (rank {os.environ.get('RANK', '?')}): {e}", err=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

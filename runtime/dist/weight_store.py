@@ -271,7 +271,8 @@ def run_store(opts: StoreOptions, echo=click.echo) -> int:
 @click.option("--name", default=None, help="Store name: /dev/shm/k3ws-<name> (default: the engine dir's name).")
 @click.option("--socket", "socket_path", default=None, type=click.Path(path_type=Path),
               help="Control socket (default: <shm dir>/store.sock).")
-@click.option("--shm-root", default="/dev/shm", show_default=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--shm-root", default="/dev/shm", show_default=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path), help="A tmpfs to hold the copies in.")
 @click.option("--max-bytes", type=int, default=None, help="Refuse to hold more than this many bytes.")
 def weight_store_cmd(engine, ranks, name, socket_path, shm_root, max_bytes):
     """Keep ENGINE's rank weights in host shared memory for ranks to attach (runs until SIGTERM/SIGINT)."""

@@ -15,6 +15,8 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..engine_dir import not_an_engine
+
 PROTOCOL_VERSION = 1
 SAMPLE_WINDOWS, SAMPLE_BYTES = 16, 4096
 MAX_HEADER_BYTES = 100 << 20
@@ -78,7 +80,10 @@ def engine_ranks(engine_dir: str | Path) -> list[int]:
     """Ranks an engine's config.json declares."""
     path = Path(engine_dir) / "config.json"
     try:
-        ranks = json.loads(path.read_text())["ranks"]
+        cfg = json.loads(path.read_text())
+        if why := not_an_engine(cfg, path):
+            raise ValueError(why)
+        ranks = cfg["ranks"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: cannot read the engine's rank list ({type(e).__name__}: {e})") from None
     return sorted(int(r) for r in ranks)

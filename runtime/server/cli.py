@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import click
@@ -20,6 +21,20 @@ def _read_weight_config(path: str):
         raise click.BadParameter(str(e), param_hint="--distributed-weight-config") from None
 
 
+def _check_bindable(host: str, port: int) -> None:
+    """ClickException when host:port cannot be bound now (uvicorn would find out only after the engine loaded)."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not block
+            s.bind((host, port))
+    except OSError as e:
+        raise click.ClickException(f"--host {host} --port {port}: cannot bind ({e.strerror or e}); is another "
+                                   "server on it?") from None
+
+
 @click.command("serve")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (0.0.0.0 exposes it).")
@@ -30,9 +45,11 @@ def _read_weight_config(path: str):
               help="HTTP requests generating at once.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=256, show_default=True,
               help="Requests waiting beyond --max-concurrent; more get 429.")
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="[engine max_seq_len - 1]")
-@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None, help="Cap on max_tokens [max_seq_len].")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Longest prompt accepted, at most the engine's max_seq_len - 1 [that].")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
+              help="Cap on a request's max_tokens, at most the engine's max_seq_len [that].")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
 @engine_flags
 @click.option("--enable-deepep", is_flag=True,
               help="Exchange experts with DeepEP: refuse to start unless deep_ep imports and its low-latency "
@@ -41,10 +58,12 @@ def _read_weight_config(path: str):
               help="JSON/TOML file: which node's `k3runtime weight-store` holds which ranks; ranks attach to it "
                    "instead of reading disk (same as $K3_WEIGHT_STORE_CONFIG).")
 @click.option("--enforce-eager", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs.")
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
+              default="info", show_default=True, help="uvicorn's log level.")
 def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue, max_prompt_tokens,
               max_tokens_limit, device, enable_deepep, distributed_weight_config, enforce_eager, log_level, **flags):
-    """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
+    """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics)."""
     if distributed_weight_config:
         from ..dist.weight_store_client import ENV_CONFIG
 
@@ -52,6 +71,7 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
         # The loader attaches each rank's weights from its node's store (under torchrun, dist.launch exports
         # the same variable on every rank before they load).
         os.environ[ENV_CONFIG] = str(Path(distributed_weight_config).resolve())
+    _check_bindable(host, port)  # before the engine loads: a real K3 rank takes minutes to read
     import uvicorn
 
     from ..async_engine import AsyncLLMEngine
@@ -68,6 +88,12 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     except (EngineError, ValueError, NotImplementedError) as e:
         raise click.ClickException(as_options(str(e))) from None
     max_len = ae.engine.scheduler.config.max_model_len or 4096
+    for flag, value, most in (("--max-prompt-tokens", max_prompt_tokens, max_len - 1),
+                              ("--max-tokens-limit", max_tokens_limit, max_len)):
+        if value is not None and value > most:
+            ae.shutdown()
+            raise click.ClickException(f"{flag} {value}: the engine holds {max_len} tokens a sequence (its "
+                                       f"max_seq_len), so at most {most}")
     try:
         cfg = ServerConfig(model_name=model_name or Path(engine).resolve().name, api_key=api_key,
                            max_concurrent=max_concurrent, max_queue=max_queue,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     """Write OUT/MODEL/{config.pbtxt, 1/model.py}; returns the model dir. Other models in OUT are kept.
     flags: as config_pbtxt's."""
     engine_dir = Path(engine_dir).resolve()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", model_name) or model_name in (".", ".."):
+        raise ValueError(f"model_name: {model_name!r} is not a Triton model name (letters, digits, '_', '.', '-'): "
+                         "it names a directory of the repository")
     if not (engine_dir / "config.json").is_file():
         raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
     # the config first: bad flags leave OUT as it was
@@ -84,13 +88,14 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 @click.command("triton-repo")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--model-name", default="k3", show_default=True)
+@click.option("--model-name", default="k3", show_default=True, help="The model's name in the repository.")
 @click.option("--decoupled/--no-decoupled", default=True, show_default=True,
               help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Cap on a request's max_tokens.")
 @engine_flags
-@click.option("--overwrite", is_flag=True)
+@click.option("--overwrite", is_flag=True, help="Replace OUT/MODEL_NAME if it exists (other models are kept).")
 def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, overwrite, **flags):
     """Write a Triton Python-backend model repository serving ENGINE into OUT."""
     try:

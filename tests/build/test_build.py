@@ -310,12 +310,17 @@ def test_inspect_text_and_json(k3_tiny_engine, multi_engines):
         assert f"rank{r}: pp=0 tp={r} layers 0..8 experts {4 * r}..{4 * r + 3}" in res.output
 
 
-def test_inspect_refuses_a_non_engine(tmp_path):
+def test_inspect_refuses_a_non_engine(tmp_path, k3_tiny_ckpt, k3_tiny_engine):
     res = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert res.exit_code != 0 and "not an engine dir" in res.output
     (tmp_path / "config.json").write_text("{}")
     res = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert res.exit_code != 0 and "not a k3build engine config" in res.output
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
+    for path, says in ((converted, f"a converted checkpoint, not an engine; build one from it with `k3build build "
+                                   f"{converted} "), (k3_tiny_ckpt, "a Hugging Face checkpoint, not an engine")):
+        res = CliRunner().invoke(main, ["inspect", str(path)])
+        assert res.exit_code != 0 and says in res.output, res.output
 
 
 def test_gfx942_target_stamps_and_is_refused_on_cpu(k3_tiny_engine, tmp_path):

@@ -141,15 +141,25 @@ def test_local_exchange_needs_one_ep_rank(converted, tmp_path):
 
 
 def test_existing_engine_needs_overwrite(converted, tmp_path):
+    """An existing ENGINE needs --overwrite, which replaces only an engine or an empty directory: a directory of
+    the user's, or the build's own input, is left as it was."""
     out = tmp_path / "engine"
     out.mkdir()
     (out / "keep").write_text("mine")
     res = _build(converted["tp1"], out)
     assert res.exit_code != 0 and "already exists" in res.output and "--overwrite" in res.output
-    assert (out / "keep").read_text() == "mine"
     res = _build(converted["tp1"], out, "--overwrite")
-    assert res.exit_code == 0, res.output
-    assert (out / "config.json").exists() and not (out / "keep").exists()
+    assert res.exit_code != 0 and "not an engine, so --overwrite leaves it alone" in res.output
+    assert [p.name for p in out.iterdir()] == ["keep"] and (out / "keep").read_text() == "mine"
+    (out / "keep").unlink()
+    for what in ("an empty directory", "an engine"):
+        res = _build(converted["tp1"], out, "--overwrite")
+        assert res.exit_code == 0, (what, res.output)
+        assert (out / "config.json").exists()
+    inputs = sorted(p.name for p in converted["tp1"].iterdir())
+    res = _build(converted["tp1"], converted["tp1"], "--overwrite")
+    assert res.exit_code != 0 and "is or holds the input" in res.output
+    assert sorted(p.name for p in converted["tp1"].iterdir()) == inputs
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
 
 

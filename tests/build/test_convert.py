@@ -101,6 +101,17 @@ def test_cli_and_overwrite(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in out.glob("rank*")) == ["rank0.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    # --overwrite replaces a converted checkpoint only: not the input itself, nor a directory of the user's
+    source = sorted(p.name for p in tiny.iterdir())
+    for target, message in ((tiny, "is or holds the input"), (tiny.parent, "is or holds the input"),
+                            (tmp_path / "mine", "not a converted checkpoint, so --overwrite leaves it alone")):
+        if target.name == "mine":
+            target.mkdir()
+            (target / "keep").write_text("mine")
+        r = runner.invoke(main, ["convert", str(tiny), str(target), "--tp-size", "1", "--overwrite"])
+        assert r.exit_code != 0 and message in r.output, r.output
+    assert sorted(p.name for p in tiny.iterdir()) == source
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["keep"]
 
 
 # --- a Kimi-Linear checkpoint as transformers saves it ---

@@ -83,6 +83,37 @@ def test_not_an_engine(tmp_path):
         load_rank(tmp_path, 0, "cpu")
 
 
+def test_a_checkpoint_is_not_an_engine(k3_tiny_ckpt, k3_tiny_engine):
+    """A converted or an HF checkpoint handed to the runtime: told which it is and the command that makes an
+    engine of it, from the loader and from the weight store's command alike."""
+    from k3runtime.dist.weight_store import weight_store_cmd
+
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")  # tests/model/engines.py's place
+    for path, words in ((converted, ("a converted checkpoint, not an engine", f"`k3build build {converted} ")),
+                        (k3_tiny_ckpt, ("a Hugging Face checkpoint, not an engine", "`k3build convert`"))):
+        _refused(path, *words)
+        res = CliRunner().invoke(weight_store_cmd, [str(path), "--ranks", "0"])
+        assert res.exit_code != 0 and words[0] in res.output and "Traceback" not in res.output, res.output
+
+
+def test_generate_cli_checks_its_options(k3_tiny_engine):
+    """Options named as the user typed them; a device torch cannot use, a batch past the engine's state slots and
+    --stream over several prompts refused before anything runs."""
+    def run(*args):
+        res = CliRunner().invoke(runtime_main, ["generate", str(k3_tiny_engine), "--prompt", "hi", *args])
+        assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+        return res.output
+
+    assert "--max-tokens: expected an int in 1.." in run("--max-tokens", "0")
+    assert "--device: expected cpu, cuda or cuda:N, got 'bogus'" in run("--device", "bogus")
+    if not torch.cuda.is_available():
+        assert "--device cuda:1: torch" in run("--device", "cuda:1") and "sees no GPU here" in run("--device", "cuda")
+    slots = json.loads((k3_tiny_engine / "config.json").read_text())["memory_plan"]["num_slots"]
+    assert f"--max-num-seqs {slots + 1} is past the engine's {slots} KDA state slots" in run(
+        "--max-num-seqs", str(slots + 1))
+    assert "--stream prints one completion" in run("--prompt", "again", "--stream")
+
+
 def _rewrite_weights(engine: Path, fn) -> None:
     path = engine / "rank0" / "weights.safetensors"
     w = load_file(path)

@@ -85,6 +85,27 @@ def test_seed_determinism(tmp_path, ckpt):
     assert not torch.equal(b["language_model.lm_head.weight"], one["language_model.lm_head.weight"])
 
 
+def test_existing_out_needs_overwrite(tmp_path):
+    """An existing OUT is replaced whole, and only with --overwrite and only when it is a checkpoint: no shard of
+    the old one is left beside the new, nothing of the user's is touched, no staging directory stays."""
+    out, mine = tmp_path / "ckpt", tmp_path / "mine"
+    runner = CliRunner()
+    assert runner.invoke(main, ["synth", str(out), "--shards", "3"]).exit_code == 0
+    r = runner.invoke(main, ["synth", str(out), "--shards", "2"])
+    assert r.exit_code != 0 and "already exists; pass --overwrite" in r.output
+    assert len(list(out.glob("model-*-of-00003.safetensors"))) == 3
+    r = runner.invoke(main, ["synth", str(out), "--shards", "2", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.glob("model-*.safetensors")) == [f"model-0000{i}-of-00002.safetensors"
+                                                                        for i in (1, 2)]
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    r = runner.invoke(main, ["synth", str(mine), "--overwrite"])
+    assert r.exit_code != 0 and "not a checkpoint (no config.json)" in r.output
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "mine"]
+
+
 def test_tokenizer(ckpt):
     from transformers import AutoTokenizer
 

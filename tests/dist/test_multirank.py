@@ -138,6 +138,15 @@ def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine,
     assert single.returncode == 0 and multi.returncode == 0, multi.stderr[-3000:]
     assert "-> 8 tokens (length)" in multi.stdout
     assert multi.stdout == single.stdout
+    # a user's error under torchrun: the command's one line on rank 0, a worker's own with its rank, no traceback
+    # of ours (torchrun's summary of the failed ranks follows)
+    for nproc, flags, want in ((2, ["--max-tokens", "0"], "Error: --max-tokens: expected an int in 1..1048576"),
+                               (3, [], "Error (rank 2): the engine has 2 ranks but torchrun started 3")):
+        bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={nproc}", "-m", "k3runtime.dist.launch", str(engine), *args[:3],
+                              *flags], env=env, capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and want in bad.stderr, bad.stderr[-3000:]
+        assert "[rank0]: Traceback" not in bad.stderr and "[rank1]: Traceback" not in bad.stderr, bad.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2xep2", "pp2xtp2", "dp2xep2"])

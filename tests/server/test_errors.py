@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from liveness import wait_healthy
+from liveness import free_port, wait_healthy
 
 MODEL = "k3-tiny"
 
@@ -220,7 +221,7 @@ def test_enable_deepep_fails_fast_without_deep_ep(tiny_engine):
         pytest.skip("deep_ep is installed here")
     except ImportError:
         pass
-    r = _serve(str(tiny_engine), "--enable-deepep", "--port", "1")
+    r = _serve(str(tiny_engine), "--enable-deepep", "--port", str(free_port()))
     assert r.returncode != 0 and "deep_ep" in r.stderr and "--enable-deepep" in r.stderr
 
 
@@ -233,18 +234,37 @@ def test_distributed_weight_config_is_validated(tiny_engine, tmp_path):
     assert r.returncode != 0 and "does not exist" in r.stderr
 
 
+def test_serve_options_are_validated(tiny_engine):
+    """A port another server holds fails at start-up (checked before the engine loads), limits past the engine's
+    max_seq_len fail at start-up, an unknown log level is a usage error; each with one line, no traceback."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        busy = _serve(str(tiny_engine), "--port", str(port))
+    assert busy.returncode != 0 and f"--host 127.0.0.1 --port {port}: cannot bind" in busy.stderr, busy.stderr
+    max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
+    prompt = _serve(str(tiny_engine), "--port", str(free_port()), "--max-prompt-tokens", str(max_len))
+    assert prompt.returncode != 0 and f"--max-prompt-tokens {max_len}: the engine holds {max_len}" in prompt.stderr
+    limit = _serve(str(tiny_engine), "--port", str(free_port()), "--max-tokens-limit", str(max_len + 1))
+    assert limit.returncode != 0 and f"--max-tokens-limit {max_len + 1}: " in limit.stderr
+    level = _serve(str(tiny_engine), "--log-level", "bogus")
+    assert level.returncode == 2 and "'bogus' is not one of" in level.stderr
+    assert not any("Traceback" in r.stderr for r in (busy, prompt, limit, level))
+
+
 def test_engine_flags_are_validated_before_loading(tiny_engine):
     """A swap without a host store, a host store without swap, a step past the engine's build limits, or more
     micro-batches than pipeline stages fails at start-up and names the options."""
-    r = _serve(str(tiny_engine), "--preemption-mode", "swap", "--num-host-pages", "4", "--port", "1")
+    r = _serve(str(tiny_engine), "--preemption-mode", "swap", "--num-host-pages", "4", "--port", str(free_port()))
     assert r.returncode != 0 and "--preemption-mode 'swap' needs a host store" in r.stderr and "got 4 and 0" in r.stderr
-    r = _serve(str(tiny_engine), "--num-host-slots", "2", "--port", "1")
+    r = _serve(str(tiny_engine), "--num-host-slots", "2", "--port", str(free_port()))
     assert r.returncode != 0 and "need --preemption-mode 'swap'" in r.stderr
-    r = _serve(str(tiny_engine), "--max-num-batched-tokens", "100000", "--port", "1")
+    r = _serve(str(tiny_engine), "--max-num-batched-tokens", "100000", "--port", str(free_port()))
     assert r.returncode != 0 and "--max-num-batched-tokens 100000 is past the engine's max_num_tokens" in r.stderr
-    r = _serve(str(tiny_engine), "--pp-micro-batches", "2", "--port", "1")
+    r = _serve(str(tiny_engine), "--pp-micro-batches", "2", "--port", str(free_port()))
     assert r.returncode != 0 and "--pp-micro-batches 2 is past the engine's 1 pipeline stage(s)" in r.stderr
-    r = _serve(str(tiny_engine), "--preemption-mode", "drop", "--port", "1")
+    r = _serve(str(tiny_engine), "--preemption-mode", "drop", "--port", str(free_port()))
     assert r.returncode != 0 and "'drop' is not one of 'recompute', 'swap'" in r.stderr
 
 

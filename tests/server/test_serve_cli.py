@@ -88,11 +88,11 @@ def test_serve_attaches_the_weight_store_and_binds_loopback(tiny_engine, tmp_pat
 def test_serve_with_a_dead_store_is_a_clear_startup_error(tiny_engine, tmp_path):
     cfg = tmp_path / "weights.toml"
     cfg.write_text(f'[nodes."*"]\nsocket = "{tmp_path / "gone.sock"}"\nranks = [0]\n')
-    r = subprocess.run([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", "1",
+    r = subprocess.run([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", str(free_port()),
                         "--distributed-weight-config", str(cfg)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "gone.sock: no such socket" in r.stderr and "Traceback" not in r.stderr, r.stderr
     (tmp_path / "bad.json").write_text(json.dumps({"nodes": {"n0": {"ranks": [0]}}}))
-    r = subprocess.run([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", "1",
+    r = subprocess.run([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", str(free_port()),
                         "--distributed-weight-config", str(tmp_path / "bad.json")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "nodes.n0: needs 'socket'" in r.stderr, r.stderr
@@ -105,7 +105,7 @@ def test_serve_enable_deepep_refuses_the_limit_it_hits(tiny_engine, tmp_path):
     caps = tmp_path / "caps.json"
     caps.write_text(json.dumps({"max_topk": top_k - 1, "hidden_sizes": [7168]}))
     env = {**os.environ, "K3_DEEPEP_CAPS": str(caps)}
-    r = subprocess.run([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", "1",
+    r = subprocess.run([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", str(free_port()),
                         "--enable-deepep"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0, r.stderr
     assert f"top-k {top_k} exceeds the low-latency kernels' maximum of {top_k - 1}" in r.stderr, r.stderr

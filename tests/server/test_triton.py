@@ -93,6 +93,11 @@ def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
     assert (repo / "k3" / "config.pbtxt").read_text() == before
     with pytest.raises(TypeError, match=r"not engine flags: \['num_page'\]"):
         write_repo(tiny_engine, repo, overwrite=True, num_page=7)
+    for flags, says in ((["--model-name", "a b/c"], "--model-name: 'a b/c' is not a Triton model name"),
+                        (["--device", "bogus"], "--device: expected cpu, cuda or cuda:N")):
+        res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--overwrite", *flags])
+        assert res.exit_code != 0 and says in res.output, res.output
+    assert sorted(p.name for p in repo.iterdir()) == ["k3"]
 
 
 @pytest.fixture(scope="module")

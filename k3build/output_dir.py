@@ -1,0 +1,36 @@
+"""Where convert and build may write: never over their own input, and --overwrite replaces only k3build's own
+output of that kind, or an empty directory; anything else at OUT is the user's to remove."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from collections.abc import Callable
+
+
+def config_of(path: Path) -> dict:
+    """path/config.json parsed, or {} when it is missing or not a JSON object."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[dict], bool], what: str,
+                     error: type[Exception]) -> None:
+    """`error` when writing `out` (built from `src`) would replace the input or something that is not `what`.
+
+    ours: whether an existing out's config.json (config_of) is k3build's `what`."""
+    out_r, src_r = out.resolve(), src.resolve()
+    if out_r == src_r or out_r in src_r.parents:
+        raise error(f"{out}: is or holds the input {src}; write the output elsewhere")
+    if not out.exists():
+        return
+    if not overwrite:
+        raise error(f"{out}: already exists; pass --overwrite to replace it")
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    if not out.is_dir() or not ours(config_of(out)):
+        raise error(f"{out}: not {what}, so --overwrite leaves it alone (it replaces only k3build's own output or an "
+                    "empty directory); remove it yourself or pick another path")
