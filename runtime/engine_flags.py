@@ -85,7 +85,8 @@ def given(values: dict) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-# fields the commands take as options of the same name besides the engine flags (sampling, the device)
+# fields the commands take as options of the same name besides the engine flags (sampling, the device): named
+# by their option only where an error starts with them ("top_p: expected ..."), as several are plain words too
 COMMAND_FIELDS = ("device", "model_name", "max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
                   "frequency_penalty", "repetition_penalty")
 
@@ -93,8 +94,10 @@ COMMAND_FIELDS = ("device", "model_name", "max_tokens", "temperature", "top_p", 
 def as_options(message: str) -> str:
     """An EngineOptions or SamplingParams error as a command-line user reads it: each field named by its option
     (--num-host-pages, --max-tokens); not inside a longer name, an attribute or a path (/k3-num_pages/)."""
-    fields = "|".join(map(re.escape, (*_FIELDS, *COMMAND_FIELDS)))
-    return re.sub(rf"(?<![\w/.-])({fields})(?![\w/-])", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    option = lambda m: "--" + m.group(1).replace("_", "-")  # noqa: E731
+    fields = "|".join(map(re.escape, _FIELDS))
+    message = re.sub(rf"(?<![\w/.-])({fields})(?![\w/-])", option, message)
+    return re.sub(rf"^({'|'.join(map(re.escape, COMMAND_FIELDS))}):", lambda m: option(m) + ":", message)
 
 
 def from_params(params: dict[str, str]) -> dict:

@@ -81,7 +81,7 @@ def test_generate_cli_takes_the_penalties(llm, k3_tiny_engine):
     res = CliRunner().invoke(main, [*args, "--frequency-penalty", "2", "--repetition-penalty", "1.5"])
     assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
     bad = CliRunner().invoke(main, [*args, "--presence-penalty", "3"])
-    assert bad.exit_code != 0 and "presence_penalty: expected a number in [-2, 2]" in bad.output
+    assert bad.exit_code != 0 and "--presence-penalty: expected a number in [-2, 2]" in bad.output
 
 
 def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm, k3_tiny_engine):
