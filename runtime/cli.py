@@ -12,6 +12,7 @@ from .loader import EngineError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="k3build")  # one distribution holds k3build, k3runtime and k3plugins
 def main():
     """Run k3build engines."""
 

@@ -96,6 +96,13 @@ def test_a_checkpoint_is_not_an_engine(k3_tiny_ckpt, k3_tiny_engine):
         assert res.exit_code != 0 and words[0] in res.output and "Traceback" not in res.output, res.output
 
 
+def test_runtime_version_is_the_stamps(k3_tiny_engine):
+    """`k3runtime --version` names the installed distribution's version, the one a build stamps."""
+    res = CliRunner().invoke(runtime_main, ["--version"])
+    stamp = json.loads((k3_tiny_engine / "config.json").read_text())["stamp"]["k3build_version"]
+    assert res.exit_code == 0 and res.output.strip().endswith(f"version {stamp}"), res.output
+
+
 def test_generate_cli_checks_its_options(k3_tiny_engine):
     """Options named as the user typed them; a device torch cannot use, a batch past the engine's state slots and
     --stream over several prompts refused before anything runs."""
