@@ -4,6 +4,8 @@ output of that kind, or an empty directory; anything else at OUT is the user's t
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from collections.abc import Callable
 
@@ -34,3 +36,15 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
     if not out.is_dir() or not ours(config_of(out)):
         raise error(f"{out}: not {what}, so --overwrite leaves it alone (it replaces only k3build's own output or an "
                     "empty directory); remove it yourself or pick another path")
+
+
+def move_into_place(staging: Path, out: Path) -> None:
+    """Rename the finished `staging` (a sibling of out, so the rename is atomic) to `out`; an existing out is moved
+    aside first and then removed, so that out is never a mix of the old and the new."""
+    if out.exists():
+        old = staging.with_name(staging.name + "-old")
+        os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out)

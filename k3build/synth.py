@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, K3Config, _k3_layer_types, preset, to_hf_wrapper_config
 from .mxfp4 import quantize_mxfp4
+from .output_dir import move_into_place
 from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, plan_file, pwrite_all, tensor_bytes
 from .schema import PREFIX, checkpoint_tensors
 from .tokenizer import write_tokenizer
@@ -82,13 +83,7 @@ def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int 
         os.umask(umask)
         os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new dir
         _write_checkpoint(staging, cfg, seed, num_shards, progress)
-        if out_dir.exists():
-            old = staging.with_name(staging.name + "-old")
-            os.rename(out_dir, old)
-            os.rename(staging, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(staging, out_dir)
+        move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
-from ..output_dir import check_output_dir
+from ..output_dir import check_output_dir, move_into_place
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
@@ -108,14 +108,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         finish_staging_dir(tmp)
-        if engine_dir.exists():
-            # Move the old engine aside first so ENGINE is never a mix of the two builds.
-            old = engine_dir.with_name(f".{engine_dir.name}.tmp-old-{os.getpid()}")
-            os.replace(engine_dir, old)
-            os.replace(tmp, engine_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, engine_dir)
+        move_into_place(tmp, engine_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
