@@ -1,13 +1,14 @@
-"""Where convert and build may write: never over their own input, and --overwrite replaces only k3build's own
-output of that kind, or an empty directory; anything else at OUT is the user's to remove."""
+"""Where k3build's commands write: convert and build never over their own input, --overwrite replaces only
+k3build's own output of that kind or an empty directory (anything else at OUT is the user's to remove), and a
+finished output moves into place whole."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 
 def config_of(path: Path) -> dict:
