@@ -44,6 +44,10 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty)
         llm = LLM(engine, device=device, **given(flags))
+        if llm.tokenizer is None:
+            raise click.ClickException(f"{engine}: the engine has no tokenizer.json (its checkpoint had none) and "
+                                       "generate takes text; build from a checkpoint with its tokenizer, or give "
+                                       "token ids through the Python API (LLM.generate) or the server")
         if stream:
             for chunk in llm.stream(prompts[0], params):
                 click.echo(chunk.text, nl=False)

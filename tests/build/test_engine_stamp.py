@@ -96,6 +96,13 @@ def test_a_checkpoint_is_not_an_engine(k3_tiny_ckpt, k3_tiny_engine):
         assert res.exit_code != 0 and words[0] in res.output and "Traceback" not in res.output, res.output
 
 
+def test_generate_cli_without_a_tokenizer(engine):
+    (engine / "tokenizer.json").unlink()
+    res = CliRunner().invoke(runtime_main, ["generate", str(engine), "--prompt", "hi", "--max-tokens", "1"])
+    assert res.exit_code != 0 and "the engine has no tokenizer.json" in res.output and "Python API" in res.output
+    assert "Traceback" not in res.output
+
+
 def test_runtime_version_is_the_stamps(k3_tiny_engine):
     """`k3runtime --version` names the installed distribution's version, the one a build stamps."""
     res = CliRunner().invoke(runtime_main, ["--version"])
