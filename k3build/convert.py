@@ -287,7 +287,8 @@ def _on_sigterm(signum, frame):
 @click.argument("ckpt", type=click.Path(file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--tp-size", type=click.IntRange(min=1), default=None, help="ranks per PP stage [default: ep x moe-tp]")
-@click.option("--ep-size", type=click.IntRange(min=1), default=None, help="expert-parallel ranks [default: tp / moe-tp]")
+@click.option("--ep-size", type=click.IntRange(min=1), default=None,
+              help="expert-parallel ranks [default: tp / moe-tp]")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, show_default=True, help="pipeline stages")
 @click.option("--moe-tp-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="ranks splitting each expert's intermediate dim")

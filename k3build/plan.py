@@ -38,7 +38,8 @@ def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **l
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="engines/X.toml: model, mapping and limits; options given here override it")
 @click.option("--tp-size", type=click.IntRange(min=1), help="ranks per PP stage (attention TP unless --attention-dp)")
-@click.option("--ep-size", type=click.IntRange(min=1), help="routed-expert parallelism (moe_ep_size); default tp / moe-tp")
+@click.option("--ep-size", type=click.IntRange(min=1),
+              help="routed-expert parallelism (moe_ep_size); default tp / moe-tp")
 @click.option("--pp-size", type=click.IntRange(min=1), help="pipeline stages [default: 1]")
 @click.option("--moe-tp-size", type=click.IntRange(min=1), help="split each expert's intermediate dim; default tp / ep")
 @click.option("--attention-dp/--no-attention-dp", default=None, help="replicate attention, each rank its requests")
