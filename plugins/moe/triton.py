@@ -105,7 +105,7 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
                              overlap=True, gather_combine=True),
     # decode_l with its gate/up scales in registers (scale_regs): a candidate for the H200, where decode_l stops at
     # 0.79-0.80 of the weight floor at 8 tokens an expert for its issue rate. On an H100 (0.92 of floor there)
-    # 0.3-0.5 % slower, the same bits (BENCHMARKS.md, thirty-seventh session)
+    # 0.3-0.7 % slower, the same bits (BENCHMARKS.md, thirty-seventh session)
     "decode_l_sr": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, scale_regs=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,

@@ -292,7 +292,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     can start on an expert as soon as its h is whole (moe_down_kernel's AWAIT); EARLY (sm_90): the down kernel,
     launched with PDL, may take SMs as soon as every program of this one has started. SREG (STRIDED 2 or 4): each
     K step's scales are loaded one step ahead into registers (a loop-carried value, which Triton's pipeliner leaves
-    alone) instead of into its shared buffers: 2 KB less a program at BN 64, the last KB that kept a fourth program
+    alone) instead of into its shared buffers: 2 KB less a program at BN 64, what kept a fourth program
     off an SM (sm_90: 57344 bytes against 59392); the carried scales reach the MMA's layout through shuffles.
     """
     pdl_prologue(PDL or EARLY)
