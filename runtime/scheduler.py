@@ -175,13 +175,13 @@ class Scheduler:
         max_len = self.config.max_model_len
         if max_len is not None and request.num_prompt_tokens >= max_len:
             raise ValueError(f"prompt_token_ids: {request.num_prompt_tokens} tokens leave no room under "
-                             f"max_model_len={max_len}")
+                             f"max_model_len={max_len} (the engine's max_seq_len)")
         # Every request must fit alone, or preemption could never make room for it.
         need = self.page_pool.pages_needed(self._max_kv_tokens(request))
         if need > self.page_pool.num_pages:
             raise ValueError(f"max_tokens: prompt ({request.num_prompt_tokens}) + max_tokens "
                              f"({request.params.max_tokens}) needs {need} pages of {self.config.page_size} tokens; "
-                             f"the cache holds {self.page_pool.num_pages}")
+                             f"the cache holds {self.page_pool.num_pages} (num_pages)")
         request.arrival = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.append(request)

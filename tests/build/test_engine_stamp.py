@@ -126,6 +126,9 @@ def test_generate_cli_checks_its_options(k3_tiny_engine):
     assert f"--max-num-seqs {slots + 1} is past the engine's {slots} KDA state slots" in run(
         "--max-num-seqs", str(slots + 1))
     assert "--stream prints one completion" in run("--prompt", "again", "--stream")
+    assert "the cache holds 1 (--num-pages)" in run("--num-pages", "1", "--max-tokens", "200")
+    max_len = json.loads((k3_tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
+    assert f"under max_model_len={max_len} (the engine's max_seq_len)" in run("--prompt", "a " * max_len)
 
 
 def _rewrite_weights(engine: Path, fn) -> None:
