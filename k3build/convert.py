@@ -23,7 +23,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from .config import K3Config
 from .convert_plan import ConvertError, Job, Source, check_mapping, open_source, output_config, plan_jobs
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import check_output_dir
+from .output_dir import check_output_dir, move_into_place, new_staging_dir
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 
@@ -227,7 +226,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     check_mapping(mapping, cfg_out)
     jobs = plan_jobs(src, cfg_out)
     layouts, where = _placements(jobs, mapping, cfg_out)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp = new_staging_dir(out)
     try:
         paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
         for path, layout in zip(paths, layouts):
@@ -242,18 +241,9 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
         for p in tmp.iterdir():
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new dir
         _fsync_dir(tmp)
-        old = None
-        if out.exists():
-            old = out.parent / f"{out.name}.tmp-{os.getpid()}-old"
-            os.rename(out, old)
-        os.rename(tmp, out)
+        move_into_place(tmp, out)
         _fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,13 +21,13 @@ def config_of(path: Path) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[dict], bool], what: str,
+def check_output_dir(out: Path, src: Path | None, *, overwrite: bool, ours: Callable[[dict], bool], what: str,
                      error: type[Exception]) -> None:
-    """`error` when writing `out` (built from `src`) would replace the input or something that is not `what`.
+    """`error` when writing `out` (built from `src`; None: from nothing on disk) would replace the input or something
+    that is not `what`.
 
     ours: whether an existing out's config.json (config_of) is k3build's `what`."""
-    out_r, src_r = out.resolve(), src.resolve()
-    if out_r == src_r or out_r in src_r.parents:
+    if src is not None and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
         raise error(f"{out}: is or holds the input {src}; write the output elsewhere")
     if not out.exists():
         return
@@ -37,6 +38,16 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
     if not out.is_dir() or not ours(config_of(out)):
         raise error(f"{out}: not {what}, so --overwrite leaves it alone (it replaces only k3build's own output or an "
                     "empty directory); remove it yourself or pick another path")
+
+
+def new_staging_dir(out: Path) -> Path:
+    """An empty directory beside `out` to write it in (named for this process: convert's clean-up of a dead run's
+    reads the pid back), with the permissions of any new directory (mkdtemp makes it private)."""
+    staging = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    return staging
 
 
 def move_into_place(staging: Path, out: Path) -> None:
