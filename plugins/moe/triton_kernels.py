@@ -343,16 +343,15 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
                 acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), su_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
-            elif SREG:
-                acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), sg_cur, z_ptrs,
-                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
-                acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), su_cur, z_ptrs,
-                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
             elif STRIDED == 2 or STRIDED == 4:
-                acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
-                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
-                acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
-                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
+                wg = tl.load(wg_ptrs + kw)
+                sg = sg_cur if SREG else tl.load(sg_ptrs + ks)
+                acc_g = _paired_dot(acc_g, wg, sg, z_ptrs, p_mask[None, :], k0, BN, z_ptr.dtype.element_ty,
+                                    LANE=STRIDED == 4, ASM=ASM)
+                wu = tl.load(wu_ptrs + kw)
+                su = su_cur if SREG else tl.load(su_ptrs + ks)
+                acc_u = _paired_dot(acc_u, wu, su, z_ptrs, p_mask[None, :], k0, BN, z_ptr.dtype.element_ty,
+                                    LANE=STRIDED == 4, ASM=ASM)
             elif STRIDED:
                 acc_g = _strided_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                      p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)
