@@ -76,22 +76,19 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
 
     from ..async_engine import AsyncLLMEngine
     from ..llm_engine import EngineOptions
-    from ..loader import EngineError
+    from ..loader import EngineError, read_engine_config
     from .app import create_app
     from .config import ServerConfig
     from .metrics import PrometheusMetrics
 
+    # the limits against the engine's config, before its weights load
     try:
-        ae = AsyncLLMEngine(engine, EngineOptions(device=device, enable_deepep=enable_deepep,
-                                                   cuda_graphs=not enforce_eager, load_progress=True, **given(flags)),
-                            metrics=PrometheusMetrics())
-    except (EngineError, ValueError, NotImplementedError) as e:
-        raise click.ClickException(as_options(str(e))) from None
-    max_len = ae.engine.scheduler.config.max_model_len or 4096
+        max_len = read_engine_config(engine)["build_config"]["max_seq_len"]
+    except EngineError as e:
+        raise click.ClickException(str(e)) from None
     for flag, value, most in (("--max-prompt-tokens", max_prompt_tokens, max_len - 1),
                               ("--max-tokens-limit", max_tokens_limit, max_len)):
         if value is not None and value > most:
-            ae.shutdown()
             raise click.ClickException(f"{flag} {value}: the engine holds {max_len} tokens a sequence (its "
                                        f"max_seq_len), so at most {most}")
     try:
@@ -100,6 +97,12 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
                            max_prompt_tokens=max_prompt_tokens or max_len - 1, max_tokens_limit=max_tokens_limit or max_len)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    try:
+        ae = AsyncLLMEngine(engine, EngineOptions(device=device, enable_deepep=enable_deepep,
+                                                   cuda_graphs=not enforce_eager, load_progress=True, **given(flags)),
+                            metrics=PrometheusMetrics())
+    except (EngineError, ValueError, NotImplementedError) as e:
+        raise click.ClickException(as_options(str(e))) from None
     if enable_deepep and ae.engine.world_size == 1:
         click.echo(f"k3runtime serve: {engine} is a single-rank engine; --enable-deepep was checked and has no "
                    "effect on it (no expert exchange)", err=True)
