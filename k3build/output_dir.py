@@ -21,13 +21,13 @@ def config_of(path: Path) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def check_output_dir(out: Path, src: Path | None, *, overwrite: bool, ours: Callable[[dict], bool], what: str,
+def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[dict], bool], what: str,
                      error: type[Exception]) -> None:
-    """`error` when writing `out` (built from `src`; None: from nothing on disk) would replace the input or something
-    that is not `what`.
+    """`error` when writing `out` (built from `src`) would replace the input or something that is not `what`.
 
     ours: whether an existing out's config.json (config_of) is k3build's `what`."""
-    if src is not None and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
+    out_r, src_r = out.resolve(), src.resolve()
+    if out_r == src_r or out_r in src_r.parents:
         raise error(f"{out}: is or holds the input {src}; write the output elsewhere")
     if not out.exists():
         return

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, K3Config, _k3_layer_types, preset, to_hf_wrapper_config
 from .mxfp4 import quantize_mxfp4
-from .output_dir import check_output_dir, move_into_place, new_staging_dir
+from .output_dir import move_into_place, new_staging_dir
 from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, plan_file, pwrite_all, tensor_bytes
 from .schema import PREFIX, checkpoint_tensors
 from .tokenizer import write_tokenizer
@@ -69,8 +69,12 @@ def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int 
     if num_shards < 1:
         raise ValueError(f"num_shards: expected >= 1, got {num_shards}")
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, None, overwrite=overwrite, ours=bool, what="a checkpoint (no config.json)",
-                     error=ValueError)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # an empty one is taken as it is
+        if not overwrite:
+            raise ValueError(f"{out_dir}: already exists; pass --overwrite to replace it")
+        if not (out_dir / "config.json").is_file():
+            raise ValueError(f"{out_dir}: not a checkpoint (no config.json), so --overwrite leaves it alone; remove "
+                             "it yourself or pick another path")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = new_staging_dir(out_dir)
     try:
