@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import click
@@ -57,7 +58,8 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
             click.echo(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})")
             click.echo(out.text if out.text is not None else out.token_ids)
     except (EngineError, ValueError) as e:
-        raise click.ClickException(as_options(str(e))) from None
+        # the API's prompt field is this command's --prompt, as tokens
+        raise click.ClickException(re.sub(r"^prompt_token_ids:", "--prompt (as tokens):", as_options(str(e)))) from None
 
 
 # (module, command attribute) of commands living beside their code.

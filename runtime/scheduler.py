@@ -174,8 +174,8 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r}: expected a fresh request, got status {request.status.value}")
         max_len = self.config.max_model_len
         if max_len is not None and request.num_prompt_tokens >= max_len:
-            raise ValueError(f"prompt_token_ids: {request.num_prompt_tokens} tokens leave no room under "
-                             f"max_model_len={max_len} (the engine's max_seq_len)")
+            raise ValueError(f"prompt_token_ids: {request.num_prompt_tokens} tokens leave no room to generate under "
+                             f"the engine's max_seq_len ({max_len})")
         # Every request must fit alone, or preemption could never make room for it.
         need = self.page_pool.pages_needed(self._max_kv_tokens(request))
         if need > self.page_pool.num_pages:
