@@ -128,7 +128,9 @@ def test_generate_cli_checks_its_options(k3_tiny_engine):
     assert "--stream prints one completion" in run("--prompt", "again", "--stream")
     assert "the cache holds 1 (--num-pages)" in run("--num-pages", "1", "--max-tokens", "200")
     max_len = json.loads((k3_tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
-    assert f"under max_model_len={max_len} (the engine's max_seq_len)" in run("--prompt", "a " * max_len)
+    too_long = run("--prompt", "a " * max_len)  # named by the command's option, not the API's field
+    assert "Error: --prompt (as tokens): " in too_long and "prompt_token_ids" not in too_long
+    assert f"tokens leave no room to generate under the engine's max_seq_len ({max_len})" in too_long
 
 
 def _rewrite_weights(engine: Path, fn) -> None:
