@@ -212,7 +212,7 @@ def test_contract_errors():
     sched.add(req("a", 3))
     with pytest.raises(ValueError, match="already live"):
         sched.add(req("a", 3))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match=r"under the engine.s max_seq_len \(10\)"):
         sched.add(req("long", 10))
     with pytest.raises(ValueError, match="max_tokens.*needs 5 pages.*holds 4"):
         make(num_pages=4).add(req("big", 10, max_tokens=10))

@@ -82,7 +82,7 @@ def test_rejections_raise_value_error(aengine):
 
     with pytest.raises(ValueError, match="vocabulary"):
         asyncio.run(first([10**7], SamplingParams(max_tokens=2)))
-    with pytest.raises(ValueError, match="max_model_len|pages"):
+    with pytest.raises(ValueError, match="max_seq_len|pages"):
         asyncio.run(first([1] * 5000, SamplingParams(max_tokens=2)))
     assert asyncio.run(first([1], SamplingParams(max_tokens=1, temperature=0))).finish_reason == "length"
 
