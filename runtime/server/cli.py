@@ -21,6 +21,17 @@ def _read_weight_config(path: str):
         raise click.BadParameter(str(e), param_hint="--distributed-weight-config") from None
 
 
+def _check_serve_extra() -> None:
+    """ClickException naming the install command when the server's optional packages are missing (the main
+    install, tools/demo.sh's, leaves them out)."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(f"serve needs the server's packages, missing here: {', '.join(missing)}; install "
+                                   "them with pip install -e '.[serve]' in the k3build checkout")
+
+
 def _check_bindable(host: str, port: int) -> None:
     """ClickException when host:port cannot be bound now (uvicorn would find out only after the engine loaded)."""
     if port == 0:
@@ -64,6 +75,7 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
               max_tokens_limit, device, enable_deepep, distributed_weight_config, enforce_eager, log_level, **flags):
     """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics)."""
+    _check_serve_extra()
     if distributed_weight_config:
         from ..dist.weight_store_client import ENV_CONFIG
 

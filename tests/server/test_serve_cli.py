@@ -110,3 +110,15 @@ def test_serve_enable_deepep_refuses_the_limit_it_hits(tiny_engine, tmp_path):
     assert r.returncode != 0, r.stderr
     assert f"top-k {top_k} exceeds the low-latency kernels' maximum of {top_k - 1}" in r.stderr, r.stderr
     assert "is not one of the compiled widths [7168]" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_without_the_server_extra_names_the_install(tiny_engine, monkeypatch):
+    # tools/demo.sh installs the project without its extras: serve must say what to install, not raise an ImportError
+    from click.testing import CliRunner
+
+    from k3runtime.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed: its import fails, find_spec finds none
+    r = CliRunner().invoke(main, ["serve", str(tiny_engine), "--port", str(free_port())])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # a ClickException's exit
+    assert "missing here: uvicorn" in r.output and "pip install -e '.[serve]'" in r.output, r.output
