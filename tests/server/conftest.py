@@ -41,15 +41,16 @@ def llm(tiny_engine):
 class LiveServer:
     """uvicorn in a thread of this process, serving create_app(engine, config) on 127.0.0.1."""
 
-    def __init__(self, engine_dir, **config):
+    def __init__(self, engine_dir, engine_options=None, **config):
         import uvicorn
 
         from k3runtime.async_engine import AsyncLLMEngine
+        from k3runtime.llm_engine import EngineOptions
         from k3runtime.server.app import create_app
         from k3runtime.server.config import ServerConfig
         from k3runtime.server.metrics import PrometheusMetrics
 
-        self.engine = AsyncLLMEngine(engine_dir, metrics=PrometheusMetrics())
+        self.engine = AsyncLLMEngine(engine_dir, engine_options or EngineOptions(), metrics=PrometheusMetrics())
         self.config = ServerConfig(**{"model_name": "k3-tiny", **config})
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -39,6 +39,7 @@ CASES = [  # (body, status, words the message must contain)
     (ok(max_tokens=-1), 400, "max_tokens"),
     (ok(max_tokens=0), 400, "max_tokens"),
     (ok(max_tokens=10**9), 400, "limit"),
+    (ok(prompt=[1] * 300), 400, "prompt: 300 tokens is over this server's limit of 256 prompt tokens"),
     (ok(max_tokens=2.5), 400, "max_tokens"),
     (ok(temperature=-1), 400, "temperature"),
     (ok(temperature="hot"), 400, "temperature"),
@@ -131,14 +132,22 @@ def test_openai_client_errors(server):
     assert done.usage.completion_tokens == 2
 
 
-def test_prompt_plus_max_tokens_over_context(server, tiny_engine):
-    # The engine's own check (context/cache) surfaces as a 400 too, not as a 500.
-    cfg = json.loads((tiny_engine / "config.json").read_text())
-    max_len = server.engine.engine.scheduler.config.max_model_len
-    ids = list(range(1, 200))
-    r = post(server, ok(prompt=ids, max_tokens=64))
-    assert r.status_code == 200 or max_len < 263, (r.text, cfg.get("build"))
-    assert post(server, ok(prompt=[1] * (max_len + 5))).status_code == 400
+def test_the_engines_own_refusal_is_a_400(make_server, tiny_engine):
+    # prompt + max_tokens within the server's limits but past what the engine's cache can ever hold: the
+    # scheduler's check reaches the client as a 400 naming it, not a 500, and the server keeps serving
+    from k3runtime.llm_engine import EngineOptions
+
+    page = json.loads((tiny_engine / "config.json").read_text())["build_config"]["page_size"]
+    s = make_server(tiny_engine, EngineOptions(num_pages=2))
+    try:
+        r = post(s, ok(prompt=[1] * page, max_tokens=2 * page))
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert f"max_tokens: prompt ({page}) + max_tokens ({2 * page}) needs 3 pages" in msg, msg
+        assert "the cache holds 2" in msg, msg
+        assert post(s, ok(prompt=[1] * page, max_tokens=page)).status_code == 200
+    finally:
+        s.close()
 
 
 @given(st.dictionaries(
