@@ -16,9 +16,11 @@ TOOL = Path(__file__).parents[1] / "tools" / "sass_loops.py"
 
 
 def _loops(kernel: str, *flags: str) -> tuple[dict, list[dict]]:
-    proc = subprocess.run([sys.executable, str(TOOL), kernel, *flags], capture_output=True, text=True, timeout=300)
-    if proc.returncode and "backend" in proc.stderr:
+    from triton.backends import backends
+
+    if "nvidia" not in backends:  # asked here, not guessed from the tool's error (a ptxas failure names the backend)
         pytest.skip("Triton's NVIDIA backend is not installed")
+    proc = subprocess.run([sys.executable, str(TOOL), kernel, *flags], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     head, *loops = [json.loads(line) for line in proc.stdout.splitlines()]
     assert loops, "no loop found in the SASS"
