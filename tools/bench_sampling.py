@@ -10,7 +10,8 @@ llm_engine.sample_step, at temperature 0.8 and top-p 0.95:
   the sampler before the thirty-fifth session), the baseline of plain_ms (on a CPU both are the torch ops); the
   same draws (same_tokens_as_before checks it);
 - triton_top_p_ms / sorted_top_p_ms: plain with top-p's kept set from Triton's histograms (sampler.TRITON_TOP_P on,
-  on a GPU) / from the sort (off); same_tokens_triton_top_p checks the histograms' draws against the sort's;
+  on a GPU) / from the sort (off); same_tokens_triton_top_p checks the histograms' draws against the sort's
+  (triton_kernels: whether the flags chose Triton kernels, as they do on a GPU only);
 - penalized_ms: every row also with frequency, presence and repetition penalties, in a decode step after the first:
   it brings the one token sampled since (the plan's SeenTokens), the counts kept on the sampling rank, its own
   last token still on the device (async scheduling's case);
@@ -124,7 +125,9 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
            **{k: round(v, 6) for k, v in figures.items()}}
     for case in ("plain", "penalized", "penalized_first", "logprobs"):
         out[f"{case}_x_floor"] = round(figures[f"{case}_ms"] / figures["floor_ms"], 2)
-    # both ways draw the same tokens (seeded draws: the same call twice gives the same ids)
+    # both ways draw the same tokens (seeded draws: the same call twice gives the same ids); the flags select
+    # Triton kernels only on a GPU: elsewhere both sides are the torch ops
+    out["triton_kernels"] = logits.is_cuda
     out["same_tokens_as_before"] = torch.equal(plain_step(), plain_step(TRITON_DRAW=False, TRITON_TOP_P=False))
     out["same_tokens_triton_top_p"] = torch.equal(plain_step(TRITON_TOP_P=True), plain_step(TRITON_TOP_P=False))
     out["triton_top_p_x_before"] = round(figures["triton_top_p_ms"] / figures["before_ms"], 3)
