@@ -41,8 +41,9 @@ def test_bf16_rounds_once():
     two = (yb.float() @ up.bfloat16().float().T).bfloat16() + gated_mlp(h.bfloat16(), None, down.bfloat16(),
                                                                          act="situ")
     assert got.dtype == torch.bfloat16
-    for form in (got, two):
-        assert ((form.float() - exact).norm() / exact.norm()).item() < 1e-2
+    err_one, err_two = (((form.float() - exact).norm() / exact.norm()).item() for form in (got, two))
+    assert err_two < 1e-2
+    assert err_one < err_two  # one rounding less (3.4e-3 against 3.5e-3 with this seed)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -105,14 +105,16 @@ def test_preemption_on_tiny_page_budget_gives_unpreempted_outputs(mode):
                  num_host_pages=12, num_host_slots=4)
     reqs = [req(f"r{i}", 10 + i, max_tokens=20, ignore_eos=True) for i in range(3)]
     ex, plans = run(sched, {0: reqs})
-    assert any(p.preempted_ids for p in plans) and all(r.num_preemptions >= 0 for r in reqs)
+    assert any(p.preempted_ids for p in plans)
     assert sum(r.num_preemptions for r in reqs) > 0
     assert bool(ex.num_swaps) == (mode == "swap")
     assert any(p.swap_in for p in plans) == (mode == "swap")
     assert_matches_reference(reqs)
     assert_all_free(sched)
-    # The oldest request is never the victim while a newer one runs.
-    assert reqs[0].num_preemptions <= reqs[-1].num_preemptions
+    # The oldest request is never the victim while a newer one runs (here newer ones run all its life), and the
+    # newest is the first to go
+    assert reqs[0].num_preemptions == 0
+    assert next(p.preempted_ids for p in plans if p.preempted_ids)[0] == reqs[-1].request_id
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
