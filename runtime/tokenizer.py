@@ -48,6 +48,13 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
+        """ValueError for text that is not Unicode a tokenizer can take (a lone surrogate, which JSON's \\ud800
+        escapes and Python strings can hold)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}") \
+                from None
         return self._tok.encode(text, add_special_tokens=bool(self.config.get("add_bos_token", False))).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

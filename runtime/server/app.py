@@ -30,12 +30,13 @@ class _AuthMiddleware:
     """Plain ASGI (BaseHTTPMiddleware would get in the way of streaming and disconnect detection)."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(("/v1", "/metrics")):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # the scheme's name is case-insensitive (RFC 9110); the key is compared in constant time
+            if not (hmac.compare_digest(key, self.expected) and scheme.lower() == b"bearer"):
                 resp = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key", type_="authentication_error")
                 return await resp(scope, receive, send)
@@ -89,11 +90,20 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "k3runtime",
+                "max_model_len": h.max_model_len, "vocab_size": engine.vocab_size}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "k3runtime", "max_model_len": h.max_model_len,
-                                            "vocab_size": engine.vocab_size}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # the OpenAI clients' models.retrieve(id); an id may hold a slash
+    async def model(model: str):
+        if model != config.model_name:
+            return _error(404, f"model {model!r} does not exist; this server serves {config.model_name!r}",
+                          "model", "model_not_found")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

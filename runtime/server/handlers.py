@@ -87,7 +87,10 @@ class Handlers:
         if isinstance(prompt, str):
             if self.tok is None:
                 raise APIError(400, f"{field}: this engine has no tokenizer; send token ids", field)
-            ids = self.tok.encode(prompt)
+            try:
+                ids = self.tok.encode(prompt)
+            except ValueError as e:
+                raise APIError(400, f"{field}: {e}", field) from None
         else:
             ids = list(prompt)
         if not ids:
@@ -128,7 +131,8 @@ class Handlers:
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"prompt: {len(prompts)} prompts × n={body.n} choices is over this server's limit "
                                 f"of {MAX_CHOICES} choices per request", "prompt" if body.n == 1 else "n")
-        ids = [self._encode(x, "prompt") for x in prompts]
+        # tokenized off the event loop: a megabyte prompt takes seconds, which would stall every other client
+        ids = await asyncio.to_thread(lambda: [self._encode(x, "prompt") for x in prompts])
         texts = [x if isinstance(x, str) else None for x in prompts]
         echo = _Echo(ids, texts, body.n, body.max_tokens == 0) if body.echo else None
         # max_tokens 0 with echo: the prompt alone (its logprobs): one token is generated and left out
@@ -147,7 +151,7 @@ class Handlers:
             text = self.tok.apply_chat_template(msgs, add_generation_prompt=True)
         except Exception as e:  # a template that cannot render these messages is the client's input problem
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-        ids = self._encode(text, "messages")
+        ids = await asyncio.to_thread(self._encode, text, "messages")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "max_tokens / max_completion_tokens: set at most one", "max_tokens")
         mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -87,7 +87,10 @@ class TritonPythonModel:
         if text is not None:
             if self.engine.tokenizer is None:
                 raise ValueError("text_input: the engine has no tokenizer; send input_ids")
-            ids = self.engine.tokenizer.encode(text)
+            try:
+                ids = self.engine.tokenizer.encode(text)
+            except ValueError as e:
+                raise ValueError(f"text_input: {e}") from None
         else:
             ids = [int(x) for x in ids_t.as_numpy().reshape(-1)]
         if not ids:

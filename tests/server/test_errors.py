@@ -40,6 +40,8 @@ CASES = [  # (body, status, words the message must contain)
     (ok(max_tokens=0), 400, "max_tokens"),
     (ok(max_tokens=10**9), 400, "limit"),
     (ok(prompt=[1] * 300), 400, "prompt: 300 tokens is over this server's limit of 256 prompt tokens"),
+    (b'{"model": "k3-tiny", "prompt": "a\\ud800b"}', 400,
+     "prompt: not valid Unicode text: a lone surrogate '\\ud800' at character 1"),
     (ok(max_tokens=2.5), 400, "max_tokens"),
     (ok(temperature=-1), 400, "temperature"),
     (ok(temperature="hot"), 400, "temperature"),
@@ -109,6 +111,7 @@ CHAT_CASES = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
+    (b'{"model": "k3-tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}', "messages: not valid Unicode"),
 ]
 
 
@@ -196,6 +199,10 @@ def test_api_key(tiny_engine, make_server):
         assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{s.url}/v1", api_key="nope", max_retries=0).models.list()
+        # the scheme's name in any case (RFC 9110); the key exactly, after one space
+        for auth, status in (("bearer sekret", 200), ("BEARER sekret", 200), ("Basic sekret", 401),
+                             ("Bearer sekret2", 401), ("Bearer  sekret", 401), ("sekret", 401)):
+            assert httpx.get(f"{s.url}/v1/models", headers={"authorization": auth}).status_code == status, auth
     finally:
         s.close()
 

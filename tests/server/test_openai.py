@@ -21,6 +21,9 @@ def greedy(n, **kw):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
