@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .llm_engine import EngineOptions, LLMEngine
+from .llm_engine import EngineOptions, LLMEngine, TokenEvent
 from .logprobs import TokenLogprobs
+from .request import Request
 from .sampling_params import SamplingParams
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -44,7 +46,10 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Args: engine_dir: a `k3build build` output; device: "cpu" or "cuda"; other keywords: EngineOptions."""
+    """Args: engine_dir: a `k3build build` output; device: "cpu" or "cuda"; other keywords: EngineOptions.
+
+    generate() and stream() may interleave (a stream paused while generate() runs, several streams): each request's
+    events wait in its own mailbox until its caller takes them, while any caller's stepping runs them all."""
 
     def __init__(self, engine_dir: str | Path, *, device: str = "cpu", **options):
         self.engine = LLMEngine(engine_dir, EngineOptions(device=device, **options))
@@ -52,20 +57,47 @@ class LLM:
             self.tokenizer: Tokenizer | None = Tokenizer(engine_dir)
         except FileNotFoundError:
             self.tokenizer = None
+        self._mail: dict[str, deque[TokenEvent]] = {}  # this LLM's running requests' events, not yet taken
 
     def _ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: the engine has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
+        else:
+            raise ValueError(f"prompt: expected a string or a list of token ids (ints), got {_kind(prompt)}")
         if not ids:
             raise ValueError("prompt: empty (at least one token is needed)")
         return ids
 
     def _detok(self, params: SamplingParams) -> Detokenizer | None:
         return Detokenizer(self.tokenizer, params.stop, params.min_tokens) if self.tokenizer is not None else None
+
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Request]:
+        """Add the prompts' requests, all or none: every prompt is tokenized first, and one the engine refuses
+        (too long, a bad token id) takes the others of the call back out."""
+        ids = [self._ids(p) for p in prompts]
+        added = []
+        try:
+            for i, p in zip(ids, params):
+                req = self.engine.add_request(i, p)
+                self._mail[req.request_id] = deque()
+                added.append(req)
+        except BaseException:
+            for req in added:
+                self._end(req, abort=True)
+            raise
+        return added
+
+    def _end(self, req: Request, *, abort: bool = False, reason: str | None = None) -> None:
+        """The caller is done with req: aborted (abort), finished by a stop string (reason), or it ended."""
+        if abort and not req.is_finished:
+            self.engine.abort(req.request_id)
+        elif reason is not None:
+            self.engine.finish(req.request_id, reason)
+        self._mail.pop(req.request_id, None)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:
@@ -76,54 +108,90 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
-        outputs, detoks = {}, {}
-        for prompt, p in zip(prompts, plist):
-            req = self.engine.add_request(self._ids(prompt), p)
-            outputs[req.request_id] = CompletionOutput(req.request_id, req.prompt_token_ids, [], None, None,
-                                                       [] if p.logprobs is not None else None)
-            detoks[req.request_id] = self._detok(p)
-        for ev in self._events():
-            out, det = outputs[ev.request_id], detoks[ev.request_id]
-            out.token_ids.append(ev.token_id)
-            if out.logprobs is not None:
-                out.logprobs.append(ev.logprobs)
-            if ev.prompt_logprobs is not None:
-                out.prompt_logprobs = list(ev.prompt_logprobs)
-            out.finish_reason = ev.finish_reason or out.finish_reason
-            if det is not None:
-                det.push(ev.token_id, final=ev.finish_reason is not None)
-                if det.stopped and ev.finish_reason is None:
-                    self.engine.finish(ev.request_id, "stop")
-                    out.finish_reason = "stop"
-                out.text = det.text
+        reqs = self._add(prompts, plist)
+        outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids, [], None, None,
+                                                  [] if p.logprobs is not None else None) for r, p in zip(reqs, plist)}
+        detoks = {r.request_id: self._detok(p) for r, p in zip(reqs, plist)}
+        by_id = {r.request_id: r for r in reqs}
+        try:
+            for ev in self._events(reqs):
+                out, det = outputs[ev.request_id], detoks[ev.request_id]
+                out.token_ids.append(ev.token_id)
+                if out.logprobs is not None:
+                    out.logprobs.append(ev.logprobs)
+                if ev.prompt_logprobs is not None:
+                    out.prompt_logprobs = list(ev.prompt_logprobs)
+                out.finish_reason = ev.finish_reason or out.finish_reason
+                if det is not None:
+                    det.push(ev.token_id, final=ev.finish_reason is not None)
+                    if det.stopped and ev.finish_reason is None:
+                        self._end(by_id[ev.request_id], reason="stop")
+                        out.finish_reason = "stop"
+                    out.text = det.text
+        finally:  # interrupted (KeyboardInterrupt, a failing step): the requests of this call go
+            for req in reqs:
+                if req.request_id in self._mail:
+                    self._end(req, abort=True)
         return list(outputs.values())
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield tokens of one request as they are produced (other requests of this engine keep running)."""
         params = params or SamplingParams()
-        req = self.engine.add_request(self._ids(prompt), params)
+        req, = self._add([prompt], [params])
         det = self._detok(params)
         try:
-            for ev in self._events():
-                if ev.request_id != req.request_id:
-                    continue
+            for ev in self._events([req]):
                 reason = ev.finish_reason
                 text = det.push(ev.token_id, final=reason is not None) if det else ""
                 if det and det.stopped and reason is None:
-                    self.engine.finish(req.request_id, "stop")
+                    self._end(req, reason="stop")
                     reason = "stop"
                 offset = det.offset if det is not None else None
                 yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, offset, ev.prompt_logprobs)
                 if reason is not None:
                     return
         finally:
-            if not req.is_finished:
-                self.engine.abort(req.request_id)  # the consumer stopped early: free pages and slot
+            self._end(req, abort=True)  # the consumer stopped early: free pages and slot
 
-    def _events(self):
-        while self.engine.has_unfinished():
-            yield from self.engine.step()
+    def _events(self, reqs: list[Request]) -> Iterator[TokenEvent]:
+        """The events of `reqs` until each has its last one (or its caller ended it), stepping the engine while
+        one of them waits; other requests' events go to their mailboxes. Once none of this LLM's requests runs,
+        the engine is stepped until it is idle (async scheduling: a step still in flight lands)."""
+        while True:
+            waiting = False
+            for req in reqs:
+                box = self._mail.get(req.request_id)
+                while box:
+                    ev = box.popleft()
+                    if ev.finish_reason is not None:
+                        self._mail.pop(req.request_id)
+                    yield ev
+                    box = self._mail.get(req.request_id)
+                waiting |= box is not None
+            if not waiting:
+                break
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"requests {[r.request_id for r in reqs if r.request_id in self._mail]} wait "
+                                   "for tokens but the engine runs nothing")
+            self._step()
+        if not self._mail:
+            while self.engine.has_unfinished():
+                self._step()
+
+    def _step(self) -> None:
+        for ev in self.engine.step():
+            box = self._mail.get(ev.request_id)
+            if box is not None:  # (none: a request its caller ended)
+                box.append(ev)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(token_ids), vocab] at every position (for scoring and tests)."""
         return self.engine.score(self._ids(token_ids)).cpu()
+
+
+def _kind(x) -> str:
+    """What a bad prompt is, for its error: its type, or a list's first element that is not an int."""
+    if isinstance(x, (list, tuple)):
+        bad = next((t for t in x if not isinstance(t, int) or isinstance(t, bool)), None)
+        return f"a list holding {type(bad).__name__} {bad!r}"
+    return type(x).__name__

@@ -155,6 +155,8 @@ class AsyncLLMEngine:
         """Queue a request; returns its id at once. Rejections (bad ids, too long) reach `callback` as an exception."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine thread is not running ({self.error!r})")
+        if not isinstance(params, SamplingParams):  # here, on the caller's thread: the engine thread takes no guess
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         rid = request_id or f"req-{next(self._ids)}"
         self._commands.put(("add", rid, list(prompt_ids), params, callback))
         return rid
@@ -252,7 +254,7 @@ class AsyncLLMEngine:
                 if rid in self._live:
                     raise ValueError(f"request_id: {rid!r} is already live")
                 req = self.engine.add_request(ids, params, rid)
-            except ValueError as e:
+            except (ValueError, TypeError) as e:  # the caller's input: its request alone is refused
                 _call(callback, e)
                 return
             detok = Detokenizer(self.tokenizer, params.stop, params.min_tokens) if self.tokenizer is not None else None

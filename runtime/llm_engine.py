@@ -31,6 +31,7 @@ from .penalties import SeenCounts, adjust_logits
 from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledItem, StepPlan
 from .scheduler_config import SchedulerConfig, check_ints, check_preemption
 from .upload import to_device
@@ -72,6 +73,10 @@ class EngineOptions:
 
     def __post_init__(self):
         check_device(self.device)
+        for name in ("enable_deepep", "cuda_graphs", "load_progress", "async_scheduling"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "async_scheduling"):
+                raise ValueError(f"{name}: expected True or False, got {value!r}")
         check_ints(self, ("num_pages", "num_slots", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
                           "pp_micro_batches"), 1, optional=True)
         check_ints(self, ("num_host_pages", "num_host_slots"), 0)
@@ -327,11 +332,17 @@ class LLMEngine:
     def eos_token_id(self) -> int | None:
         return self.facts.eos_token_id
 
-    def add_request(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Request:
+    def _check_ids(self, token_ids: list[int], field: str) -> None:
         vocab = self.facts.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
+            raise ValueError(f"{field}: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
+
+    def add_request(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        self._check_ids(prompt_token_ids, "prompt_token_ids")
+        vocab = self.facts.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
@@ -591,6 +602,11 @@ class LLMEngine:
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
+        self._check_ids(token_ids, "token_ids")
+        max_len = self.scheduler.config.max_model_len
+        if not token_ids or (max_len is not None and len(token_ids) > max_len):
+            raise ValueError(f"token_ids: {len(token_ids)} tokens; a sequence holds 1 to the engine's max_seq_len "
+                             f"({max_len})")
         # async scheduling: no step in flight meanwhile; step() returns their tokens
         self._held_events += self._guarded(lambda: self._land(self._collect()))
         pool, slots = self.scheduler.page_pool, self.scheduler.slot_pool

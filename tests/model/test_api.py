@@ -63,6 +63,52 @@ def test_stream_stopped_early_frees_the_request(llm):
     assert not llm.engine.has_unfinished() and llm.engine.scheduler.page_pool.num_used == 0
 
 
+def test_interleaved_streams_and_generate_get_every_token(llm):
+    """Two streams consumed in turns, and a generate() while both are paused: each request gets all its tokens,
+    the same as alone (the engine's steps run them all; each caller takes only its own)."""
+    prompts = [PROMPT, [5, 6, 7, 8]]
+    alone = [llm.generate(p, greedy(6))[0].token_ids for p in prompts]
+    a, b = llm.stream(prompts[0], greedy(6)), llm.stream(prompts[1], greedy(6))
+    got = [[next(a).token_id], [next(b).token_id]]
+    assert llm.generate("Kimi", greedy(3))[0].token_ids == llm.generate("Kimi", greedy(3))[0].token_ids
+    got[1] += [c.token_id for c in b]
+    got[0] += [c.token_id for c in a]
+    assert got == alone
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.page_pool.num_used == 0
+
+
+def test_a_refused_prompt_takes_its_batch_back_out(llm):
+    """One prompt the engine refuses (too long, out of the vocabulary) refuses the call; the prompts before it are
+    not left running, and the next call works."""
+    max_len = llm.engine.scheduler.config.max_model_len
+    for bad, words in (([5] * max_len, "max_seq_len"), ([10**7], "outside the vocabulary"), ("", "empty"),
+                       ([1.5], "a list holding float 1.5"), (None, "got NoneType")):
+        with pytest.raises(ValueError, match=words):
+            llm.generate(["fine", bad], greedy(4))
+        assert not llm.engine.has_unfinished() and llm.engine.scheduler.page_pool.num_used == 0
+    assert len(llm.generate("fine", greedy(4))[0].token_ids) == 4
+    with pytest.raises(TypeError, match="params: expected SamplingParams, got dict"):
+        llm.generate("fine", {"max_tokens": 3})
+    assert not llm.engine.has_unfinished()
+
+
+def test_logits_refuse_what_generate_refuses(llm):
+    max_len = llm.engine.scheduler.config.max_model_len
+    vocab = llm.engine.facts.vocab_size
+    for bad, words in (([1, vocab], f"token id {vocab} outside the vocabulary"), ([-1], "token id -1 outside"),
+                       ([5] * (max_len + 1), f"max_seq_len \\({max_len}\\)"), ([], "empty"),
+                       ([1.5], "list holding float")):
+        with pytest.raises(ValueError, match=words):
+            llm.logits(bad)
+    assert llm.logits([5] * max_len).shape == (max_len, vocab)  # the longest sequence the engine holds
+
+
+def test_engine_switches_must_be_booleans(k3_tiny_engine):
+    for name in ("cuda_graphs", "async_scheduling", "enable_deepep"):
+        with pytest.raises(ValueError, match=f"{name}: expected True or False, got 'no'"):
+            LLM(k3_tiny_engine, **{name: "no"})
+
+
 def test_stop_string_cuts_the_text(llm):
     full = llm.generate(PROMPT, greedy(16))[0]
     stop = full.text[4:6]

@@ -84,6 +84,12 @@ def test_rejections_raise_value_error(aengine):
         asyncio.run(first([10**7], SamplingParams(max_tokens=2)))
     with pytest.raises(ValueError, match="max_seq_len|pages"):
         asyncio.run(first([1] * 5000, SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="token id 1.5 outside"):
+        asyncio.run(first([1.5], SamplingParams(max_tokens=2)))
+    for params in (None, {"max_tokens": 2}):  # refused on the caller's thread; the engine thread lives on
+        with pytest.raises(TypeError, match="params: expected SamplingParams"):
+            asyncio.run(first([1], params))
+    assert aengine.is_alive
     assert asyncio.run(first([1], SamplingParams(max_tokens=1, temperature=0))).finish_reason == "length"
 
 
