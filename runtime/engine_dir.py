@@ -20,3 +20,11 @@ def not_an_engine(cfg: object, path: Path) -> str | None:
         return (f"{where}: a Hugging Face checkpoint, not an engine; run `k3build convert` on it, then "
                 "`k3build build` on the result")
     return f"{path}: not an engine's config (no 'version' and 'build_config'); build an engine with `k3build build`"
+
+
+def no_config(engine_dir: str | Path) -> str:
+    """The error for a path holding no config.json: a file given for its directory, or no engine there."""
+    if Path(engine_dir).is_file():
+        return (f"{engine_dir}: a file; give the engine's directory (the one `k3build build` wrote, which holds "
+                "config.json)")
+    return f"{engine_dir}: not an engine dir (no config.json); build one with `k3build build`"

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .dist import weight_store
-from .engine_dir import not_an_engine
+from .engine_dir import no_config, not_an_engine
 from .weight_reader import WeightFileError, read_weights
 
 ENGINE_FORMAT_VERSION = 1
@@ -76,7 +76,7 @@ class RankEngine:
 def read_engine_config(engine_dir: str | Path) -> dict:
     path = Path(engine_dir) / "config.json"
     if not path.exists():
-        raise EngineError(f"{engine_dir}: not an engine dir (no config.json); build one with `k3build build`")
+        raise EngineError(no_config(engine_dir))
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -15,7 +15,7 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine_dir import not_an_engine
+from ..engine_dir import no_config, not_an_engine
 
 PROTOCOL_VERSION = 1
 SAMPLE_WINDOWS, SAMPLE_BYTES = 16, 4096
@@ -72,7 +72,7 @@ def rank_print(path: str | Path) -> RankPrint:
 def config_sha256(engine_dir: str | Path) -> str:
     path = Path(engine_dir) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{engine_dir}: not an engine dir (no config.json); build one with `k3build build`")
+        raise ValueError(no_config(engine_dir))
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 

@@ -81,6 +81,8 @@ def test_not_an_engine(tmp_path):
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(EngineError, match="not valid JSON"):
         load_rank(tmp_path, 0, "cpu")
+    with pytest.raises(EngineError, match="config.json: a file; give the engine's directory"):
+        load_rank(tmp_path / "config.json", 0, "cpu")
 
 
 def test_a_checkpoint_is_not_an_engine(k3_tiny_ckpt, k3_tiny_engine):
