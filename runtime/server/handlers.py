@@ -344,8 +344,15 @@ async def _until_disconnect(request: Request, aw):
         watch.cancel()
         if not task.done():
             task.cancel()
+            task.add_done_callback(_outcome_read)
             raise APIError(499, "client disconnected")
     return task.result()
+
+
+def _outcome_read(task: asyncio.Future) -> None:
+    """Read a cancelled task's outcome, which nobody awaits: asyncio would log it with a traceback otherwise."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _wait_disconnect(request: Request):
