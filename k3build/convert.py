@@ -35,7 +35,8 @@ from .config import K3Config
 from .convert_plan import ConvertError, Job, Source, check_mapping, open_source, output_config, plan_jobs
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import check_output_dir, move_into_place, new_staging_dir
+from .output_dir import (check_output_dir, clean_stale_staging, exit_on_sigterm, move_into_place,
+                         new_staging_dir)
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 
@@ -155,18 +156,6 @@ def _run_job(task) -> int:
     return job.nbytes
 
 
-def _clean_stale(out: Path) -> None:
-    """Remove temp dirs of earlier runs for the same OUT whose process is gone (e.g. after kill -9)."""
-    for d in out.parent.glob(f"{out.name}.tmp-*"):
-        try:
-            pid = int(d.name[len(out.name) + 5:].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except (ValueError, PermissionError, IndexError):
-            continue
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -220,7 +209,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     check_output_dir(out, Path(ckpt_dir), overwrite=overwrite, ours=lambda cfg: cfg.get("format") == FORMAT,
                      what="a converted checkpoint", error=ConvertError)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(out)
+    clean_stale_staging(out)
     src = open_source(ckpt_dir)
     cfg_out = output_config(src, quantize)
     check_mapping(mapping, cfg_out)
@@ -269,10 +258,6 @@ def _write_config(tmp: Path, src: Source, cfg: K3Config, mapping: Mapping) -> No
     (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
 
 
-def _on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through convert's cleanup
-
-
 @click.command("convert")
 @click.argument("ckpt", type=click.Path(file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
@@ -289,7 +274,7 @@ def _on_sigterm(signum, frame):
 @click.option("--overwrite", is_flag=True, help="replace an existing OUT")
 def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, quantize, workers, overwrite):
     """Shard checkpoint CKPT into OUT/rank{N}.safetensors for the given mapping."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         if tp_size is None:
             tp_size = (ep_size or 1) * moe_tp_size

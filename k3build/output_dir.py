@@ -60,3 +60,20 @@ def move_into_place(staging: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, out)
+
+
+def clean_stale_staging(out: Path) -> None:
+    """Remove the staging dirs (new_staging_dir) of earlier runs for the same OUT whose process is gone (kill -9)."""
+    for d in out.parent.glob(f"{out.name}.tmp-*"):
+        try:
+            pid = int(d.name[len(out.name) + 5:].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, PermissionError, IndexError):
+            continue
+
+
+def exit_on_sigterm(signum, frame):
+    """A SIGTERM handler: exit through the command's clean-up (its staging dir removed), as Ctrl-C does."""
+    raise SystemExit(128 + signum)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import zlib
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, K3Config, _k3_layer_types, preset, to_hf_wrapper_config
 from .mxfp4 import quantize_mxfp4
-from .output_dir import move_into_place, new_staging_dir
+from .output_dir import clean_stale_staging, config_of, exit_on_sigterm, move_into_place, new_staging_dir
 from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, plan_file, pwrite_all, tensor_bytes
 from .schema import PREFIX, checkpoint_tensors
 from .tokenizer import write_tokenizer
@@ -61,6 +62,11 @@ def make_expert(prefix: str, shape: tuple[int, int], seed: int) -> tuple[torch.T
     return quantize_mxfp4(w)
 
 
+# in the config.json synth writes: what `synth --overwrite` may replace (a real checkpoint or anything else is the
+# user's to remove)
+SYNTH_MARK = "k3build_synth"
+
+
 def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int = 2, progress: bool = True,
           overwrite: bool = False) -> Path:
     """Write a random K3 checkpoint for `cfg` as out_dir, whole or not at all (it is written beside, then renamed
@@ -72,10 +78,11 @@ def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # an empty one is taken as it is
         if not overwrite:
             raise ValueError(f"{out_dir}: already exists; pass --overwrite to replace it")
-        if not (out_dir / "config.json").is_file():
-            raise ValueError(f"{out_dir}: not a checkpoint (no config.json), so --overwrite leaves it alone; remove "
-                             "it yourself or pick another path")
+        if not (out_dir.is_dir() and config_of(out_dir).get(SYNTH_MARK)):
+            raise ValueError(f"{out_dir}: not a checkpoint synth wrote, so --overwrite leaves it alone (it replaces "
+                             "only synth's own output or an empty directory); remove it yourself or pick another path")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(out_dir)
     staging = new_staging_dir(out_dir)
     try:
         _write_checkpoint(staging, cfg, seed, num_shards, progress)
@@ -127,7 +134,8 @@ def _write_checkpoint(out_dir: Path, cfg: K3Config, seed: int, num_shards: int, 
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out_dir / "config.json").write_text(json.dumps(to_hf_wrapper_config(cfg), indent=2) + "\n")
+    config = {**to_hf_wrapper_config(cfg), SYNTH_MARK: {"seed": seed}}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_tokenizer(out_dir, cfg)
 
 
@@ -144,6 +152,7 @@ def _write_checkpoint(out_dir: Path, cfg: K3Config, seed: int, num_shards: int, 
 @click.option("--overwrite", is_flag=True, help="replace an existing checkpoint at OUT")
 def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, overwrite):
     """Write a random K3 checkpoint (MXFP4 experts) to OUT."""
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         cfg = preset(preset_name)
         if num_layers is not None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -100,10 +104,35 @@ def test_existing_out_needs_overwrite(tmp_path):
                                                                         for i in (1, 2)]
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    r = runner.invoke(main, ["synth", str(mine), "--overwrite"])
-    assert r.exit_code != 0 and "not a checkpoint (no config.json)" in r.output
-    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    # a directory of the user's, even one with a config.json (a real checkpoint, an engine), is not synth's
+    for config in (None, {"my": "settings"}, {"model_type": "kimi_k3"}, {"version": 1, "build_config": {}}):
+        if config is not None:
+            (mine / "config.json").write_text(json.dumps(config))
+        r = runner.invoke(main, ["synth", str(mine), "--overwrite"])
+        assert r.exit_code != 0 and "not a checkpoint synth wrote, so --overwrite leaves it alone" in r.output
+        assert (mine / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "mine"]
+
+
+def test_sigterm_leaves_no_staging_and_a_killed_runs_is_removed(tmp_path):
+    """SIGTERM mid-write exits through the clean-up (as Ctrl-C does); a staging dir left by a killed run (its pid
+    gone) is removed by the next synth of the same OUT."""
+    out = tmp_path / "ckpt"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"ckpt.tmp-{dead.pid}-x").mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "k3build.cli", "synth", str(tmp_path / "big"), "--preset", "small",
+                             "--num-layers", "2", "--num-experts", "16"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("big.tmp-*/*.safetensors")):  # writing
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert not (tmp_path / "big").exists() and not list(tmp_path.glob("big.tmp-*"))
+    assert CliRunner().invoke(main, ["synth", str(out)]).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_tokenizer(ckpt):
