@@ -35,7 +35,7 @@ from .config import K3Config
 from .convert_plan import ConvertError, Job, Source, check_mapping, open_source, output_config, plan_jobs
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import (check_output_dir, clean_stale_staging, exit_on_sigterm, move_into_place,
+from .output_dir import (check_output_dir, clean_stale_staging, exit_on_sigterm, make_parent, move_into_place,
                          new_staging_dir)
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
@@ -208,14 +208,14 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
         raise ConvertError(f"--quantize: expected 'none' or 'mxfp4', got {quantize!r}")
     check_output_dir(out, Path(ckpt_dir), overwrite=overwrite, ours=lambda cfg: cfg.get("format") == FORMAT,
                      what="a converted checkpoint", error=ConvertError)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(out, ConvertError)
     clean_stale_staging(out)
     src = open_source(ckpt_dir)
     cfg_out = output_config(src, quantize)
     check_mapping(mapping, cfg_out)
     jobs = plan_jobs(src, cfg_out)
     layouts, where = _placements(jobs, mapping, cfg_out)
-    tmp = new_staging_dir(out)
+    tmp = new_staging_dir(out, ConvertError)
     try:
         paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
         for path, layout in zip(paths, layouts):
@@ -231,7 +231,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
-        move_into_place(tmp, out)
+        move_into_place(tmp, out, ConvertError)
         _fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -40,26 +40,52 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
                     "empty directory); remove it yourself or pick another path")
 
 
-def new_staging_dir(out: Path) -> Path:
+def _os_error(out: Path, doing: str, e: OSError) -> str:
+    why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or str(e)
+    return f"{out}: cannot {doing} ({why}{f': {e.filename}' if e.filename else ''})"
+
+
+def make_parent(out: Path, error: type[Exception]) -> None:
+    """out's parent directories, made where missing; `error` where they cannot be (a file in the way, no
+    permission), before any work is done."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise error(_os_error(out, f"make its directory {out.parent}", e)) from None
+
+
+def new_staging_dir(out: Path, error: type[Exception]) -> Path:
     """An empty directory beside `out` to write it in (named for this process: convert's clean-up of a dead run's
-    reads the pid back), with the permissions of any new directory (mkdtemp makes it private)."""
-    staging = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    reads the pid back), with the permissions of any new directory (mkdtemp makes it private); `error` where
+    out's directory takes no new entry."""
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise error(_os_error(out, f"write beside it in {out.parent}", e)) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)
     return staging
 
 
-def move_into_place(staging: Path, out: Path) -> None:
+def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
     """Rename the finished `staging` (a sibling of out, so the rename is atomic) to `out`; an existing out is moved
-    aside first and then removed, so that out is never a mix of the old and the new."""
-    if out.exists():
+    aside first and then removed, so that out is never a mix of the old and the new. `error` where a rename is
+    refused (the old out is back in place then; the caller removes staging)."""
+    try:
+        if not out.exists():
+            os.replace(staging, out)
+            return
         old = staging.with_name(staging.name + "-old")
         os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out)
+        try:
+            os.replace(staging, out)
+        except OSError:
+            os.replace(old, out)
+            raise
+    except OSError as e:
+        raise error(_os_error(out, "put the finished output in place", e)) from None
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def clean_stale_staging(out: Path) -> None:

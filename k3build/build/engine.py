@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
-from ..output_dir import check_output_dir, move_into_place
+from ..output_dir import check_output_dir, make_parent, move_into_place
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
@@ -87,9 +87,12 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     for note in notes:
         (log or (lambda m: None))(note)
     layout = expert_layout(plugins)
-    engine_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(engine_dir, BuildError)
     clean_stale(engine_dir)
-    tmp = make_staging_dir(engine_dir)
+    try:
+        tmp = make_staging_dir(engine_dir)
+    except OSError as e:
+        raise BuildError(f"{engine_dir}: cannot write beside it in {engine_dir.parent} ({e.strerror or e})") from None
     try:
         ranks = {}
         for rank in range(mapping.world_size):
@@ -108,7 +111,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         finish_staging_dir(tmp)
-        move_into_place(tmp, engine_dir)
+        move_into_place(tmp, engine_dir, BuildError)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

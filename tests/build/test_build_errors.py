@@ -314,3 +314,16 @@ def test_clean_stale_tells_dead_from_live(tmp_path):
     assert removed == {".engine.tmp-reused-pid", ".engine.tmp-garbage", ".engine.tmp-old-no-pid"}
     assert {p.name for p in tmp_path.iterdir()} == {".engine.tmp-live", ".engine.tmp-other-host",
                                                     ".engine.tmp-young-no-pid", ".other.tmp-x"}
+
+
+def test_an_output_under_a_file_is_refused_by_name(converted, k3_tiny_ckpt, tmp_path):
+    """synth, convert and build with a file where OUT's directory should be: one line naming it, no traceback,
+    nothing written."""
+    (tmp_path / "afile").write_text("not a directory")
+    for args in (["synth", str(tmp_path / "afile" / "ck")],
+                 ["convert", str(k3_tiny_ckpt), str(tmp_path / "afile" / "c")],
+                 ["build", str(converted["tp1"]), str(tmp_path / "afile" / "e"), *FAST]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (args[0], res.output, res.exception)
+        assert f"cannot make its directory {tmp_path / 'afile'} (a file is in the way" in res.output, res.output
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
