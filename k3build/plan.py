@@ -7,6 +7,7 @@ Precedence of every setting: command-line option > recipe (`--recipe engines/X.t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
@@ -74,11 +75,15 @@ def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, 
         gpu, seq = pick(gpu_memory_gib, "gpu_memory_gib"), pick(max_seq_len, "max_seq_len")
         if gpu is None or seq is None:
             raise click.UsageError("--gpu-memory-gib and --max-seq-len are required (or give --recipe)")
+        overhead = pick(overhead_gib, "overhead_gib", DEFAULT_OVERHEAD_BYTES / GiB)
+        if not 0 < gpu < math.inf or not 0 <= overhead < math.inf:
+            raise click.UsageError(f"--gpu-memory-gib {gpu} / --overhead-gib {overhead}: expected finite GiB, the "
+                                   "budget above 0 and the reserve at 0 or above")
         limits = dict(gpu_memory_bytes=int(gpu * GiB), max_batch_size=pick(max_batch_size, "max_batch_size", 64),
                       max_num_tokens=pick(max_num_tokens, "max_num_tokens", 8192),
                       kv_dtype_bytes=KV_DTYPES[pick(kv_dtype, "kv_dtype", "bf16")],
                       state_dtype=pick(state_dtype, "state_dtype", "fp32"), page_size=pick(page_size, "page_size", 64),
-                      overhead_bytes=int(pick(overhead_gib, "overhead_gib", DEFAULT_OVERHEAD_BYTES / GiB) * GiB),
+                      overhead_bytes=int(overhead * GiB),
                       expert_format=expert_format)
         plan = plan_memory(cfg, mapping, max_seq_len=seq, **limits)
         by_len = concurrency_by_length(cfg, mapping, plan, **limits)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 
 import torch
@@ -43,10 +45,10 @@ class BuildOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got {v!r}")
-        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+        if self.gpu_memory_gib is not None and not 0 < self.gpu_memory_gib < math.inf:
             raise ValueError(f"--gpu-memory-gib: expected a positive number of GiB, got {self.gpu_memory_gib!r}")
-        if not self.overhead_gib >= 0:
-            raise ValueError(f"--overhead-gib: expected >= 0 GiB, got {self.overhead_gib!r}")
+        if not 0 <= self.overhead_gib < math.inf:
+            raise ValueError(f"--overhead-gib: expected a finite number of GiB >= 0, got {self.overhead_gib!r}")
         if self.page_size != 64 and self.target != "cpu":
             raise ValueError(f"--page-size: {self.page_size} on target {self.target}, but its MLA kernels need "
                              "pages of 64 tokens")

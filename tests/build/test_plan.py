@@ -89,6 +89,12 @@ def test_checkpoint_dir_config(tmp_path, flavour):
     assert json.loads(res.stdout)["mapping"]["moe_ep_size"] == 4
 
 
+@pytest.mark.parametrize("gpu, overhead", [("inf", "0"), ("nan", "0"), ("1", "inf"), ("1", "nan")])
+def test_memory_sizes_must_be_finite(gpu, overhead):
+    res = _run("plan", "--preset", "tiny", "--gpu-memory-gib", gpu, "--overhead-gib", overhead, "--max-seq-len", "64")
+    assert res.exit_code == 2 and "expected finite GiB" in res.output and "Traceback" not in res.output, res.output
+
+
 def test_expert_format_option():
     args = ["plan", "--preset", "tiny", "--gpu-memory-gib", "1", "--overhead-gib", "0", "--max-seq-len", "64", "--json"]
     mx = json.loads(_run(*args).stdout)["ranks"][0]["weights"]["routed_experts"]
