@@ -39,6 +39,7 @@ from .output_dir import (check_output_dir, clean_stale_staging, exit_on_sigterm,
                          new_staging_dir)
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
+from .tokenizer import check_tokenizer_files
 
 FORMAT = "k3-converted/1"
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -211,6 +212,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     make_parent(out, ConvertError)
     clean_stale_staging(out)
     src = open_source(ckpt_dir)
+    check_tokenizer_files(src.path, ConvertError)
     cfg_out = output_config(src, quantize)
     check_mapping(mapping, cfg_out)
     jobs = plan_jobs(src, cfg_out)

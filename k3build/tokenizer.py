@@ -93,3 +93,24 @@ def write_tokenizer(out_dir: str | Path, cfg: K3Config) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+
+
+JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def check_tokenizer_files(ckpt_dir: Path, error: type[Exception]) -> None:
+    """`error` naming a tokenizer file the runtime could not load (convert copies them into the engine, which would
+    fail only at its first prompt): tokenizer.json as the tokenizers library reads it, the others as JSON."""
+    path = ckpt_dir / "tokenizer.json"
+    if path.is_file():
+        try:
+            Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception with serde's message
+            raise error(f"{path}: not a tokenizer the runtime can load ({e})") from None
+    for name in JSON_FILES:
+        path = ckpt_dir / name
+        if path.is_file():
+            try:
+                json.loads(path.read_text())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise error(f"{path}: not valid JSON ({e})") from None

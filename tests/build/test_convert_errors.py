@@ -116,6 +116,20 @@ def test_mapping_does_not_divide(tiny, tmp_path, args, expect):
     assert expect in msg, msg
 
 
+@pytest.mark.parametrize("name, text, expect", [
+    ("tokenizer.json", "{not json", "tokenizer.json: not a tokenizer the runtime can load"),
+    ("tokenizer.json", '{"model": {"type": "nothing"}}', "tokenizer.json: not a tokenizer the runtime can load"),
+    ("tokenizer_config.json", "{", "tokenizer_config.json: not valid JSON"),
+    ("generation_config.json", "\xff", "generation_config.json: not valid JSON"),
+])
+def test_tokenizer_files_the_runtime_could_not_load(tiny, tmp_path, name, text, expect):
+    # convert copies them into the engine, where they would fail only at the first prompt
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    (ckpt / name).write_text(text)
+    msg = _run(ckpt, tmp_path / "out")
+    assert expect in msg, msg
+
+
 def test_sigkill_then_rerun(tiny, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "k3build.cli", "convert", str(tiny), str(out), "--tp-size", "2"]
