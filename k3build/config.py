@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ class K3Config:
     quantization: QuantConfig = field(default_factory=lambda: QuantConfig("none"))
 
     def __post_init__(self):
+        _check_types(self)
         _check_positive(self, "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
                         "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_nope_head_dim",
                         "v_head_dim", "kda_num_heads", "kda_head_dim", "num_experts", "num_experts_per_token",
@@ -136,6 +138,15 @@ class K3Config:
                     raise ConfigError(f"{name}: MXFP4 experts need the input dim divisible by 32, got {k}")
         if self.hidden_act == "situ" and (self.situ_beta <= 0 or self.situ_linear_beta <= 0):
             raise ConfigError("activation_situ_beta / activation_situ_linear_beta: expected > 0")
+        for name in ("rms_norm_eps", "mla_latent_norm_eps"):
+            if not 0 < getattr(self, name) < 1:
+                raise ConfigError(f"{name}: expected a number in (0, 1), got {getattr(self, name)!r}")
+        if self.max_position_embeddings < 2:
+            raise ConfigError(f"max_position_embeddings: expected >= 2, got {self.max_position_embeddings}")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name}: {value} is outside the vocabulary 0..{self.vocab_size - 1}")
 
     # --- derived facts, one place ---
     @property
@@ -196,6 +207,17 @@ class K3Config:
         """Parse any accepted flavour (see module doc)."""
         if not isinstance(d, dict):
             raise ConfigError(f"config: expected a JSON object, got {type(d).__name__}")
+        for where, section in (("", d), ("text_config.", d.get("text_config") or {})):
+            for key in ("text_config", "linear_attn_config", "quantization_config"):
+                if section.get(key) is not None and not isinstance(section[key], dict):
+                    raise ConfigError(f"{where}{key}: expected an object, got {section[key]!r}")
+        try:
+            return cls._parse(d)
+        except (TypeError, AttributeError) as e:  # a value of another kind inside a section, met while parsing it
+            raise ConfigError(f"config: a field holds the wrong kind of value ({e})") from None
+
+    @classmethod
+    def _parse(cls, d: dict[str, Any]) -> "K3Config":
         model_type = d.get("model_type")
         if model_type == "kimi_k3":
             if "text_config" not in d:
@@ -223,6 +245,28 @@ class K3Config:
             return cls.from_dict(d)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+
+
+# what each annotation of K3Config admits (a bool is no int here, and an int is a float); others are checked apart
+_ADMITS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _check_types(cfg) -> None:
+    """ConfigError naming the first field whose value is not of its declared type (a string where a number goes,
+    a null where one is required), before any check compares it."""
+    for f in dataclasses.fields(cfg):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        value = getattr(cfg, f.name)
+        if value is None and "None" in kinds:
+            continue
+        allowed = tuple(t for k in kinds for t in _ADMITS.get(k, ()))
+        if not allowed and kinds != ["None"]:
+            continue  # layer_types, quantization: checked where they are parsed
+        if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)) or \
+                (isinstance(value, float) and not math.isfinite(value)):
+            want = " or ".join({"int": "an int", "float": "a finite number", "bool": "true or false", "str": "a string",
+                                "None": "null"}[k] for k in kinds if k in _ADMITS or k == "None")
+            raise ConfigError(f"{f.name}: expected {want}, got {value!r}")
 
 
 def _check_positive(cfg, *names):
