@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import ConfigError, K3Config
 from ..mapping import Mapping, MappingError
 from ..safetensors_io import SafetensorsError, read_header
+from ..schema import FLOAT, FLOAT_DTYPES, SchemaError, Spec, checkpoint_tensors, dtype_matches
 
 
 class BuildError(RuntimeError):
@@ -39,8 +40,12 @@ def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
         mapping.validate(cfg)
     except (ConfigError, MappingError, TypeError) as e:
         raise BuildError(f"{path}: {e}") from None
+    try:
+        canon = checkpoint_tensors(cfg, "canonical")
+    except SchemaError as e:
+        raise BuildError(f"{path}: {e}") from None
     for rank in range(mapping.world_size):
-        check_rank_file(converted_dir / f"rank{rank}.safetensors", cfg, mapping, rank)
+        check_rank_file(converted_dir / f"rank{rank}.safetensors", cfg, mapping, rank, canon)
     extra = sorted(p.name for p in converted_dir.glob("rank*.safetensors")
                    if p.stem[4:].isdigit() and int(p.stem[4:]) >= mapping.world_size)
     if extra:
@@ -49,8 +54,10 @@ def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
     return raw, cfg, mapping
 
 
-def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int) -> None:
-    """Refuse a rank file that is missing, corrupt, or sliced for another rank or mapping."""
+def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, canon: dict[str, Spec]) -> None:
+    """Refuse a rank file that is missing, corrupt, sliced for another rank or mapping, or whose tensors are not
+    the model's that config.json describes (canon: checkpoint_tensors(cfg, "canonical")): a name, a whole shape,
+    a kind of dtype (float or packed bytes) or a tensor of the rank's missing."""
     if not path.exists():
         raise BuildError(f"{path}: missing (the mapping has world_size {mapping.world_size}); convert again")
     try:
@@ -82,6 +89,29 @@ def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int) -> N
         if info is not None and dim is not None and info.shape[dim] != s["stop"] - s["start"]:
             raise BuildError(f"{path}: tensor {name!r} is {list(info.shape)}, its slice says "
                              f"{s['stop'] - s['start']} along dim {dim}; convert again")
+    model = f"the model {path.parent}/config.json describes"
+    for name, info in tensors.items():
+        if name not in canon:
+            raise BuildError(f"{path}: tensor {name!r} is not one of {model}; convert again")
+        shape, dtype = canon[name]
+        local = list(shape)
+        if name in slices:
+            s = slices[name]
+            if tuple(s["shape"]) != shape:
+                raise BuildError(f"{path}: tensor {name!r} is a slice of {s['shape']}, {model} has {list(shape)}; "
+                                 "convert again")
+            if s["dim"] is not None:
+                local[s["dim"]] = s["stop"] - s["start"]
+        if list(info.shape) != local:
+            raise BuildError(f"{path}: tensor {name!r} is {list(info.shape)}, expected {local} ({model}, this "
+                             "rank's slice); convert again")
+        kind = FLOAT if dtype in FLOAT_DTYPES else dtype  # a Kimi-Linear checkpoint's floats keep their dtype
+        if not dtype_matches(kind, info.dtype):
+            raise BuildError(f"{path}: tensor {name!r} is {info.dtype}, {model} has {dtype}; convert again")
+    missing = [n for n in canon if n not in tensors and mapping.shard(n, rank, cfg) is not None]
+    if missing:
+        raise BuildError(f"{path}: {len(missing)} tensors of rank {rank} missing, the first {missing[0]!r}; "
+                         "convert again")
 
 
 def _norm(dim: int | None, start: int, stop: int, shape: list[int]) -> tuple:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from k3plugins import registry
 
@@ -107,6 +108,48 @@ def test_slices_of_another_mapping(converted, tmp_path):
     (conv / "config.json").write_text(json.dumps(raw))
     out = tmp_path / "engine"
     _refused(_build(conv, out), out, "rank0.safetensors", "block_sparse_moe.experts", "convert again")
+
+
+def _retensor(conv: Path, fn) -> None:
+    """Rewrite rank0.safetensors with fn applied to its tensors, its metadata (k3_rank, k3_slices) kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = conv / "rank0.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    fn(tensors)
+    save_file(tensors, str(path), metadata=meta)
+
+
+EXPERT = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].reshape(-1, 256)}),
+     ["tensor 'lm_head.weight' is [256, 256], expected [512, 128]"]),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].reshape(64, 2)}),
+     ["tensor 'model.norm.weight' is [64, 2], expected [128]"]),
+    (lambda t: t.update({EXPERT: t[EXPERT].view(torch.int8)}), [f"tensor '{EXPERT}' is I8", "has U8"]),
+    (lambda t: t.pop("model.norm.weight"), ["tensors of rank 0 missing, the first 'model.norm.weight'"]),
+    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), ["tensor 'model.extra.weight' is not one of"]),
+], ids=["reshaped", "reshaped-norm", "dtype", "missing", "unknown"])
+def test_rank_tensors_unlike_the_model(converted, tmp_path, damage, words):
+    """Headers that read well but do not hold the model config.json describes: refused by tensor at build time,
+    not as a shape error at the first generate."""
+    conv = _copy(converted["tp1"], tmp_path / "conv")
+    _retensor(conv, damage)
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank0.safetensors", *words)
+
+
+def test_config_sizes_unlike_the_rank_files(converted, tmp_path):
+    conv = _copy(converted["tp1"], tmp_path / "conv")
+    raw = json.loads((conv / "config.json").read_text())
+    raw["vocab_size"] = 1024
+    (conv / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank0.safetensors", "is a slice of [512, 128]", "has [1024, 128]")
 
 
 def test_extra_rank_file(converted, tmp_path):
