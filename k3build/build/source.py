@@ -108,7 +108,7 @@ def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, cano
         kind = FLOAT if dtype in FLOAT_DTYPES else dtype  # a Kimi-Linear checkpoint's floats keep their dtype
         if not dtype_matches(kind, info.dtype):
             raise BuildError(f"{path}: tensor {name!r} is {info.dtype}, {model} has {dtype}; convert again")
-    missing = [n for n in canon if n not in tensors and mapping.shard(n, rank, cfg) is not None]
+    missing = [n for n in slices if n not in tensors]  # the converter records a slice for each tensor it wrote
     if missing:
         raise BuildError(f"{path}: {len(missing)} tensors of rank {rank} missing, the first {missing[0]!r}; "
                          "convert again")
