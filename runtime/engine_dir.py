@@ -28,3 +28,56 @@ def no_config(engine_dir: str | Path) -> str:
         return (f"{engine_dir}: a file; give the engine's directory (the one `k3build build` wrote, which holds "
                 "config.json)")
     return f"{engine_dir}: not an engine dir (no config.json); build one with `k3build build`"
+
+
+_INT1, _INT0 = (int, 1), (int, 0)
+_DTYPES = ("fp32", "bf16", "fp16")
+# what the runtime reads of an engine's config.json, section by section: (int, minimum), a tuple of the strings
+# allowed, or the JSON type
+ENGINE_FIELDS = {
+    "mapping": {"world_size": _INT1, "tp_size": _INT1, "pp_size": _INT1, "attention_dp": bool},
+    "build_config": {"max_batch_size": _INT1, "max_num_tokens": _INT1, "max_seq_len": (int, 2), "page_size": _INT1,
+                     "dtype": _DTYPES, "kv_dtype": _DTYPES, "state_dtype": ("fp32", "bf16"), "plugins": dict},
+    "memory_plan": {"num_pages": _INT1, "num_slots": _INT1},
+    "pretrained_config": {"vocab_size": _INT1, "hidden_size": _INT1, "layer_types": list, "kda_num_heads": _INT1,
+                          "kda_head_dim": _INT1, "kda_conv_size": _INT1, "kv_lora_rank": _INT1,
+                          "qk_rope_head_dim": _INT0, "max_position_embeddings": _INT1, "num_experts_per_token": _INT1},
+    "ranks": dict,
+}
+
+
+def _wrong(value, want) -> str | None:
+    """What is wrong with value for `want` (an ENGINE_FIELDS entry), or None."""
+    if isinstance(want, tuple) and want and isinstance(want[0], str):
+        return None if value in want else f"expected one of {', '.join(want)}"
+    if isinstance(want, tuple):
+        kind, least = want
+        ok = isinstance(value, kind) and not isinstance(value, bool) and value >= least
+        return None if ok else f"expected an int >= {least}"
+    name = {dict: "a JSON object", list: "a JSON list", bool: "true or false"}[want]
+    return None if isinstance(value, want) else f"expected {name}"
+
+
+def check_engine_fields(cfg: dict, path: Path) -> str | None:
+    """None when the fields the runtime reads are there and of their kind (ENGINE_FIELDS, and each rank's layers
+    inside the model); else the error, naming the field: a config.json edited or damaged since its build."""
+    rebuild = "the engine's config.json was edited or damaged; rebuild it with `k3build build`"
+    for section, fields in ENGINE_FIELDS.items():
+        value = cfg.get(section)
+        if not isinstance(fields, dict):
+            if why := _wrong(value, fields):
+                return f"{path}: {section}: {why}, got {value!r}; {rebuild}"
+            continue
+        if not isinstance(value, dict):
+            return f"{path}: {section}: expected a JSON object, got {value!r}; {rebuild}"
+        for key, want in fields.items():
+            if why := _wrong(value.get(key), want):
+                return f"{path}: {section}.{key}: {why}, got {value.get(key)!r}; {rebuild}"
+    layers = len(cfg["pretrained_config"]["layer_types"])
+    for rank, info in cfg["ranks"].items():
+        span = info.get("layers") if isinstance(info, dict) else None
+        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)
+                and 0 <= span[0] <= span[1] <= layers):
+            return f"{path}: ranks.{rank}.layers: expected [start, stop] within the model's {layers} layers, got " \
+                   f"{span!r}; {rebuild}"
+    return None

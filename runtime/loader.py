@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .dist import weight_store
-from .engine_dir import no_config, not_an_engine
+from .engine_dir import check_engine_fields, no_config, not_an_engine
 from .weight_reader import WeightFileError, read_weights
 
 ENGINE_FORMAT_VERSION = 1
@@ -108,7 +108,7 @@ def check_device_present(device: torch.device, path: Path) -> None:
 
 def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> None:
     """Refuse an engine this runtime cannot run, naming what to rebuild."""
-    if why := not_an_engine(cfg, path):
+    if why := not_an_engine(cfg, path) or check_engine_fields(cfg, path):
         raise EngineError(why)
     rebuild = f"rebuild it with `k3build build` from this installation"
     if cfg.get("version") != ENGINE_FORMAT_VERSION:

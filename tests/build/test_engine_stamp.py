@@ -48,6 +48,23 @@ def test_other_format_version(engine):
     _refused(engine, "config.json", "engine format v2", "reads v1", "rebuild it with `k3build build`")
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: c.pop("memory_plan"), "memory_plan: expected a JSON object, got None"),
+    (lambda c: c["memory_plan"].update(num_pages="128"), "memory_plan.num_pages: expected an int >= 1, got '128'"),
+    (lambda c: c["memory_plan"].update(num_slots=0), "memory_plan.num_slots: expected an int >= 1, got 0"),
+    (lambda c: c.pop("pretrained_config"), "pretrained_config: expected a JSON object"),
+    (lambda c: c["build_config"].update(dtype="fp64"), "build_config.dtype: expected one of fp32, bf16, fp16"),
+    (lambda c: c["build_config"].update(max_num_tokens="x"), "build_config.max_num_tokens: expected an int >= 1"),
+    (lambda c: c["mapping"].update(attention_dp=1), "mapping.attention_dp: expected true or false, got 1"),
+    (lambda c: c["ranks"]["0"].update(layers=[0, 500]), "ranks.0.layers: expected [start, stop] within the model's"),
+], ids=["no-plan", "pages-string", "no-slots", "no-model", "dtype", "tokens", "dp", "layers"])
+def test_edited_engine_config_names_the_field(engine, edit, words):
+    """A config.json edited or damaged since its build: refused at load by the field (not a KeyError or an
+    IndexError mid-step, nor an error naming a command-line flag the user never gave)."""
+    _edit(engine, edit)
+    _refused(engine, words, "was edited or damaged; rebuild it with `k3build build`")
+
+
 def test_other_plugin_abi(engine):
     _edit(engine, lambda c: c["stamp"].update(plugin_abi=registry.PLUGIN_ABI + 1))
     _refused(engine, f"plugin ABI {registry.PLUGIN_ABI + 1}", f"has ABI {registry.PLUGIN_ABI}", "rebuild")
