@@ -62,6 +62,11 @@ def open_source(ckpt_dir: str | Path) -> Source:
         raise ConvertError(f"{path}: not a checkpoint directory")
     try:
         raw = json.loads((path / "config.json").read_text())
+        if isinstance(raw, dict) and str(raw.get("format", "")).startswith("k3-converted/"):
+            raise ConvertError(f"{path}: already a converted checkpoint (convert takes a Hugging Face one); build "
+                               f"an engine from it with `k3build build {path} ENGINE_DIR`")
+        if isinstance(raw, dict) and "build_config" in raw:
+            raise ConvertError(f"{path}: an engine, not a checkpoint; convert takes a Hugging Face checkpoint")
         cfg = K3Config.from_dict(raw)
     except FileNotFoundError:
         raise ConvertError(f"{path}: no config.json") from None

@@ -125,7 +125,7 @@ def load_recipe(path: str | Path) -> Recipe:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise RecipeError(f"{path}: no such recipe file") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: not valid TOML ({e})") from None
     try:
         return _parse(path, raw)

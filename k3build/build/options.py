@@ -45,6 +45,8 @@ class BuildOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got {v!r}")
+        if self.max_seq_len < 2:  # a prompt of one token and one generated
+            raise ValueError(f"--max-seq-len: expected at least 2 tokens, got {self.max_seq_len}")
         if self.gpu_memory_gib is not None and not 0 < self.gpu_memory_gib < math.inf:
             raise ValueError(f"--gpu-memory-gib: expected a positive number of GiB, got {self.gpu_memory_gib!r}")
         if not 0 <= self.overhead_gib < math.inf:

@@ -165,6 +165,7 @@ def test_extra_rank_file(converted, tmp_path):
     (["--target", "sm90", "--page-size", "32"], ["--page-size: 32", "64"]),
     (["--max-seq-len", "-1"], ["--max-seq-len", "-1"]),
     (["--max-batch-size", "0"], ["--max-batch-size", "0"]),
+    (["--max-seq-len", "1"], ["--max-seq-len: expected at least 2 tokens, got 1"]),
     (["--gpu-memory-gib", "-2"], ["--gpu-memory-gib", "-2"]),
     (["--gpu-memory-gib", "1", "--overhead-gib", "-1"], ["--overhead-gib", "-1"]),
     (["--gpu-memory-gib", "inf"], ["--gpu-memory-gib: expected a positive number of GiB, got inf"]),
@@ -172,7 +173,7 @@ def test_extra_rank_file(converted, tmp_path):
     (["--overhead-gib", "inf"], ["--overhead-gib: expected a finite number of GiB >= 0, got inf"]),
     (["--max-seq-len", "100000"], ["--max-seq-len: 100000", "max_position_embeddings (4096"]),
     (["--expert-backend", "deepep"], ["--expert-backend deepep: DeepEP runs on GPUs"]),
-], ids=["target", "tokens<batch", "page-size-sm90", "neg-seq", "zero-batch", "neg-mem", "neg-overhead", "inf-mem",
+], ids=["target", "tokens<batch", "page-size-sm90", "neg-seq", "zero-batch", "seq-1", "neg-mem", "neg-overhead", "inf-mem",
      "nan-mem", "inf-overhead", "seq>positions", "deepep-on-cpu"])
 def test_bad_options(converted, tmp_path, args, words):
     out = tmp_path / "engine"

@@ -130,6 +130,15 @@ def test_tokenizer_files_the_runtime_could_not_load(tiny, tmp_path, name, text, 
     assert expect in msg, msg
 
 
+def test_a_converted_checkpoint_is_named_as_such(tiny, tmp_path):
+    from k3build.convert import convert
+    from k3build.mapping import Mapping
+
+    conv = convert(tiny, tmp_path / "conv", Mapping(), progress=False)
+    msg = _run(conv, tmp_path / "out")
+    assert "already a converted checkpoint" in msg and f"k3build build {conv} ENGINE_DIR" in msg, msg
+
+
 def test_sigkill_then_rerun(tiny, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "k3build.cli", "convert", str(tiny), str(out), "--tp-size", "2"]

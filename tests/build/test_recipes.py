@@ -112,6 +112,13 @@ def test_bad_recipe_names_file_and_field(tmp_path, edit, field):
     assert str(path) in str(e.value) and field in str(e.value)
 
 
+def test_binary_recipe_names_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b"\xff\xfe\x00[build]")
+    with pytest.raises(RecipeError, match=f"{path}: not valid TOML"):
+        load_recipe(path)
+
+
 def test_good_recipe_and_checkpoint_relative_to_recipe(tmp_path):
     (tmp_path / "good.toml").write_text(TINY)
     rec = load_recipe(tmp_path / "good.toml")
