@@ -103,3 +103,14 @@ def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
     names = ", ".join(f"rank {r}" for r in silent)
     return (f"a collective timed out after {timeout_s:.0f} s (K3_DIST_TIMEOUT_S): {names} stopped responding (no "
             f"heartbeat in {watch_s:.0f} s); the others were alive and waiting for it")
+
+
+def explain_lost_peer(exc: BaseException) -> str | None:
+    """A message naming the ranks that left the job when `exc` is a collective that lost its peer (gloo's closed
+    connection: a rank that failed, at start-up say, and exited with its own error), else None."""
+    message = str(exc).lower()
+    if "connection closed by peer" not in message and "connection reset by peer" not in message:
+        return None
+    left = sorted(r for r, beat in _stamps().items() if beat == LEFT)
+    who = ", ".join(f"rank {r}" for r in left) or "another rank"
+    return f"{who} left the job (its own error says why); this rank's collective lost it"

@@ -156,8 +156,8 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
                 return result
             worker_loop(engine_dir, device)
         except Exception as e:
-            # name the rank that went silent, when that is why a collective timed out
-            why = heartbeat.explain_timeout(e, collective_timeout().total_seconds())
+            # name the rank that went silent, when that is why a collective timed out, or the ranks that left
+            why = heartbeat.explain_timeout(e, collective_timeout().total_seconds()) or heartbeat.explain_lost_peer(e)
             if why:
                 raise EngineError(why) from e
             raise

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,12 +143,19 @@ def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine,
     assert multi.stdout == single.stdout
     # a user's error under torchrun: the command's one line on rank 0, a worker's own with its rank, no traceback
     # of ours (torchrun's summary of the failed ranks follows)
-    for nproc, flags, want in ((2, ["--max-tokens", "0"], "Error: --max-tokens: expected an int in 1..1048576"),
-                               (3, [], "Error (rank 2): the engine has 2 ranks but torchrun started 3")):
+    # ... and a rank that fails to load: its error, and rank 0's one line naming it (not gloo's lost connection)
+    cut = Path(shutil.copytree(engine, tmp_path / "cut"))
+    weights = cut / "rank1" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4096])
+    for nproc, where, flags, want in (
+            (2, engine, ["--max-tokens", "0"], ["Error: --max-tokens: expected an int in 1..1048576"]),
+            (3, engine, [], ["Error (rank 2): the engine has 2 ranks but torchrun started 3"]),
+            (2, cut, [], ["Error (rank 1): ", "weights.safetensors: corrupt",
+                          "Error (rank 0): rank 1 left the job (its own error says why)"])):
         bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc-per-node={nproc}", "-m", "k3runtime.dist.launch", str(engine), *args[:3],
+                              f"--nproc-per-node={nproc}", "-m", "k3runtime.dist.launch", str(where), *args[:3],
                               *flags], env=env, capture_output=True, text=True, timeout=300)
-        assert bad.returncode != 0 and want in bad.stderr, bad.stderr[-3000:]
+        assert bad.returncode != 0 and all(w in bad.stderr for w in want), bad.stderr[-3000:]
         assert "[rank0]: Traceback" not in bad.stderr and "[rank1]: Traceback" not in bad.stderr, bad.stderr[-3000:]
 
 
