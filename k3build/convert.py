@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -285,4 +286,7 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
         path = convert(ckpt, out, mapping, quantize=quantize, workers=workers, overwrite=overwrite)
     except (ConvertError, MappingError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:  # Ctrl-C: the staging dir is gone already; say so and exit as build does
+        click.echo(f"\nconvert interrupted; {out} was not written", err=True)
+        sys.exit(130)
     click.echo(f"wrote {path} ({mapping.world_size} ranks)")

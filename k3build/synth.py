@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import zlib
 from pathlib import Path
 
@@ -164,4 +165,7 @@ def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, ov
         synth(out, cfg, seed=seed, num_shards=shards, overwrite=overwrite)
     except (ConfigError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:  # Ctrl-C: the staging dir is gone already; say so and exit as build does
+        click.echo(f"\nsynth interrupted; {out} was not written", err=True)
+        sys.exit(130)
     click.echo(f"wrote {out}")

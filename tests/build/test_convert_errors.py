@@ -161,14 +161,17 @@ def test_sigkill_then_rerun(tiny, tmp_path):
     assert all(torch.equal(got[n], src[n]) for n in src if not n.endswith("A_log"))
 
 
-def test_sigterm_cleans_up(tiny, tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_interrupt_cleans_up(tiny, tmp_path, sig, code):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "k3build.cli", "convert", str(tiny), str(out)]
     proc = subprocess.Popen(cmd, env=dict(os.environ, K3BUILD_CONVERT_TEST_SLEEP="0.02"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not list(tmp_path.glob("out.tmp-*/rank0.safetensors")) and time.time() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) != 0
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == code
+    if sig == signal.SIGINT:
+        assert f"convert interrupted; {out} was not written" in proc.stderr.read()
     assert list(tmp_path.iterdir()) == []
