@@ -153,12 +153,27 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     except (SafetensorError, WeightFileError) as e:
         raise EngineError(f"{rank_dir}/weights.safetensors: corrupt ({e}); rebuild the engine") from None
     _check_weights(graph, weights, rank_dir)
+    _check_finite(weights, rank_dir)
     return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)
 
 
 _ONNX_TO_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
                   onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.UINT8: torch.uint8,
                   onnx.TensorProto.INT64: torch.int64}
+
+
+def _check_finite(weights: dict[str, torch.Tensor], rank_dir: Path) -> None:
+    """Refuse float weights holding NaN or Inf: convert refuses them in a checkpoint, so here they are a file
+    damaged since (bytes overwritten in place keep its size), which would otherwise sample from NaN logits without
+    a word. One test a tensor on the weights' device and one sync for them all."""
+    floats = [(name, t) for name, t in weights.items() if t.is_floating_point()]
+    if not floats:
+        return
+    ok = torch.stack([torch.isfinite(t).all() for _, t in floats]).cpu()
+    bad = [name for (name, _), good in zip(floats, ok.tolist()) if not good]
+    if bad:
+        raise EngineError(f"{rank_dir}/weights.safetensors: {len(bad)} tensor(s) hold NaN or Inf, the first "
+                          f"{bad[0]!r}; the file was damaged after its build — rebuild the engine")
 
 
 def _check_weights(graph: onnx.GraphProto, weights: dict[str, torch.Tensor], rank_dir: Path) -> None:

@@ -159,6 +159,15 @@ def _rewrite_weights(engine: Path, fn) -> None:
     save_file(w, path)
 
 
+def test_weights_damaged_in_place_are_refused(engine):
+    # bytes overwritten without changing the file's size: NaN weights, which would give NaN logits and empty text
+    def damage(w):
+        w["l0.kda.in_proj"] = w["l0.kda.in_proj"].clone()
+        w["l0.kda.in_proj"].view(-1)[3] = float("nan")
+    _rewrite_weights(engine, damage)
+    _refused(engine, "weights.safetensors: 1 tensor(s) hold NaN or Inf, the first 'l0.kda.in_proj'", "rebuild")
+
+
 def test_weight_shape_differs_from_graph(engine):
     _rewrite_weights(engine, lambda w: w.update({"l3.mla.w_uk": torch.zeros(4, 16, 31)}))
     _refused(engine, "weights.safetensors", "'l3.mla.w_uk'", "(4, 16, 31)", "graph expects (4, 16, 32)")
