@@ -247,6 +247,8 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
             (dict(max_tokens=3), "exactly one"),
             (dict(input_ids=[1, 10**6]), "vocabulary"),
             (dict(input_ids=[1, 2], stream=True), "decoupled"),
+            (dict(text_input=b"a\xed\xa0\x80"), "text_input: not valid UTF-8"),  # a lone surrogate's bytes
+            (dict(input_ids=[1, 2], stop=[b"\xff"]), "stop: not valid UTF-8"),
         ]:
             with pytest.raises(InferenceServerException, match=words):
                 c.infer("k3_unary", _inputs(th, **values))
