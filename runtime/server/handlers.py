@@ -114,8 +114,9 @@ class Handlers:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
-                seed=body.seed, stop=body.stop or (), ignore_eos=body.ignore_eos, logprobs=body.wanted_logprobs(),
-                stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens, **body.penalties())
+                seed=body.seed, stop=() if body.stop is None else body.stop, ignore_eos=body.ignore_eos,
+                logprobs=body.wanted_logprobs(), stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens,
+                **body.penalties())
         except ValueError as e:
             raise APIError(400, str(e), _param(e)) from None
         vocab = self.engine.vocab_size

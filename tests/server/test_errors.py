@@ -49,6 +49,7 @@ CASES = [  # (body, status, words the message must contain)
     (ok(top_k=-5), 400, "top_k"),
     (ok(seed=-3), 400, "seed"),
     (ok(stop=[""]), 400, "stop"),
+    (ok(stop=""), 400, "stop"),  # as the Python API refuses it (it was taken as no stop at all)
     (ok(stream="yes"), 400, "stream"),
     (ok(n=0), 400, "n: Input should be greater than or equal to 1"),
     (ok(n=17), 400, "n: Input should be less than or equal to 16"),
