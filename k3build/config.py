@@ -270,9 +270,10 @@ def _check_types(cfg) -> None:
 
 
 def _check_positive(cfg, *names):
+    """After _check_types: these int fields must be above 0."""
     for n in names:
         v = getattr(cfg, n)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        if v <= 0:
             raise ConfigError(f"{n}: expected a positive int, got {v!r}")
 
 

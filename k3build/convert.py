@@ -33,7 +33,8 @@ import torch
 from tqdm import tqdm
 
 from .config import K3Config
-from .convert_plan import ConvertError, Job, Source, check_mapping, open_source, output_config, plan_jobs
+from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, open_source, output_config,
+                           plan_jobs)
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
 from .output_dir import (check_output_dir, clean_stale_staging, exit_on_sigterm, make_parent, move_into_place,
@@ -42,7 +43,6 @@ from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all,
 from .schema import SchemaError, to_canonical_tensor
 from .tokenizer import check_tokenizer_files
 
-FORMAT = "k3-converted/1"
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "tiktoken.model", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 FINITE_CHUNK = 1 << 24

@@ -20,6 +20,11 @@ from .schema import (IGNORED, SchemaError, checkpoint_tensors, detect_flavour, d
 INDEX = "model.safetensors.index.json"
 
 
+# what `k3build convert` writes in its config.json "format", with the version of that format
+FORMAT_NAME = "k3-converted"
+FORMAT = f"{FORMAT_NAME}/1"
+
+
 class ConvertError(ValueError):
     """Anything wrong with the input or the request; the message names file, tensor and expectation."""
 
@@ -62,7 +67,7 @@ def open_source(ckpt_dir: str | Path) -> Source:
         raise ConvertError(f"{path}: not a checkpoint directory")
     try:
         raw = json.loads((path / "config.json").read_text())
-        if isinstance(raw, dict) and str(raw.get("format", "")).startswith("k3-converted/"):
+        if isinstance(raw, dict) and str(raw.get("format", "")).startswith(FORMAT_NAME + "/"):
             raise ConvertError(f"{path}: already a converted checkpoint (convert takes a Hugging Face one); build "
                                f"an engine from it with `k3build build {path} ENGINE_DIR`")
         if isinstance(raw, dict) and "build_config" in raw:

@@ -40,7 +40,8 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
                     "empty directory); remove it yourself or pick another path")
 
 
-def _os_error(out: Path, doing: str, e: OSError) -> str:
+def os_error_message(out: Path, doing: str, e: OSError) -> str:
+    """`out: cannot <doing> (<why>: <path>)` for an OSError met writing out."""
     why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or str(e)
     return f"{out}: cannot {doing} ({why}{f': {e.filename}' if e.filename else ''})"
 
@@ -51,7 +52,7 @@ def make_parent(out: Path, error: type[Exception]) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise error(_os_error(out, f"make its directory {out.parent}", e)) from None
+        raise error(os_error_message(out, f"make its directory {out.parent}", e)) from None
 
 
 def new_staging_dir(out: Path, error: type[Exception]) -> Path:
@@ -61,7 +62,7 @@ def new_staging_dir(out: Path, error: type[Exception]) -> Path:
     try:
         staging = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     except OSError as e:
-        raise error(_os_error(out, f"write beside it in {out.parent}", e)) from None
+        raise error(os_error_message(out, f"write beside it in {out.parent}", e)) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)
@@ -84,7 +85,7 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
             os.replace(old, out)
             raise
     except OSError as e:
-        raise error(_os_error(out, "put the finished output in place", e)) from None
+        raise error(os_error_message(out, "put the finished output in place", e)) from None
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
-from ..output_dir import check_output_dir, make_parent, move_into_place
+from ..output_dir import check_output_dir, make_parent, move_into_place, os_error_message
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
@@ -92,7 +92,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     try:
         tmp = make_staging_dir(engine_dir)
     except OSError as e:
-        raise BuildError(f"{engine_dir}: cannot write beside it in {engine_dir.parent} ({e.strerror or e})") from None
+        raise BuildError(os_error_message(engine_dir, f"write beside it in {engine_dir.parent}", e)) from None
     try:
         ranks = {}
         for rank in range(mapping.world_size):

@@ -85,10 +85,6 @@ def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, cano
         if want != have:
             raise BuildError(f"{path}: tensor {name!r} holds slice {have} of {s['shape']}, the mapping gives rank "
                              f"{rank} {want}; {again}")
-        info = tensors.get(name)
-        if info is not None and dim is not None and info.shape[dim] != s["stop"] - s["start"]:
-            raise BuildError(f"{path}: tensor {name!r} is {list(info.shape)}, its slice says "
-                             f"{s['stop'] - s['start']} along dim {dim}; convert again")
     model = f"the model {path.parent}/config.json describes"
     for name, info in tensors.items():
         if name not in canon:

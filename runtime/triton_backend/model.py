@@ -27,12 +27,15 @@ def _scalar(request, name, default, kind):
     if a.size != 1:
         raise ValueError(f"{name}: expected one value, got {a.size}")
     v = a[0]
-    if isinstance(v, bytes):
-        try:
-            v = v.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{name}: not valid UTF-8 ({e})") from None
-    return kind(v)
+    return kind(_text(name, v) if isinstance(v, bytes) else v)
+
+
+def _text(name: str, raw: bytes) -> str:
+    """A BYTES input's value as text; ValueError naming the input when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}: not valid UTF-8 ({e})") from None
 
 
 class _Output:
@@ -104,10 +107,7 @@ class TritonPythonModel:
         if max_tokens > self.max_tokens_limit:
             raise ValueError(f"max_tokens: {max_tokens} is over this model's limit of {self.max_tokens_limit}")
         stop_t = pb_utils.get_input_tensor_by_name(request, "stop")
-        try:
-            stop = tuple(s.decode("utf-8") for s in stop_t.as_numpy().reshape(-1)) if stop_t is not None else ()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"stop: not valid UTF-8 ({e})") from None
+        stop = tuple(_text("stop", s) for s in stop_t.as_numpy().reshape(-1)) if stop_t is not None else ()
         seed = _scalar(request, "seed", None, int)
         sp = self.SamplingParams(max_tokens=max_tokens, temperature=_scalar(request, "temperature", 1.0, float),
                                  top_p=_scalar(request, "top_p", 1.0, float), top_k=_scalar(request, "top_k", 0, int),
