@@ -37,8 +37,8 @@ from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, ope
                            plan_jobs)
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import (check_output_dir, clean_stale_staging, exit_on_sigterm, make_parent, move_into_place,
-                         new_staging_dir)
+from .output_dir import (check_output_dir, clean_stale, exit_on_sigterm, make_parent, move_into_place,
+                         make_staging_dir)
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 from .tokenizer import check_tokenizer_files
@@ -211,14 +211,14 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     check_output_dir(out, Path(ckpt_dir), overwrite=overwrite, ours=lambda cfg: cfg.get("format") == FORMAT,
                      what="a converted checkpoint", error=ConvertError)
     make_parent(out, ConvertError)
-    clean_stale_staging(out)
+    clean_stale(out)
     src = open_source(ckpt_dir)
     check_tokenizer_files(src.path, ConvertError)
     cfg_out = output_config(src, quantize)
     check_mapping(mapping, cfg_out)
     jobs = plan_jobs(src, cfg_out)
     layouts, where = _placements(jobs, mapping, cfg_out)
-    tmp = new_staging_dir(out, ConvertError)
+    tmp = make_staging_dir(out, ConvertError)
     try:
         paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
         for path, layout in zip(paths, layouts):

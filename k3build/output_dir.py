@@ -1,13 +1,21 @@
 """Where k3build's commands write: convert and build never over their own input, --overwrite replaces only
 k3build's own output of that kind or an empty directory (anything else at OUT is the user's to remove), and a
-finished output moves into place whole."""
+finished output moves into place whole.
+
+A command writes `.{name}.tmp-XXXX/` beside OUT and renames it into place at the end (move_into_place),
+so OUT is either absent or complete. A run killed with SIGKILL cannot remove its staging dir; it leaves a pid file
+in it (pid, host, process start time) so the next run for the same OUT can tell a dead run's dir from a live one's
+(also one on another host sharing the filesystem, or a later process given the same pid) and remove it.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,24 +63,81 @@ def make_parent(out: Path, error: type[Exception]) -> None:
         raise error(os_error_message(out, f"make its directory {out.parent}", e)) from None
 
 
-def new_staging_dir(out: Path, error: type[Exception]) -> Path:
-    """An empty directory beside `out` to write it in (named for this process: convert's clean-up of a dead run's
-    reads the pid back), with the permissions of any new directory (mkdtemp makes it private); `error` where
-    out's directory takes no new entry."""
+PID_FILE = ".k3build.pid"
+# A staging dir without a pid file is only a dead run's when it is older than this (a live run writes its pid
+# file right after creating the dir).
+NO_PID_GRACE_S = 60.0
+
+
+def _start_time(pid: int) -> str | None:
+    """The process start time in clock ticks since boot (Linux /proc), None where unknown."""
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else fields[19]  # a zombie has exited: treat as dead
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    here = _start_time(pid)
+    if Path("/proc").is_dir() and here is None and Path(f"/proc/{pid}").exists():
+        return False  # zombie
+    return start is None or here is None or here == start  # a different start time: the pid was reused
+
+
+def make_staging_dir(out: Path, error: type[Exception]) -> Path:
+    """The hidden staging dir for `out` (same parent, so the final rename is atomic), with the permissions of any new
+    directory (mkdtemp makes it private) and this process's pid file; `error` where out's directory takes no new
+    entry."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        pid = os.getpid()
+        (tmp / PID_FILE).write_text(f"{pid} {socket.gethostname()} {_start_time(pid) or '-'}\n")
     except OSError as e:
         raise error(os_error_message(out, f"write beside it in {out.parent}", e)) from None
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)
-    return staging
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def clean_stale(out: Path) -> list[Path]:
+    """Remove staging dirs of `out` whose run is no longer running; returns what was removed."""
+    removed = []
+    host = socket.gethostname()
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        if not tmp.is_dir():
+            continue
+        try:
+            pid_s, pid_host, start = (tmp / PID_FILE).read_text().split()
+        except FileNotFoundError:
+            try:
+                stale = time.time() - tmp.stat().st_mtime > NO_PID_GRACE_S
+            except FileNotFoundError:
+                continue  # removed meanwhile
+        except (OSError, ValueError):
+            stale = True  # an unreadable pid file is no live build's
+        else:
+            # Only this host's processes can be checked; another host's run is left alone.
+            stale = pid_host == host and not _alive(int(pid_s), None if start == "-" else start)
+        if stale:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
 
 
 def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
     """Rename the finished `staging` (a sibling of out, so the rename is atomic) to `out`; an existing out is moved
     aside first and then removed, so that out is never a mix of the old and the new. `error` where a rename is
     refused (the old out is back in place then; the caller removes staging)."""
+    (staging / PID_FILE).unlink(missing_ok=True)  # a finished output is no run's staging dir
     try:
         if not out.exists():
             os.replace(staging, out)
@@ -87,18 +152,6 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
     except OSError as e:
         raise error(os_error_message(out, "put the finished output in place", e)) from None
     shutil.rmtree(old, ignore_errors=True)
-
-
-def clean_stale_staging(out: Path) -> None:
-    """Remove the staging dirs (new_staging_dir) of earlier runs for the same OUT whose process is gone (kill -9)."""
-    for d in out.parent.glob(f"{out.name}.tmp-*"):
-        try:
-            pid = int(d.name[len(out.name) + 5:].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except (ValueError, PermissionError, IndexError):
-            continue
 
 
 def exit_on_sigterm(signum, frame):

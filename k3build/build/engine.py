@@ -3,7 +3,7 @@
 ENGINE/config.json  {version, pretrained_config, mapping, build_config, stamp, ranks, memory_plan}
 ENGINE/rank{N}/graph.onnx, ENGINE/rank{N}/weights.safetensors, tokenizer files.
 Written into a hidden sibling directory and renamed into place, so an interrupted build leaves no ENGINE dir
-(staging.py: a SIGKILLed build's staging dir is removed by the next build).
+(output_dir.py: a SIGKILLed build's staging dir is removed by the next build).
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
-from ..output_dir import check_output_dir, make_parent, move_into_place, os_error_message
+from ..output_dir import check_output_dir, clean_stale, make_parent, make_staging_dir, move_into_place
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
 from .source import BuildError, read_converted
 from .st_writer import SafetensorsWriter
-from .staging import clean_stale, finish_staging_dir, make_staging_dir
 from .tactics import (PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, record_tactic, resolve_plugins,
                       stamp_for)
 
@@ -89,10 +88,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     layout = expert_layout(plugins)
     make_parent(engine_dir, BuildError)
     clean_stale(engine_dir)
-    try:
-        tmp = make_staging_dir(engine_dir)
-    except OSError as e:
-        raise BuildError(os_error_message(engine_dir, f"write beside it in {engine_dir.parent}", e)) from None
+    tmp = make_staging_dir(engine_dir, BuildError)
     try:
         ranks = {}
         for rank in range(mapping.world_size):
@@ -110,7 +106,6 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             "memory_plan": memory_plan,
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        finish_staging_dir(tmp)
         move_into_place(tmp, engine_dir, BuildError)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

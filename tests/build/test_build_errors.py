@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 from k3plugins import registry
 
-from k3build.build.staging import PID_FILE, _start_time
+from k3build.output_dir import PID_FILE, _start_time
 from k3build.cli import main
 from k3build.convert import convert
 from k3build.mapping import Mapping
@@ -344,7 +344,7 @@ def test_bad_recipe_value_names_the_recipe(converted, tmp_path):
 
 
 def test_clean_stale_tells_dead_from_live(tmp_path):
-    from k3build.build.staging import NO_PID_GRACE_S, clean_stale
+    from k3build.output_dir import NO_PID_GRACE_S, clean_stale
 
     host, me = os.uname().nodename, os.getpid()
     dirs = {"live": f"{me} {host} {_start_time(me)}", "reused-pid": f"{me} {host} 1",

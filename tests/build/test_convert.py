@@ -67,7 +67,7 @@ def test_k3_reassembles_bit_exact(tiny, tmp_path, name):
             t = t[:h]  # canonical A_log drops K3's zero padding
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
-    assert not list(tmp_path.glob("out.tmp-*"))
+    assert not list(tmp_path.glob(".out.tmp-*"))
 
 
 def test_workers_give_identical_files(tiny, tmp_path):

@@ -36,7 +36,7 @@ def _run(ckpt, out, *args):
     assert r.exit_code != 0, r.output
     assert isinstance(r.exception, SystemExit), r.exception  # a ClickException, not a traceback
     assert not out.exists(), "no output directory may be left behind"
-    assert not list(out.parent.glob(out.name + ".tmp-*")), "no temp directory may be left behind"
+    assert not list(out.parent.glob(f".{out.name}.tmp-*")), "no temp directory may be left behind"
     return r.output
 
 
@@ -145,13 +145,13 @@ def test_sigkill_then_rerun(tiny, tmp_path):
     env = dict(os.environ, K3BUILD_CONVERT_TEST_SLEEP="0.02")  # ~1000 tensors: about 20 s if left alone
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
-    while not list(tmp_path.glob("out.tmp-*/rank1.safetensors")) and time.time() < deadline:
+    while not list(tmp_path.glob(".out.tmp-*/rank1.safetensors")) and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)  # well inside the data phase
     assert proc.poll() is None, "convert finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    stale = list(tmp_path.glob("out.tmp-*"))
+    stale = list(tmp_path.glob(".out.tmp-*"))
     assert not out.exists() and len(stale) == 1
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -168,7 +168,7 @@ def test_interrupt_cleans_up(tiny, tmp_path, sig, code):
     proc = subprocess.Popen(cmd, env=dict(os.environ, K3BUILD_CONVERT_TEST_SLEEP="0.02"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while not list(tmp_path.glob("out.tmp-*/rank0.safetensors")) and time.time() < deadline:
+    while not list(tmp_path.glob(".out.tmp-*/rank0.safetensors")) and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == code

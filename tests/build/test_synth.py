@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from k3build.cli import main
 from k3build.config import K3Config, preset
 from k3build.mxfp4 import dequantize_mxfp4
+from k3build.output_dir import PID_FILE
 from k3build.schema import checkpoint_tensors
 from k3build.synth import synth
 from k3build.tokenizer import BOS, EOS, PAD, build_tokenizer
@@ -120,17 +122,19 @@ def test_sigterm_leaves_no_staging_and_a_killed_runs_is_removed(tmp_path):
     out = tmp_path / "ckpt"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / f"ckpt.tmp-{dead.pid}-x").mkdir()
+    killed = tmp_path / ".ckpt.tmp-x"
+    killed.mkdir()
+    (killed / PID_FILE).write_text(f"{dead.pid} {socket.gethostname()} -\n")
     proc = subprocess.Popen([sys.executable, "-m", "k3build.cli", "synth", str(tmp_path / "big"), "--preset", "small",
                              "--num-layers", "2", "--num-experts", "16"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob("big.tmp-*/*.safetensors")):  # writing
+    while not list(tmp_path.glob(".big.tmp-*/*.safetensors")):  # writing
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 128 + signal.SIGTERM
-    assert not (tmp_path / "big").exists() and not list(tmp_path.glob("big.tmp-*"))
+    assert not (tmp_path / "big").exists() and not list(tmp_path.glob(".big.tmp-*"))
     assert CliRunner().invoke(main, ["synth", str(out)]).exit_code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
