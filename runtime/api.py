@@ -124,8 +124,9 @@ class LLM:
                 out.finish_reason = ev.finish_reason or out.finish_reason
                 if det is not None:
                     det.push(ev.token_id, final=ev.finish_reason is not None)
-                    if det.stopped and ev.finish_reason is None:
-                        self._end(by_id[ev.request_id], reason="stop")
+                    if det.stopped:  # also on the last token max_tokens allows: its stop string ends the text
+                        if ev.finish_reason is None:
+                            self._end(by_id[ev.request_id], reason="stop")
                         out.finish_reason = "stop"
                     out.text = det.text
         finally:  # interrupted (KeyboardInterrupt, a failing step): the requests of this call go
@@ -143,8 +144,9 @@ class LLM:
             for ev in self._events([req]):
                 reason = ev.finish_reason
                 text = det.push(ev.token_id, final=reason is not None) if det else ""
-                if det and det.stopped and reason is None:
-                    self._end(req, reason="stop")
+                if det and det.stopped:
+                    if reason is None:
+                        self._end(req, reason="stop")
                     reason = "stop"
                 offset = det.offset if det is not None else None
                 yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, offset, ev.prompt_logprobs)

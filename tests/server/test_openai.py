@@ -196,6 +196,13 @@ def test_stop_string_matches_python_api(client, llm):
     assert r.choices[0].finish_reason == ref.finish_reason == "stop"
     assert r.choices[0].text == ref.text and stop not in ref.text
     assert r.choices[0].model_extra["token_ids"] == ref.token_ids
+    # the stop string completed by the last token max_tokens allows: "stop" (the text ends there), not "length"
+    ids = llm.generate(PROMPTS[0], greedy(16))[0].token_ids
+    n = next(j for j in range(1, 17) if stop in llm.tokenizer.decode(ids[:j]))
+    assert llm.generate(PROMPTS[0], greedy(n, stop=(stop,)))[0].finish_reason == "stop"
+    assert list(llm.stream(PROMPTS[0], greedy(n, stop=(stop,))))[-1].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=n, temperature=0, stop=stop)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == ref.text
     # the stop_token_ids extension: the output ends on the third token's id, which it keeps
     ids = llm.generate(PROMPTS[0], greedy(16))[0].token_ids
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
