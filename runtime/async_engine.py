@@ -136,6 +136,10 @@ class AsyncLLMEngine:
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._stop = False
+        # Set by the engine thread, under _submit_lock, before its last drain: no command put after that
+        # drain would ever be answered, so submit refuses from then on.
+        self._closed = False
+        self._submit_lock = threading.Lock()
         self.error: BaseException | None = None
         self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
@@ -153,17 +157,23 @@ class AsyncLLMEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback,
                request_id: str | None = None) -> str:
         """Queue a request; returns its id at once. Rejections (bad ids, too long) reach `callback` as an exception."""
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine thread is not running ({self.error!r})")
         if not isinstance(params, SamplingParams):  # here, on the caller's thread: the engine thread takes no guess
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         rid = request_id or f"req-{next(self._ids)}"
-        self._commands.put(("add", rid, list(prompt_ids), params, callback))
+        with self._submit_lock:
+            if self._closed or not self.is_alive:
+                raise EngineDeadError(f"the engine thread is not running ({self.error!r})")
+            self._commands.put(("add", rid, list(prompt_ids), params, callback))
         return rid
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op if it already finished); its pages and slot are freed by the engine thread."""
         self._commands.put(("abort", request_id))
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the engine thread has ended (shut down or failed: see `error`); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stop = True
@@ -223,6 +233,8 @@ class AsyncLLMEngine:
             err = self.error or EngineDeadError("the engine was shut down")
             for rid in list(self._live):
                 _call(self._live.pop(rid).callback, EngineDeadError(f"request {rid}: {err!r}"))
+            with self._submit_lock:
+                self._closed = True
             self._drain_rejecting(err)
 
     def _drain(self, block: bool) -> None:
@@ -280,8 +292,9 @@ class AsyncLLMEngine:
             text = ""
             if live.detok is not None:
                 text = live.detok.push(ev.token_id, final=reason is not None)
-                if live.detok.stopped and reason is None:
-                    self.engine.finish(ev.request_id, "stop")
+                if live.detok.stopped:  # also on the last token max_tokens allows: its stop string ends the text
+                    if reason is None:
+                        self.engine.finish(ev.request_id, "stop")
                     reason = "stop"
             live.num_out += 1
             if live.first is None:

@@ -10,6 +10,7 @@ environment from `python3` on PATH).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,7 +102,8 @@ class TritonServer:
         url = f"http://127.0.0.1:{self.ports[0]}/v2/health/ready"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}; its errors:\n{self.log_errors()}"
+                                   f"\nlog:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -114,6 +116,13 @@ class TritonServer:
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_bytes()[-n:].decode(errors="replace") if self.log_path.exists() else ""
+
+    def log_errors(self, n: int = 10) -> str:
+        """The log's last n error lines (`E<date>`: why a model failed to load; the tail is mostly the model table)."""
+        if not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in lines if re.match(r"E\d{4} ", line)][-n:])
 
     def children(self) -> list[int]:
         """Pids of processes whose parent is tritonserver (the stubs)."""

@@ -5,13 +5,18 @@ Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `i
 `frequency_penalty`, `repetition_penalty` in (no logit bias: TensorRT-LLM's backend takes bias words instead);
 `text_output`, `output_ids`, `finish_reason`, `output_log_probs` (each output token's log-probability, flat; empty
 unless asked) out. In decoupled mode each request is handed to the engine thread and answered from there (one
-response per token when stream=true), so concurrent requests batch continuously; a cancelled request (client gone)
-is aborted on the engine, which frees its pages and KDA slot.
+response per token when stream=true), so concurrent requests batch continuously. The unary model (not decoupled)
+takes the requests Triton's dynamic batcher hands it together (each with a batch dimension of 1) and answers them
+when all are done. A cancelled request (client gone) is aborted on the engine, which frees its pages and KDA slot.
+Errors: the client's mistakes are INVALID_ARG (HTTP 400), a stopped engine UNAVAILABLE (503; the gauge
+k3_engine_alive of Triton's metrics goes to 0, since Triton before 2.64 cannot mark a Python model not ready:
+reload the model or restart the server).
 Needs numpy<2 in the stub's environment (Triton 2.51's stub), plus k3runtime and its dependencies.
 """
 
 import json
 import threading
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -39,7 +44,8 @@ def _text(name: str, raw: bytes) -> str:
 
 
 class _Output:
-    """A response's tokens so far: one event's (streamed), or a request's, collected (unary and not streamed)."""
+    """A response's tokens so far: one event's (streamed), or a request's, collected (unary and not streamed);
+    error: the error response instead, once the engine refused or failed the request."""
 
     def __init__(self):
         self.text, self.ids, self.logprobs, self.reason, self.error = [], [], [], None, None
@@ -52,19 +58,26 @@ class _Output:
         self.reason = ev.finish_reason
         return self
 
-    def response(self):
+    def response(self, batched: bool = False):
+        """batched: the model takes Triton's batch dimension (the unary model), so each output gets one of 1."""
         if self.error is not None:
-            return _error(self.error)
+            return self.error
+        outputs = [("text_output", np.array(["".join(self.text).encode("utf-8")], dtype=np.object_)),
+                   ("output_ids", np.array(self.ids, dtype=np.int32)),
+                   ("finish_reason", np.array([(self.reason or "").encode()], dtype=np.object_)),
+                   ("output_log_probs", np.array(self.logprobs, dtype=np.float32))]
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", np.array(["".join(self.text).encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("output_ids", np.array(self.ids, dtype=np.int32)),
-            pb_utils.Tensor("finish_reason", np.array([(self.reason or "").encode()], dtype=np.object_)),
-            pb_utils.Tensor("output_log_probs", np.array(self.logprobs, dtype=np.float32)),
-        ])
+            pb_utils.Tensor(name, a.reshape(1, -1) if batched else a) for name, a in outputs])
 
 
-def _error(message: str):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+def _error(message: str, code=None):
+    """An error response; code: a pb_utils.TritonError code (default INTERNAL: the server's fault)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL
+                                                                 if code is None else code))
+
+
+def _invalid(e: Exception):
+    return _error(str(e), pb_utils.TritonError.INVALID_ARG)
 
 
 class TritonPythonModel:
@@ -85,6 +98,34 @@ class TritonPythonModel:
         self.engine = AsyncLLMEngine(params["engine_dir"], options)
         self.SamplingParams = SamplingParams
         self.max_tokens_limit = int(params.get("max_tokens_limit") or 4096)
+        self.batched = cfg.get("max_batch_size", 0) > 0
+        self.model_name = args["model_name"]
+        # the family must outlive its metric (the stub refuses a metric whose family was collected)
+        self.alive_family = pb_utils.MetricFamily(
+            name="k3_engine_alive", description="1 while the model's k3 engine runs, 0 once it stopped",
+            kind=pb_utils.MetricFamily.GAUGE)
+        self.alive = self.alive_family.Metric(labels={"model": self.model_name})
+        self.alive.set(1)
+        self.finalizing = False
+        threading.Thread(target=self._watch, name="k3-engine-watch", daemon=True).start()
+
+    def _watch(self):
+        self.engine.wait_stopped()
+        if not self.finalizing:
+            self.alive.set(0)
+
+    def _engine_error(self, ev: BaseException):
+        """The error response for an exception the engine gave a request."""
+        if isinstance(ev, (ValueError, TypeError)):  # the engine refused this request's input
+            return _invalid(ev)
+        if not self.engine.is_alive:
+            return self._unavailable()
+        return _error(str(ev))
+
+    def _unavailable(self):
+        return _error(f"the k3 engine has stopped ({self.engine.error!r}); reload the model (POST "
+                      f"/v2/repository/models/{self.model_name}/load) or restart the server",
+                      pb_utils.TritonError.UNAVAILABLE)
 
     def _parse(self, request):
         """(prompt ids, SamplingParams, stream) of one request; ValueError names the bad input."""
@@ -119,6 +160,12 @@ class TritonPythonModel:
         return ids, sp, _scalar(request, "stream", False, bool)
 
     def execute(self, requests):
+        if not self.engine.is_alive:
+            if not self.decoupled:
+                return [self._unavailable() for _ in requests]
+            for request in requests:
+                request.get_response_sender().send(self._unavailable(), flags=FINAL)
+            return None
         if self.decoupled:
             for request in requests:
                 self._start_decoupled(request)
@@ -129,19 +176,19 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         try:
             ids, sp, stream = self._parse(request)
-        except (ValueError, UnicodeDecodeError) as e:
-            sender.send(_error(str(e)), flags=FINAL)
+        except ValueError as e:
+            sender.send(_invalid(e), flags=FINAL)
             return
-        acc, rid = _Output(), []
+        acc, rid = _Output(), uuid.uuid4().hex
 
         def on_event(ev):  # engine thread
             if isinstance(ev, str):  # accepted
                 return
             if isinstance(ev, BaseException):
-                sender.send(_error(str(ev)), flags=FINAL)
+                sender.send(self._engine_error(ev), flags=FINAL)
                 return
             if ev.finish_reason is None and request.is_cancelled():
-                self.engine.abort(rid[0])
+                self.engine.abort(rid)
                 sender.send(flags=FINAL)
                 return
             if stream:
@@ -149,7 +196,10 @@ class TritonPythonModel:
             elif acc.add(ev).reason:
                 sender.send(acc.response(), flags=FINAL)
 
-        rid.append(self.engine.submit(ids, sp, on_event))
+        try:
+            self.engine.submit(ids, sp, on_event, request_id=rid)
+        except RuntimeError:  # EngineDeadError: it stopped since execute looked
+            sender.send(self._unavailable(), flags=FINAL)
 
     def _execute_unary(self, requests):
         responses = [None] * len(requests)
@@ -160,26 +210,40 @@ class TritonPythonModel:
                 if stream:
                     raise ValueError("stream: true needs the decoupled model (config.pbtxt "
                                      "model_transaction_policy { decoupled: true })")
-            except (ValueError, UnicodeDecodeError) as e:
-                responses[i] = _error(str(e))
+            except ValueError as e:
+                responses[i] = _invalid(e)
                 continue
-            done, acc = threading.Event(), _Output()
+            done, acc, rid = threading.Event(), _Output(), uuid.uuid4().hex
 
             def on_event(ev, done=done, acc=acc):  # engine thread
                 if isinstance(ev, str):
                     return
                 if isinstance(ev, BaseException):
-                    acc.error = str(ev)
+                    acc.error = self._engine_error(ev)
                     done.set()
                 elif acc.add(ev).reason:
                     done.set()
 
-            self.engine.submit(ids, sp, on_event)
-            pending.append((i, done, acc))
-        for i, done, acc in pending:
-            done.wait()
-            responses[i] = acc.response()
+            try:
+                self.engine.submit(ids, sp, on_event, request_id=rid)
+            except RuntimeError:  # EngineDeadError: it stopped since execute looked
+                responses[i] = self._unavailable()
+                continue
+            pending.append((i, request, rid, done, acc))
+        while pending:  # until each is done, or cancelled by its client (then aborted: its pages and slot freed)
+            pending[0][3].wait(0.05)
+            waiting = []
+            for i, request, rid, done, acc in pending:
+                if done.is_set():
+                    responses[i] = acc.response(self.batched)
+                elif request.is_cancelled():
+                    self.engine.abort(rid)
+                    responses[i] = _error("cancelled by the client", pb_utils.TritonError.CANCELLED)
+                else:
+                    waiting.append((i, request, rid, done, acc))
+            pending = waiting
         return responses
 
     def finalize(self):
+        self.finalizing = True
         self.engine.shutdown()

@@ -32,26 +32,34 @@ _OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [
             ("finish_reason", "TYPE_STRING", [1]), ("output_log_probs", "TYPE_FP32", [-1])]
 
 
-def _tensor(name, dtype, dims, optional):
+def _tensor(name, dtype, dims, *, optional=False, ragged=False):
     opt = "\n    optional: true" if optional else ""
+    opt += "\n    allow_ragged_batch: true" if ragged else ""
     return f'  {{\n    name: "{name}"\n    data_type: {dtype}\n    dims: {json.dumps(dims).replace(",", ", ")}{opt}\n  }}'
 
 
 def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: str = "cpu",
-                 max_tokens_limit: int = 4096, **flags) -> str:
-    """flags: engine_flags' options (num_pages=…, async_scheduling=…); one left out or None is the engine's
+                 max_tokens_limit: int = 4096, max_batch_size: int = 0, **flags) -> str:
+    """max_batch_size: for the unary model (not decoupled), how many requests Triton's dynamic batcher may hand the
+    model at once (the engine's max_num_seqs); 0 = one at a time.
+    flags: engine_flags' options (num_pages=…, async_scheduling=…); one left out or None is the engine's
     (params.engine_options reads the parameters). Refused here as EngineOptions refuses them (ValueError; TypeError
     for a keyword that is no flag), not when tritonserver loads the model."""
     EngineOptions(device=device, **given(flags))
     params = {"engine_dir": str(engine_dir), "device": device, "max_tokens_limit": str(max_tokens_limit),
               **to_params(flags)}
-    lines = [f'name: "{model_name}"', 'backend: "python"',
-             # No Triton batching: the engine batches continuously across requests itself.
-             "max_batch_size: 0"]
+    # The decoupled model takes each request as it comes (the engine batches continuously). The unary one must
+    # answer from execute, so requests that wait while it runs come in together through the dynamic batcher
+    # (each keeps its own tensors, with a batch dimension of 1; ragged: prompts of any length go together).
+    batch = 0 if decoupled else max_batch_size
+    lines = [f'name: "{model_name}"', 'backend: "python"', f"max_batch_size: {batch}"]
     if decoupled:
         lines.append("model_transaction_policy {\n  decoupled: true\n}")
-    lines.append("input [\n" + ",\n".join(_tensor(*t, True) for t in _INPUTS) + "\n]")
-    lines.append("output [\n" + ",\n".join(_tensor(*t, False) for t in _OUTPUTS) + "\n]")
+    elif batch:
+        lines.append("dynamic_batching {\n}")
+    lines.append("input [\n" + ",\n".join(_tensor(*t, optional=True, ragged=batch > 0 and t[2] == [-1])
+                                           for t in _INPUTS) + "\n]")
+    lines.append("output [\n" + ",\n".join(_tensor(*t) for t in _OUTPUTS) + "\n]")
     kind = "KIND_CPU" if device == "cpu" else "KIND_MODEL"  # KIND_MODEL: the engine places itself on its device
     lines.append(f"instance_group [\n  {{\n    count: 1\n    kind: {kind}\n  }}\n]")
     for k, v in params.items():
@@ -70,9 +78,10 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     if not (engine_dir / "config.json").is_file():
         raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
     # the config first: bad flags leave OUT as it was
-    check_build_limits(EngineOptions(device=device, **given(flags)), read_engine_config(engine_dir),
-                       engine_dir)
+    engine_config = read_engine_config(engine_dir)
+    check_build_limits(EngineOptions(device=device, **given(flags)), engine_config, engine_dir)
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
+                          max_batch_size=flags.get("max_num_seqs") or engine_config["build_config"]["max_batch_size"],
                           **flags)
     model_dir = Path(out) / model_name
     if model_dir.exists():
@@ -90,7 +99,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--model-name", default="k3", show_default=True, help="The model's name in the repository.")
 @click.option("--decoupled/--no-decoupled", default=True, show_default=True,
-              help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request.")
+              help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request "
+                   "(for /infer clients; requests that arrive while a batch runs wait for it).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Cap on a request's max_tokens.")

@@ -105,3 +105,21 @@ def test_shutdown_fails_pending_and_new_requests(tiny_engine):
     assert not e.is_alive
     with pytest.raises(EngineDeadError):
         e.submit([1], SamplingParams(), lambda ev: None)
+
+
+def test_submit_racing_the_last_drain_is_refused(tiny_engine):
+    """A submit that passed its liveness check just before the engine thread's last drain, and queues after it,
+    would never be answered (a unary Triton request waited forever): once the thread is closing, submit refuses."""
+    late = []
+
+    class Racing(AsyncLLMEngine):
+        def _drain_rejecting(self, err):
+            super()._drain_rejecting(err)
+            try:  # the thread is still alive here, as it is for a caller racing it
+                self.submit([1], SamplingParams(max_tokens=1), late.append)
+            except EngineDeadError as e:
+                late.append(e)
+
+    e = Racing(tiny_engine)
+    e.shutdown()
+    assert len(late) == 1 and isinstance(late[0], EngineDeadError)

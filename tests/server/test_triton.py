@@ -11,6 +11,7 @@ import queue
 import re
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,11 @@ def test_config_pbtxt_shape(tmp_path):
                  "return_log_probs", "text_output", "output_ids", "finish_reason", "output_log_probs"]:
         assert f'name: "{name}"' in txt
     assert 'backend: "python"' in txt and "decoupled: true" in txt and str(tmp_path) in txt
-    assert "decoupled" not in config_pbtxt("k3", tmp_path, decoupled=False)
+    unary = config_pbtxt("k3", tmp_path, decoupled=False, max_batch_size=8)
+    assert "decoupled" not in unary and "max_batch_size: 0" in txt
+    # the unary model takes the requests queued while it runs together; prompts and stops of any length
+    assert "max_batch_size: 8" in unary and "dynamic_batching" in unary and "dynamic_batching" not in txt
+    assert unary.count("allow_ragged_batch: true") == 2 and "allow_ragged_batch" not in txt
     with pytest.raises(FileNotFoundError, match="not a k3build engine"):
         write_repo(tmp_path, tmp_path / "repo")
 
@@ -111,7 +116,12 @@ def triton(tiny_engine, tmp_path_factory):
         env = find_env(DEFAULT_VENV)
     work = tmp_path_factory.mktemp("triton")
     write_repo(tiny_engine, work / "repo", model_name="k3", decoupled=True, max_tokens_limit=64)
-    write_repo(tiny_engine, work / "repo", model_name="k3_unary", decoupled=False, max_tokens_limit=64)
+    write_repo(tiny_engine, work / "repo", model_name="k3_unary", decoupled=False, max_tokens_limit=1000)
+    # a model whose engine fails at its first step (its stub's LLMEngine.step replaced): how a stopped engine is told
+    dies = write_repo(tiny_engine, work / "repo", model_name="k3_dies", decoupled=False)
+    with open(dies / "1" / "model.py", "a") as f:
+        f.write("\n\nfrom k3runtime.llm_engine import LLMEngine\n\n\ndef _fail(self, *a, **k):\n"
+                "    raise RuntimeError('injected step failure')\n\n\nLLMEngine.step = _fail\n")
     ts = TritonServer(work / "repo", work, _ports(), env=env)
     ts.start()
     yield ts
@@ -121,7 +131,8 @@ def triton(tiny_engine, tmp_path_factory):
     assert not [k for k in kids if Path(f"/proc/{k}").exists()], "stub processes outlived tritonserver"
 
 
-def _inputs(mod, **values):
+def _inputs(mod, batched=False, **values):
+    """values as the client's InferInputs; batched: with the unary model's batch dimension (of 1)."""
     kinds = {"text_input": ("BYTES", np.object_), "stop": ("BYTES", np.object_), "input_ids": ("INT32", np.int32),
              "max_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32), "temperature": ("FP32", np.float32),
              "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_),
@@ -131,10 +142,15 @@ def _inputs(mod, **values):
     for name, v in values.items():
         dt, npt = kinds[name]
         a = np.array(v if isinstance(v, list) else [v], dtype=npt)
+        a = a[None] if batched else a
         x = mod.InferInput(name, list(a.shape), dt)
         x.set_data_from_numpy(a)
         out.append(x)
     return out
+
+
+def _unary(mod, **values):
+    return _inputs(mod, batched=True, **values)
 
 
 def _stream(url, model, requests):
@@ -175,19 +191,19 @@ def test_http_unary_matches_python_api(triton, llm):
     try:
         assert c.is_server_ready() and c.is_model_ready("k3_unary") and c.is_model_ready("k3")
         ref = llm.generate([3, 14, 15, 92], SamplingParams(max_tokens=10, temperature=0))[0]
-        r = c.infer("k3_unary", _inputs(th, input_ids=[3, 14, 15, 92], max_tokens=10, temperature=0.0))
-        assert r.as_numpy("output_ids").tolist() == ref.token_ids
-        assert r.as_numpy("finish_reason")[0].decode() == ref.finish_reason
+        r = c.infer("k3_unary", _unary(th, input_ids=[3, 14, 15, 92], max_tokens=10, temperature=0.0))
+        assert r.as_numpy("output_ids").tolist() == [ref.token_ids]
+        assert r.as_numpy("finish_reason")[0, 0].decode() == ref.finish_reason
         ref = llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0))[0]
-        r = c.infer("k3_unary", _inputs(th, text_input="Hello world", max_tokens=8, temperature=0.0))
-        assert r.as_numpy("output_ids").tolist() == ref.token_ids
-        assert r.as_numpy("text_output")[0].decode() == ref.text
+        r = c.infer("k3_unary", _unary(th, text_input="Hello world", max_tokens=8, temperature=0.0))
+        assert r.as_numpy("output_ids").tolist() == [ref.token_ids]
+        assert r.as_numpy("text_output")[0, 0].decode() == ref.text
         assert r.as_numpy("output_log_probs").size == 0  # not asked
         # return_log_probs: each output token's log-probability, the Python API's
         ref = llm.generate("Hello world", SamplingParams(max_tokens=6, temperature=0, logprobs=0))[0]
-        r = c.infer("k3_unary", _inputs(th, text_input="Hello world", max_tokens=6, temperature=0.0,
+        r = c.infer("k3_unary", _unary(th, text_input="Hello world", max_tokens=6, temperature=0.0,
                                         return_log_probs=True))
-        assert r.as_numpy("output_log_probs").tolist() == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+        assert r.as_numpy("output_log_probs")[0].tolist() == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
     finally:
         c.close()
 
@@ -240,7 +256,7 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
     try:
         for values, words in [
             (dict(input_ids=[1, 2], max_tokens=0), "max_tokens"),
-            (dict(input_ids=[1, 2], max_tokens=1000), "limit"),
+            (dict(input_ids=[1, 2], max_tokens=2000), "limit of 1000"),
             (dict(input_ids=[1, 2], temperature=-1.0), "temperature"),
             (dict(input_ids=[1, 2], repetition_penalty=0.0), "repetition_penalty"),
             (dict(input_ids=[1, 2], presence_penalty=3.0), "presence_penalty"),
@@ -250,15 +266,82 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
             (dict(text_input=b"a\xed\xa0\x80"), "text_input: not valid UTF-8"),  # a lone surrogate's bytes
             (dict(input_ids=[1, 2], stop=[b"\xff"]), "stop: not valid UTF-8"),
         ]:
-            with pytest.raises(InferenceServerException, match=words):
-                c.infer("k3_unary", _inputs(th, **values))
-        wrong = th.InferInput("max_tokens", [1], "FP32")
-        wrong.set_data_from_numpy(np.array([3.0], dtype=np.float32))
+            with pytest.raises(InferenceServerException, match=words) as e:
+                c.infer("k3_unary", _unary(th, **values))
+            assert e.value.status() == "400", values  # the client's mistake (INVALID_ARG), not the server's
+        wrong = th.InferInput("max_tokens", [1, 1], "FP32")
+        wrong.set_data_from_numpy(np.array([[3.0]], dtype=np.float32))
         with pytest.raises(InferenceServerException, match="data-type"):
-            c.infer("k3_unary", _inputs(th, input_ids=[1]) + [wrong])
-        r = c.infer("k3_unary", _inputs(th, input_ids=[1, 2], max_tokens=2, temperature=0.0))
-        assert len(r.as_numpy("output_ids")) == 2
+            c.infer("k3_unary", _unary(th, input_ids=[1]) + [wrong])
+        r = c.infer("k3_unary", _unary(th, input_ids=[1, 2], max_tokens=2, temperature=0.0))
+        assert r.as_numpy("output_ids").shape == (1, 2)
     finally:
         c.close()
     with pytest.raises(AssertionError, match="max_tokens"):
         _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(text_input="x", max_tokens=-2)])
+
+
+def _unary_counts(c, model="k3_unary"):
+    """(requests answered, executions) of a model, from Triton's statistics."""
+    st = c.get_inference_statistics(model)["model_stats"][0]
+    return int(st.get("inference_count", 0)), int(st.get("execution_count", 0))
+
+
+def test_unary_model_batches_requests_that_wait(triton, llm):
+    """Requests sent together to the unary model run together in the engine (the dynamic batcher hands them to one
+    execute; ragged prompts), each answered with exactly the Python API's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.http as th
+
+    prompts = [[3, 14, 15, 92], [7] * 11, [2, 7, 1, 8, 2, 8], [5], [9, 9, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    refs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    url = f"127.0.0.1:{triton.ports[0]}"
+    with th.InferenceServerClient(url) as c:
+        inf0, ex0 = _unary_counts(c)
+
+    def one(ids):
+        with th.InferenceServerClient(url) as c:
+            return c.infer("k3_unary", _unary(th, input_ids=ids, max_tokens=24, temperature=0.0)).as_numpy("output_ids")
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, prompts))
+    assert [g[0].tolist() for g in got] == [r.token_ids for r in refs]
+    with th.InferenceServerClient(url) as c:
+        inf1, ex1 = _unary_counts(c)
+    # one at a time would be one execution a request; the first runs alone, the others queue behind it together
+    assert inf1 - inf0 == len(prompts) and ex1 - ex0 < len(prompts), (inf1 - inf0, ex1 - ex0)
+
+
+def test_unary_request_cancelled_by_its_client_is_aborted(triton, llm):
+    """A gRPC client that gives up (client_timeout) cancels its request: the unary model aborts it on the engine,
+    so the next request is answered at once, not after the abandoned one's whole generation (hundreds of tokens,
+    tens of seconds here: the model takes one batch at a time)."""
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    with tg.InferenceServerClient(f"127.0.0.1:{triton.ports[1]}") as c:
+        with pytest.raises(InferenceServerException, match="Deadline"):  # still running at the deadline
+            c.infer("k3_unary", _unary(tg, input_ids=[5], max_tokens=1000, temperature=0.0), client_timeout=0.3)
+        ref = llm.generate([7], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+        r = c.infer("k3_unary", _unary(tg, input_ids=[7], max_tokens=3, temperature=0.0), client_timeout=10)
+        assert r.as_numpy("output_ids")[0].tolist() == ref
+
+
+def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
+    """An engine that stops (its step failed) answers its request, and every later one, UNAVAILABLE (HTTP 503)
+    naming the cause and the way back; Triton's metrics show k3_engine_alive 0 for that model, 1 for the others."""
+    import urllib.request
+
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    with th.InferenceServerClient(f"127.0.0.1:{triton.ports[0]}") as c:
+        for _ in range(2):  # the request in flight when it stopped, then one after
+            with pytest.raises(InferenceServerException, match="injected step failure") as e:
+                c.infer("k3_dies", _unary(th, input_ids=[1, 2], max_tokens=2))
+            assert e.value.status() == "503" and "/v2/repository/models/k3_dies/load" in str(e.value)
+        assert c.is_model_ready("k3")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
+    alive = dict(re.findall(r'^k3_engine_alive\{model="(\w+)"\} (\S+)$', metrics, re.M))
+    assert alive == {"k3": "1", "k3_unary": "1", "k3_dies": "0"}, alive
