@@ -13,7 +13,8 @@ Converted directory format (read by `k3build build`):
   "dim": int|null, "start": int, "stop": int}} so any reader can reassemble or check a tensor.
   Float tensors keep the source dtype (A_log is [H]: K3's zero padding is validated and dropped).
 - Tokenizer and generation files of the source, copied unchanged.
-The directory appears atomically: it is written as `OUT.tmp-<pid>-<random>` next to OUT, fsynced, renamed.
+The directory appears atomically: it is written in a hidden staging dir next to OUT (output_dir.make_staging_dir),
+fsynced, renamed.
 """
 
 from __future__ import annotations

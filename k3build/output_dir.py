@@ -92,26 +92,39 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or here is None or here == start  # a different start time: the pid was reused
 
 
+def _host() -> str:
+    """Where this process's pid means something: the host name and the pid namespace (containers that share a host
+    name each number their own processes)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{socket.gethostname()}{'/' + ns if ns else ''}".replace(" ", "_")
+
+
 def make_staging_dir(out: Path, error: type[Exception]) -> Path:
     """The hidden staging dir for `out` (same parent, so the final rename is atomic), with the permissions of any new
     directory (mkdtemp makes it private) and this process's pid file; `error` where out's directory takes no new
     entry."""
+    tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         pid = os.getpid()
-        (tmp / PID_FILE).write_text(f"{pid} {socket.gethostname()} {_start_time(pid) or '-'}\n")
+        (tmp / PID_FILE).write_text(f"{pid} {_host()} {_start_time(pid) or '-'}\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
     except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise error(os_error_message(out, f"write beside it in {out.parent}", e)) from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
     return tmp
 
 
 def clean_stale(out: Path) -> list[Path]:
     """Remove staging dirs of `out` whose run is no longer running; returns what was removed."""
     removed = []
-    host = socket.gethostname()
+    host = _host()
     for tmp in out.parent.glob(f".{out.name}.tmp-*"):
         if not tmp.is_dir():
             continue
@@ -125,7 +138,7 @@ def clean_stale(out: Path) -> list[Path]:
         except (OSError, ValueError):
             stale = True  # an unreadable pid file is no live build's
         else:
-            # Only this host's processes can be checked; another host's run is left alone.
+            # Only this host's (and pid namespace's) processes can be checked; another's run is left alone.
             stale = pid_host == host and not _alive(int(pid_s), None if start == "-" else start)
         if stale:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -142,7 +155,8 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
         if not out.exists():
             os.replace(staging, out)
             return
-        old = staging.with_name(staging.name + "-old")
+        # aside under a name clean_stale does not match: a run starting meanwhile must not remove it
+        old = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
         os.replace(out, old)
         try:
             os.replace(staging, out)

@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 from k3plugins import registry
 
-from k3build.output_dir import PID_FILE, _start_time
+from k3build.output_dir import PID_FILE, _host, _start_time
 from k3build.cli import main
 from k3build.convert import convert
 from k3build.mapping import Mapping
@@ -305,7 +305,7 @@ def test_sigkill_mid_build_leaves_no_engine_and_next_build_cleans(converted, tmp
     # a live build's staging dir (ours) must survive the clean-up
     live = tmp_path / ".engine.tmp-live"
     live.mkdir()
-    (live / PID_FILE).write_text(f"{os.getpid()} {os.uname().nodename} {_start_time(os.getpid())}\n")
+    (live / PID_FILE).write_text(f"{os.getpid()} {_host()} {_start_time(os.getpid())}\n")
     res = _build(converted["tp1"], out)
     assert res.exit_code == 0, res.output
     assert sorted(d.name for d in tmp_path.iterdir()) == [".engine.tmp-live", "engine"]
@@ -346,7 +346,7 @@ def test_bad_recipe_value_names_the_recipe(converted, tmp_path):
 def test_clean_stale_tells_dead_from_live(tmp_path):
     from k3build.output_dir import NO_PID_GRACE_S, clean_stale
 
-    host, me = os.uname().nodename, os.getpid()
+    host, me = _host(), os.getpid()
     dirs = {"live": f"{me} {host} {_start_time(me)}", "reused-pid": f"{me} {host} 1",
             "other-host": f"1 not-{host} 1", "garbage": "x", "young-no-pid": None, "old-no-pid": None}
     for name, pid in dirs.items():
@@ -357,10 +357,11 @@ def test_clean_stale_tells_dead_from_live(tmp_path):
     old = time.time() - NO_PID_GRACE_S - 5
     os.utime(tmp_path / ".engine.tmp-old-no-pid", (old, old))
     (tmp_path / ".other.tmp-x").mkdir()  # another engine's staging dir is not ours to judge
+    (tmp_path / ".engine.old-x").mkdir()  # an old output moved aside while its replacement moves in
     removed = {p.name for p in clean_stale(tmp_path / "engine")}
     assert removed == {".engine.tmp-reused-pid", ".engine.tmp-garbage", ".engine.tmp-old-no-pid"}
     assert {p.name for p in tmp_path.iterdir()} == {".engine.tmp-live", ".engine.tmp-other-host",
-                                                    ".engine.tmp-young-no-pid", ".other.tmp-x"}
+                                                    ".engine.tmp-young-no-pid", ".other.tmp-x", ".engine.old-x"}
 
 
 def test_an_output_under_a_file_is_refused_by_name(converted, k3_tiny_ckpt, tmp_path):

@@ -15,6 +15,7 @@ from k3build.config import K3Config
 from k3build.convert import convert
 from k3build.mapping import Mapping
 from k3build.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3build.output_dir import PID_FILE
 from k3build.schema import checkpoint_tensors, from_canonical_name
 
 MAPPINGS = {
@@ -67,7 +68,7 @@ def test_k3_reassembles_bit_exact(tiny, tmp_path, name):
             t = t[:h]  # canonical A_log drops K3's zero padding
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
-    assert not list(tmp_path.glob(".out.tmp-*"))
+    assert not list(tmp_path.glob(".out.tmp-*")) and not (out / PID_FILE).exists()
 
 
 def test_workers_give_identical_files(tiny, tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from safetensors import safe_open
 from k3build.cli import main
 from k3build.config import K3Config, preset
 from k3build.mxfp4 import dequantize_mxfp4
-from k3build.output_dir import PID_FILE
+from k3build.output_dir import PID_FILE, _host
 from k3build.schema import checkpoint_tensors
 from k3build.synth import synth
 from k3build.tokenizer import BOS, EOS, PAD, build_tokenizer
@@ -104,6 +103,7 @@ def test_existing_out_needs_overwrite(tmp_path):
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in out.glob("model-*.safetensors")) == [f"model-0000{i}-of-00002.safetensors"
                                                                         for i in (1, 2)]
+    assert not (out / PID_FILE).exists()  # a finished output is no run's staging dir
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     # a directory of the user's, even one with a config.json (a real checkpoint, an engine), is not synth's
@@ -124,7 +124,7 @@ def test_sigterm_leaves_no_staging_and_a_killed_runs_is_removed(tmp_path):
     dead.wait()
     killed = tmp_path / ".ckpt.tmp-x"
     killed.mkdir()
-    (killed / PID_FILE).write_text(f"{dead.pid} {socket.gethostname()} -\n")
+    (killed / PID_FILE).write_text(f"{dead.pid} {_host()} 1\n")  # (a start time no live process has)
     proc = subprocess.Popen([sys.executable, "-m", "k3build.cli", "synth", str(tmp_path / "big"), "--preset", "small",
                              "--num-layers", "2", "--num-experts", "16"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
