@@ -48,9 +48,14 @@ def _loopback(url: str) -> None:
         raise SystemExit(f"--url {url}: the load test only targets loopback addresses (127.0.0.0/8, ::1, localhost)")
 
 
-def _pct(xs: list[float], q: float) -> float:
+def _pct(xs: list[float], q: float) -> float | None:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    """None (JSON null) where nothing was measured (no second token, every request failed)."""
+    return None if seconds is None else round(1000 * seconds, 2)
 
 
 async def _reference(c: httpx.AsyncClient, model: str, pool: list[tuple[list[int], int]]) -> list[dict]:
@@ -113,13 +118,15 @@ async def run_load(url: str, model: str, *, clients: int = 8, requests: int = 10
                    num_prompts: int = 32, disconnect_rate: float = 0.1, seed: int = 0, vocab: int = 256,
                    api_key: str | None = None, idle_timeout: float = 30.0, exact: bool = True) -> dict:
     """exact: each completed request's tokens must equal the reference's (an fp32 engine, see above)."""
-    _loopback(url)
     rng = random.Random(seed)
     pool = [([rng.randrange(1, vocab) for _ in range(rng.randint(2, 24))], rng.randint(1, max_tokens))
             for _ in range(num_prompts)]
     limits = httpx.Limits(max_connections=clients + 2)
     async with _client(url, api_key, timeout=120, limits=limits) as c:
-        refs = await _reference(c, model, pool)
+        try:
+            refs = await _reference(c, model, pool)
+        except httpx.HTTPError as e:  # no reference, no run: the report says why
+            return {"requests": requests, "ok": False, "reference_error": f"{type(e).__name__}: {e}"}
         plan = []
         for j in range(requests):
             k = rng.randrange(num_prompts)
@@ -175,8 +182,8 @@ async def run_load(url: str, model: str, *, clients: int = 8, requests: int = 10
         "missing": requests - len(results), "errors": errors[:10], "num_errors": len(errors),
         "mismatched": mismatched[:5], "num_mismatched": len(mismatched), "bad_prefixes": len(cut_bad),
         "leak": busy, "clients": clients, "max_tokens": max_tokens, "wall_s": round(wall, 3),
-        "ttft_p50_ms": round(1000 * _pct(ttfts, 0.5), 2), "ttft_p99_ms": round(1000 * _pct(ttfts, 0.99), 2),
-        "itl_p50_ms": round(1000 * _pct(gaps, 0.5), 2), "itl_p99_ms": round(1000 * _pct(gaps, 0.99), 2),
+        "ttft_p50_ms": _ms(_pct(ttfts, 0.5)), "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
+        "itl_p50_ms": _ms(_pct(gaps, 0.5)), "itl_p99_ms": _ms(_pct(gaps, 0.99)),
         "exact": exact,
         "requests_per_s": round(len(results) / wall, 2), "tokens_per_s": round(tokens / wall, 2),
         "ok": not (errors or mismatched or cut_bad or busy) and len(results) == requests,

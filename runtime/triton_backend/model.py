@@ -10,7 +10,8 @@ takes the requests Triton's dynamic batcher hands it together (each with a batch
 when all are done. A cancelled request (client gone) is aborted on the engine, which frees its pages and KDA slot.
 Errors: the client's mistakes are INVALID_ARG (HTTP 400), a stopped engine UNAVAILABLE (503; the gauge
 k3_engine_alive of Triton's metrics goes to 0, since Triton before 2.64 cannot mark a Python model not ready:
-reload the model or restart the server).
+reload the model or restart the server). Triton's metrics also count finished requests by reason
+(k3_requests_finished_total), prompt and generated tokens.
 Needs numpy<2 in the stub's environment (Triton 2.51's stub), plus k3runtime and its dependencies.
 """
 
@@ -80,9 +81,39 @@ def _invalid(e: Exception):
     return _error(str(e), pb_utils.TritonError.INVALID_ARG)
 
 
+def _counters(model_name: str):
+    """The engine's Metrics hooks (engine thread) as Triton metrics of this model: finished requests by reason,
+    prompt and generated tokens (the names of `k3runtime serve`'s /metrics)."""
+    from k3runtime.async_engine import Metrics
+
+    def family(name, description):
+        return pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
+
+    class Counters(Metrics):
+        def __init__(self):
+            super().__init__()
+            self.families = {n: family(f"k3_{n}_total", d) for n, d in (
+                ("requests_finished", "Finished requests."), ("prompt_tokens", "Prompt tokens of finished requests."),
+                ("generation_tokens", "Generated tokens."))}
+            self.by_reason = {}
+            self.prompt = self.families["prompt_tokens"].Metric(labels={"model": model_name})
+            self.generation = self.families["generation_tokens"].Metric(labels={"model": model_name})
+
+        def on_finish(self, reason, prompt_tokens, output_tokens, tpot_s):
+            super().on_finish(reason, prompt_tokens, output_tokens, tpot_s)
+            if reason not in self.by_reason:
+                self.by_reason[reason] = self.families["requests_finished"].Metric(
+                    labels={"model": model_name, "finish_reason": reason})
+            self.by_reason[reason].increment(1)
+            self.prompt.increment(prompt_tokens)
+            self.generation.increment(output_tokens)
+
+    return Counters()
+
+
 class TritonPythonModel:
     def initialize(self, args):
-        from k3runtime.async_engine import AsyncLLMEngine
+        from k3runtime.async_engine import AsyncLLMEngine, EngineDeadError
         from k3runtime.sampling_params import SamplingParams
         from k3runtime.triton_backend.params import engine_options
 
@@ -95,12 +126,13 @@ class TritonPythonModel:
             options = engine_options(params)
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from None
-        self.engine = AsyncLLMEngine(params["engine_dir"], options)
-        self.SamplingParams = SamplingParams
+        self.model_name = args["model_name"]
+        self.counters = _counters(self.model_name)
+        self.engine = AsyncLLMEngine(params["engine_dir"], options, metrics=self.counters)
+        self.SamplingParams, self.EngineDeadError = SamplingParams, EngineDeadError
         self.max_tokens_limit = int(params.get("max_tokens_limit") or 4096)
         self.batched = cfg.get("max_batch_size", 0) > 0
-        self.model_name = args["model_name"]
-        # the family must outlive its metric (the stub refuses a metric whose family was collected)
+        # a family must outlive its metrics (the stub refuses a metric whose family was collected)
         self.alive_family = pb_utils.MetricFamily(
             name="k3_engine_alive", description="1 while the model's k3 engine runs, 0 once it stopped",
             kind=pb_utils.MetricFamily.GAUGE)
@@ -118,17 +150,22 @@ class TritonPythonModel:
         """The error response for an exception the engine gave a request."""
         if isinstance(ev, (ValueError, TypeError)):  # the engine refused this request's input
             return _invalid(ev)
-        if not self.engine.is_alive:
+        if isinstance(ev, self.EngineDeadError):  # it failed, or the model is being unloaded
             return self._unavailable()
         return _error(str(ev))
 
     def _unavailable(self):
-        return _error(f"the k3 engine has stopped ({self.engine.error!r}); reload the model (POST "
-                      f"/v2/repository/models/{self.model_name}/load) or restart the server",
-                      pb_utils.TritonError.UNAVAILABLE)
+        why = "being unloaded" if self.finalizing else f"stopped ({self.engine.error!r})"
+        return _error(f"the k3 engine is {why}; reload the model (POST /v2/repository/models/{self.model_name}/load) "
+                      "or restart the server", pb_utils.TritonError.UNAVAILABLE)
 
     def _parse(self, request):
         """(prompt ids, SamplingParams, stream) of one request; ValueError names the bad input."""
+        if self.batched:  # one prompt a request: a batch of 2 would be joined into one prompt
+            for t in request.inputs():
+                if t.shape()[0] != 1:
+                    raise ValueError(f"{t.name()}: a batch of {t.shape()[0]}; send one request a prompt, each "
+                                     "input shaped [1, ...] (requests sent together are batched by the server)")
         text = _scalar(request, "text_input", None, str)
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if (text is None) == (ids_t is None):

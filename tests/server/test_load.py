@@ -92,12 +92,14 @@ def test_server_gone_mid_run_is_a_report(tiny_engine):
 
     def kill_once_loaded():  # after the reference run (4 requests) and the first load requests
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            m = load_test.parse_metrics(httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text)
-            if sum(v for k, v in m.items() if k.startswith("k3_requests_finished_total")) >= 6:
-                break
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
+        try:
+            while time.monotonic() < deadline:
+                m = load_test.parse_metrics(httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text)
+                if sum(v for k, v in m.items() if k.startswith("k3_requests_finished_total")) >= 6:
+                    break
+                time.sleep(0.05)
+        finally:  # the server goes whatever happened here
+            proc.send_signal(signal.SIGKILL)
 
     killer = threading.Thread(target=kill_once_loaded)
     killer.start()
@@ -118,3 +120,14 @@ def test_inexact_check_takes_length_or_stop():
     assert not ends({"ids": [1, 2], "reason": "length"}, 3)  # a token lost
     assert not ends({"ids": [1, 2, 3, 4], "reason": "length"}, 3)  # one too many
     assert not ends({"ids": [], "reason": "stop"}, 3) and not ends({"ids": [1, 2, 3], "reason": None}, 3)
+
+
+def test_no_server_is_a_report():
+    """Nothing listening: the reference run fails, and the report says so (no traceback); a latency nothing
+    measured is null in the JSON report (not NaN, which strict JSON readers refuse)."""
+    import json
+
+    url = f"http://127.0.0.1:{load_test._free_port()}"
+    report = asyncio.run(load_test.run_load(url, "m", requests=3))
+    assert not report["ok"] and "ConnectError" in report["reference_error"], report
+    assert json.dumps({"itl": load_test._ms(load_test._pct([], 0.5))}) == '{"itl": null}'

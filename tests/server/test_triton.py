@@ -269,6 +269,11 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
             with pytest.raises(InferenceServerException, match=words) as e:
                 c.infer("k3_unary", _unary(th, **values))
             assert e.value.status() == "400", values  # the client's mistake (INVALID_ARG), not the server's
+        two = th.InferInput("input_ids", [2, 2], "INT32")  # two prompts in one request: not joined into one
+        two.set_data_from_numpy(np.array([[1, 2], [3, 4]], dtype=np.int32))
+        with pytest.raises(InferenceServerException, match="input_ids: a batch of 2") as e:
+            c.infer("k3_unary", [two])
+        assert e.value.status() == "400"
         wrong = th.InferInput("max_tokens", [1, 1], "FP32")
         wrong.set_data_from_numpy(np.array([[3.0]], dtype=np.float32))
         with pytest.raises(InferenceServerException, match="data-type"):
@@ -313,19 +318,37 @@ def test_unary_model_batches_requests_that_wait(triton, llm):
     assert inf1 - inf0 == len(prompts) and ex1 - ex0 < len(prompts), (inf1 - inf0, ex1 - ex0)
 
 
+def _metric(triton, name, deadline_s=30.0, until=lambda v: True):
+    """The value of one sample of Triton's /metrics (0 when absent), polled until `until` holds (or the deadline)."""
+    import urllib.request
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        v = float(m.group(1)) if m else 0.0
+        if until(v) or time.monotonic() > deadline:
+            return v
+
+
 def test_unary_request_cancelled_by_its_client_is_aborted(triton, llm):
-    """A gRPC client that gives up (client_timeout) cancels its request: the unary model aborts it on the engine,
-    so the next request is answered at once, not after the abandoned one's whole generation (hundreds of tokens,
-    tens of seconds here: the model takes one batch at a time)."""
+    """A gRPC client that gives up (client_timeout) cancels its request: the unary model aborts it on the engine
+    (its pages and slot freed; Triton's metrics count it as finished by "abort"), and the next request is answered."""
     import tritonclient.grpc as tg
     from tritonclient.utils import InferenceServerException
 
+    aborted = 'k3_requests_finished_total{finish_reason="abort",model="k3_unary"}'
+    before = _metric(triton, aborted)
     with tg.InferenceServerClient(f"127.0.0.1:{triton.ports[1]}") as c:
         with pytest.raises(InferenceServerException, match="Deadline"):  # still running at the deadline
             c.infer("k3_unary", _unary(tg, input_ids=[5], max_tokens=1000, temperature=0.0), client_timeout=0.3)
+        # without the abort it runs to its end (hundreds of tokens), finished by "stop" or "length"
+        assert _metric(triton, aborted, until=lambda v: v > before) == before + 1
         ref = llm.generate([7], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
-        r = c.infer("k3_unary", _unary(tg, input_ids=[7], max_tokens=3, temperature=0.0), client_timeout=10)
+        r = c.infer("k3_unary", _unary(tg, input_ids=[7], max_tokens=3, temperature=0.0))
         assert r.as_numpy("output_ids")[0].tolist() == ref
+    # the counters are the engine's: this model's generated tokens include the three just answered
+    assert _metric(triton, 'k3_generation_tokens_total{model="k3_unary"}') >= 3
 
 
 def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
@@ -342,6 +365,8 @@ def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
                 c.infer("k3_dies", _unary(th, input_ids=[1, 2], max_tokens=2))
             assert e.value.status() == "503" and "/v2/repository/models/k3_dies/load" in str(e.value)
         assert c.is_model_ready("k3")
+    # the gauge drops once the engine thread has ended (its watcher sets it), maybe a moment after the answers
+    assert _metric(triton, 'k3_engine_alive{model="k3_dies"}', until=lambda v: v == 0) == 0
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
     alive = dict(re.findall(r'^k3_engine_alive\{model="(\w+)"\} (\S+)$', metrics, re.M))
     assert alive == {"k3": "1", "k3_unary": "1", "k3_dies": "0"}, alive
