@@ -61,6 +61,11 @@ class Mapping:
                                f"must equal tp_size ({self.tp_size})")
         if self.attention_dp and self.moe_tp_size != 1:
             raise MappingError("mapping.moe_tp_size: MoE tensor parallelism needs attention-DP off (experts are EP-only under attention-DP)")
+        if self.attention_dp and self.tp_size > 1 and self.pp_size > 1:
+            # the runtime schedules attention-DP ranks each on their own, which pipeline stages cannot follow:
+            # refused here, before a convert and a build it could not load
+            raise MappingError(f"mapping: attention-DP with pipeline parallelism (pp_size={self.pp_size}) is not "
+                               "supported by k3runtime; use pp_size 1, or attention TP")
 
     # --- ranks ---
     @property

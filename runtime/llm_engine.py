@@ -288,7 +288,8 @@ class LLMEngine:
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.
         self.dp_size = mapping["tp_size"] if mapping["attention_dp"] else 1
         if self.dp_size > 1 and mapping["pp_size"] > 1:
-            raise EngineError(f"{engine_dir}: attention-DP with pipeline parallelism is not supported; rebuild with pp_size 1")
+            raise EngineError(f"{engine_dir}: attention-DP with pipeline parallelism is not supported (k3build refuses "
+                              "this mapping now); convert and build again with --pp-size 1, or without --attention-dp")
         comm = None
         if self.world_size > 1:
             from .dist.launch import driver_comm

@@ -65,6 +65,7 @@ def test_pp_owns_contiguous_layers_embedding_first_lm_head_last():
     (dict(tp_size=4, moe_tp_size=3), "moe_tp_size: 3 does not divide tp_size=4"),
     (dict(tp_size=4, moe_ep_size=3), "must equal tp_size"),
     (dict(tp_size=2, moe_tp_size=2, attention_dp=True), "attention-DP off"),
+    (dict(tp_size=2, pp_size=2, attention_dp=True), "attention-DP with pipeline parallelism"),  # refused at load
 ])
 def test_bad_mapping(kw, words):
     with pytest.raises(MappingError, match=words):
