@@ -42,10 +42,8 @@ from .output_dir import (check_output_dir, clean_stale, exit_on_sigterm, make_pa
                          make_staging_dir)
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
-from .tokenizer import check_tokenizer_files
+from .tokenizer import TOKENIZER_FILES, check_tokenizer_files, tokenizer_note
 
-COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-              "tiktoken.model", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 FINITE_CHUNK = 1 << 24
 # Test hook: seconds to sleep after each tensor, so a test can kill a run midway.
 _SLEEP = float(os.environ.get("K3BUILD_CONVERT_TEST_SLEEP", "0") or 0)
@@ -228,7 +226,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
                         for o in job.outputs}) for job in jobs]
         _execute(tasks, (src.cfg, src.flavour, paths), workers, progress)
         _write_config(tmp, src, cfg_out, mapping)
-        for name in COPY_FILES:
+        for name in TOKENIZER_FILES:
             if (src.path / name).is_file():
                 shutil.copyfile(src.path / name, tmp / name)
         for p in tmp.iterdir():
@@ -291,3 +289,6 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
         click.echo(f"\nconvert interrupted; {out} was not written", err=True)
         sys.exit(130)
     click.echo(f"wrote {path} ({mapping.world_size} ranks)")
+    note = tokenizer_note(path)
+    if note:
+        click.echo(f"warning: {note}", err=True)

@@ -96,6 +96,23 @@ def write_tokenizer(out_dir: str | Path, cfg: K3Config) -> None:
 
 
 JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# What convert and build carry from the checkpoint into the engine. k3runtime reads tokenizer.json (and the JSON
+# files); the others go along for other readers of the engine.
+TOKENIZER_FILES = ("tokenizer.json", *JSON_FILES, "chat_template.jinja", "tokenizer.model", "tiktoken.model",
+                   "vocab.json", "merges.txt")
+
+
+def tokenizer_note(ckpt_dir: Path) -> str | None:
+    """A warning when k3runtime will find no tokenizer.json in what is built from ckpt_dir (its engine then takes
+    token ids only); None when it will."""
+    if (ckpt_dir / "tokenizer.json").is_file():
+        return None
+    others = [n for n in TOKENIZER_FILES if (ckpt_dir / n).is_file() and n not in JSON_FILES]
+    if not others:
+        return f"{ckpt_dir}: no tokenizer files; the engine will take token ids only, not text"
+    return (f"{ckpt_dir}: no tokenizer.json (only {', '.join(others)}), which is what k3runtime reads; the engine "
+            "will take token ids only, not text, unless a tokenizer.json is put beside them (e.g. saved with "
+            "transformers' AutoTokenizer.from_pretrained(...).save_pretrained(...))")
 
 
 def check_tokenizer_files(ckpt_dir: Path, error: type[Exception]) -> None:

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..config import K3Config
 from ..mapping import Mapping
 from ..output_dir import check_output_dir, clean_stale, make_parent, make_staging_dir, move_into_place
+from ..tokenizer import TOKENIZER_FILES
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
@@ -35,8 +36,6 @@ from .tactics import (PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, rec
 RELAID_W4 = {"triton_l": "prefill_l", "triton_p": "prefill_p", "triton_s": "prefill_s"}
 
 ENGINE_FORMAT_VERSION = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja")
 
 
 def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, options: BuildOptions, *,
