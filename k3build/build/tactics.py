@@ -32,6 +32,11 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
         table[op] = {"version": impl.version, "tactic": impl.tactic}
         if op not in overrides:
             notes += _passed_over(op, target, impl.tactic, quantization, dtype)
+            kernels = [i.tactic for i in registry.IMPLS if i.op == op and i.tactic != "reference"]
+            if impl.tactic == "reference" and target != "cpu" and kernels and not any(
+                    t in registry.PREFERENCE[target] for t in kernels):
+                notes.append(f"{op}: the torch reference on {target}, a slow fallback: its kernels ("
+                             f"{', '.join(kernels)}) are not registered for {target}")
     return table, notes
 
 

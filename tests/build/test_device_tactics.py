@@ -161,11 +161,15 @@ def test_fp32_engine_keeps_the_reference_router():
 
 
 def test_gfx942_uses_portable_kernels_only():
-    table, _ = resolve_plugins("gfx942")
+    table, notes = resolve_plugins("gfx942")
     assert table["MoEExperts"]["tactic"] == "triton" and table["Router"]["tactic"] == "triton"
     assert table["MLA"]["tactic"] == "triton" and table["Linear"]["tactic"] == "blas"
     assert table["RMSNorm"]["tactic"] == "triton" and table["AttnRes"]["tactic"] == "triton"
     assert table["KDA"]["tactic"] == "reference"  # fla-core's chunk kernels are only registered for sm90
+    # ... which the build says (it is the slow path): the only note
+    assert notes == ["KDA: the torch reference on gfx942, a slow fallback: its kernels (fla) are not registered for "
+                     "gfx942"], notes
+    assert resolve_plugins("cpu")[1] == []
 
 
 def test_registry_entries_load_and_share_the_reference_signature():
