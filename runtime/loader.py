@@ -107,7 +107,10 @@ def check_device_present(device: torch.device, path: Path) -> None:
 
 
 def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> None:
-    """Refuse an engine this runtime cannot run, naming what to rebuild."""
+    """Refuse an engine this runtime cannot run, naming what to rebuild: its format, plugin ABI, each plugin's
+    version and tactic, its target. The stamp's torch, triton and k3build versions are the build machine's and stay
+    a record: an engine holds weights and a graph, no compiled kernels (Triton compiles at run time), so one built
+    on a CPU host with another torch runs on the GPU host's."""
     if why := not_an_engine(cfg, path) or check_engine_fields(cfg, path):
         raise EngineError(why)
     rebuild = f"rebuild it with `k3build build` from this installation"
