@@ -26,6 +26,7 @@ class Impl:
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")  # engine activation dtypes it takes
     expert_layout: str = "natural"  # MXFP4 expert bytes as the build lays them out for it ("strided": restride_mxfp4,
     # "paired": pair_tile_mxfp4 and tile_scales, "lane": lane_tile_mxfp4 and tile_scales)
+    host_sync: bool = False  # reads device values on the host each call (.tolist()): no CUDA graph can hold it
 
     def supports(self, target: str, quantization: str = "mxfp4", dtype: str = "bf16") -> tuple[bool, str]:
         if target not in self.targets:
@@ -59,8 +60,9 @@ IMPLS: list[Impl] = [
     Impl("MoEInProj", _REF, 1, "k3plugins.moe_in.reference:moe_in_proj"),
     Impl("MoEExperts", _REF, 1, "k3plugins.moe.reference:moe_experts"),
     Impl("MoEOutProj", _REF, 1, "k3plugins.moe_out.reference:moe_out_proj"),
-    Impl("KDA", _REF, 2, "k3plugins.kda.reference:kda_mixer"),  # v2: in_proj rows padded (IN_PROJ_ROW_ALIGN)
-    Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer"),  # v2: q_a, kv_a and g stacked in one in_proj
+    # their loops over sequences read lengths and slots on the host
+    Impl("KDA", _REF, 2, "k3plugins.kda.reference:kda_mixer", host_sync=True),  # v2: in_proj rows padded
+    Impl("MLA", _REF, 2, "k3plugins.mla.reference:mla_mixer", host_sync=True),  # v2: q_a, kv_a and g in one in_proj
     # device kernels (GPU-tested one by one: tests/plugins/test_*_gpu.py)
     Impl("Router", "triton", 1, "k3plugins.router.triton:route", _GPU, "triton", dtypes=("bf16", "fp16")),
     # one BLAS GEMM with fp32 output (torch.mm's out_dtype), then the top-k launch; on ROCm (not run there) its two

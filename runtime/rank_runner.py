@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from k3plugins import registry
 
 from .cuda_graph import DecodeGraphs, bucket_for
 from .executor import FED, Communicator, Executor, StepBatch, feed_tokens
@@ -222,7 +223,12 @@ def graph_blocker(engine: RankEngine) -> str | None:
     picks one bucket for all of them or none (shared_bucket, Step.graph_bucket): the expert exchange moves a fixed
     capacity of rows whatever each rank's batch, and an idle rank replays the bucket with padding rows only. All
     ranks capture the same buckets in the same order at start-up, where the driver and the workers open their
-    ranks in step."""
+    ranks in step. A plugin that reads device values on the host (a torch reference of KDA or MLA, where the build
+    found no kernel for the target: KDA on gfx942, or fla-core missing) cannot be captured at all."""
+    syncing = sorted(op for op, p in engine.build["plugins"].items()
+                     if (impl := registry.find(op, p["tactic"])) is not None and impl.host_sync)
+    if syncing:
+        return f"{', '.join(syncing)}: the torch reference reads device values on the host, which a graph cannot hold"
     if engine.world_size == 1:
         return None
     if torch.version.hip is not None:

@@ -6,14 +6,18 @@ picks for all of them, shared_bucket)."""
 from types import SimpleNamespace
 
 import pytest
+from k3build.build.tactics import resolve_plugins
 from k3build.mapping import Mapping
 from k3runtime.rank_runner import Step, graph_blocker, shared_bucket, wait_for
 from k3runtime.scheduler import ScheduledItem
 
 
-def _engine(mapping: Mapping):
-    """What graph_blocker reads of a RankEngine: its config's mapping (as the builder writes it) and world size."""
-    return SimpleNamespace(config={"mapping": mapping.to_dict()}, world_size=mapping.world_size)
+def _engine(mapping: Mapping, target: str | None = None):
+    """What graph_blocker reads of a RankEngine: its config's mapping (as the builder writes it), world size, and
+    plugin table (the builder's for `target`; None: no plugin that syncs)."""
+    plugins = resolve_plugins(target)[0] if target else {}
+    return SimpleNamespace(config={"mapping": mapping.to_dict()}, world_size=mapping.world_size,
+                           build={"plugins": plugins})
 
 
 @pytest.mark.parametrize("mapping", [Mapping(), Mapping(tp_size=4), Mapping(tp_size=2, moe_ep_size=2),
@@ -56,6 +60,19 @@ def test_multi_rank_graphs_stay_off_on_rocm(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert "RCCL" in graph_blocker(_engine(Mapping(tp_size=4)))
     assert graph_blocker(_engine(Mapping())) is None  # one rank: no collective in its graphs
+
+
+def test_a_reference_that_syncs_keeps_graphs_off():
+    """KDA's and MLA's torch references read lengths and slots on the host (.tolist()), which no CUDA graph can
+    hold: an engine that runs one on a GPU (KDA on gfx942; an sm90 build made without fla-core) decodes eagerly
+    instead of failing at capture."""
+    why = graph_blocker(_engine(Mapping(), "gfx942"))
+    assert why is not None and why.startswith("KDA: the torch reference reads device values on the host"), why
+    eng = _engine(Mapping(), "gfx942")
+    eng.build["plugins"]["MLA"] = {"version": 2, "tactic": "reference"}
+    assert graph_blocker(eng).startswith("KDA, MLA:")
+    eng.build["plugins"].update(KDA={"version": 2, "tactic": "fla"}, MLA={"version": 2, "tactic": "triton"})
+    assert graph_blocker(eng) is None
 
 
 def test_rank_zero_waits_for_a_replay_with_the_collective_timeout():
