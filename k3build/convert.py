@@ -13,7 +13,7 @@ Converted directory format (read by `k3build build`):
   "dim": int|null, "start": int, "stop": int}} so any reader can reassemble or check a tensor.
   Float tensors keep the source dtype (A_log is [H]: K3's zero padding is validated and dropped).
 - Tokenizer and generation files of the source, copied unchanged.
-The directory appears atomically: it is written in a hidden staging dir next to OUT (output_dir.make_staging_dir),
+The directory appears atomically: it is written in a hidden staging dir next to OUT (output_dir.staged_output),
 fsynced, renamed.
 """
 
@@ -38,8 +38,7 @@ from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, ope
                            plan_jobs)
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import (check_output_dir, clean_stale, exit_on_sigterm, make_parent, move_into_place,
-                         make_staging_dir)
+from .output_dir import check_output_dir, exit_on_sigterm, staged_output
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 from .tokenizer import TOKENIZER_FILES, check_tokenizer_files, tokenizer_note
@@ -209,16 +208,13 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
         raise ConvertError(f"--quantize: expected 'none' or 'mxfp4', got {quantize!r}")
     check_output_dir(out, Path(ckpt_dir), overwrite=overwrite, ours=lambda cfg: cfg.get("format") == FORMAT,
                      what="a converted checkpoint", error=ConvertError)
-    make_parent(out, ConvertError)
-    clean_stale(out)
     src = open_source(ckpt_dir)
     check_tokenizer_files(src.path, ConvertError)
     cfg_out = output_config(src, quantize)
     check_mapping(mapping, cfg_out)
     jobs = plan_jobs(src, cfg_out)
     layouts, where = _placements(jobs, mapping, cfg_out)
-    tmp = make_staging_dir(out, ConvertError)
-    try:
+    with staged_output(out, ConvertError) as tmp:
         paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
         for path, layout in zip(paths, layouts):
             _write_header(path, layout)
@@ -233,11 +229,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
-        move_into_place(tmp, out, ConvertError)
-        _fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _fsync_dir(out.parent)
     return out
 
 

@@ -16,7 +16,8 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -166,6 +167,22 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
     except OSError as e:
         raise error(os_error_message(out, "put the finished output in place", e)) from None
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
+    """`with staged_output(OUT, error) as tmp:` write OUT's content into tmp; when the block ends it moves into place
+    whole, and when it raises (Ctrl-C and SIGTERM through exit_on_sigterm included) tmp goes with what it held.
+    OUT's parent is made first and dead runs' staging dirs for OUT removed; `error` for what cannot be written."""
+    make_parent(out, error)
+    clean_stale(out)
+    tmp = make_staging_dir(out, error)
+    try:
+        yield tmp
+        move_into_place(tmp, out, error)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def exit_on_sigterm(signum, frame):

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
-from ..output_dir import check_output_dir, clean_stale, make_parent, make_staging_dir, move_into_place
+from ..output_dir import check_output_dir, staged_output
 from ..tokenizer import TOKENIZER_FILES
 from . import graph as graph_mod
 from .layout import engine_tensors
@@ -85,10 +85,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     for note in notes:
         (log or (lambda m: None))(note)
     layout = expert_layout(plugins)
-    make_parent(engine_dir, BuildError)
-    clean_stale(engine_dir)
-    tmp = make_staging_dir(engine_dir, BuildError)
-    try:
+    with staged_output(engine_dir, BuildError) as tmp:
         ranks = {}
         for rank in range(mapping.world_size):
             ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, layout)
@@ -105,10 +102,6 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             "memory_plan": memory_plan,
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        move_into_place(tmp, engine_dir, BuildError)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return engine_dir
 
 
