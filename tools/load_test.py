@@ -75,34 +75,37 @@ async def _one(c: httpx.AsyncClient, model: str, ids: list[int], n: int, cut_aft
             "return_token_ids": True}
     t0 = last = time.perf_counter()
     out = {"ids": [], "reason": None, "ttft": None, "gaps": [], "done": False, "cut": False, "status": None}
-    async with c.stream("POST", "/v1/completions", json=body) as r:
-        out["status"] = r.status_code
-        if r.status_code != 200:
-            await r.aread()
-            out["error"] = r.text
-            return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                out["done"] = True
-                break
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                out["error"] = ev["error"]
-                break
-            ch = ev["choices"][0]
-            now = time.perf_counter()
-            if out["ttft"] is None:
-                out["ttft"] = now - t0
-            elif ch["token_ids"]:
-                out["gaps"].append(now - last)
-            last = now
-            out["ids"] += ch["token_ids"]
-            out["reason"] = ch["finish_reason"] or out["reason"]
-            if cut_after is not None and len(out["ids"]) >= cut_after:
-                out["cut"] = True
-                break  # leaving the block closes the connection mid-stream
+    try:
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            out["status"] = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                out["error"] = r.text
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    break
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["error"] = ev["error"]
+                    break
+                ch = ev["choices"][0]
+                now = time.perf_counter()
+                if out["ttft"] is None:
+                    out["ttft"] = now - t0
+                elif ch["token_ids"]:
+                    out["gaps"].append(now - last)
+                last = now
+                out["ids"] += ch["token_ids"]
+                out["reason"] = ch["finish_reason"] or out["reason"]
+                if cut_after is not None and len(out["ids"]) >= cut_after:
+                    out["cut"] = True
+                    break  # leaving the block closes the connection mid-stream
+    except httpx.HTTPError as e:  # the server went away or stalled: an error of this request
+        out["error"] = f"{type(e).__name__}: {e}"
     out["latency"] = time.perf_counter() - t0
     return out
 
@@ -139,11 +142,7 @@ async def run_load(url: str, model: str, *, clients: int = 8, requests: int = 10
         async def worker():
             while todo:
                 j, k, cut = todo.pop()
-                try:
-                    results[j] = {"k": k, **await _one(c, model, pool[k][0], pool[k][1], cut)}
-                except httpx.HTTPError as e:  # the server went away or stalled: an error of this request
-                    results[j] = {"k": k, "ids": [], "reason": None, "ttft": None, "gaps": [], "done": False,
-                                  "cut": False, "status": None, "error": f"{type(e).__name__}: {e}"}
+                results[j] = {"k": k, **await _one(c, model, pool[k][0], pool[k][1], cut)}
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
@@ -253,7 +252,6 @@ def main(argv=None) -> int:
                   "request's length and finish reason, not its tokens (--exact to insist)", file=sys.stderr)
         port = _free_port()
         proc, url, model = _start_server(a.engine, port, a.serve_arg), f"http://127.0.0.1:{port}", "load-test"
-    _loopback(url)  # before any request: the API key goes to loopback only
     try:
         async def models():
             async with _client(url, a.api_key, timeout=30) as c:
