@@ -32,11 +32,6 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
         table[op] = {"version": impl.version, "tactic": impl.tactic}
         if op not in overrides:
             notes += _passed_over(op, target, impl.tactic, quantization, dtype)
-            kernels = [i.tactic for i in registry.IMPLS if i.op == op and i.tactic != "reference"]
-            if impl.tactic == "reference" and target != "cpu" and kernels and not any(
-                    t in registry.PREFERENCE[target] for t in kernels):
-                notes.append(f"{op}: the torch reference on {target}, a slow fallback: its kernels ("
-                             f"{', '.join(kernels)}) are not registered for {target}")
     return table, notes
 
 
@@ -86,6 +81,8 @@ def expert_layout(table: dict[str, dict]) -> str:
 
 
 def _passed_over(op: str, target: str, chosen: str, quantization: str, dtype: str) -> list[str]:
+    """Why `op` runs `chosen` on `target`: each preferred tactic it could not take, or, for a GPU target's torch
+    reference, that none of the op's kernels is registered there."""
     notes = []
     for tactic in registry.PREFERENCE[target]:
         if tactic == chosen:
@@ -95,6 +92,10 @@ def _passed_over(op: str, target: str, chosen: str, quantization: str, dtype: st
             ok, why = impl.supports(target, quantization, dtype)
             if not ok:
                 notes.append(f"{op}: using the {chosen!r} tactic on {target}, not {tactic!r} ({why})")
+    kernels = [i.tactic for i in registry.IMPLS if i.op == op and i.tactic != "reference"]
+    if chosen == "reference" and target != "cpu" and kernels and not notes:
+        notes.append(f"{op}: the torch reference on {target}, a slow fallback: its kernels ({', '.join(kernels)}) "
+                     f"are not registered for {target}")
     return notes
 
 
