@@ -64,7 +64,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("prompt: the engine has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(map(_is_id, prompt)):
             ids = list(prompt)
         else:
             raise ValueError(f"prompt: expected a string or a list of token ids (ints), got {_kind(prompt)}")
@@ -191,9 +191,13 @@ class LLM:
         return self.engine.score(self._ids(token_ids)).cpu()
 
 
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _kind(x) -> str:
     """What a bad prompt is, for its error: its type, or a list's first element that is not an int."""
     if isinstance(x, (list, tuple)):
-        bad = next((t for t in x if not isinstance(t, int) or isinstance(t, bool)), None)
+        bad = next((t for t in x if not _is_id(t)), None)
         return f"a list holding {type(bad).__name__} {bad!r}"
     return type(x).__name__

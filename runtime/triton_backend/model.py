@@ -235,7 +235,7 @@ class TritonPythonModel:
 
         try:
             self.engine.submit(ids, sp, on_event, request_id=rid)
-        except RuntimeError:  # EngineDeadError: it stopped since execute looked
+        except self.EngineDeadError:  # it stopped since execute looked
             sender.send(self._unavailable(), flags=FINAL)
 
     def _execute_unary(self, requests):
@@ -263,7 +263,7 @@ class TritonPythonModel:
 
             try:
                 self.engine.submit(ids, sp, on_event, request_id=rid)
-            except RuntimeError:  # EngineDeadError: it stopped since execute looked
+            except self.EngineDeadError:  # it stopped since execute looked
                 responses[i] = self._unavailable()
                 continue
             pending.append((i, request, rid, done, acc))
