@@ -48,10 +48,12 @@ class Mapping:
     attention_dp: bool = False
 
     def __post_init__(self):
-        for name in ("tp_size", "pp_size", "moe_tp_size"):
+        for name in ("tp_size", "pp_size", "moe_tp_size", "moe_ep_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if (v is not None or name != "moe_ep_size") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise MappingError(f"mapping.{name}: expected a positive int, got {v!r}")
+        if not isinstance(self.attention_dp, bool):
+            raise MappingError(f"mapping.attention_dp: expected true or false, got {self.attention_dp!r}")
         if self.moe_ep_size is None:
             if self.tp_size % self.moe_tp_size:
                 raise MappingError(f"mapping.moe_tp_size: {self.moe_tp_size} does not divide tp_size={self.tp_size}")

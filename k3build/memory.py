@@ -21,8 +21,8 @@ from .mapping import Mapping
 from .memory_weights import CATEGORIES, check_expert_format, weight_bytes
 
 __all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_GIB", "H200_TOTAL_BYTES", "MI300X_GIB", "MemoryPlan",
-           "RankMemory", "activation_reserve", "exchange_capacity_rows", "kda_state_bytes", "kv_bytes_per_token",
-           "max_concurrent_requests", "plan_memory", "reserve_bytes", "weight_bytes"]
+           "RankMemory", "MAX_GIB", "gib_bytes", "activation_reserve", "exchange_capacity_rows", "kda_state_bytes", "kv_bytes_per_token",
+           "plan_memory", "reserve_bytes", "weight_bytes"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -32,17 +32,29 @@ H200_GIB = 139.8
 MI300X_GIB = 191.5  # 192 GB HBM3; ROCm reports about 191.7 GiB (not measured in this project)
 DEFAULT_OVERHEAD_BYTES = 1 * GiB
 STATE_BYTES = {"fp32": 4, "bf16": 2}
-CONV_STATE_BYTES = 2  # conv inputs are kept in bf16 (K3_SPEC §4.1)
+# the engine's activation dtype (build --dtype): its bf16 checkpoint tensors, activations and KDA conv inputs
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MAX_GIB = 1 << 20  # a sanity bound on GiB figures (1 PiB a rank)
 CHUNK = 64  # KDA chunk length of the prefill kernel
 
 
-def kda_state_bytes(cfg: K3Config, mapping: Mapping, rank: int, state_dtype: str = "fp32") -> int:
-    """KDA slot bytes per request on `rank`: recurrent [H_tp, V, K] + last W-1 conv inputs of q|k|v (bf16)."""
+def gib_bytes(gib: float, what: str, *, positive: bool = True) -> int:
+    """`gib` GiB as bytes; a ValueError naming `what` unless it is finite, at most MAX_GIB, and (positive) at
+    least one byte."""
+    if not (0 <= gib <= MAX_GIB) or (positive and int(gib * GiB) < 1):  # also refuses nan
+        low = "above 0" if positive else "0 or more"
+        raise ValueError(f"{what}: expected a number of GiB {low} and at most {MAX_GIB}, got {gib!r}")
+    return int(gib * GiB)
+
+
+def kda_state_bytes(cfg: K3Config, mapping: Mapping, rank: int, state_dtype: str = "fp32", dtype: str = "bf16") -> int:
+    """KDA slot bytes per request on `rank`: recurrent [H_tp, V, K] in state_dtype + the last W-1 conv inputs
+    of q|k|v in the engine's activation dtype (K3_SPEC §4.1: bf16)."""
     if state_dtype not in STATE_BYTES:
         raise ValueError(f"state_dtype: expected one of {sorted(STATE_BYTES)}, got {state_dtype!r}")
     heads = cfg.kda_num_heads // mapping.attn_tp_size
     per_layer = (heads * cfg.kda_head_dim * cfg.kda_head_dim * STATE_BYTES[state_dtype]
-                 + (cfg.kda_conv_size - 1) * 3 * heads * cfg.kda_head_dim * CONV_STATE_BYTES)
+                 + (cfg.kda_conv_size - 1) * 3 * heads * cfg.kda_head_dim * _act_bytes(dtype))
     return per_layer * sum(1 for i in _layers(cfg, mapping, rank) if cfg.layer_types[i] == "kda")
 
 
@@ -69,8 +81,9 @@ def exchange_capacity_rows(cfg: K3Config, mapping: Mapping, max_num_tokens: int)
 
 
 def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_tokens: int,
-                       max_batch_size: int) -> dict[str, int]:
-    """Transient bytes of one forward step on `rank` (T = max_num_tokens, B = max_batch_size).
+                       max_batch_size: int, dtype: str = "bf16") -> dict[str, int]:
+    """Transient bytes of one forward step on `rank` (T = max_num_tokens, B = max_batch_size); "bf16" below is
+    the activation dtype (`dtype`, bf16 unless the build says otherwise).
 
     residual: T x hidden x bf16 x (3 + AttnRes snapshots): running sum, normed input, mixer/FFN output, snapshots.
     exchange: dispatch + combine buffers, exchange_capacity_rows x latent x bf16 x 2 (persistent).
@@ -88,7 +101,7 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
     "peak_logits"}; `reserve_bytes` adds them up as overhead + residual + exchange + penalty_counts + the largest
     peak (layers run one by one).
     """
-    T, layers = max_num_tokens, list(_layers(cfg, mapping, rank))
+    T, layers, act = max_num_tokens, list(_layers(cfg, mapping, rank)), _act_bytes(dtype)
     kinds = {cfg.layer_types[i] for i in layers}
     snaps = sum(1 for i in range(cfg.num_hidden_layers) if cfg.takes_snapshot(i))
     h_tp = cfg.kda_num_heads // mapping.attn_tp_size
@@ -100,34 +113,37 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
     shared_tp = cfg.shared_intermediate_size // dense_tp
     if cfg.is_latent_moe:  # MoEInProj's fp32 row (in_proj | router logits), the bf16 rest of it, the shared GLU
         in_cols = cfg.expert_hidden_size + 2 * shared_tp
-        moe_in = T * (in_cols + cfg.num_experts) * 4 + T * (in_cols + shared_tp) * 2
+        moe_in = T * (in_cols + cfg.num_experts) * 4 + T * (in_cols + shared_tp) * act
     else:
-        moe_in = T * cfg.num_experts * 4 + T * 3 * shared_tp * 2
+        moe_in = T * cfg.num_experts * 4 + T * 3 * shared_tp * act
     return {
-        "residual": T * cfg.hidden_size * 2 * (3 + snaps),
-        "exchange": rows * cfg.expert_hidden_size * 2 * 2,
+        "residual": T * cfg.hidden_size * act * (3 + snaps),
+        "exchange": rows * cfg.expert_hidden_size * act * 2,
         "penalty_counts": max_batch_size * cfg.vocab_size * 5
         if mapping.is_last_stage(rank) and (mapping.attention_dp or mapping.tp_rank(rank) == 0) else 0,
-        "peak_kda": T * (5 * 2 + 4) * d_tp + T * h_tp * (4 + 2 * CHUNK * 4) if "kda" in kinds else 0,
-        "peak_mla": (T * mla_h * (cfg.qk_head_dim + cfg.qk_nope_head_dim + 3 * cfg.v_head_dim) * 2
-                + T * cfg.mla_cache_width * 2) if "mla" in kinds else 0,
-        "peak_dense": T * 3 * (cfg.intermediate_size // dense_tp) * 2
+        "peak_kda": T * (5 * act + 4) * d_tp + T * h_tp * (4 + 2 * CHUNK * 4) if "kda" in kinds else 0,
+        "peak_mla": (T * mla_h * (cfg.qk_head_dim + cfg.qk_nope_head_dim + 3 * cfg.v_head_dim) * act
+                + T * cfg.mla_cache_width * act) if "mla" in kinds else 0,
+        "peak_dense": T * 3 * (cfg.intermediate_size // dense_tp) * act
         if any(not cfg.is_moe_layer(i) for i in layers) else 0,
-        "peak_moe": moe_in + rows * 3 * (cfg.moe_intermediate_size // mapping.moe_tp_size) * 2 if has_moe else 0,
+        "peak_moe": moe_in + rows * 3 * (cfg.moe_intermediate_size // mapping.moe_tp_size) * act if has_moe else 0,
         "peak_logits": (max_batch_size * cfg.vocab_size * 4 + max_batch_size * (cfg.vocab_size // dense_tp) * 4)
         if mapping.is_last_stage(rank) else 0,
     }
 
 
 def reserve_bytes(reserve: dict[str, int]) -> int:
-    """overhead + residual + exchange + penalty_counts + the largest peak_* term of an `activation_reserve` dict."""
+    """The sum of a reserve dict's terms (overhead, spare, residual, exchange, penalty_counts) but only the
+    largest of its peak_* terms (layers run one by one)."""
     peaks = [v for k, v in reserve.items() if k.startswith("peak_")]
     return sum(v for k, v in reserve.items() if not k.startswith("peak_")) + max(peaks, default=0)
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank's budget. Byte counts; `max_concurrent_requests` counts requests of max_seq_len tokens."""
+    """One rank's budget. Byte counts. Requests are of max_seq_len tokens: `memory_requests` is how many its free
+    memory holds, `max_concurrent_requests` how many the planned slots and pages run at once (at most
+    max_batch_size, which caps the KDA slots)."""
 
     rank: int
     pp_rank: int
@@ -139,9 +155,10 @@ class RankMemory:
     kda_state_bytes_per_request: int
     page_bytes: int
     request_bytes: int  # one KDA slot + ceil(max_seq_len / page_size) pages
-    reserve: dict[str, int]  # overhead + activation_reserve terms
+    reserve: dict[str, int]  # overhead, the runtime's spare slot and page, activation_reserve terms
     reserve_bytes: int
     free_bytes: int  # gpu memory - weights - reserve (negative when weights do not fit)
+    memory_requests: int
     max_concurrent_requests: int
     kda_slots: int
     kv_pages: int
@@ -156,7 +173,8 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Plan for all ranks. `max_concurrent_requests` is system-wide (per pipeline replica)."""
+    """Plan for all ranks. `memory_requests` and `max_concurrent_requests` (see RankMemory) are system-wide
+    (per pipeline replica)."""
 
     mapping: dict
     gpu_memory_bytes: int
@@ -166,10 +184,12 @@ class MemoryPlan:
     page_size: int
     kv_dtype_bytes: int
     state_dtype: str
+    dtype: str
     expert_format: str
     kv_bytes_per_token_model: int  # all MLA layers, one rank's view at attention-TP 1
     kda_state_bytes_per_request_model: int  # all KDA layers, unsharded
     ranks: tuple[RankMemory, ...]
+    memory_requests: int
     max_concurrent_requests: int
     fits: bool
     reason: str
@@ -177,8 +197,8 @@ class MemoryPlan:
 
     @property
     def worst_rank(self) -> RankMemory:
-        """The rank that limits concurrency (ties: the least free memory)."""
-        return min(self.ranks, key=lambda r: (r.max_concurrent_requests, r.free_bytes, r.rank))
+        """The rank that limits concurrency (ties: the fewest requests its memory holds, the least free memory)."""
+        return min(self.ranks, key=lambda r: (r.max_concurrent_requests, r.memory_requests, r.free_bytes, r.rank))
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "ranks"}
@@ -188,23 +208,30 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: K3Config, mapping: Mapping, *, gpu_memory_bytes: int, max_seq_len: int, max_batch_size: int,
-                max_num_tokens: int, kv_dtype_bytes: int = 2, state_dtype: str = "fp32",
+                max_num_tokens: int, kv_dtype_bytes: int = 2, state_dtype: str = "fp32", dtype: str = "bf16",
                 page_size: int = PAGE_SIZE, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
                 expert_format: str | None = None) -> MemoryPlan:
     """Budget every rank of `mapping` for `cfg`; `fits` is False with a `reason` when a rank cannot hold one
     request of `max_seq_len` tokens.
 
-    KDA slots: up to max_batch_size while one full-length request's pages still fit; pages take the rest.
+    dtype: the engine's activation dtype (build --dtype): its bf16 checkpoint tensors, activations and conv state.
+    KDA slots: up to max_batch_size while one full-length request's pages still fit; pages take the rest. One
+    more slot and page are held back for the runtime (`open_rank`'s spare: the padding rows of captured decode
+    steps, an idle attention-DP rank's dummy step).
     Raises MappingError when the mapping does not divide the model, ValueError for bad limits.
     """
     for name, v in (("gpu_memory_bytes", gpu_memory_bytes), ("max_seq_len", max_seq_len),
                     ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens), ("page_size", page_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if max_num_tokens < max_batch_size:
+        raise ValueError(f"max_num_tokens: {max_num_tokens} is less than max_batch_size {max_batch_size} (a decode "
+                         "step needs one token per running request)")
     if kv_dtype_bytes not in (1, 2, 4):
         raise ValueError(f"kv_dtype_bytes: expected 1 (fp8), 2 (bf16) or 4 (fp32), got {kv_dtype_bytes!r}")
     if state_dtype not in STATE_BYTES:
         raise ValueError(f"state_dtype: expected one of {sorted(STATE_BYTES)}, got {state_dtype!r}")
+    _act_bytes(dtype)
     fmt = expert_format or ("mxfp4" if cfg.quantization.method == "mxfp4" else "bf16")
     check_expert_format(fmt)
     if max_seq_len > cfg.max_position_embeddings:
@@ -212,46 +239,40 @@ def plan_memory(cfg: K3Config, mapping: Mapping, *, gpu_memory_bytes: int, max_s
                          f"{cfg.max_position_embeddings}")
     mapping.validate(cfg)
     ranks = tuple(_rank_plan(cfg, mapping, r, gpu_memory_bytes, max_seq_len, max_batch_size, max_num_tokens,
-                             kv_dtype_bytes, state_dtype, page_size, overhead_bytes, fmt)
+                             kv_dtype_bytes, state_dtype, dtype, page_size, overhead_bytes, fmt)
                   for r in range(mapping.world_size))
     bad = [r for r in ranks if not r.fits]
     short = [r for r in ranks if r.fits and r.kda_slots < max_batch_size]
     notes = [f"rank {short[0].rank}: memory holds {short[0].kda_slots} KDA slots, fewer than "
              f"max_batch_size={max_batch_size}"] if short else []
     full = Mapping()
-    total = _system_concurrency(mapping, ranks)
     return MemoryPlan(
         mapping=mapping.to_dict(), gpu_memory_bytes=gpu_memory_bytes, max_seq_len=max_seq_len,
         max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, page_size=page_size,
-        kv_dtype_bytes=kv_dtype_bytes, state_dtype=state_dtype, expert_format=fmt,
+        kv_dtype_bytes=kv_dtype_bytes, state_dtype=state_dtype, dtype=dtype, expert_format=fmt,
         kv_bytes_per_token_model=kv_bytes_per_token(cfg, full, 0, kv_dtype_bytes),
-        kda_state_bytes_per_request_model=kda_state_bytes(cfg, full, 0, state_dtype),
-        ranks=ranks, max_concurrent_requests=total, fits=not bad, reason=bad[0].reason if bad else "",
+        kda_state_bytes_per_request_model=kda_state_bytes(cfg, full, 0, state_dtype, dtype), ranks=ranks,
+        memory_requests=_system_concurrency(mapping, ranks, "memory_requests"),
+        max_concurrent_requests=_system_concurrency(mapping, ranks, "max_concurrent_requests"), fits=not bad, reason=bad[0].reason if bad else "",
         notes=tuple(notes))
 
 
-def max_concurrent_requests(cfg: K3Config, mapping: Mapping, *, gpu_memory_bytes: int, max_seq_len: int,
-                            max_batch_size: int = 1, max_num_tokens: int = 8192, **kw) -> int:
-    """System-wide number of requests of `max_seq_len` tokens that fit (0 when nothing fits)."""
-    return plan_memory(cfg, mapping, gpu_memory_bytes=gpu_memory_bytes, max_seq_len=max_seq_len,
-                       max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, **kw).max_concurrent_requests
-
-
-def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, page_size, overhead, fmt):
-    weights = weight_bytes(cfg, mapping, rank, expert_format=fmt)
+def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, dtype, page_size, overhead, fmt):
+    weights = weight_bytes(cfg, mapping, rank, expert_format=fmt, dtype_bytes=_act_bytes(dtype))
     w = sum(weights.values())
     kv_tok = kv_bytes_per_token(cfg, mapping, rank, kv_b)
-    slot = kda_state_bytes(cfg, mapping, rank, state_dtype)
+    slot = kda_state_bytes(cfg, mapping, rank, state_dtype, dtype)
     page = page_size * kv_tok
     pages_per_req = ceil(seq / page_size)
     req = slot + pages_per_req * page
-    reserve = {"overhead": overhead, **activation_reserve(cfg, mapping, rank, max_num_tokens=tokens,
-                                                          max_batch_size=batch)}
+    reserve = {"overhead": overhead, "spare": slot + page,
+               **activation_reserve(cfg, mapping, rank, max_num_tokens=tokens, max_batch_size=batch, dtype=dtype)}
     res = reserve_bytes(reserve)
     free = gpu - w - res
     n = (free // req if req else batch) if free > 0 else 0
     slots = min(batch, (free - pages_per_req * page) // slot if slot else batch) if n else 0
     pages = (free - slots * slot) // page if n and page else 0
+    running = min(slots, pages // pages_per_req if page else slots)
     stage = mapping.rank_layers(rank, cfg.num_hidden_layers)
     where = f"rank {rank} (pp {mapping.pp_rank(rank)}, tp {mapping.tp_rank(rank)})"
     if w > gpu:
@@ -268,18 +289,25 @@ def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, p
     return RankMemory(rank=rank, pp_rank=mapping.pp_rank(rank), tp_rank=mapping.tp_rank(rank),
                       layers=(stage.start, stage.stop), weights=weights, weight_bytes=w, kv_bytes_per_token=kv_tok,
                       kda_state_bytes_per_request=slot, page_bytes=page, request_bytes=req, reserve=reserve,
-                      reserve_bytes=res, free_bytes=free, max_concurrent_requests=n, kda_slots=max(slots, 0),
+                      reserve_bytes=res, free_bytes=free, memory_requests=n, max_concurrent_requests=running,
+                      kda_slots=max(slots, 0),
                       kv_pages=max(pages, 0), fits=not reason, reason=reason)
 
 
-def _system_concurrency(mapping: Mapping, ranks: tuple[RankMemory, ...]) -> int:
+def _system_concurrency(mapping: Mapping, ranks: tuple[RankMemory, ...], field: str) -> int:
     # A request needs room on one rank of every stage; attention-DP ranks each serve their own requests,
     # attention-TP ranks of a stage all hold the same ones.
-    n = {(r.pp_rank, r.tp_rank): r.max_concurrent_requests for r in ranks}
+    n = {(r.pp_rank, r.tp_rank): getattr(r, field) for r in ranks}
     stages = range(mapping.pp_size)
     if mapping.attention_dp:
         return sum(min(n[(p, t)] for p in stages) for t in range(mapping.tp_size))
     return min(n.values())
+
+
+def _act_bytes(dtype: str) -> int:
+    if dtype not in ACT_BYTES:
+        raise ValueError(f"dtype: expected one of {', '.join(ACT_BYTES)}, got {dtype!r}")
+    return ACT_BYTES[dtype]
 
 
 def _layers(cfg: K3Config, mapping: Mapping, rank: int) -> range:

@@ -14,19 +14,22 @@ from .mapping import Mapping, MappingError
 
 CATEGORIES = ("embedding", "lm_head", "attention_kda", "attention_mla", "dense_mlp", "shared_experts",
               "router_latent_norms", "routed_experts")
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
+_ITEMSIZE = {"F32": 4, "U8": 1}  # kept as they are; 16-bit tensors take the engine's dtype
 _GLOBAL = {"model.embed_tokens.weight": "embedding", "lm_head.weight": "lm_head"}
 _PART = {"mlp.": "dense_mlp", "block_sparse_moe.shared_experts.": "shared_experts"}
 _NAME = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.|mlp\.|block_sparse_moe\.shared_experts\.|"
                    r"block_sparse_moe\.experts\.(\d+)\.)?")
 
 
-def weight_bytes(cfg: K3Config, mapping: Mapping, rank: int, *, expert_format: str | None = None) -> dict[str, int]:
+def weight_bytes(cfg: K3Config, mapping: Mapping, rank: int, *, expert_format: str | None = None,
+                 dtype_bytes: int = 2) -> dict[str, int]:
     """Bytes of this rank's slices per category (see CATEGORIES), exactly as `Mapping.shard` assigns them.
 
     expert_format: "mxfp4" (packed E2M1 + E8M0 scales) or "bf16"; default: what the config's checkpoint holds.
+    dtype_bytes: the engine's size of the checkpoint's 16-bit tensors (build --dtype; the build keeps F32 and
+    packed U8 tensors as they are).
     """
-    dense, experts = _tensor_groups(_with_expert_format(cfg, expert_format))
+    dense, experts = _tensor_groups(_with_expert_format(cfg, expert_format), dtype_bytes)
     out = dict.fromkeys(CATEGORIES, 0)
     stage = mapping.rank_layers(rank, cfg.num_hidden_layers)
     for name, layer, shape, itemsize, cat in dense:
@@ -57,7 +60,7 @@ def _with_expert_format(cfg: K3Config, expert_format: str | None) -> K3Config:
 
 
 @lru_cache(maxsize=16)
-def _tensor_groups(cfg: K3Config):
+def _tensor_groups(cfg: K3Config, dtype_bytes: int):
     """The converted (canonical) checkpoint's tensors from `k3build.schema`, grouped for fast per-rank sums.
 
     Returns (dense, experts): dense = [(name, layer | None, shape, itemsize, category)] for every non-expert
@@ -67,7 +70,7 @@ def _tensor_groups(cfg: K3Config):
 
     dense, experts = [], {}
     for name, (shape, dtype) in checkpoint_tensors(cfg, "canonical").items():
-        itemsize = _ITEMSIZE[dtype]
+        itemsize = _ITEMSIZE.get(dtype, dtype_bytes)
         m = _NAME.match(name)
         if m is None:
             cat = _GLOBAL.get(name, "router_latent_norms")  # final norm, output AttnRes

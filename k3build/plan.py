@@ -7,15 +7,15 @@ Precedence of every setting: command-line option > recipe (`--recipe engines/X.t
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import click
 
+from .build.options import DTYPES
 from .config import ConfigError, K3Config, preset
 from .mapping import Mapping, MappingError
-from .memory import CATEGORIES, GiB, MiB, DEFAULT_OVERHEAD_BYTES, MemoryPlan, plan_memory
-from .recipe import KV_DTYPES, RecipeError, load_recipe
+from .memory import CATEGORIES, GiB, MiB, DEFAULT_OVERHEAD_BYTES, MemoryPlan, gib_bytes, plan_memory
+from .recipe import RecipeError, load_recipe
 
 STANDARD_LENGTHS = (8192, 32768, 131072)
 _SHORT = {"embedding": "embed", "lm_head": "lm_head", "attention_kda": "KDA", "attention_mla": "MLA",
@@ -23,13 +23,14 @@ _SHORT = {"embedding": "embed", "lm_head": "lm_head", "attention_kda": "KDA", "a
           "routed_experts": "experts"}
 
 
-def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **limits) -> dict[int, int]:
-    """System-wide max concurrent requests at the standard lengths below max_seq_len, and at max_seq_len."""
+def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **limits) -> dict[int, tuple[int, int]]:
+    """System-wide (max concurrent requests, requests memory holds) of an engine built for each standard length
+    below max_seq_len, and for max_seq_len."""
     lengths = sorted({n for n in STANDARD_LENGTHS if n < plan.max_seq_len} | {plan.max_seq_len})
     out = {}
     for n in lengths:
         p = plan if n == plan.max_seq_len else plan_memory(cfg, mapping, max_seq_len=n, **limits)
-        out[n] = p.max_concurrent_requests
+        out[n] = (p.max_concurrent_requests, p.memory_requests)
     return out
 
 
@@ -51,16 +52,18 @@ def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **l
 @click.option("--max-batch-size", type=click.IntRange(min=1), help="[default: 64; `build` defaults to 8]")
 @click.option("--max-num-tokens", type=click.IntRange(min=1),
               help="tokens per forward step per rank [default: 8192; `build` defaults to 2048]")
+@click.option("--dtype", type=click.Choice(list(DTYPES)),
+              help="activations, 16-bit weights and KDA conv state, as `build --dtype` [default: bf16]")
 @click.option("--state-dtype", type=click.Choice(["fp32", "bf16"]), help="KDA recurrent state [default: fp32]")
-@click.option("--kv-dtype", type=click.Choice(sorted(KV_DTYPES)), help="MLA cache [default: bf16]")
+@click.option("--kv-dtype", type=click.Choice(list(DTYPES)), help="MLA cache, as `build --kv-dtype` [default: bf16]")
 @click.option("--page-size", type=click.IntRange(min=1), help="[default: 64]")
 @click.option("--overhead-gib", type=float, help="fixed reserve per rank [default: 1.0]")
 @click.option("--expert-format", type=click.Choice(["mxfp4", "bf16"]),
               help="routed experts as converted (convert --quantize mxfp4 of a bf16 checkpoint) [default: as stored]")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, gpu_memory_gib,
-             max_seq_len, max_batch_size, max_num_tokens, state_dtype, kv_dtype, page_size, overhead_gib, expert_format,
-             as_json):
+             max_seq_len, max_batch_size, max_num_tokens, dtype, state_dtype, kv_dtype, page_size, overhead_gib,
+             expert_format, as_json):
     """Memory plan for CKPT (a checkpoint dir or config.json) or --preset under a parallel mapping."""
     try:
         rec = load_recipe(recipe) if recipe else None
@@ -76,14 +79,16 @@ def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, 
         if gpu is None or seq is None:
             raise click.UsageError("--gpu-memory-gib and --max-seq-len are required (or give --recipe)")
         overhead = pick(overhead_gib, "overhead_gib", DEFAULT_OVERHEAD_BYTES / GiB)
-        if not 0 < gpu < math.inf or not 0 <= overhead < math.inf:
-            raise click.UsageError(f"--gpu-memory-gib {gpu} / --overhead-gib {overhead}: expected finite GiB, the "
-                                   "budget above 0 and the reserve at 0 or above")
-        limits = dict(gpu_memory_bytes=int(gpu * GiB), max_batch_size=pick(max_batch_size, "max_batch_size", 64),
+        # a value the user did not type comes from the recipe: name its field
+        where = (lambda cli, field: f"--{field.replace('_', '-')}" if cli is not None or b is None
+                 else f"{recipe}: build.{field}")
+        limits = dict(gpu_memory_bytes=gib_bytes(gpu, where(gpu_memory_gib, "gpu_memory_gib")),
+                      max_batch_size=pick(max_batch_size, "max_batch_size", 64),
                       max_num_tokens=pick(max_num_tokens, "max_num_tokens", 8192),
-                      kv_dtype_bytes=KV_DTYPES[pick(kv_dtype, "kv_dtype", "bf16")],
-                      state_dtype=pick(state_dtype, "state_dtype", "fp32"), page_size=pick(page_size, "page_size", 64),
-                      overhead_bytes=int(overhead * GiB),
+                      kv_dtype_bytes=DTYPES[pick(kv_dtype, "kv_dtype", "bf16")].itemsize,
+                      state_dtype=pick(state_dtype, "state_dtype", "fp32"), dtype=pick(dtype, "dtype", "bf16"),
+                      page_size=pick(page_size, "page_size", 64),
+                      overhead_bytes=gib_bytes(overhead, where(overhead_gib, "overhead_gib"), positive=False),
                       expert_format=expert_format)
         plan = plan_memory(cfg, mapping, max_seq_len=seq, **limits)
         by_len = concurrency_by_length(cfg, mapping, plan, **limits)
@@ -91,7 +96,8 @@ def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, 
         raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps({"model": _model_summary(cfg), **plan.to_dict(),
-                               "concurrency_by_length": {str(k): v for k, v in by_len.items()}}, indent=1))
+                               "concurrency_by_length": {str(k): v[0] for k, v in by_len.items()},
+                               "memory_requests_by_length": {str(k): v[1] for k, v in by_len.items()}}, indent=1))
     else:
         click.echo(render(cfg, plan, by_len))
     if not plan.fits:
@@ -135,7 +141,7 @@ def _model_summary(cfg: K3Config) -> dict:
             "quantization": cfg.quantization.method}
 
 
-def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, int]) -> str:
+def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, tuple[int, int]]) -> str:
     """The plain-text report: model facts, a weights table and a budget table (identical ranks grouped)."""
     m = plan.mapping
     kda, mla = len(cfg.kda_layers), len(cfg.mla_layers)
@@ -149,7 +155,7 @@ def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, int]) -> str:
         f"max_batch_size {plan.max_batch_size}, max_num_tokens {plan.max_num_tokens}, page {plan.page_size}",
         f"MLA KV: {plan.kv_bytes_per_token_model:,} B/token ({mla} layers x {cfg.mla_cache_width} x "
         f"{plan.kv_dtype_bytes} B), not split by attention TP",
-        f"KDA state: {state:,} B = {state / MiB:.1f} MiB/request ({plan.state_dtype} recurrent + bf16 conv, "
+        f"KDA state: {state:,} B = {state / MiB:.1f} MiB/request ({plan.state_dtype} recurrent + {plan.dtype} conv, "
         f"{kda} layers), " + ("whole on the rank serving it (attention-DP)" if m["attention_dp"]
                               else "split by attention TP"),
         "",
@@ -162,19 +168,23 @@ def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, int]) -> str:
             + [f"{r.weight_bytes / scale:.2f}"] for g, r in groups]
     lines += [f"weights per rank ({unit})"] + _table(head, rows) + [""]
     head = ["ranks", f"weights {unit}", f"reserve {unit}", f"free {unit}", "KV B/token", "KDA MiB/req",
-            f"req@{plan.max_seq_len}", "KDA slots", "KV pages", "fits"]
+            f"req@{_tokens(plan.max_seq_len)}", "KDA slots", "KV pages", "fits"]
     rows = [[g, f"{r.weight_bytes / scale:.2f}", f"{r.reserve_bytes / scale:.2f}", f"{r.free_bytes / scale:.2f}",
              f"{r.kv_bytes_per_token:,}", f"{r.kda_state_bytes_per_request / MiB:.2f}",
-             str(r.max_concurrent_requests), str(r.kda_slots), f"{r.kv_pages:,}", "yes" if r.fits else "NO"]
+             str(r.memory_requests), str(r.kda_slots), f"{r.kv_pages:,}", "yes" if r.fits else "NO"]
             for g, r in groups]
     lines += ["budget per rank"] + _table(head, rows)
     w = plan.worst_rank
     peak = max((k for k in w.reserve if k.startswith("peak_")), key=w.reserve.get)
     lines += [f"reserve of rank {w.rank}: " + ", ".join(f"{k} {w.reserve[k] / scale:.2f}" for k in
-                                                       ("overhead", "residual", "exchange", "penalty_counts", peak))
+                                                       ("overhead", "spare", "residual", "exchange",
+                                                        "penalty_counts", peak))
               + f" {unit}", ""]
     lines.append("max concurrent requests (all ranks): "
-                 + ", ".join(f"{n} at {_tokens(L)}" for L, n in by_len.items()))
+                 + ", ".join(f"{n} at {_tokens(L)}" for L, (n, _) in by_len.items()))
+    if any(n != held for n, held in by_len.values()):
+        lines.append(f"memory holds: " + ", ".join(f"{held} at {_tokens(L)}" for L, (_, held) in by_len.items())
+                     + f" (max_batch_size {plan.max_batch_size} caps the KDA slots: raise it to use the memory)")
     lines += [f"note: {n}" for n in plan.notes]
     lines.append("FITS" if plan.fits else f"DOES NOT FIT: {plan.reason}")
     return "\n".join(lines)

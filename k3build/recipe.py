@@ -3,8 +3,8 @@
     [model]    preset = "k3"            # or checkpoint = "path/to/ckpt" (relative to the recipe file)
     [mapping]  tp_size, pp_size, moe_tp_size, moe_ep_size, attention_dp
     [build]    target = "cpu" | "sm90" | "gfx942", max_batch_size, max_num_tokens, max_seq_len,
-               state_dtype = "fp32" | "bf16", kv_dtype = "bf16" | "fp8", page_size = 64, gpu_memory_gib,
-               overhead_gib = 1.0
+               dtype = "bf16" | "fp16" | "fp32", state_dtype = "fp32" | "bf16", kv_dtype = "bf16" | "fp16" | "fp32",
+               page_size = 64, gpu_memory_gib, overhead_gib = 1.0   (`k3build build`'s options, checked as it does)
     [runtime]  expert_backend = "nccl" | "deepep" | "local"
     [plan]     expect_fits = true, why = "..."   # a recipe that documents a deployment that does not fit
 
@@ -13,6 +13,7 @@ Every mistake raises `RecipeError` naming the file and the field.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .build.options import EXPERT_BACKENDS
+from .build.options import DTYPES, EXPERT_BACKENDS, BuildOptions
 from .config import PRESETS, ConfigError, K3Config, preset
 from .mapping import Mapping, MappingError
-from .memory import GiB, PAGE_SIZE, MemoryPlan, plan_memory
-
-TARGETS = ("cpu", "sm90", "gfx942")
-STATE_DTYPES = ("fp32", "bf16")
-KV_DTYPES = {"bf16": 2, "fp8": 1}
+from .memory import PAGE_SIZE, MemoryPlan, gib_bytes, plan_memory
 
 
 class RecipeError(ValueError):
@@ -49,6 +46,7 @@ class BuildSpec:
     max_num_tokens: int
     max_seq_len: int
     gpu_memory_gib: float  # device memory per rank as torch reports it (k3build.memory's convention)
+    dtype: str = "bf16"
     state_dtype: str = "fp32"
     kv_dtype: str = "bf16"
     page_size: int = PAGE_SIZE
@@ -56,15 +54,15 @@ class BuildSpec:
 
     @property
     def gpu_memory_bytes(self) -> int:
-        return int(self.gpu_memory_gib * GiB)
+        return gib_bytes(self.gpu_memory_gib, "build.gpu_memory_gib")
 
     @property
     def overhead_bytes(self) -> int:
-        return int(self.overhead_gib * GiB)
+        return gib_bytes(self.overhead_gib, "build.overhead_gib", positive=False)
 
     @property
     def kv_dtype_bytes(self) -> int:
-        return KV_DTYPES[self.kv_dtype]
+        return DTYPES[self.kv_dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -95,12 +93,8 @@ class Recipe:
             raise RecipeError(f"{self.path}: model.checkpoint: {e}") from None
 
     def build_options(self) -> dict[str, Any]:
-        """Keyword arguments for `k3build.build.options.BuildOptions` (overhead_gib is the plan's alone)."""
-        b = self.build
-        return {"target": b.target, "max_batch_size": b.max_batch_size, "max_num_tokens": b.max_num_tokens,
-                "max_seq_len": b.max_seq_len, "page_size": b.page_size, "kv_dtype": b.kv_dtype,
-                "state_dtype": b.state_dtype, "gpu_memory_gib": b.gpu_memory_gib,
-                "expert_backend": self.runtime.expert_backend}
+        """Keyword arguments for `k3build.build.options.BuildOptions`."""
+        return {**_build_options(self.build), "expert_backend": self.runtime.expert_backend}
 
     def plan(self, cfg: K3Config | None = None) -> MemoryPlan:
         """The memory plan for this recipe (what `k3build plan --recipe` prints)."""
@@ -108,13 +102,14 @@ class Recipe:
         return plan_memory(cfg or self.model_config(), self.mapping, gpu_memory_bytes=b.gpu_memory_bytes,
                            max_seq_len=b.max_seq_len, max_batch_size=b.max_batch_size,
                            max_num_tokens=b.max_num_tokens, kv_dtype_bytes=b.kv_dtype_bytes,
-                           state_dtype=b.state_dtype, page_size=b.page_size, overhead_bytes=b.overhead_bytes)
+                           state_dtype=b.state_dtype, dtype=b.dtype, page_size=b.page_size,
+                           overhead_bytes=b.overhead_bytes)
 
 
 _SECTIONS = {"description", "model", "mapping", "build", "runtime", "plan"}
 _MAPPING = {"tp_size": int, "pp_size": int, "moe_tp_size": int, "moe_ep_size": int, "attention_dp": bool}
 _BUILD = {"target": str, "max_batch_size": int, "max_num_tokens": int, "max_seq_len": int, "gpu_memory_gib": float,
-          "state_dtype": str, "kv_dtype": str, "page_size": int, "overhead_gib": float}
+          "dtype": str, "state_dtype": str, "kv_dtype": str, "page_size": int, "overhead_gib": float}
 _BUILD_REQUIRED = ("target", "max_batch_size", "max_num_tokens", "max_seq_len", "gpu_memory_gib")
 
 
@@ -152,10 +147,10 @@ def _parse(path: Path, raw: dict[str, Any]) -> Recipe:
         if k not in b:
             raise RecipeError(f"build.{k}: required field missing")
     build = BuildSpec(**b)
-    _check_build(build)
     rt = _typed(_section(raw, "runtime"), "runtime", {"expert_backend": str})
     runtime = RuntimeSpec(**rt)
     _check_runtime(runtime, mapping, build)
+    _check_build(build)
     p = _typed(_section(raw, "plan"), "plan", {"expect_fits": bool, "why": str})
     if p.get("expect_fits") is False and not p.get("why"):
         raise RecipeError("plan.why: a recipe with expect_fits = false must say why it does not fit")
@@ -202,21 +197,18 @@ def _model(path: Path, d: dict) -> ModelSpec:
     return ModelSpec(checkpoint=ckpt if ckpt.is_absolute() else path.parent / ckpt)
 
 
+def _build_options(b: BuildSpec) -> dict[str, Any]:
+    return {k: getattr(b, k) for k in ("target", "max_batch_size", "max_num_tokens", "max_seq_len", "page_size",
+                                       "dtype", "kv_dtype", "state_dtype", "gpu_memory_gib", "overhead_gib")}
+
+
 def _check_build(b: BuildSpec) -> None:
-    if b.target not in TARGETS:
-        raise RecipeError(f"build.target: expected one of {', '.join(TARGETS)}, got {b.target!r}")
-    for k in ("max_batch_size", "max_num_tokens", "max_seq_len", "page_size"):
-        if getattr(b, k) <= 0:
-            raise RecipeError(f"build.{k}: expected a positive int, got {getattr(b, k)}")
-    if b.gpu_memory_gib <= 0 or b.overhead_gib < 0:
-        raise RecipeError("build.gpu_memory_gib / overhead_gib: expected gpu_memory_gib > 0 and overhead_gib >= 0")
-    if b.state_dtype not in STATE_DTYPES:
-        raise RecipeError(f"build.state_dtype: expected one of {', '.join(STATE_DTYPES)}, got {b.state_dtype!r}")
-    if b.kv_dtype not in KV_DTYPES:
-        raise RecipeError(f"build.kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {b.kv_dtype!r}")
-    if b.max_num_tokens < b.max_batch_size:
-        raise RecipeError(f"build.max_num_tokens: {b.max_num_tokens} is less than max_batch_size "
-                          f"{b.max_batch_size} (a decode step needs one token per running request)")
+    """The checks `k3build build` makes of the same values, so a recipe `plan` passes is one `build` takes;
+    its messages name the command-line flag, renamed here to the recipe's field."""
+    try:
+        BuildOptions(**_build_options(b))
+    except ValueError as e:
+        raise RecipeError(re.sub(r"--([a-z-]+)", lambda m: "build." + m.group(1).replace("-", "_"), str(e))) from None
 
 
 def _check_runtime(r: RuntimeSpec, mapping: Mapping, b: BuildSpec) -> None:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
+from ..memory import MAX_GIB, GiB, gib_bytes, kda_state_bytes, kv_bytes_per_token, plan_memory
 from ..output_dir import check_output_dir, staged_output
 from ..tokenizer import TOKENIZER_FILES
 from . import graph as graph_mod
@@ -60,7 +61,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     if options.tune and not torch.cuda.is_available():
         raise BuildError("--tune: measures tactics on this machine's GPU, and torch sees none; build without --tune "
                          "or on a machine with the target GPU")
-    memory_plan = _memory_plan(cfg, mapping, options)
+    memory_plan = _memory_plan(cfg, mapping, options, log or (lambda m: None))
     forced = dict(options.tactics)
     for op in set(forced) - set(PLUGIN_OPS):
         raise BuildError(f"--tactic {op}={forced[op]}: {op!r} is not a plugin op; they are {', '.join(PLUGIN_OPS)}")
@@ -195,21 +196,30 @@ def _range(r: range) -> list[int]:
     return [r.start, r.stop]
 
 
-def _memory_plan(cfg: K3Config, mapping: Mapping, options: BuildOptions) -> dict:
-    """Cache sizes the runtime starts with, and a refusal, with numbers, when the limits cannot fit the budget."""
+def _memory_plan(cfg: K3Config, mapping: Mapping, options: BuildOptions, log: Callable[[str], None]) -> dict:
+    """Cache sizes the runtime starts with, and a refusal, with numbers, when the limits cannot fit the budget.
+    Without a budget the limits alone size the caches: their bytes are logged, and refused past MAX_GIB."""
     pages_per_seq = math.ceil(options.max_seq_len / options.page_size)
     plan = {"num_slots": options.max_batch_size, "num_pages": options.max_batch_size * pages_per_seq,
             "page_size": options.page_size}
     if options.gpu_memory_gib is None:
+        worst = max(plan["num_slots"] * kda_state_bytes(cfg, mapping, r, options.state_dtype, options.dtype)
+                    + plan["num_pages"] * options.page_size
+                    * kv_bytes_per_token(cfg, mapping, r, DTYPES[options.kv_dtype].itemsize)
+                    for r in range(mapping.world_size))
+        what = (f"{plan['num_slots']} KDA slots and {plan['num_pages']} MLA pages (--max-batch-size "
+                f"{options.max_batch_size} requests of --max-seq-len {options.max_seq_len} tokens) take "
+                f"{worst / GiB:.2f} GiB on the largest rank")
+        if worst > MAX_GIB * GiB:
+            raise BuildError(f"{what}: lower the limits, or give --gpu-memory-gib to size them by a budget")
+        log(f"no --gpu-memory-gib: {what}; the runtime allocates them at load")
         return plan
-    from ..memory import plan_memory
-
     try:
-        mp = plan_memory(cfg, mapping, gpu_memory_bytes=int(options.gpu_memory_gib * 2**30),
+        mp = plan_memory(cfg, mapping, gpu_memory_bytes=gib_bytes(options.gpu_memory_gib, "--gpu-memory-gib"),
                          max_seq_len=options.max_seq_len, max_batch_size=options.max_batch_size,
                          max_num_tokens=options.max_num_tokens, kv_dtype_bytes=DTYPES[options.kv_dtype].itemsize,
-                         state_dtype=options.state_dtype, page_size=options.page_size,
-                         overhead_bytes=int(options.overhead_gib * 2**30))
+                         state_dtype=options.state_dtype, dtype=options.dtype, page_size=options.page_size,
+                         overhead_bytes=gib_bytes(options.overhead_gib, "--overhead-gib", positive=False))
     except ValueError as e:
         raise BuildError(f"memory plan: {e}") from None
     if not mp.fits:

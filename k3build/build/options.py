@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ..memory import gib_bytes
 
 TARGETS = ("cpu", "sm90", "gfx942")
 EXPERT_BACKENDS = ("nccl", "deepep", "local")  # runtime/dist/exchange.py; k3build.recipe checks the same names
@@ -47,10 +47,9 @@ class BuildOptions:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got {v!r}")
         if self.max_seq_len < 2:  # a prompt of one token and one generated
             raise ValueError(f"--max-seq-len: expected at least 2 tokens, got {self.max_seq_len}")
-        if self.gpu_memory_gib is not None and not 0 < self.gpu_memory_gib < math.inf:
-            raise ValueError(f"--gpu-memory-gib: expected a positive number of GiB, got {self.gpu_memory_gib!r}")
-        if not 0 <= self.overhead_gib < math.inf:
-            raise ValueError(f"--overhead-gib: expected a finite number of GiB >= 0, got {self.overhead_gib!r}")
+        if self.gpu_memory_gib is not None:
+            gib_bytes(self.gpu_memory_gib, "--gpu-memory-gib")
+        gib_bytes(self.overhead_gib, "--overhead-gib", positive=False)
         if self.page_size != 64 and self.target != "cpu":
             raise ValueError(f"--page-size: {self.page_size} on target {self.target}, but its MLA kernels need "
                              "pages of 64 tokens")

@@ -168,13 +168,16 @@ def test_extra_rank_file(converted, tmp_path):
     (["--max-seq-len", "1"], ["--max-seq-len: expected at least 2 tokens, got 1"]),
     (["--gpu-memory-gib", "-2"], ["--gpu-memory-gib", "-2"]),
     (["--gpu-memory-gib", "1", "--overhead-gib", "-1"], ["--overhead-gib", "-1"]),
-    (["--gpu-memory-gib", "inf"], ["--gpu-memory-gib: expected a positive number of GiB, got inf"]),
-    (["--gpu-memory-gib", "nan"], ["--gpu-memory-gib: expected a positive number of GiB, got nan"]),
-    (["--overhead-gib", "inf"], ["--overhead-gib: expected a finite number of GiB >= 0, got inf"]),
+    (["--gpu-memory-gib", "inf"], ["--gpu-memory-gib: expected a number of GiB above 0 and at most 1048576, got inf"]),
+    (["--gpu-memory-gib", "nan"], ["--gpu-memory-gib: expected a number of GiB above 0", "got nan"]),
+    (["--gpu-memory-gib", "1e300"], ["--gpu-memory-gib: expected a number of GiB above 0", "got 1e+300"]),
+    (["--overhead-gib", "inf"], ["--overhead-gib: expected a number of GiB 0 or more and at most 1048576, got inf"]),
     (["--max-seq-len", "100000"], ["--max-seq-len: 100000", "max_position_embeddings (4096"]),
     (["--expert-backend", "deepep"], ["--expert-backend deepep: DeepEP runs on GPUs"]),
+    (["--max-batch-size", str(10**11), "--max-num-tokens", str(10**11)],
+     ["100000000000 KDA slots", "lower the limits, or give --gpu-memory-gib"]),
 ], ids=["target", "tokens<batch", "page-size-sm90", "neg-seq", "zero-batch", "seq-1", "neg-mem", "neg-overhead", "inf-mem",
-     "nan-mem", "inf-overhead", "seq>positions", "deepep-on-cpu"])
+     "nan-mem", "huge-mem", "inf-overhead", "seq>positions", "deepep-on-cpu", "huge-caches"])
 def test_bad_options(converted, tmp_path, args, words):
     out = tmp_path / "engine"
     # the last occurrence of an option wins, so these override FAST's
@@ -218,6 +221,24 @@ def test_memory_budget_refusal_has_numbers(converted, tmp_path):
     res = _build(converted["tp1"], out, "--gpu-memory-gib", "0.05", "--overhead-gib", "0")
     assert res.exit_code == 0, res.output
     assert json.loads((out / "config.json").read_text())["memory_plan"]["budget"]["ranks"][0]["reserve"]["overhead"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_memory_budget_counts_the_engine_dtype(converted, tmp_path, dtype):
+    """The budget's weights are the rank's weights file as written, in the engine's dtype (row padding aside)."""
+    out = tmp_path / "engine"
+    res = _build(converted["tp1"], out, "--gpu-memory-gib", "1.0625", "--dtype", dtype)
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((out / "config.json").read_text())
+    planned, written = cfg["memory_plan"]["budget"]["ranks"][0]["weight_bytes"], cfg["ranks"]["0"]["weight_bytes"]
+    assert 0.98 < planned / written <= 1.0, (planned, written)
+
+
+def test_caches_without_a_budget_are_noted(converted, tmp_path):
+    out = tmp_path / "engine"
+    res = _build(converted["tp1"], out)
+    assert res.exit_code == 0, res.output
+    assert "no --gpu-memory-gib: 8 KDA slots and 32 MLA pages" in res.output
 
 
 def test_memory_budget_that_fits_sizes_the_caches(converted, tmp_path):
@@ -336,11 +357,12 @@ def test_bad_recipe_value_names_the_recipe(converted, tmp_path):
     recipe.write_text((ROOT / "engines" / "tiny.toml").read_text().replace('kv_dtype = "bf16"', 'kv_dtype = "fp8"'))
     out = tmp_path / "engine"
     res = CliRunner().invoke(main, ["build", str(converted["tp1"]), str(out), "--recipe", str(recipe), "--no-progress"])
-    _refused(res, out, "r.toml [build]", "--kv-dtype", "'fp8'")
-    # the flag overrides the recipe's value
-    res = CliRunner().invoke(main, ["build", str(converted["tp1"]), str(out), "--recipe", str(recipe),
-                                    "--kv-dtype", "bf16", "--no-progress"])
-    assert res.exit_code == 0, res.output
+    _refused(res, out, "r.toml: build.kv_dtype: expected one of fp32, bf16, fp16, got 'fp8'")
+    # a recipe value that is wrong only beside a flag's (tiny.toml: max_num_tokens 256)
+    good = ROOT / "engines" / "tiny.toml"
+    res = CliRunner().invoke(main, ["build", str(converted["tp1"]), str(out), "--recipe", str(good),
+                                    "--max-batch-size", "512", "--no-progress"])
+    _refused(res, out, "tiny.toml [build]: --max-num-tokens (256) must be >= --max-batch-size (512)")
 
 
 def test_clean_stale_tells_dead_from_live(tmp_path):

@@ -66,6 +66,10 @@ def test_pp_owns_contiguous_layers_embedding_first_lm_head_last():
     (dict(tp_size=4, moe_ep_size=3), "must equal tp_size"),
     (dict(tp_size=2, moe_tp_size=2, attention_dp=True), "attention-DP off"),
     (dict(tp_size=2, pp_size=2, attention_dp=True), "attention-DP with pipeline parallelism"),  # refused at load
+    # a hand-edited config.json: range() would fail on the float, and "false" is a true string
+    (dict(moe_ep_size=1.0), r"mapping.moe_ep_size: expected a positive int, got 1.0"),
+    (dict(tp_size=True), r"mapping.tp_size: expected a positive int, got True"),
+    (dict(attention_dp="false"), r"mapping.attention_dp: expected true or false, got 'false'"),
 ])
 def test_bad_mapping(kw, words):
     with pytest.raises(MappingError, match=words):

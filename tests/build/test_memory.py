@@ -8,7 +8,7 @@ import pytest
 from k3build.config import QuantConfig, preset
 from k3build.mapping import Mapping, MappingError
 from k3build.memory import (CATEGORIES, GiB, H200_TOTAL_BYTES, MiB, kda_state_bytes, kv_bytes_per_token,
-                            max_concurrent_requests, plan_memory, weight_bytes)
+                            plan_memory, weight_bytes)
 from k3build.schema import checkpoint_tensors
 
 K3 = preset("k3")
@@ -124,22 +124,42 @@ def test_tep16_concurrency_is_the_arithmetic(seq):
     r = plan.ranks[0]
     free = H200 - r.weight_bytes - r.reserve_bytes
     slot = 449_372_160 // 16  # 6 of 96 heads
-    want = free // (slot + ceil(seq / 64) * 64 * 27_648)
+    pages = ceil(seq / 64)
+    held = free // (slot + pages * 64 * 27_648)
     assert r.kda_state_bytes_per_request == slot
-    assert r.max_concurrent_requests == want == plan.max_concurrent_requests  # TP ranks share requests
-    assert max_concurrent_requests(K3, TEP16, gpu_memory_bytes=H200, max_seq_len=seq, max_batch_size=64) == want
+    assert r.memory_requests == held == plan.memory_requests  # TP ranks share requests
+    assert r.reserve["spare"] == slot + 64 * 27_648  # the runtime's spare slot and page
     assert {"overhead", "residual", "exchange"} <= set(r.reserve)
-    assert (r.kda_slots, r.kv_pages) == (min(64, (free - ceil(seq / 64) * 64 * 27_648) // slot),
+    assert (r.kda_slots, r.kv_pages) == (min(64, (free - pages * 64 * 27_648) // slot),
                                          (free - r.kda_slots * slot) // (64 * 27_648))
+    # what the engine runs at once: a slot and a full request's pages each
+    assert r.max_concurrent_requests == min(r.kda_slots, r.kv_pages // pages) == plan.max_concurrent_requests
     # Published Hopper context: SGLang's 2x8 H200 runs ~98 requests; 128K requests are ~3.6 GB each.
-    assert (100 < want < 200) if seq == 8192 else (5 < want < 15)
+    assert (100 < held < 200) if seq == 8192 else (5 < held < 15)
+    assert plan.max_concurrent_requests == (64 if seq == 8192 else held)  # max_batch_size 64 caps the slots
+
+
+def test_engine_dtype_scales_weights_activations_and_conv_state():
+    """build --dtype fp32 doubles the 16-bit tensors, the activations and the conv state; packed experts and
+    F32 tensors stay as they are (k3build/build/layout.py _cast)."""
+    kw = dict(gpu_memory_bytes=GiB, max_seq_len=1024, max_batch_size=8, max_num_tokens=256)
+    bf, fp = plan_memory(TINY, Mapping(), **kw), plan_memory(TINY, Mapping(), **kw, dtype="fp32")
+    sixteen = sum(prod(shape) for shape, dt in checkpoint_tensors(TINY, "canonical").values() if dt == "BF16")
+    assert fp.ranks[0].weight_bytes - bf.ranks[0].weight_bytes == sixteen * 2
+    assert fp.ranks[0].weights["routed_experts"] == bf.ranks[0].weights["routed_experts"]  # MXFP4 bytes
+    conv = len(TINY.kda_layers) * 3 * TINY.kda_num_heads * TINY.kda_head_dim * (TINY.kda_conv_size - 1) * 2
+    assert fp.kda_state_bytes_per_request_model - bf.kda_state_bytes_per_request_model == conv
+    assert fp.ranks[0].reserve["residual"] == 2 * bf.ranks[0].reserve["residual"]
+    assert fp.dtype == "fp32" and fp.ranks[0].free_bytes < bf.ranks[0].free_bytes
+    with pytest.raises(ValueError, match="dtype: expected one of fp32, bf16, fp16, got 'fp8'"):
+        plan_memory(TINY, Mapping(), **kw, dtype="fp8")
 
 
 def test_bf16_state_and_fp8_kv_raise_concurrency():
     # the state is a request's larger share at short contexts (28 MB against 226 MB of KV at 8K), the KV at long ones
-    short, long = _k3_plan(TEP16, 8192).max_concurrent_requests, _k3_plan(TEP16, 32768).max_concurrent_requests
-    assert _k3_plan(TEP16, 8192, state_dtype="bf16").max_concurrent_requests > short
-    assert _k3_plan(TEP16, 32768, kv_dtype_bytes=1).max_concurrent_requests > long
+    short, long = _k3_plan(TEP16, 8192).memory_requests, _k3_plan(TEP16, 32768).memory_requests
+    assert _k3_plan(TEP16, 8192, state_dtype="bf16").memory_requests > short
+    assert _k3_plan(TEP16, 32768, kv_dtype_bytes=1).memory_requests > long
 
 
 def test_attention_dp_concurrency_adds_up_over_ranks():
@@ -147,8 +167,9 @@ def test_attention_dp_concurrency_adds_up_over_ranks():
                      max_num_tokens=256, overhead_bytes=0)
     dp = plan_memory(TINY, Mapping(tp_size=2, attention_dp=True), gpu_memory_bytes=64 * MiB, max_seq_len=1024,
                      max_batch_size=8, max_num_tokens=256, overhead_bytes=0)
-    assert tp.max_concurrent_requests == min(r.max_concurrent_requests for r in tp.ranks)
-    assert dp.max_concurrent_requests == sum(r.max_concurrent_requests for r in dp.ranks)
+    for field in ("max_concurrent_requests", "memory_requests"):
+        assert getattr(tp, field) == min(getattr(r, field) for r in tp.ranks)
+        assert getattr(dp, field) == sum(getattr(r, field) for r in dp.ranks)
 
 
 def test_pool_split_keeps_one_full_request_and_stays_in_budget():
@@ -157,7 +178,9 @@ def test_pool_split_keeps_one_full_request_and_stays_in_budget():
     for r in plan.ranks:
         assert 1 <= r.kda_slots <= 64
         assert r.kv_pages >= 4096 // 64
+        # the free bytes are past the reserve, which holds the runtime's spare slot and page
         assert r.kda_slots * r.kda_state_bytes_per_request + r.kv_pages * r.page_bytes <= r.free_bytes
+        assert r.reserve["spare"] == r.kda_state_bytes_per_request + r.page_bytes
     d = plan.to_dict()
     assert d["ranks"][1]["layers"] == [5, 9] and d["fits"] is True
 
@@ -183,6 +206,8 @@ def test_bad_inputs_name_the_field():
         plan_memory(TINY, Mapping(), **{**kw, "max_seq_len": 8192})
     with pytest.raises(ValueError, match="max_batch_size"):
         plan_memory(TINY, Mapping(), **{**kw, "max_batch_size": 0})
+    with pytest.raises(ValueError, match="max_num_tokens: 8 is less than max_batch_size 64"):
+        plan_memory(TINY, Mapping(), **{**kw, "max_num_tokens": 8, "max_batch_size": 64})
     with pytest.raises(ValueError, match="state_dtype"):
         plan_memory(TINY, Mapping(), **kw, state_dtype="int8")
     with pytest.raises(ValueError, match="kv_dtype_bytes"):

@@ -28,11 +28,16 @@ def test_tep16_fits_with_spec_numbers():
     assert d["mapping"]["moe_ep_size"] == 16 and not d["mapping"]["attention_dp"]
     assert len(d["ranks"]) == 16 and all(r["kv_bytes_per_token"] == 27_648 for r in d["ranks"])
     by_len = {int(k): v for k, v in d["concurrency_by_length"].items()}
-    assert sorted(by_len) == [8192, 32768, 131072]
-    assert by_len[8192] > by_len[32768] > by_len[131072] == d["max_concurrent_requests"] >= 1
+    held = {int(k): v for k, v in d["memory_requests_by_length"].items()}
+    assert sorted(by_len) == sorted(held) == [8192, 32768, 131072]
+    assert held[8192] > held[32768] > held[131072] == d["memory_requests"] >= 1
+    # max_batch_size 64 caps the running requests where memory holds more
+    # (slots taken up to the cap leave pages for fewer full-length requests: at 32K 41 run where 42 fit)
+    assert all(min(64, held[n]) - 1 <= by_len[n] <= min(64, held[n]) for n in held) and by_len[8192] == 64
+    assert by_len[131072] == d["max_concurrent_requests"]
     want = plan_memory(preset("k3"), Mapping(tp_size=16), gpu_memory_bytes=int(139.8 * GiB), max_seq_len=8192,
                        max_batch_size=64, max_num_tokens=8192)
-    assert by_len[8192] == want.max_concurrent_requests
+    assert held[8192] == want.memory_requests
 
 
 def test_dep16_refused_with_reason():
@@ -89,10 +94,31 @@ def test_checkpoint_dir_config(tmp_path, flavour):
     assert json.loads(res.stdout)["mapping"]["moe_ep_size"] == 4
 
 
-@pytest.mark.parametrize("gpu, overhead", [("inf", "0"), ("nan", "0"), ("1", "inf"), ("1", "nan")])
-def test_memory_sizes_must_be_finite(gpu, overhead):
+@pytest.mark.parametrize("gpu, overhead, flag", [
+    ("inf", "0", "--gpu-memory-gib"), ("nan", "0", "--gpu-memory-gib"), ("1e300", "0", "--gpu-memory-gib"),
+    ("1e-12", "0", "--gpu-memory-gib"), ("1", "inf", "--overhead-gib"), ("1", "nan", "--overhead-gib"),
+    ("1", "1e300", "--overhead-gib"), ("1", "-1", "--overhead-gib")])
+def test_memory_sizes_must_be_finite(gpu, overhead, flag):
     res = _run("plan", "--preset", "tiny", "--gpu-memory-gib", gpu, "--overhead-gib", overhead, "--max-seq-len", "64")
-    assert res.exit_code == 2 and "expected finite GiB" in res.output and "Traceback" not in res.output, res.output
+    assert res.exit_code != 0 and res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert f"{flag}: expected a number of GiB" in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e300"])
+def test_recipe_memory_sizes_name_the_field(tmp_path, value):
+    text = (ENGINES / "tiny.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("gpu_memory_gib = ", f"gpu_memory_gib = {value}  # ", 1))
+    res = _run("plan", "--recipe", str(bad))
+    assert res.exit_code == 1 and f"{bad}: build.gpu_memory_gib: expected a number of GiB" in res.stderr, res.output
+
+
+def test_engine_dtype_option_and_kv_dtypes_are_builds():
+    args = ["plan", "--preset", "tiny", "--gpu-memory-gib", "1", "--overhead-gib", "0", "--max-seq-len", "64", "--json"]
+    bf, fp = (json.loads(_run(*args, *extra).stdout) for extra in ([], ["--dtype", "fp32", "--kv-dtype", "fp32"]))
+    assert fp["dtype"] == "fp32" and fp["kv_dtype_bytes"] == 4 and fp["ranks"][0]["weight_bytes"] > bf["ranks"][0]["weight_bytes"]
+    res = _run(*args, "--kv-dtype", "fp8")  # no fp8 cache kernel: build refuses it, so plan does too
+    assert res.exit_code == 2 and "'fp8' is not one of 'fp32', 'bf16', 'fp16'" in res.output
 
 
 def test_expert_format_option():
@@ -115,6 +141,7 @@ def test_recipe_options_override():
     (["--preset", "k3", "--tp-size", "5"], "not divisible"),
     (["--preset", "tiny", "--max-seq-len", "100000"], "max_position_embeddings"),
     (["--preset", "nope"], "preset: unknown"),
+    (["--preset", "tiny", "--max-num-tokens", "1", "--max-batch-size", "64"], "max_num_tokens: 1 is less than"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     full = ["plan", *args]

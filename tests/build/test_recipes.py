@@ -101,6 +101,12 @@ expert_backend = "nccl"
     (('expert_backend = "nccl"', 'expert_backend = "deepep"'), "needs a GPU target"),
     (('expert_backend = "nccl"', 'expert_backend = "nccl"\n[plan]\nexpect_fits = false'), "plan.why"),
     (("[build]", "[build\n"), "not valid TOML"),
+    # what `k3build build` refuses, `plan --recipe` must too
+    (('target = "cpu"', 'target = "sm90"\npage_size = 32'), "build.page_size: 32 on target sm90"),
+    (("max_seq_len = 256", "max_seq_len = 1"), "build.max_seq_len: expected at least 2"),
+    (('gpu_memory_gib = 0.0625', 'gpu_memory_gib = 0.0625\nkv_dtype = "fp8"'), "build.kv_dtype: expected one of"),
+    (('gpu_memory_gib = 0.0625', 'gpu_memory_gib = nan'), "build.gpu_memory_gib: expected a number of GiB"),
+    (('gpu_memory_gib = 0.0625', 'gpu_memory_gib = 1e300'), "build.gpu_memory_gib: expected a number of GiB"),
 ])
 def test_bad_recipe_names_file_and_field(tmp_path, edit, field):
     path = tmp_path / "bad.toml"
