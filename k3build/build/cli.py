@@ -142,11 +142,13 @@ def _describe(engine: Path, cfg: dict) -> list[str]:
     out.append(f"memory plan: {mp['num_pages']} pages of {mp['page_size']} tokens, {mp['num_slots']} KDA slots")
     budget = mp.get("budget")
     if budget:
-        out.append(f"  budget {_mib(budget['gpu_memory_bytes'])} per rank, {budget['max_concurrent_requests']} "
-                   f"requests of {budget['max_seq_len']} tokens fit")
+        held = budget.get("memory_requests")  # engines built before it was planned lack it
+        out.append(f"  budget {_mib(budget['gpu_memory_bytes'])} per rank: {budget['max_concurrent_requests']} "
+                   f"requests of {budget['max_seq_len']} tokens run at once"
+                   + (f" (memory holds {held})" if held is not None else ""))
         for r in budget["ranks"]:
             out.append(f"  rank{r['rank']}: weights {_mib(r['weight_bytes'])}, reserve {_mib(r['reserve_bytes'])}, "
-                       f"free {_mib(r['free_bytes'])} -> {r['kda_slots']} slots, {r['kv_pages']} pages")
+                       f"free {_mib(r['free_bytes'])}: room for {r['kda_slots']} slots and {r['kv_pages']} pages")
     else:
         out.append("  (no --gpu-memory-gib budget: sized by the limits alone)")
     out.append("plugins:")

@@ -250,6 +250,11 @@ def test_memory_budget_that_fits_sizes_the_caches(converted, tmp_path):
     rank = plan["budget"]["ranks"][0]
     assert plan["num_slots"] == min(8, rank["kda_slots"])
     assert plan["num_pages"] == min(8 * 1024 // 64, rank["kv_pages"])
+    text = CliRunner().invoke(main, ["inspect", str(out)]).output
+    budget = plan["budget"]
+    assert (f"{budget['max_concurrent_requests']} requests of 1024 tokens run at once (memory holds "
+            f"{budget['memory_requests']})") in text and budget["max_concurrent_requests"] == 8
+    assert f"room for {rank['kda_slots']} slots and {rank['kv_pages']} pages" in text
 
 
 def test_recipe_supplies_the_options(converted, tmp_path):
