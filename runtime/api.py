@@ -52,11 +52,9 @@ class LLM:
     events wait in its own mailbox until its caller takes them, while any caller's stepping runs them all."""
 
     def __init__(self, engine_dir: str | Path, *, device: str = "cpu", **options):
+        # the tokenizer first: a damaged tokenizer file is refused before any weight is read
+        self.tokenizer = load_tokenizer(engine_dir)
         self.engine = LLMEngine(engine_dir, EngineOptions(device=device, **options))
-        try:
-            self.tokenizer: Tokenizer | None = Tokenizer(engine_dir)
-        except FileNotFoundError:
-            self.tokenizer = None
         self._mail: dict[str, deque[TokenEvent]] = {}  # this LLM's running requests' events, not yet taken
 
     def _ids(self, prompt: Prompt) -> list[int]:
@@ -189,6 +187,15 @@ class LLM:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(token_ids), vocab] at every position (for scoring and tests)."""
         return self.engine.score(self._ids(token_ids)).cpu()
+
+
+def load_tokenizer(engine_dir: str | Path) -> Tokenizer | None:
+    """The engine's tokenizer, None when it has none (tokenizer.json); TokenizerError for a file of it that cannot
+    be read or parsed."""
+    try:
+        return Tokenizer(engine_dir)
+    except FileNotFoundError:
+        return None
 
 
 def _is_id(t) -> bool:

@@ -29,13 +29,16 @@ def main():
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, cuda or cuda:N; cpu unless given, whatever the engine's target (an sm90 engine needs cuda).")
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one --prompt).")
 @engine_flags
 def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
                  repetition_penalty, device, stream, **flags):
     """Generate completions for PROMPTs."""
-    from .api import LLM
+    from .api import LLM, load_tokenizer
+    from .llm_engine import check_prompt
+    from .loader import read_engine_config
     from .sampling_params import SamplingParams
 
     if stream and len(prompts) > 1:
@@ -44,17 +47,23 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty)
-        llm = LLM(engine, device=device, **given(flags))
-        if llm.tokenizer is None:
+        # the tokenizer and the prompts before the engine loads: what it would refuse costs no weight reading
+        config = read_engine_config(engine)
+        tokenizer = load_tokenizer(engine)
+        if tokenizer is None:
             raise click.ClickException(f"{engine}: the engine has no tokenizer.json (its checkpoint had none) and "
                                        "generate takes text; build from a checkpoint with its tokenizer, or give "
                                        "token ids through the Python API (LLM.generate) or the server")
+        prompt_ids = [tokenizer.encode(p) for p in prompts]
+        for ids in prompt_ids:
+            check_prompt(config, ids)
+        llm = LLM(engine, device=device, **given(flags))
         if stream:
-            for chunk in llm.stream(prompts[0], params):
+            for chunk in llm.stream(prompt_ids[0], params):
                 click.echo(chunk.text, nl=False)
             click.echo()
             return
-        for prompt, out in zip(prompts, llm.generate(list(prompts), params)):
+        for prompt, out in zip(prompts, llm.generate(prompt_ids, params)):
             click.echo(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})")
             click.echo(out.text if out.text is not None else out.token_ids)
     except (EngineError, ValueError) as e:

@@ -43,7 +43,9 @@ ENGINE_FIELDS = {
                           "kda_head_dim": _INT1, "kda_conv_size": _INT1, "kv_lora_rank": _INT1,
                           "qk_rope_head_dim": _INT0, "max_position_embeddings": _INT1, "num_experts_per_token": _INT1},
     "ranks": dict,
+    "stamp": dict,
 }
+LAYER_TYPES = ("kda", "mla")
 
 
 def _wrong(value, want) -> str | None:
@@ -59,8 +61,9 @@ def _wrong(value, want) -> str | None:
 
 
 def check_engine_fields(cfg: dict, path: Path) -> str | None:
-    """None when the fields the runtime reads are there and of their kind (ENGINE_FIELDS, and each rank's layers
-    inside the model); else the error, naming the field: a config.json edited or damaged since its build."""
+    """None when the fields the runtime reads are there and of their kind (ENGINE_FIELDS; the layer types, the EOS
+    and BOS ids inside the vocabulary, each plugin's entry, each rank's layers inside the model and its stage
+    flags); else the error, naming the field: a config.json edited or damaged since its build."""
     rebuild = "the engine's config.json was edited or damaged; rebuild it with `k3build build`"
     for section, fields in ENGINE_FIELDS.items():
         value = cfg.get(section)
@@ -73,11 +76,39 @@ def check_engine_fields(cfg: dict, path: Path) -> str | None:
         for key, want in fields.items():
             if why := _wrong(value.get(key), want):
                 return f"{path}: {section}.{key}: {why}, got {value.get(key)!r}; {rebuild}"
-    layers = len(cfg["pretrained_config"]["layer_types"])
-    for rank, info in cfg["ranks"].items():
+    model = cfg["pretrained_config"]
+    why = _model_problem(model) or _plugins_problem(cfg["build_config"]["plugins"]) or \
+        _ranks_problem(cfg["ranks"], len(model["layer_types"]))
+    return f"{path}: {why}; {rebuild}" if why else None
+
+
+def _model_problem(model: dict) -> str | None:
+    for i, kind in enumerate(model["layer_types"]):
+        if kind not in LAYER_TYPES:
+            return f"pretrained_config.layer_types[{i}]: expected one of {', '.join(LAYER_TYPES)}, got {kind!r}"
+    vocab = model["vocab_size"]
+    for key in ("eos_token_id", "bos_token_id"):  # optional: a model without one stops on none
+        value = model.get(key)
+        if value is not None and (_wrong(value, _INT0) or value >= vocab):
+            return f"pretrained_config.{key}: expected a token id in 0..{vocab - 1} (vocab_size) or null, got {value!r}"
+    return None
+
+
+def _plugins_problem(plugins: dict) -> str | None:
+    for op, entry in plugins.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("tactic"), str)
+                and not _wrong(entry.get("version"), _INT0)):
+            return f"build_config.plugins.{op}: expected {{\"version\": int, \"tactic\": str}}, got {entry!r}"
+    return None
+
+
+def _ranks_problem(ranks: dict, layers: int) -> str | None:
+    for rank, info in ranks.items():
         span = info.get("layers") if isinstance(info, dict) else None
         if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)
                 and 0 <= span[0] <= span[1] <= layers):
-            return f"{path}: ranks.{rank}.layers: expected [start, stop] within the model's {layers} layers, got " \
-                   f"{span!r}; {rebuild}"
+            return f"ranks.{rank}.layers: expected [start, stop] within the model's {layers} layers, got {span!r}"
+        for key in ("first_stage", "last_stage"):
+            if why := _wrong(info.get(key), bool):
+                return f"ranks.{rank}.{key}: {why}, got {info.get(key)!r}"
     return None

@@ -137,6 +137,25 @@ def check_build_limits(options: EngineOptions, config: dict, engine_dir) -> None
                           "(pp_size); a step is cut into at most that many micro-batches")
 
 
+def check_ids(token_ids: list[int], vocab: int, field: str) -> None:
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{field}: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
+
+
+def check_prompt(config: dict, token_ids: list[int], field: str = "prompt_token_ids") -> None:
+    """ValueError for a prompt the engine whose config.json is `config` never runs: empty, an id outside its
+    vocabulary, or too long to leave room for a token under max_seq_len (Scheduler.add's rule). It reads no weights:
+    a command checks its prompts with it before the engine loads."""
+    if not token_ids:
+        raise ValueError(f"{field}: empty (at least one token is needed)")
+    check_ids(token_ids, config["pretrained_config"]["vocab_size"], field)
+    max_len = config["build_config"]["max_seq_len"]
+    if len(token_ids) >= max_len:
+        raise ValueError(f"{field}: {len(token_ids)} tokens leave no room to generate under the engine's "
+                         f"max_seq_len ({max_len})")
+
+
 def cache_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
     """(pages, slots) the scheduler hands out, per attention-DP rank."""
     plan = config["memory_plan"]
@@ -334,10 +353,7 @@ class LLMEngine:
         return self.facts.eos_token_id
 
     def _check_ids(self, token_ids: list[int], field: str) -> None:
-        vocab = self.facts.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{field}: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
+        check_ids(token_ids, self.facts.vocab_size, field)
 
     def add_request(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Request:
         if not isinstance(params, SamplingParams):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from .dist import weight_store
 from .engine_dir import check_engine_fields, no_config, not_an_engine
-from .weight_reader import WeightFileError, read_weights
+from .weight_reader import WeightFileError, read_header, read_weights
 
 ENGINE_FORMAT_VERSION = 1
 KDA, MLA = "kda", "mla"
@@ -75,10 +75,16 @@ class RankEngine:
 
 def read_engine_config(engine_dir: str | Path) -> dict:
     path = Path(engine_dir) / "config.json"
-    if not path.exists():
-        raise EngineError(no_config(engine_dir))
     try:
-        cfg = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        raise EngineError(no_config(engine_dir)) from None
+    except OSError as e:
+        raise EngineError(_unreadable(path, e)) from None
+    except UnicodeDecodeError as e:
+        raise EngineError(f"{path}: not valid JSON (not UTF-8 text: {e})") from None
+    try:
+        cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise EngineError(f"{path}: not valid JSON ({e})") from None
     check_stamp(cfg, path)
@@ -127,7 +133,11 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
     if device is not None:
         check_device_present(device, path)
         here, target = _device_target(device), stamp.get("target")
-        if here != target and not (target == "cpu" and device.type == "cpu"):
+        if here == "cpu" and isinstance(target, str) and target.startswith(("sm", "gfx")):
+            raise EngineError(f"{path}: engine built for target {target!r} but this device is 'cpu' (the device is "
+                              "cpu unless given, whatever the engine's target); run it on a GPU with --device cuda, "
+                              "or rebuild with `k3build build --target cpu`")
+        if here != target:
             raise EngineError(f"{path}: engine built for target {target!r} but this device is {here!r}; "
                               f"rebuild with `k3build build --target {here if here in ('cpu', 'sm90', 'gfx942') else '<target>'}`")
 
@@ -139,25 +149,66 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     check_stamp(cfg, engine_dir / "config.json", device)
     if str(rank) not in cfg["ranks"]:
         raise EngineError(f"{engine_dir}: no rank {rank} (world size {cfg['mapping']['world_size']})")
+    # imported here: graph_check imports the executor (whose bindings it checks), which imports this module
+    from .graph_check import graph_problem
+
     rank_dir = engine_dir / f"rank{rank}"
     for name in ("graph.onnx", "weights.safetensors"):
-        if not (rank_dir / name).is_file():
-            raise EngineError(f"{rank_dir / name}: missing; the engine is incomplete — rebuild it with `k3build build`")
+        _check_readable(rank_dir / name)
     try:
-        graph = onnx.load(rank_dir / "graph.onnx").graph
+        model = onnx.load(rank_dir / "graph.onnx")
     except Exception as e:  # protobuf DecodeError and friends
         raise EngineError(f"{rank_dir}/graph.onnx: not a valid ONNX model ({e}); rebuild the engine") from None
-    # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk: on a
-    # GPU streamed through pinned buffers (weight_reader), on the CPU mapped (shared with the page cache).
-    try:
-        weights = weight_store.attach(engine_dir, rank, device=device) or (
-            read_weights(rank_dir / "weights.safetensors", device, progress=progress) if device.type == "cuda"
-            else load_file(rank_dir / "weights.safetensors", device=str(device)))
-    except (SafetensorError, WeightFileError) as e:
-        raise EngineError(f"{rank_dir}/weights.safetensors: corrupt ({e}); rebuild the engine") from None
+    if why := graph_problem(model, cfg, rank):
+        raise EngineError(f"{rank_dir}/graph.onnx: {why}; rebuild the engine with `k3build build` from this "
+                          "installation")
+    graph = model.graph
+    # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk.
+    weights = weight_store.attach(engine_dir, rank, device=device)
+    if weights is None:
+        weights = _read_weights(rank_dir / "weights.safetensors", rank, cfg["ranks"][str(rank)], device, progress)
     _check_weights(graph, weights, rank_dir)
     _check_finite(weights, rank_dir)
     return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)
+
+
+def _unreadable(path: Path, e: OSError) -> str:
+    """The error for an engine file that is there but cannot be read: its mode or its directory's, a directory in
+    its place."""
+    return f"{path}: cannot be read ({e.strerror or e})"
+
+
+def _check_readable(path: Path) -> None:
+    """EngineError for an engine file that is missing or cannot be read, before its reader's own error (safetensors
+    says FileNotFoundError for a file it may not read) or a traceback."""
+    try:
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        raise EngineError(f"{path}: missing; the engine is incomplete — rebuild it with `k3build build`") from None
+    except OSError as e:
+        raise EngineError(_unreadable(path, e)) from None
+
+
+def _read_weights(path: Path, rank: int, info: dict, device: torch.device, progress: bool) -> dict[str, torch.Tensor]:
+    """The rank's weights from disk: on a GPU streamed through pinned buffers (weight_reader), on the CPU mapped
+    (shared with the page cache). The header is checked first on both (read_header names the tensor that does not
+    fit, where safetensors says "incomplete metadata"), and its record of the rank it was built for (a file
+    rewritten by another tool may have none)."""
+    try:
+        _, _, metadata = read_header(path)
+        if metadata.get("rank", str(rank)) != str(rank):
+            raise EngineError(f"{path}: holds rank {metadata['rank']}'s weights, not rank {rank}'s (its header's "
+                              "__metadata__ says so); put each rank's files back in its rank directory, or rebuild "
+                              "the engine")
+        if device.type == "cuda":
+            return read_weights(path, device, progress=progress)
+        return load_file(path, device=str(device))
+    except (SafetensorError, WeightFileError) as e:
+        size, built = path.stat().st_size, info.get("weight_bytes")
+        sizes = f"; it is {size} bytes, its build wrote {built}" if isinstance(built, int) and built != size else ""
+        why = str(e).removeprefix(f"{path}: ")
+        raise EngineError(f"{path}: corrupt ({why}){sizes}; rebuild the engine") from None
 
 
 _ONNX_TO_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,

@@ -19,7 +19,7 @@ from .cuda_graph import DecodeGraphs, bucket_for
 from .executor import FED, Communicator, Executor, StepBatch, feed_tokens
 from .kv_cache import CacheTensors, HostStore
 from .kv_cache.cache_tensors import CacheConfig
-from .loader import KDA, MLA, RankEngine
+from .loader import KDA, MLA, EngineError, RankEngine
 from .micro_batch import split
 from .request import PLACEHOLDER
 from .scheduler import ScheduledItem, StepPlan, SwapEntry
@@ -74,8 +74,16 @@ class RankRunner:
         why not; `graphs_off` then holds that reason)."""
         self.engine, self.comm = engine, comm or Communicator()
         self.device = next(iter(engine.weights.values())).device
-        self.cache = CacheTensors(cache_cfg, self.device)
-        self.host_store = HostStore(self.cache, num_host_pages, num_host_slots) if num_host_pages or num_host_slots else None
+        c = cache_cfg
+        self.cache = _allocate(lambda: CacheTensors(c, self.device), c.nbytes, self.device,
+                               f"the caches of {c.num_pages} MLA pages and {c.num_slots} KDA slots (num_pages and "
+                               "num_slots, or the engine's memory plan)")
+        self.host_store = None
+        if num_host_pages or num_host_slots:
+            host_bytes = num_host_pages * c.bytes_per_page + num_host_slots * c.bytes_per_slot
+            self.host_store = _allocate(lambda: HostStore(self.cache, num_host_pages, num_host_slots), host_bytes,
+                                        torch.device("cpu"), f"the host store of {num_host_pages} pages and "
+                                        f"{num_host_slots} slots (num_host_pages, num_host_slots)")
         self.executor = Executor(engine, self.cache, self.comm)
         info = engine.rank_info
         self.first, self.last = info["first_stage"], info["last_stage"]
@@ -193,6 +201,17 @@ class RankRunner:
         return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
                          context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
                          page_table=tensor(table), logits_indices=tensor(rows))
+
+
+def _allocate(make, nbytes: int, device: torch.device, what: str):
+    """make(), whose tensors take nbytes on device; EngineError naming what they hold (the options that size them)
+    where the allocator refuses, in place of its traceback."""
+    try:
+        return make()
+    except RuntimeError as e:  # torch.OutOfMemoryError on a GPU (a RuntimeError), the CPU allocator's own
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EngineError(f"{what} need {nbytes} bytes ({nbytes / 2**30:.1f} GiB) of {device.type} memory, more "
+                          f"than could be allocated ({first}); lower them") from None
 
 
 def _sampled_first(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:

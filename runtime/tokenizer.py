@@ -26,22 +26,43 @@ def _byte_chars() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_chars()
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file of the engine that cannot be read or parsed; the message names the file."""
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as e:  # permissions, a directory in its place
+        raise TokenizerError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not UTF-8 text ({e})") from None
+
+
 class Tokenizer:
     def __init__(self, engine_dir: str | Path):
+        """FileNotFoundError when the engine has no tokenizer.json; TokenizerError for one of its files that cannot
+        be read or parsed."""
         engine_dir = Path(engine_dir)
         path = engine_dir / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: the engine has no tokenizer; pass token ids instead of text")
-        self._tok = _HFTokenizer.from_file(str(path))
+        try:
+            text = _read_text(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"{path}: the engine has no tokenizer; pass token ids instead of text") from None
+        try:
+            self._tok = _HFTokenizer.from_str(text)
+        except Exception as e:  # the library raises a bare Exception for a file it cannot parse
+            raise TokenizerError(f"{path}: not a tokenizer the `tokenizers` library reads ({e})") from None
         # token_bytes' lookups: the added tokens' texts, and whether tokens are byte-level (a decoder of its own or
         # one of a sequence)
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
-        cfg_path = engine_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.config = _read_config(engine_dir / "tokenizer_config.json")
         template = engine_dir / "chat_template.jinja"
-        self.chat_template = template.read_text() if template.exists() else self.config.get("chat_template")
+        self.chat_template = _read_text(template) if template.exists() else self.config.get("chat_template")
 
     @property
     def vocab_size(self) -> int:
@@ -84,6 +105,19 @@ class Tokenizer:
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
         return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                           **special)
+
+
+def _read_config(path: Path) -> dict:
+    """tokenizer_config.json's settings ({} when there is none)."""
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 class IncrementalText:

@@ -31,8 +31,9 @@ class WeightFileError(ValueError):
     """A weights file that is not a complete safetensors file; the message names the file and tensor."""
 
 
-def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], int]:
-    """{name: (dtype, shape, start, end)} with offsets into the data section, and where that section starts."""
+def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], int, dict]:
+    """{name: (dtype, shape, start, end)} with offsets into the data section, where that section starts, and the
+    header's __metadata__ ({} when it has none)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -52,10 +53,14 @@ def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (start, end) = _DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+            dtype, shape, (start, end) = _DTYPES[e["dtype"]], list(e["shape"]), e["data_offsets"]
+            # ints >= 0 only: a string offset would fail below as a TypeError, a negative dim in torch.empty
+            good = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, start, end])
         except (KeyError, TypeError, ValueError):
+            good = False
+        if not good:
             raise WeightFileError(f"{path}: tensor {name!r}: bad header entry {e!r} (dtype one of "
-                                  f"{sorted(_DTYPES)}, shape, data_offsets [start, end])") from None
+                                  f"{sorted(_DTYPES)}, shape and data_offsets [start, end] of ints >= 0)")
         numel = 1
         for d in shape:
             numel *= d
@@ -67,7 +72,8 @@ def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
         if start_b < end_a:
             raise WeightFileError(f"{path}: tensors {a!r} and {b!r} overlap in the data section")
-    return entries, 8 + n
+    metadata = header.get("__metadata__")
+    return entries, 8 + n, metadata if isinstance(metadata, dict) else {}
 
 
 def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *, chunk_bytes: int = 64 << 20,
@@ -85,7 +91,7 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         WeightFileError naming the file (and tensor) when the file is short, or its header wrong.
     """
     path, device = Path(path), torch.device(device)
-    entries, data_start = read_header(path)
+    entries, data_start, _ = read_header(path)
     tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, (dtype, shape, _, _) in entries.items()}
     spans = sorted((s, t, name) for name, (_, _, s, t) in entries.items() if t > s)
     staged = device.type != "cpu" if staged is None else staged

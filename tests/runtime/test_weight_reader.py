@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3runtime.weight_reader import WeightFileError, read_weights
+from k3runtime.weight_reader import WeightFileError, read_header, read_weights
 
 
 @pytest.fixture
@@ -95,6 +95,23 @@ def test_unknown_dtype_and_overlap_are_refused(st_file):
     _rewrite_header(st_file, overlap)
     with pytest.raises(WeightFileError, match="overlap"):
         read_weights(st_file)
+
+
+@pytest.mark.parametrize("field, value", [("data_offsets", ["0", "72"]), ("shape", [-3, -3]), ("shape", [9.0]),
+                                          ("data_offsets", [True, 72])], ids=["str-offsets", "neg-dims", "float-dim",
+                                                                              "bool-offset"])
+def test_header_numbers_that_are_not_sizes_are_refused(st_file, field, value):
+    """Offsets and dims that are not ints >= 0: a WeightFileError naming the tensor, not a TypeError from the
+    offsets' arithmetic or a RuntimeError from torch.empty."""
+    _rewrite_header(st_file, lambda h: h["d.i64"].update({field: value}))
+    with pytest.raises(WeightFileError, match=r"weights\.safetensors: tensor 'd.i64': bad header entry .*ints >= 0"):
+        read_weights(st_file)
+
+
+def test_header_metadata_is_returned(st_file):
+    entries, data_start, metadata = read_header(st_file)
+    assert metadata == {"format": "k3engine"} and sorted(entries) == sorted(load_file(st_file))
+    assert data_start == 8 + struct.unpack("<Q", st_file.read_bytes()[:8])[0]
 
 
 def test_engine_loader_turns_a_bad_file_into_an_engine_error(k3_tiny_engine, tmp_path):

@@ -1,0 +1,118 @@
+"""Check a rank's graph at load, before any weight is read: a valid ONNX model (onnx.checker, which passes the k3
+domain's nodes through) that the executor can bind, node by node. A damaged or edited graph is then refused naming
+the node or field, not by a KeyError or an IndexError at the first step. Cheap: the graph holds no tensor data."""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from .executor import _COMM_OPS, _K3_STRUCTURE_OPS, _ONNX_OPS
+from .loader import _ONNX_TO_TORCH, KDA, MLA
+
+K3_DOMAIN = "k3"
+_CACHED = {"KDA": KDA, "MLA": MLA}  # ops that take their layer's cache, found by their cache_index attribute
+
+
+def graph_problem(model: onnx.ModelProto, cfg: dict, rank: int) -> str | None:
+    """None when the executor can run `model` as `rank` of the engine whose config.json is `cfg` (already checked
+    by check_engine_fields); else what is wrong, naming the node or field."""
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        return f"not a valid ONNX graph (onnx.checker: {' '.join(str(e).split())})"
+    graph, info = model.graph, cfg["ranks"][str(rank)]
+    if graph.name != f"k3_rank{rank}":  # the builder names each rank's graph after its rank
+        return f"holds the graph {graph.name!r}, not rank {rank}'s (k3_rank{rank}): rank directories mixed up?"
+    return _inputs_problem(graph, cfg, info) or _nodes_problem(graph, cfg, info) or _outputs_problem(graph, info)
+
+
+def _type_name(elem_type) -> str:
+    try:
+        return onnx.TensorProto.DataType.Name(elem_type)
+    except (ValueError, TypeError):
+        return repr(elem_type)
+
+
+def _is_data(vi: onnx.ValueInfoProto) -> bool:
+    """A step's input (symbolic dims), bound per step; the others are weights (loader._check_weights: same rule)."""
+    return any(d.dim_param for d in vi.type.tensor_type.shape.dim)
+
+
+def _inputs_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
+    """The step inputs the runner feeds this rank (RankRunner.run), the weights' element types, and the vocabulary
+    rows of the embedding and LM head (split over the dense TP ranks) against vocab_size."""
+    blocks = sum(vi.name.startswith("blocks_in.") for vi in graph.input)
+    fed = {"input_ids", "logits_indices"}
+    if not info["first_stage"]:
+        fed |= {"hidden_in", *(f"blocks_in.{i}" for i in range(blocks))}
+    mapping, vocab = cfg["mapping"], cfg["pretrained_config"]["vocab_size"]
+    dense_tp = 1 if mapping["attention_dp"] else mapping["tp_size"]
+    for vi in graph.input:
+        t = vi.type.tensor_type
+        if _is_data(vi):
+            if vi.name not in fed:
+                return f"graph input {vi.name!r}: not one the runtime feeds this rank ({', '.join(sorted(fed))})"
+        elif t.elem_type not in _ONNX_TO_TORCH:
+            return (f"graph input {vi.name!r}: element type {_type_name(t.elem_type)} is not one the runtime reads "
+                    f"({', '.join(map(_type_name, _ONNX_TO_TORCH))})")
+        elif vi.name in ("embed", "lm_head") and (rows := _rows(t)) * dense_tp != vocab:
+            return (f"graph input {vi.name!r}: {rows} vocabulary rows on each of {dense_tp} rank(s), but "
+                    f"pretrained_config.vocab_size is {vocab}")
+    return None
+
+
+def _rows(t: onnx.TypeProto.Tensor) -> int:
+    return t.shape.dim[0].dim_value if t.shape.dim else 0
+
+
+def _nodes_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
+    """Each node's op is one the executor binds (Executor._bind), its inputs are bound when it runs, and a KDA or
+    MLA node's cache_index names one of this rank's layers of its kind."""
+    plugins, types = cfg["build_config"]["plugins"], cfg["pretrained_config"]["layer_types"]
+    start, stop = info["layers"]
+    caches = {kind: sum(types[i] == kind for i in range(start, stop)) for kind in (KDA, MLA)}
+    bound = {"", *(vi.name for vi in graph.input)}  # "": an optional input left out
+    for node in graph.node:
+        why = _op_problem(node, plugins, caches)
+        unbound = [i for i in node.input if i not in bound]
+        if unbound and not why:
+            why = f"input {unbound[0]!r} is no graph input nor an earlier node's output"
+        if why:
+            return f"graph node {node.name!r}: {why}"
+        bound.update(node.output)
+    return None
+
+
+def _op_problem(node: onnx.NodeProto, plugins: dict, caches: dict[str, int]) -> str | None:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.domain == "":
+        if node.op_type not in _ONNX_OPS:
+            return f"op {node.op_type} is not an ONNX op the runtime runs ({', '.join(sorted(_ONNX_OPS))})"
+        if node.op_type == "Cast" and attrs.get("to") not in _ONNX_TO_TORCH:
+            return f"Cast to element type {_type_name(attrs.get('to'))}, not one the runtime reads"
+        return None
+    if node.domain != K3_DOMAIN or not (node.op_type in _K3_STRUCTURE_OPS or node.op_type in _COMM_OPS
+                                        or node.op_type in plugins):
+        return f"op {node.domain}::{node.op_type} is neither a structure op nor in the engine's plugin table"
+    if kind := _CACHED.get(node.op_type):
+        index = attrs.get("cache_index")
+        if not (isinstance(index, int) and 0 <= index < caches[kind]):
+            return f"cache_index {index!r}: this rank holds {caches[kind]} {kind.upper()} layer cache(s)"
+    return None
+
+
+def _outputs_problem(graph: onnx.GraphProto, info: dict) -> str | None:
+    """The outputs the runner reads: the logits on the last stage, else the hidden state and the snapshots it
+    hands to the next stage (RankRunner._send_on)."""
+    outputs = [o.name for o in graph.output]
+    if info["last_stage"]:
+        wanted = ["logits"]
+    else:
+        wanted = ["hidden_out", *(f"blocks_out.{i}" for i in range(len(outputs) - 1))]
+    missing = [name for name in wanted if name not in outputs]
+    if missing:
+        return f"graph outputs {outputs}: the runtime reads {', '.join(map(repr, missing))} from this rank"
+    made = {"", *(vi.name for vi in graph.input), *(o for node in graph.node for o in node.output)}
+    unmade = [name for name in outputs if name not in made]
+    return f"graph output {unmade[0]!r} is no node's output" if unmade else None
