@@ -13,7 +13,7 @@ from .llm_engine import EngineOptions, LLMEngine, TokenEvent
 from .logprobs import TokenLogprobs
 from .request import Request
 from .sampling_params import SamplingParams
-from .tokenizer import Detokenizer, Tokenizer
+from .tokenizer import Detokenizer, load_tokenizer
 
 
 @dataclass
@@ -187,15 +187,6 @@ class LLM:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(token_ids), vocab] at every position (for scoring and tests)."""
         return self.engine.score(self._ids(token_ids)).cpu()
-
-
-def load_tokenizer(engine_dir: str | Path) -> Tokenizer | None:
-    """The engine's tokenizer, None when it has none (tokenizer.json); TokenizerError for a file of it that cannot
-    be read or parsed."""
-    try:
-        return Tokenizer(engine_dir)
-    except FileNotFoundError:
-        return None
 
 
 def _is_id(t) -> bool:

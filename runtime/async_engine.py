@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .api import StreamChunk
 from .llm_engine import EngineOptions, LLMEngine
 from .sampling_params import SamplingParams
-from .tokenizer import Detokenizer, Tokenizer
+from .tokenizer import Detokenizer, Tokenizer, load_tokenizer
 
 # Called on the engine thread: ACCEPTED once the request is queued, then each chunk; or once with the
 # exception that rejected it (or EngineDeadError if the engine stops under it).
@@ -121,13 +121,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine | str, options: EngineOptions = EngineOptions(), *,
                  tokenizer: Tokenizer | None | str = "auto", metrics: Metrics | None = None):
         if not isinstance(engine, LLMEngine):
-            engine_dir = engine
-            engine = LLMEngine(engine_dir, options)
-            if tokenizer == "auto":
-                try:
-                    tokenizer = Tokenizer(engine_dir)
-                except FileNotFoundError:
-                    tokenizer = None
+            if tokenizer == "auto":  # before the weights: a damaged tokenizer file costs no weight reading
+                tokenizer = load_tokenizer(engine)
+            engine = LLMEngine(engine, options)
         elif tokenizer == "auto":
             tokenizer = None
         self.engine, self.tokenizer = engine, tokenizer

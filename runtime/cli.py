@@ -36,10 +36,11 @@ def main():
 def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
                  repetition_penalty, device, stream, **flags):
     """Generate completions for PROMPTs."""
-    from .api import LLM, load_tokenizer
+    from .api import LLM
     from .llm_engine import check_prompt
     from .loader import read_engine_config
     from .sampling_params import SamplingParams
+    from .tokenizer import load_tokenizer
 
     if stream and len(prompts) > 1:
         raise click.UsageError(f"--stream prints one completion as it comes; got {len(prompts)} --prompt")

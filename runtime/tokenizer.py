@@ -120,6 +120,15 @@ def _read_config(path: Path) -> dict:
     return config
 
 
+def load_tokenizer(engine_dir: str | os.PathLike) -> Tokenizer | None:
+    """The engine's tokenizer, None when it has none (tokenizer.json); TokenizerError for a file of it that cannot
+    be read or parsed. Callers load it before the weights, so a damaged file costs no weight reading."""
+    try:
+        return Tokenizer(engine_dir)
+    except FileNotFoundError:
+        return None
+
+
 class IncrementalText:
     """Text of a growing token list, decoding only the last few tokens at each step (vLLM's window).
 

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from k3runtime.api import LLM
+from k3runtime.async_engine import AsyncLLMEngine
 from k3runtime.cli import main as runtime_main
 from k3runtime.loader import EngineError, load_rank
 
@@ -219,8 +220,9 @@ def test_tokenizer_and_prompts_are_checked_before_the_weights(engine):
     max_len = json.loads((engine / "config.json").read_text())["build_config"]["max_seq_len"]
     assert f"under the engine's max_seq_len ({max_len})" in _generate(engine, "--prompt", "a " * max_len)
     (engine / "tokenizer_config.json").write_text("{")
-    with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):  # TokenizerError
-        LLM(engine)
+    for opens in (LLM, AsyncLLMEngine):  # the Python API; the server's and Triton's engine
+        with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):  # TokenizerError
+            opens(engine)
     (engine / "tokenizer.json").unlink()
     assert "the engine has no tokenizer.json" in _generate(engine)
 
