@@ -126,7 +126,9 @@ def check_build_limits(options: EngineOptions, config: dict, engine_dir) -> None
     """EngineError for steps larger than the engine was built for: its graph and expert exchange buffers hold
     max_num_tokens tokens, so a larger step would fail mid-serve (a longer prefill chunk is cut by the step's
     tokens; more running requests than max_batch_size decode eagerly past the largest captured graph); and for
-    more micro-batches than pipeline stages (the captured graphs hold a micro-batch's inputs a stage)."""
+    more micro-batches than pipeline stages (the captured graphs hold a micro-batch's inputs a stage); and for more
+    running requests than KDA state slots. Every command that takes the engine flags checks them here, before any
+    weight is read."""
     value, limit = options.max_num_batched_tokens, config["build_config"]["max_num_tokens"]
     if value is not None and value > limit:
         raise EngineError(f"{engine_dir}: max_num_batched_tokens {value} is past the engine's max_num_tokens {limit}; "
@@ -135,6 +137,10 @@ def check_build_limits(options: EngineOptions, config: dict, engine_dir) -> None
     if value is not None and value > limit:
         raise EngineError(f"{engine_dir}: pp_micro_batches {value} is past the engine's {limit} pipeline stage(s) "
                           "(pp_size); a step is cut into at most that many micro-batches")
+    value, limit = options.max_num_seqs, cache_sizes(config, options)[1]
+    if value is not None and value > limit:
+        raise EngineError(f"{engine_dir}: max_num_seqs {value} is past the engine's {limit} KDA state slots "
+                          "(num_slots), one a running request: lower it or give num_slots")
 
 
 def check_ids(token_ids: list[int], vocab: int, field: str) -> None:
@@ -299,9 +305,6 @@ class LLMEngine:
         options = resolve_async_scheduling(options, mapping)
         check_build_limits(options, config, engine_dir)
         num_pages, num_slots = cache_sizes(config, options)
-        if options.max_num_seqs is not None and options.max_num_seqs > num_slots:
-            raise EngineError(f"{engine_dir}: max_num_seqs {options.max_num_seqs} is past the engine's {num_slots} "
-                              "KDA state slots (num_slots), one a running request: lower it or give num_slots")
         self.config, self.options = config, options
         self.world_size = mapping["world_size"]
         # Attention-DP: each rank of the stage serves its own requests, so each gets its own scheduler.

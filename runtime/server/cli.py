@@ -50,7 +50,8 @@ def _check_bindable(host: str, port: int) -> None:
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (0.0.0.0 exposes it).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--api-key", default=None, envvar="K3_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
+@click.option("--api-key", default=None, envvar="K3_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1 and /metrics (/health stays open).")
 @click.option("--model-name", default=None, help="Model id clients send [engine dir name].")
 @click.option("--max-concurrent", type=click.IntRange(min=1), default=64, show_default=True,
               help="HTTP requests generating at once.")

@@ -68,8 +68,9 @@ def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: 
 
 
 def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3", decoupled: bool = True,
-               device: str = "cpu", max_tokens_limit: int = 4096, overwrite: bool = False, **flags) -> Path:
+               device: str = "cpu", max_tokens_limit: int | None = None, overwrite: bool = False, **flags) -> Path:
     """Write OUT/MODEL/{config.pbtxt, 1/model.py}; returns the model dir. Other models in OUT are kept.
+    max_tokens_limit: a request's max_tokens at most (None: the engine's max_seq_len, as `serve`);
     flags: as config_pbtxt's."""
     engine_dir = Path(engine_dir).resolve()
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", model_name) or model_name in (".", ".."):
@@ -80,6 +81,11 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     # the config first: bad flags leave OUT as it was
     engine_config = read_engine_config(engine_dir)
     check_build_limits(EngineOptions(device=device, **given(flags)), engine_config, engine_dir)
+    max_len = engine_config["build_config"]["max_seq_len"]
+    if max_tokens_limit is not None and max_tokens_limit > max_len:
+        raise ValueError(f"max_tokens_limit: {max_tokens_limit} is more than the engine holds: {max_len} tokens a "
+                         "sequence (its max_seq_len)")
+    max_tokens_limit = max_tokens_limit or max_len
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
                           max_batch_size=flags.get("max_num_seqs") or engine_config["build_config"]["max_batch_size"],
                           **flags)
@@ -102,8 +108,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
               help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request "
                    "(for /infer clients; requests that arrive while a batch runs wait for it).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
-@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Cap on a request's max_tokens.")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
+              help="Cap on a request's max_tokens [the engine's max_seq_len].")
 @engine_flags
 @click.option("--overwrite", is_flag=True, help="Replace OUT/MODEL_NAME if it exists (other models are kept).")
 def triton_repo_cmd(engine, out, model_name, decoupled, device, max_tokens_limit, overwrite, **flags):

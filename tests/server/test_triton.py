@@ -7,6 +7,7 @@ The stub's environment comes from tools/triton_env.sh (numpy<2 venv); it is buil
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import socket
@@ -96,6 +97,18 @@ def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
                                     "--max-num-batched-tokens", "100000"])
     assert res.exit_code != 0 and "--max-num-batched-tokens 100000 is past the engine's max_num_tokens" in res.output
     assert (repo / "k3" / "config.pbtxt").read_text() == before
+    slots = json.loads((tiny_engine / "config.json").read_text())["memory_plan"]["num_slots"]
+    res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--overwrite", "--no-decoupled",
+                                    "--max-num-seqs", str(slots + 1)])  # the model would fail when Triton loads it
+    assert res.exit_code != 0 and f"--max-num-seqs {slots + 1} is past the engine's {slots} KDA state slots" in \
+        res.output, res.output
+    assert (repo / "k3" / "config.pbtxt").read_text() == before
+    max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
+    res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--overwrite", "--max-tokens-limit",
+                                    str(max_len + 1)])
+    assert res.exit_code != 0 and f"--max-tokens-limit: {max_len + 1} is more than the engine holds: {max_len} tokens" in \
+        res.output, res.output
+    assert f'key: "max_tokens_limit"\n  value: {{ string_value: "{max_len}" }}' in before  # serve's default too
     with pytest.raises(TypeError, match=r"not engine flags: \['num_page'\]"):
         write_repo(tiny_engine, repo, overwrite=True, num_page=7)
     for flags, says in ((["--model-name", "a b/c"], "--model-name: 'a b/c' is not a Triton model name"),
