@@ -20,9 +20,9 @@ from .config import K3Config
 from .mapping import Mapping
 from .memory_weights import CATEGORIES, check_expert_format, weight_bytes
 
-__all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_GIB", "H200_TOTAL_BYTES", "MI300X_GIB", "MemoryPlan",
-           "RankMemory", "MAX_GIB", "gib_bytes", "activation_reserve", "exchange_capacity_rows", "kda_state_bytes", "kv_bytes_per_token",
-           "plan_memory", "reserve_bytes", "weight_bytes"]
+__all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_GIB", "H200_TOTAL_BYTES", "MI300X_GIB", "MAX_GIB",
+           "MemoryPlan", "RankMemory", "activation_reserve", "exchange_capacity_rows", "gib_bytes", "kda_state_bytes",
+           "kv_bytes_per_token", "plan_memory", "reserve_bytes", "weight_bytes"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -253,8 +253,8 @@ def plan_memory(cfg: K3Config, mapping: Mapping, *, gpu_memory_bytes: int, max_s
         kv_bytes_per_token_model=kv_bytes_per_token(cfg, full, 0, kv_dtype_bytes),
         kda_state_bytes_per_request_model=kda_state_bytes(cfg, full, 0, state_dtype, dtype), ranks=ranks,
         memory_requests=_system_concurrency(mapping, ranks, "memory_requests"),
-        max_concurrent_requests=_system_concurrency(mapping, ranks, "max_concurrent_requests"), fits=not bad, reason=bad[0].reason if bad else "",
-        notes=tuple(notes))
+        max_concurrent_requests=_system_concurrency(mapping, ranks, "max_concurrent_requests"), fits=not bad,
+        reason=bad[0].reason if bad else "", notes=tuple(notes))
 
 
 def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, dtype, page_size, overhead, fmt):
@@ -279,8 +279,9 @@ def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, d
         reason = (f"{where}: weights alone need {_gib(w)}, more than the {_gib(gpu)} of device memory "
                   f"(largest: {_largest(weights)})")
     elif w + res > gpu:
-        reason = (f"{where}: weights {_gib(w)} + reserve {_gib(res)} (overhead {_gib(overhead)}, activations "
-                  f"{_gib(res - overhead)}) = {_gib(w + res)} exceed the {_gib(gpu)} of device memory")
+        reason = (f"{where}: weights {_gib(w)} + reserve {_gib(res)} (overhead {_gib(overhead)}, the runtime's spare "
+                  f"slot and page {_gib(slot + page)}, activations {_gib(res - overhead - slot - page)}) = "
+                  f"{_gib(w + res)} exceed the {_gib(gpu)} of device memory")
     elif not n:
         reason = (f"{where}: {_gib(free)} left after weights and reserve, but one request of {seq} tokens needs "
                   f"{_gib(req)} (KDA slot {_gib(slot)} + {pages_per_req} pages of {page:,} B)")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from .build.options import DTYPES
+from .build.options import DTYPES, BuildOptions
 from .config import ConfigError, K3Config, preset
 from .mapping import Mapping, MappingError
-from .memory import CATEGORIES, GiB, MiB, DEFAULT_OVERHEAD_BYTES, MemoryPlan, gib_bytes, plan_memory
+from .memory import CATEGORIES, GiB, MiB, DEFAULT_OVERHEAD_BYTES, MemoryPlan, plan_memory
 from .recipe import RecipeError, load_recipe
 
 STANDARD_LENGTHS = (8192, 32768, 131072)
@@ -23,15 +23,10 @@ _SHORT = {"embedding": "embed", "lm_head": "lm_head", "attention_kda": "KDA", "a
           "routed_experts": "experts"}
 
 
-def concurrency_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **limits) -> dict[int, tuple[int, int]]:
-    """System-wide (max concurrent requests, requests memory holds) of an engine built for each standard length
-    below max_seq_len, and for max_seq_len."""
+def plans_by_length(cfg: K3Config, mapping: Mapping, plan: MemoryPlan, **limits) -> dict[int, MemoryPlan]:
+    """The plans of engines built for each standard length below max_seq_len, and for max_seq_len (`plan`)."""
     lengths = sorted({n for n in STANDARD_LENGTHS if n < plan.max_seq_len} | {plan.max_seq_len})
-    out = {}
-    for n in lengths:
-        p = plan if n == plan.max_seq_len else plan_memory(cfg, mapping, max_seq_len=n, **limits)
-        out[n] = (p.max_concurrent_requests, p.memory_requests)
-    return out
+    return {n: plan if n == plan.max_seq_len else plan_memory(cfg, mapping, max_seq_len=n, **limits) for n in lengths}
 
 
 @click.command("plan")
@@ -78,26 +73,24 @@ def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, 
         gpu, seq = pick(gpu_memory_gib, "gpu_memory_gib"), pick(max_seq_len, "max_seq_len")
         if gpu is None or seq is None:
             raise click.UsageError("--gpu-memory-gib and --max-seq-len are required (or give --recipe)")
-        overhead = pick(overhead_gib, "overhead_gib", DEFAULT_OVERHEAD_BYTES / GiB)
-        # a value the user did not type comes from the recipe: name its field
-        where = (lambda cli, field: f"--{field.replace('_', '-')}" if cli is not None or b is None
-                 else f"{recipe}: build.{field}")
-        limits = dict(gpu_memory_bytes=gib_bytes(gpu, where(gpu_memory_gib, "gpu_memory_gib")),
-                      max_batch_size=pick(max_batch_size, "max_batch_size", 64),
-                      max_num_tokens=pick(max_num_tokens, "max_num_tokens", 8192),
-                      kv_dtype_bytes=DTYPES[pick(kv_dtype, "kv_dtype", "bf16")].itemsize,
-                      state_dtype=pick(state_dtype, "state_dtype", "fp32"), dtype=pick(dtype, "dtype", "bf16"),
-                      page_size=pick(page_size, "page_size", 64),
-                      overhead_bytes=gib_bytes(overhead, where(overhead_gib, "overhead_gib"), positive=False),
-                      expert_format=expert_format)
+        # checked as `build` checks them (the recipe's target, else cpu's rules), so what plan passes build takes
+        options = BuildOptions(
+            target=getattr(b, "target", "cpu"), max_seq_len=seq, gpu_memory_gib=gpu,
+            max_batch_size=pick(max_batch_size, "max_batch_size", 64),
+            max_num_tokens=pick(max_num_tokens, "max_num_tokens", 8192), page_size=pick(page_size, "page_size", 64),
+            dtype=pick(dtype, "dtype", "bf16"), kv_dtype=pick(kv_dtype, "kv_dtype", "bf16"),
+            state_dtype=pick(state_dtype, "state_dtype", "fp32"),
+            overhead_gib=pick(overhead_gib, "overhead_gib", DEFAULT_OVERHEAD_BYTES / GiB))
+        limits = {**options.plan_limits(), "expert_format": expert_format}
         plan = plan_memory(cfg, mapping, max_seq_len=seq, **limits)
-        by_len = concurrency_by_length(cfg, mapping, plan, **limits)
+        by_len = plans_by_length(cfg, mapping, plan, **limits)
     except (RecipeError, ConfigError, MappingError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps({"model": _model_summary(cfg), **plan.to_dict(),
-                               "concurrency_by_length": {str(k): v[0] for k, v in by_len.items()},
-                               "memory_requests_by_length": {str(k): v[1] for k, v in by_len.items()}}, indent=1))
+                               "concurrency_by_length": {str(k): p.max_concurrent_requests for k, p in by_len.items()},
+                               "memory_requests_by_length": {str(k): p.memory_requests for k, p in by_len.items()}},
+                              indent=1))
     else:
         click.echo(render(cfg, plan, by_len))
     if not plan.fits:
@@ -141,7 +134,7 @@ def _model_summary(cfg: K3Config) -> dict:
             "quantization": cfg.quantization.method}
 
 
-def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, tuple[int, int]]) -> str:
+def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, MemoryPlan]) -> str:
     """The plain-text report: model facts, a weights table and a budget table (identical ranks grouped)."""
     m = plan.mapping
     kda, mla = len(cfg.kda_layers), len(cfg.mla_layers)
@@ -181,13 +174,23 @@ def render(cfg: K3Config, plan: MemoryPlan, by_len: dict[int, tuple[int, int]]) 
                                                         "penalty_counts", peak))
               + f" {unit}", ""]
     lines.append("max concurrent requests (all ranks): "
-                 + ", ".join(f"{n} at {_tokens(L)}" for L, (n, _) in by_len.items()))
-    if any(n != held for n, held in by_len.values()):
-        lines.append(f"memory holds: " + ", ".join(f"{held} at {_tokens(L)}" for L, (_, held) in by_len.items())
-                     + f" (max_batch_size {plan.max_batch_size} caps the KDA slots: raise it to use the memory)")
+                 + ", ".join(f"{p.max_concurrent_requests} at {_tokens(L)}" for L, p in by_len.items()))
+    held = [f"{p.memory_requests} at {_tokens(L)} ({_why_fewer(p)})" for L, p in by_len.items()
+            if p.memory_requests != p.max_concurrent_requests]
+    if held:
+        lines.append("memory holds more: " + ", ".join(held))
     lines += [f"note: {n}" for n in plan.notes]
     lines.append("FITS" if plan.fits else f"DOES NOT FIT: {plan.reason}")
     return "\n".join(lines)
+
+
+def _why_fewer(plan: MemoryPlan) -> str:
+    """Why fewer requests of max_seq_len run than the memory holds: the KDA slots, at most max_batch_size, are all
+    taken; or the slots, given first, leave pages for fewer full-length requests (the rest serve shorter ones)."""
+    w = plan.worst_rank
+    if w.max_concurrent_requests == w.kda_slots:
+        return f"max_batch_size {plan.max_batch_size} caps the KDA slots"
+    return f"its {w.kda_slots} KDA slots leave pages for {w.max_concurrent_requests} of that length"
 
 
 def _group(plan: MemoryPlan):

@@ -23,10 +23,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .build.options import DTYPES, EXPERT_BACKENDS, BuildOptions
+from .build.options import EXPERT_BACKENDS, BuildOptions
 from .config import PRESETS, ConfigError, K3Config, preset
 from .mapping import Mapping, MappingError
-from .memory import PAGE_SIZE, MemoryPlan, gib_bytes, plan_memory
+from .memory import PAGE_SIZE, MemoryPlan, plan_memory
 
 
 class RecipeError(ValueError):
@@ -51,18 +51,6 @@ class BuildSpec:
     kv_dtype: str = "bf16"
     page_size: int = PAGE_SIZE
     overhead_gib: float = 1.0
-
-    @property
-    def gpu_memory_bytes(self) -> int:
-        return gib_bytes(self.gpu_memory_gib, "build.gpu_memory_gib")
-
-    @property
-    def overhead_bytes(self) -> int:
-        return gib_bytes(self.overhead_gib, "build.overhead_gib", positive=False)
-
-    @property
-    def kv_dtype_bytes(self) -> int:
-        return DTYPES[self.kv_dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -98,12 +86,8 @@ class Recipe:
 
     def plan(self, cfg: K3Config | None = None) -> MemoryPlan:
         """The memory plan for this recipe (what `k3build plan --recipe` prints)."""
-        b = self.build
-        return plan_memory(cfg or self.model_config(), self.mapping, gpu_memory_bytes=b.gpu_memory_bytes,
-                           max_seq_len=b.max_seq_len, max_batch_size=b.max_batch_size,
-                           max_num_tokens=b.max_num_tokens, kv_dtype_bytes=b.kv_dtype_bytes,
-                           state_dtype=b.state_dtype, dtype=b.dtype, page_size=b.page_size,
-                           overhead_bytes=b.overhead_bytes)
+        return plan_memory(cfg or self.model_config(), self.mapping, max_seq_len=self.build.max_seq_len,
+                           **BuildOptions(**_build_options(self.build)).plan_limits())
 
 
 _SECTIONS = {"description", "model", "mapping", "build", "runtime", "plan"}

@@ -58,7 +58,7 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
         prompt_ids = [tokenizer.encode(p) for p in prompts]
         for ids in prompt_ids:
             check_prompt(config, ids)
-        llm = LLM(engine, device=device, **given(flags))
+        llm = LLM(engine, device=device, tokenizer=tokenizer, **given(flags))
         if stream:
             for chunk in llm.stream(prompt_ids[0], params):
                 click.echo(chunk.text, nl=False)

@@ -122,7 +122,7 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
     rebuild = f"rebuild it with `k3build build` from this installation"
     if cfg.get("version") != ENGINE_FORMAT_VERSION:
         raise EngineError(f"{path}: engine format v{cfg.get('version')} but this runtime reads v{ENGINE_FORMAT_VERSION}; {rebuild}")
-    stamp = cfg.get("stamp") or {}
+    stamp = cfg["stamp"]
     if stamp.get("plugin_abi") != registry.PLUGIN_ABI:
         raise EngineError(f"{path}: built for plugin ABI {stamp.get('plugin_abi')}, this runtime has ABI {registry.PLUGIN_ABI}; {rebuild}")
     for op, p in cfg["build_config"]["plugins"].items():

@@ -74,10 +74,11 @@ class RankRunner:
         why not; `graphs_off` then holds that reason)."""
         self.engine, self.comm = engine, comm or Communicator()
         self.device = next(iter(engine.weights.values())).device
-        c = cache_cfg
+        c, extra = cache_cfg, 1 if spare else 0  # named as the user sized them: the spare is the runtime's
         self.cache = _allocate(lambda: CacheTensors(c, self.device), c.nbytes, self.device,
-                               f"the caches of {c.num_pages} MLA pages and {c.num_slots} KDA slots (num_pages and "
-                               "num_slots, or the engine's memory plan)")
+                               f"the caches of {c.num_pages - extra} MLA pages and {c.num_slots - extra} KDA slots "
+                               "(num_pages and num_slots, or the engine's memory plan"
+                               + (", and a spare one of each" if extra else "") + ")")
         self.host_store = None
         if num_host_pages or num_host_slots:
             host_bytes = num_host_pages * c.bytes_per_page + num_host_slots * c.bytes_per_slot

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
-from ..memory import MAX_GIB, GiB, gib_bytes, kda_state_bytes, kv_bytes_per_token, plan_memory
+from ..memory import MAX_GIB, GiB, MiB, kda_state_bytes, kv_bytes_per_token, plan_memory
 from ..output_dir import check_output_dir, staged_output
 from ..tokenizer import TOKENIZER_FILES
 from . import graph as graph_mod
@@ -209,17 +209,13 @@ def _memory_plan(cfg: K3Config, mapping: Mapping, options: BuildOptions, log: Ca
                     for r in range(mapping.world_size))
         what = (f"{plan['num_slots']} KDA slots and {plan['num_pages']} MLA pages (--max-batch-size "
                 f"{options.max_batch_size} requests of --max-seq-len {options.max_seq_len} tokens) take "
-                f"{worst / GiB:.2f} GiB on the largest rank")
+                + (f"{worst / GiB:.2f} GiB" if worst >= GiB else f"{worst / MiB:.2f} MiB") + " on the largest rank")
         if worst > MAX_GIB * GiB:
             raise BuildError(f"{what}: lower the limits, or give --gpu-memory-gib to size them by a budget")
         log(f"no --gpu-memory-gib: {what}; the runtime allocates them at load")
         return plan
     try:
-        mp = plan_memory(cfg, mapping, gpu_memory_bytes=gib_bytes(options.gpu_memory_gib, "--gpu-memory-gib"),
-                         max_seq_len=options.max_seq_len, max_batch_size=options.max_batch_size,
-                         max_num_tokens=options.max_num_tokens, kv_dtype_bytes=DTYPES[options.kv_dtype].itemsize,
-                         state_dtype=options.state_dtype, dtype=options.dtype, page_size=options.page_size,
-                         overhead_bytes=gib_bytes(options.overhead_gib, "--overhead-gib", positive=False))
+        mp = plan_memory(cfg, mapping, max_seq_len=options.max_seq_len, **options.plan_limits())
     except ValueError as e:
         raise BuildError(f"memory plan: {e}") from None
     if not mp.fits:

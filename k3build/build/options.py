@@ -65,5 +65,15 @@ class BuildOptions:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def plan_limits(self) -> dict:
+        """`k3build.memory.plan_memory`'s keywords for these options but max_seq_len (which `plan` varies); the
+        budget must be given."""
+        assert self.gpu_memory_gib is not None, "a memory plan needs gpu_memory_gib"
+        return dict(gpu_memory_bytes=gib_bytes(self.gpu_memory_gib, "--gpu-memory-gib"),
+                    max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
+                    kv_dtype_bytes=DTYPES[self.kv_dtype].itemsize, state_dtype=self.state_dtype, dtype=self.dtype,
+                    page_size=self.page_size,
+                    overhead_bytes=gib_bytes(self.overhead_gib, "--overhead-gib", positive=False))
+
     def to_dict(self) -> dict:
         return asdict(self)

@@ -194,6 +194,10 @@ def test_refusal_when_one_request_does_not_fit():
     plan = plan_memory(TINY, Mapping(), gpu_memory_bytes=4 * MiB, max_seq_len=64, max_batch_size=8,
                        max_num_tokens=256, overhead_bytes=0)
     assert "reserve" in plan.reason and not plan.fits
+    r = plan.ranks[0]  # the reserve's parts as they add up (overhead 0 here)
+    acts = r.reserve_bytes - r.reserve["spare"]
+    assert f"the runtime's spare slot and page {r.reserve['spare'] / MiB:.2f} MiB, activations {acts / MiB:.2f} MiB" \
+        in plan.reason, plan.reason
 
 
 def test_bad_inputs_name_the_field():

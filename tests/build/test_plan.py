@@ -50,6 +50,16 @@ def test_dep16_refused_with_reason():
     assert "57.05" in row and "84.19" in row
 
 
+def test_fewer_running_than_memory_holds_says_why():
+    """At 8K the KDA slots (max_batch_size 64) cap the running requests; at 32K the 64 slots, given first, leave
+    pages for one full-length request fewer than the memory holds: raising max_batch_size would not help there."""
+    res = _run("plan", "--recipe", str(ENGINES / "k3_h200_tep16.toml"), "--max-seq-len", "32768")
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.stdout.splitlines() if x.startswith("memory holds more: "))
+    assert "at 8K (max_batch_size 64 caps the KDA slots)" in line
+    assert "42 at 32K (its 64 KDA slots leave pages for 41 of that length)" in line, line
+
+
 def test_text_report_shows_per_model_facts():
     res = _run(*K3_16, "--max-seq-len", "131072", "--state-dtype", "bf16")
     assert res.exit_code == 0, res.output
@@ -141,7 +151,11 @@ def test_recipe_options_override():
     (["--preset", "k3", "--tp-size", "5"], "not divisible"),
     (["--preset", "tiny", "--max-seq-len", "100000"], "max_position_embeddings"),
     (["--preset", "nope"], "preset: unknown"),
-    (["--preset", "tiny", "--max-num-tokens", "1", "--max-batch-size", "64"], "max_num_tokens: 1 is less than"),
+    # checked as `build` checks them: plan passes only what build takes
+    (["--preset", "tiny", "--max-num-tokens", "1", "--max-batch-size", "64"],
+     "--max-num-tokens (1) must be >= --max-batch-size (64)"),
+    (["--preset", "tiny", "--max-seq-len", "1"], "--max-seq-len: expected at least 2 tokens"),
+    (["--recipe", str(ENGINES / "k3_h200_tep16.toml"), "--page-size", "32"], "--page-size: 32 on target sm90"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     full = ["plan", *args]

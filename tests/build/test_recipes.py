@@ -129,7 +129,7 @@ def test_good_recipe_and_checkpoint_relative_to_recipe(tmp_path):
     (tmp_path / "good.toml").write_text(TINY)
     rec = load_recipe(tmp_path / "good.toml")
     assert rec.mapping.moe_ep_size == 2 and rec.build.page_size == 64 and rec.build.state_dtype == "fp32"
-    assert rec.build.gpu_memory_bytes == 64 << 20
+    assert rec.plan().gpu_memory_bytes == 64 << 20
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps(to_hf_wrapper_config(preset("tiny"))))

@@ -238,3 +238,15 @@ def test_gpu_engine_without_device_says_pass_device_cuda(engine):
 def test_caches_past_memory_name_the_flags(engine, flags):
     out = _generate(engine, *flags)
     assert "--num-pages and --num-slots" in out and "bytes" in out and "of cpu memory" in out, out
+    assert f"{10**12} MLA pages" in out or f"{10**12} KDA slots" in out, out  # the number given, spare or not
+
+
+def test_caches_past_memory_count_as_given_beside_the_spare(k3_tiny_ckpt, tmp_path):
+    """An attention-DP rank holds a spare page and slot of its own (dummy steps): the error counts what was asked."""
+    from engines import build_engine
+    from k3build.mapping import Mapping
+    from k3runtime.llm_engine import EngineOptions, open_rank
+
+    dp = build_engine(k3_tiny_ckpt, tmp_path / "dp", mapping=Mapping(attention_dp=True))
+    with pytest.raises(EngineError, match=rf"the caches of {10**12} MLA pages and \d+ KDA slots .*and a spare one"):
+        open_rank(dp, EngineOptions(num_pages=10**12), 0)
