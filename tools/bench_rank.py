@@ -413,8 +413,6 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-y-half": ("the MoE decode's per-pair rows y in bf16, not fp32 (MoETactic.y_half)", _moe_decode(y_half=True)),
     "moe-gather-combine": ("the MoE decode's combine gathering a token's rows at once (MoETactic.gather_combine)",
                            _moe_decode(gather_combine=True)),
-    "moe-scale-regs": ("the MoE decode's gate/up scales prefetched into registers, four programs an SM "
-                       "(MoETactic.scale_regs: decode_l_sr's)", _moe_decode(scale_regs=True)),
     "mla-two-waves": ("the MLA decode split for about two waves of programs, not one (as before the thirty-fifth "
                       "session)", _module_flag("mla.triton", "SPLIT_WAVES", 2)),
     "moe-sort-flat": ("the MoE's pair sort as one flat scan (SORT_COLS 1), not in rows of SORT_COLS pairs",

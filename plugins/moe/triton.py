@@ -56,9 +56,6 @@ class MoETactic:
     # the combine gathers a token's local rows of y at once (moe_combine_kernel's GATHER), not one position and
     # row after another
     gather_combine: bool = False
-    # with paired: the gate/up kernel's scales prefetched into registers a K step ahead, out of Triton's pipeline
-    # buffers (moe_gate_up_kernel's SREG): 57344 bytes of shared memory, four programs an SM instead of three
-    scale_regs: bool = False
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -93,21 +90,16 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # the weight floor at 1-8 tokens/expert against 0.70-0.73 (BENCHMARKS.md, twenty-third session)
     "decode_l": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                           overlap=True),
-    # decode_l with each pair's row y in bf16 (y_half): a candidate, not yet timed. At 8 tokens an expert decode_l
-    # is 0.793 of the weight floor, short of 0.80 by about the bytes it moves besides the weights; y's write and
-    # the combine's read of it are 12.8 of those 9.6-28 MB in fp32 (BENCHMARKS.md, twenty-eighth session)
+    # decode_l with each pair's row y in bf16 (y_half): y's write and the combine's read of it are 12.8 of the
+    # 9.6-28 MB decode_l moves besides the weights at 8 tokens an expert in fp32. On the H200 0.3-0.4 % faster than
+    # decode_l at 1-8 tokens an expert, its sums rounded once more (BENCHMARKS.md, fortieth session)
     "decode_l_yh": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, y_half=True),
-    # decode_l with the gathering combine: a candidate, not yet timed. The twenty-fourth session's timeline put
-    # the combine at 5.0 µs at 8 tokens an expert (2.7 at one); its loop loads a token's 16 positions one round
-    # after another
+    # decode_l with the gathering combine (a token's 16 positions loaded at once, not one round after another;
+    # the combine took 5.0 µs at 8 tokens an expert): level with decode_l on the H200, within 0.4 %
+    # (BENCHMARKS.md, fortieth session)
     "decode_l_gc": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, gather_combine=True),
-    # decode_l with its gate/up scales in registers (scale_regs): a candidate for the H200, where decode_l stops at
-    # 0.79-0.80 of the weight floor at 8 tokens an expert for its issue rate. On an H100 (0.92 of floor there)
-    # 0.3-0.7 % slower, the same bits (BENCHMARKS.md, thirty-seventh session)
-    "decode_l_sr": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
-                             overlap=True, scale_regs=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
     # 306 without (registers: 10 spill instructions); BM 64 with 3 stages and the packed multiply 315 against
     # prefill_p's 307, side by side (BENCHMARKS.md, twenty-third session)
@@ -290,8 +282,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        SIGNAL=t.overlap, EARLY=early, ASM=asm, SREG=t.scale_regs and t.paired and not t.fp8,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
+        SIGNAL=t.overlap, EARLY=early, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,

@@ -274,8 +274,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
                        ROWS_FIRST: tl.constexpr = False, done_ptr=None, SIGNAL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False,
-                       SREG: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -290,10 +289,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     (row blocks, experts) instead of (experts, row blocks), so programs that run together share an expert's tokens.
     SIGNAL: each program with pairs counts itself in done[e] once its rows of h are stored, so that the down kernel
     can start on an expert as soon as its h is whole (moe_down_kernel's AWAIT); EARLY (sm_90): the down kernel,
-    launched with PDL, may take SMs as soon as every program of this one has started. SREG (STRIDED 2 or 4): each
-    K step's scales are loaded one step ahead into registers (a loop-carried value, which Triton's pipeliner leaves
-    alone) instead of into its shared buffers: 2 KB less a program at BN 64, what kept a fourth program
-    off an SM (sm_90: 57344 bytes against 59392); the carried scales reach the MMA's layout through shuffles.
+    launched with PDL, may take SMs as soon as every program of this one has started.
     """
     pdl_prologue(PDL or EARLY)
     e, offs_n = _program(BN, ROWS_FIRST)
@@ -326,32 +322,19 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
         z_ptrs = z_ptr + tok[None, :] * stride_zm + rk[:, None]
         acc_g = tl.zeros((BN, BM), dtype=tl.float32)
         acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        if SREG:
-            sg_next = tl.load(sg_ptrs)
-            su_next = tl.load(su_ptrs)
         for k0 in range(0, Dl, BK):  # num_stages pipelines these loads
             kw = (k0 // 8 if W4 else k0 // 2) * KMUL
             ks = k0 // 32 * KMUL
-            if SREG:
-                sg_cur = sg_next
-                su_cur = su_next
-                kn = tl.minimum(k0 + BK, Dl - BK) // 32 * KMUL  # the last step reloads its own (in bounds)
-                sg_next = tl.load(sg_ptrs + kn)
-                su_next = tl.load(su_ptrs + kn)
             if STRIDED == 3:
                 acc_g = _fp8_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), sg_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
                 acc_u = _fp8_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), su_row, z_ptrs,
                                  p_mask[None, :], k0, BN, BK // 8, F8)
             elif STRIDED == 2 or STRIDED == 4:
-                wg = tl.load(wg_ptrs + kw)
-                sg = sg_cur if SREG else tl.load(sg_ptrs + ks)
-                acc_g = _paired_dot(acc_g, wg, sg, z_ptrs, p_mask[None, :], k0, BN, z_ptr.dtype.element_ty,
-                                    LANE=STRIDED == 4, ASM=ASM)
-                wu = tl.load(wu_ptrs + kw)
-                su = su_cur if SREG else tl.load(su_ptrs + ks)
-                acc_u = _paired_dot(acc_u, wu, su, z_ptrs, p_mask[None, :], k0, BN, z_ptr.dtype.element_ty,
-                                    LANE=STRIDED == 4, ASM=ASM)
+                acc_g = _paired_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
+                acc_u = _paired_dot(acc_u, tl.load(wu_ptrs + kw), tl.load(su_ptrs + ks), z_ptrs,
+                                    p_mask[None, :], k0, BN, z_ptr.dtype.element_ty, LANE=STRIDED == 4, ASM=ASM)
             elif STRIDED:
                 acc_g = _strided_dot(acc_g, tl.load(wg_ptrs + kw), tl.load(sg_ptrs + ks), z_ptrs,
                                      p_mask[None, :], k0, BN, BK // 8, z_ptr.dtype.element_ty)

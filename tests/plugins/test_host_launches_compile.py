@@ -187,7 +187,6 @@ CASES = {
     "moe decode_l": _moe_decode("decode_l"),
     "moe decode_l_yh": _moe_decode("decode_l_yh"),  # the down kernel storing bf16 rows
     "moe decode_l_gc": _moe_decode("decode_l_gc"),  # the combine gathering a token's rows
-    "moe decode_l_sr": _moe_decode("decode_l_sr"),  # the gate/up scales in registers
     "moe prefill_l": _moe_decode("prefill_l"),
     **{f"attn_res split{s} delta{int(d)} norm{int(n)}": _attn_res(s, d, n)
        for s in (0, 512) for d in (False, True) for n in (False, True)},

@@ -111,15 +111,6 @@ def test_gathering_combine_matches_the_loop(case):
     assert ((gather - loop).norm() / loop.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("case", ["ragged", "k3_dims"])
-def test_scale_regs_match_the_pipelined_loads(case):
-    """decode_l_sr (the gate/up scales prefetched into registers) against decode_l: the same products in the same
-    order, so the same bits."""
-    args, start, _ = _decode_l_case(case, seed=8, empty=(1,))
-    regs = mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l_sr")
-    assert torch.equal(regs, mt.moe_experts(*args, expert_start=start, act="situ", tactic="decode_l"))
-
-
 def test_moe_silu():
     test_moe_matches_reference("ragged", "decode", act="silu")
 

@@ -58,11 +58,6 @@ SPECS = {
     "moe_gate_up_lane": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
                                                       sorted_ptr="*i32", offs_ptr="*i32", done_ptr="*i32"),
                          dict(_MOE, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, SIGNAL=True, ASM="ASM")),
-    # SREG: the scales prefetched into registers (decode_l_sr)
-    "moe_gate_up_lane_sreg": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
-                                                           sorted_ptr="*i32", offs_ptr="*i32", done_ptr="*i32"),
-                              dict(_MOE, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, SIGNAL=True,
-                                   ASM="ASM", SREG=True)),
     "moe_down_lane": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
                                                 offs_ptr="*i32", done_ptr="*i32"),
                       dict(BM=16, BN=64, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, AWAIT=48,

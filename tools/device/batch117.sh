@@ -2,7 +2,8 @@
 # runtime, where this session's load-time checks (runtime/graph_check.py, the weights header's rank, the config
 # fields) meet sm90 engines for the first time. Then on an H200 batch116's figures (bench_plugins' MoE section,
 # the rank at 32 requests with and without decode_l_sr); on another card the plugins' GPU tests instead.
-# Carry fla-core's wheel (.whl).
+# Carry fla-core's wheel (.whl). Ran once (2026-12-06, H200); decode_l_sr lost there and was removed after it, so
+# its rank A/B switch (moe-scale-regs) is gone: drop that line to run it again.
 source tools/device/env.sh
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
