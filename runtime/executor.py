@@ -49,6 +49,9 @@ class Communicator:
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         return x
 
+    def wait_loaded(self) -> None:
+        """Return once every rank has read its weights (none to wait for here)."""
+
     def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
         return x
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -180,6 +181,8 @@ def dummy_step(config: dict, options: EngineOptions) -> Step:
 def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> RankRunner:
     """Load `rank` of the engine with caches sized by `options` (or the engine's memory plan)."""
     engine = load_rank(engine_dir, rank, options.device, progress=options.load_progress)
+    if comm is not None:
+        comm.wait_loaded()  # the ranks finish reading minutes apart; what follows runs under the step timeout
     pages, slots = cache_sizes(engine.config, options)
     graphs = options.cuda_graphs and next(iter(engine.weights.values())).device.type == "cuda"
     # dummy_step's page and slot (attention-DP), where captured decode steps' padding rows write (graphs)
@@ -319,6 +322,12 @@ class LLMEngine:
             comm = driver_comm(config, options.device, options)
         self.runner = runner = open_rank(engine_dir, options, 0, comm)
         self.comm = comm
+        # held around every exchange with the workers (step, score, shutdown), and by the keep-alive between them
+        self._comm_lock = threading.Lock()
+        if comm is not None:
+            from .dist.keep_alive import KeepAlive
+
+            comm.keep_alive = KeepAlive(comm, self._comm_lock, lambda: not self._broken)
         build = runner.engine.build
         self.device, self.page_size = runner.device, build["page_size"]
         sched_cfg = SchedulerConfig(
@@ -436,6 +445,10 @@ class LLMEngine:
 
     def step(self) -> list[TokenEvent]:
         """One engine step; the tokens it appended (async scheduling: the previous step's)."""
+        with self._comm_lock:
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         if self.options.async_scheduling:
             return self._guarded(self._step_async)
         plans = self._schedule()
@@ -622,6 +635,10 @@ class LLMEngine:
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence, run outside the scheduler."""
+        with self._comm_lock:
+            return self._score(token_ids)
+
+    def _score(self, token_ids: list[int]) -> torch.Tensor:
         self._check_ids(token_ids, "token_ids")
         max_len = self.scheduler.config.max_model_len
         if not token_ids or (max_len is not None and len(token_ids) > max_len):
@@ -657,6 +674,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Land a step in flight (async scheduling), then release the worker ranks (they leave their loop; a
         no-op with one rank)."""
+        if self.comm is not None and self.comm.keep_alive is not None:
+            self.comm.keep_alive.stop()  # before the lock: it may be waiting for it
+        with self._comm_lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         try:
             if not self._broken:
                 self._guarded(lambda: self._land(self._collect()))

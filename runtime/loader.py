@@ -166,7 +166,8 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk.
     weights = weight_store.attach(engine_dir, rank, device=device)
     if weights is None:
-        weights = _read_weights(rank_dir / "weights.safetensors", rank, cfg["ranks"][str(rank)], device, progress)
+        weights = _read_weights(rank_dir / "weights.safetensors", rank, cfg["ranks"][str(rank)],
+                                cfg["stamp"].get("build_id"), device, progress)
     _check_weights(graph, weights, rank_dir)
     _check_finite(weights, rank_dir)
     return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)
@@ -190,7 +191,8 @@ def _check_readable(path: Path) -> None:
         raise EngineError(_unreadable(path, e)) from None
 
 
-def _read_weights(path: Path, rank: int, info: dict, device: torch.device, progress: bool) -> dict[str, torch.Tensor]:
+def _read_weights(path: Path, rank: int, info: dict, build_id: str | None, device: torch.device,
+                  progress: bool) -> dict[str, torch.Tensor]:
     """The rank's weights from disk: on a GPU streamed through pinned buffers (weight_reader), on the CPU mapped
     (shared with the page cache). The header is checked first on both (read_header names the tensor that does not
     fit, where safetensors says "incomplete metadata"), and its record of the rank it was built for (a file
@@ -201,6 +203,10 @@ def _read_weights(path: Path, rank: int, info: dict, device: torch.device, progr
             raise EngineError(f"{path}: holds rank {metadata['rank']}'s weights, not rank {rank}'s (its header's "
                               "__metadata__ says so); put each rank's files back in its rank directory, or rebuild "
                               "the engine")
+        if build_id and metadata.get("build_id", build_id) != build_id:  # engines from before build_id: no check
+            raise EngineError(f"{path}: written by another build ({metadata['build_id']}) than the engine's "
+                              f"config.json ({build_id}): files of two builds mixed; copy the engine whole again, or "
+                              "rebuild it")
         if device.type == "cuda":
             return read_weights(path, device, progress=progress)
         return load_file(path, device=str(device))

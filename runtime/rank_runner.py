@@ -36,6 +36,7 @@ class Step:
     swap_in: tuple[SwapEntry, ...] = ()
     all_logits: bool = False  # score mode: logits of every token, not only sampled ones
     stop: bool = False  # the driver is shutting down: workers leave their loop
+    keep_alive: bool = False  # the driver has had no step to send for a while: workers wait again (dist/keep_alive)
     extra: dict = field(default_factory=dict)
     idle: bool = False  # an attention-DP rank with no work of its own: it only meets the others' collectives
     # attention-DP: the captured bucket every DP rank replays this step in, chosen by the driver from all their

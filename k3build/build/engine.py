@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,10 +87,14 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     for note in notes:
         (log or (lambda m: None))(note)
     layout = expert_layout(plugins)
+    # one id for this build, in its config's stamp and in every rank's weights: the runtime refuses ranks (or rank
+    # files) of different builds, which would run together and generate nonsense
+    build_id = uuid.uuid4().hex
     with staged_output(engine_dir, BuildError) as tmp:
         ranks = {}
         for rank in range(mapping.world_size):
-            ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, layout)
+            ranks[str(rank)] = _build_rank(cfg, mapping, rank, converted_dir, tmp, options, progress, layout,
+                                           build_id)
         for name in TOKENIZER_FILES:
             if (converted_dir / name).exists():
                 shutil.copy2(converted_dir / name, tmp / name)
@@ -98,7 +103,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             "pretrained_config": cfg.to_dict(),
             "mapping": mapping.to_dict(),
             "build_config": {**options.to_dict(), "plugins": plugins, "plugin_notes": notes, "tuning": tuning},
-            "stamp": stamp_for(options.target),
+            "stamp": {**stamp_for(options.target), "build_id": build_id},
             "ranks": ranks,
             "memory_plan": memory_plan,
         }
@@ -107,11 +112,12 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
 
 
 def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path, out: Path, options: BuildOptions,
-                progress: bool, layout: str) -> dict:
+                progress: bool, layout: str, build_id: str) -> dict:
     """Writes rank{rank}/ (MXFP4 experts in `layout`, see tactics.expert_layout) and returns its rank-table entry."""
     rank_dir = out / f"rank{rank}"
     rank_dir.mkdir()
-    writer = SafetensorsWriter(rank_dir / "weights.safetensors", metadata={"format": "k3engine", "rank": str(rank)})
+    writer = SafetensorsWriter(rank_dir / "weights.safetensors",
+                               metadata={"format": "k3engine", "rank": str(rank), "build_id": build_id})
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     src_path = converted_dir / f"rank{rank}.safetensors"
     with safe_open(src_path, framework="pt") as src:

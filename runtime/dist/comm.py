@@ -7,6 +7,7 @@ recomputes who owns what. Every rank creates every group in the same order, as t
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from ..executor import Communicator
 
 TIMEOUT_ENV = "K3_DIST_TIMEOUT_S"
+LOAD_TIMEOUT_ENV = "K3_DIST_LOAD_TIMEOUT_S"
 
 
 def collective_timeout() -> timedelta:
@@ -24,6 +26,12 @@ def collective_timeout() -> timedelta:
     back to torch's 30 min), so a hung rank would otherwise stall the others for half an hour.
     """
     return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 60)))
+
+
+def load_timeout() -> timedelta:
+    """How long the ranks wait for each other to finish reading their weights ($K3_DIST_LOAD_TIMEOUT_S, default
+    30 min): a K3 rank reads for minutes, and the ranks of a job finish minutes apart, past any step's timeout."""
+    return timedelta(seconds=float(os.environ.get(LOAD_TIMEOUT_ENV, 1800)))
 
 
 def sampling_rank(mapping: dict) -> int:
@@ -101,9 +109,12 @@ class DistCommunicator(Communicator):
         self.rank, self.tp_size, self.device = rank, tp_size, device
         self.groups = build_groups(ranks_table, rank)
         self.control = ControlPlane()
+        self._loaded = dist.new_group(backend="gloo", timeout=load_timeout())
         # gloo has no bf16/fp16 reductions on every build: reduce those in fp32 (also more accurate).
         self.upcast = dist.get_backend() == "gloo"
         self.exchange = None
+        self.last_step = time.monotonic()
+        self.keep_alive = None  # the driver's KeepAlive (dist/keep_alive.py), stopped before its workers' release
 
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         y = x.float() if self.upcast and x.dtype != torch.float32 else x.contiguous()
@@ -112,6 +123,11 @@ class DistCommunicator(Communicator):
 
     def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
         return gather_cat(x, self.groups[group], axis)
+
+    def wait_loaded(self) -> None:
+        """Every rank has read its weights (a barrier under load_timeout): the collectives after it, from the first
+        CUDA-graph capture on, meet ranks that are ready, within the step timeout."""
+        dist.barrier(group=self._loaded)
 
     def use_exchange(self, exchange) -> None:
         """The expert exchange backend (runtime/dist/exchange.py), set once the runtime options are known."""
@@ -150,6 +166,7 @@ class DistCommunicator(Communicator):
 
     def broadcast_step(self, step) -> None:
         self.control.broadcast(step)
+        self.last_step = time.monotonic()  # KeepAlive sends nothing while steps go out
 
     def recv_result(self, src: int) -> torch.Tensor:
         return self.control.recv_result(src)

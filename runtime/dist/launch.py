@@ -53,7 +53,16 @@ def _communicator(config: dict, device: str) -> DistCommunicator:
     if dist.get_world_size() != world:
         raise EngineError(f"the engine has {world} ranks but torchrun started {dist.get_world_size()} processes; "
                           f"use --nproc-per-node/--nnodes for {world}")
-    return DistCommunicator(config["ranks"], dist.get_rank(), config["mapping"]["tp_size"], torch.device(device))
+    comm = DistCommunicator(config["ranks"], dist.get_rank(), config["mapping"]["tp_size"], torch.device(device))
+    # every rank's engine dir from the same build (a stale copy on one node would run and generate nonsense)
+    ids = [None] * world
+    dist.all_gather_object(ids, config["stamp"].get("build_id"), group=comm.control.group)
+    if len(set(ids)) > 1:
+        odd = [r for r, i in enumerate(ids) if i != ids[0]]
+        raise EngineError(f"the ranks opened engines of different builds: rank 0's is {ids[0]}, rank(s) "
+                          f"{', '.join(map(str, odd))} another ({ids[odd[0]]}); give every rank a copy of the same "
+                          "engine dir")
+    return comm
 
 
 _live: list[DistCommunicator] = []  # driver communicators whose workers still wait for steps
@@ -78,6 +87,8 @@ def release_workers(comm: DistCommunicator) -> None:
 
     if comm in _live:
         _live.remove(comm)
+        if comm.keep_alive is not None:
+            comm.keep_alive.stop()
         comm.control.broadcast((Step((), stop=True),))
 
 
@@ -116,6 +127,8 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
         steps = comm.control.broadcast()
         if steps[0].stop:
             break
+        if steps[0].keep_alive:
+            continue
         step = steps[tp_rank if attention_dp else 0]
         logits = runner.run(step, fed if step.feed else None)
         if options.async_scheduling and attention_dp:  # a DP rank's steps never score: the driver's does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 
 import click
@@ -128,7 +129,17 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     app = create_app(ae, cfg)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so stop the engine inside it.
     app.router.on_shutdown.append(ae.shutdown)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=10))
+    if ae.engine.world_size > 1:
+        # A multi-rank engine that stops (a rank hung or gone) ends the server, and its error ends the job: the
+        # launcher names the silent rank and torchrun stops the others. (One rank's server stays up, answering
+        # 503 and /health's failure, for its supervisor to restart.)
+        threading.Thread(target=lambda: ae.wait_stopped() and setattr(server, "should_exit", True),
+                         name="k3-engine-watch", daemon=True).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+        server.run()
     finally:
         ae.shutdown()
+    if ae.engine.world_size > 1 and ae.error is not None:
+        raise ae.error

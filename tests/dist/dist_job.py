@@ -2,12 +2,16 @@
 
 job["mode"] == "stream": rank 0 streams a long generation and touches `out` after each token (the failure
 test kills a rank meanwhile); every rank writes its pid to `<out>.rank<N>.pid` first. job["mode"] == "score_mid":
-steps by hand with scores, an abort and a shutdown while steps are in flight (score_mid).
+steps by hand with scores, an abort and a shutdown while steps are in flight (score_mid). job["mode"] == "idle":
+generations with pauses of job["idle_s"] between them, and one inside a stream (the workers wait meanwhile).
+job["load_delay_s"] = {rank: seconds}: those ranks read their weights that much later (a slow disk).
+job["engine_by_rank"] = {rank: dir}: those ranks open another engine dir (a stale copy on a node).
 """
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from k3runtime.dist.launch import run
@@ -67,7 +71,13 @@ def penalized(max_tokens: int) -> list:
 
 def main():
     engine, out, job = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    engine = job.get("engine_by_rank", {}).get(os.environ["RANK"], engine)
     Path(f"{out}.rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    if delay := job.get("load_delay_s", {}).get(os.environ["RANK"]):
+        import k3runtime.llm_engine as llm_engine
+
+        load = llm_engine.load_rank
+        llm_engine.load_rank = lambda *a, **k: time.sleep(delay) or load(*a, **k)
 
     def drive():
         from k3runtime import LLM, SamplingParams
@@ -80,6 +90,17 @@ def main():
             return
         if job.get("mode") == "score_mid":
             out.write_text(json.dumps(score_mid(llm, job, greedy)))
+            return
+        if job.get("mode") == "idle":
+            first = [o.token_ids for o in llm.generate(job["prompts"], greedy)]
+            time.sleep(job["idle_s"])
+            stream = llm.stream(job["prompts"][0], greedy)
+            streamed = [next(stream).token_id for _ in range(2)]
+            time.sleep(job["idle_s"])  # a paused consumer: its request's step may be in flight
+            streamed += [c.token_id for c in stream]
+            time.sleep(job["idle_s"])
+            again = [o.token_ids for o in llm.generate(job["prompts"], greedy)]
+            out.write_text(json.dumps({"first": first, "streamed": streamed, "again": again}))
             return
         counts = []  # the micro-batches each step was cut into (pipeline stages)
         choose = llm.engine._micro_batches

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,3 +90,88 @@ def test_hung_rank_trips_the_collective_timeout(mapping, options, k3_tiny_ckpt, 
     assert "Timed out waiting 10000ms" in log, log[-3000:]
     # the driver's error names the silent rank from its stale heartbeat, not only its own timeout
     assert re.search(r"rank 1 stopped responding \(no heartbeat in \d+ s\)", log), log[-3000:]
+
+
+def test_ranks_of_different_builds_are_refused(k3_tiny_ckpt, tmp_path):
+    """Rank 1 opens another build of the same model and mapping (a stale copy on its node): its files look alike,
+    so it would run and generate nonsense; every rank refuses at start-up instead, naming the odd rank."""
+    engines = [build_engine(k3_tiny_ckpt, tmp_path / name, mapping=Mapping(tp_size=2)) for name in ("a", "b")]
+    job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 2, "options": {},
+                      "engine_by_rank": {"1": str(engines[1])}})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(JOB), str(engines[0]), str(tmp_path / "out"), job],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert "the ranks opened engines of different builds" in proc.stderr and "rank(s) 1 another" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{RANK: pid} of the worker processes torchrun (pid) started."""
+    ranks = {}
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                env = dict(kv.split("=", 1) for kv in (p / "environ").read_text().split("\0") if "=" in kv)
+                ranks[int(env["RANK"])] = int(p.name)
+        except (OSError, KeyError, ValueError):
+            continue
+    return ranks
+
+
+def test_hung_rank_ends_a_multirank_server(k3_tiny_ckpt, tmp_path):
+    """`serve` under torchrun with a rank stopped: the request fails, and the server does not stay up; the job
+    ends with rank 0's error naming the silent rank (before, the server answered 503 forever)."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "5"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "k3runtime.dist.launch", str(engine), "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, victim, workers = f"http://127.0.0.1:{port}", None, {}
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        workers = _children(proc.pid)
+        victim = workers[1]
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        body = json.dumps({"model": "engine", "prompt": [1, 2, 3], "max_tokens": 4}).encode()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/v1/completions", body,
+                                                          {"Content-Type": "application/json"}), timeout=60)
+        assert e.value.code >= 500
+        # a server that stays up fails the test, not hangs it (the workers hold the log's pipe too)
+        threading.Timer(90, lambda: [_kill(p) for p in (proc.pid, *workers.values())]).start()
+        lines = []
+        for line in proc.stdout:  # torchrun gives a stopped rank 30 s before SIGKILL: this test does it at once
+            lines.append(line)
+            if victim is not None and "rank 1 stopped responding" in line:
+                os.kill(victim, signal.SIGKILL)
+                victim = None
+        proc.wait(timeout=60)
+        log = "".join(lines)
+        assert proc.returncode != 0 and time.monotonic() - stopped_at < 60, log[-3000:]
+        assert re.search(r"Error \(rank 0\): .*rank 1 stopped responding \(no heartbeat in \d+ s\)", log), log[-3000:]
+    finally:
+        for pid in (proc.pid, *workers.values()):
+            _kill(pid)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

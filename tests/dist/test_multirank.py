@@ -67,8 +67,8 @@ def assert_logprobs_and_penalties_match(got, reference):
 
 
 def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | None = None, mode: str = "",
-              prompts: list[list[int]] = PROMPTS) -> dict:
-    job = json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "options": options, "mode": mode})
+              prompts: list[list[int]] = PROMPTS, **job_fields) -> dict:
+    job = json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "options": options, "mode": mode, **job_fields})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "120", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(JOB), str(engine), str(out), job]
@@ -191,6 +191,20 @@ def test_swap_preemption_ranks_match_single_rank(name, k3_tiny_ckpt, reference, 
     torch.testing.assert_close(torch.tensor(got["logits"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert got["tokens"] == reference["tokens"]
     assert got["stats"]["swaps_out"] > 0
+
+
+@pytest.mark.parametrize("name, options, slow", [("tp2", {}, "1"), ("dp2xep2", {"async_scheduling": True}, "0")])
+def test_idle_driver_keeps_its_workers(name, options, slow, k3_tiny_ckpt, reference, tmp_path):
+    """Pauses longer than the collective timeout (3 s here) between generations, and inside a stream whose step
+    may be in flight: the workers wait for the next step all the while (dist/keep_alive.py), and the tokens are
+    the single rank's. One rank (`slow`) also reads its weights 6 s after the other: the ranks wait for each other's
+    load under its own timeout. Before, either took the job down at the collective timeout."""
+    mapping = MAPPINGS[name]
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", options, env={"K3_DIST_TIMEOUT_S": "3"},
+                    mode="idle", prompts=PROMPTS[1:3], idle_s=7, load_delay_s={slow: 6})
+    assert got["first"] == got["again"] == reference["tokens"][1:3]
+    assert got["streamed"] == reference["tokens"][1]
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2xep2"])

@@ -76,6 +76,18 @@ def test_rank_files_swapped_between_ranks(tp2_engine, tmp_path):
     _refused(engine, GRAPH, "'k3_rank1', not rank 0's")
 
 
+def test_rank_files_of_another_build(k3_tiny_engine, k3_tiny_ckpt, tmp_path):
+    """The same model built twice: the files look alike, but each build's id (config stamp, weights header) differs."""
+    from engines import build_engine
+
+    engine = Path(shutil.copytree(k3_tiny_engine, tmp_path / "engine"))
+    other = build_engine(k3_tiny_ckpt, tmp_path / "other")
+    shutil.copy(other / WEIGHTS, engine / WEIGHTS)
+    ids = [json.loads((e / "config.json").read_text())["stamp"]["build_id"] for e in (engine, other)]
+    assert ids[0] != ids[1]
+    _refused(engine, WEIGHTS, f"written by another build ({ids[1]}) than the engine's config.json ({ids[0]})")
+
+
 def _graph_edit(fn):
     def edit(engine: Path) -> None:
         model = onnx.load(engine / GRAPH)
