@@ -23,7 +23,6 @@ class KeepAlive:
         with its workers (a failed step)."""
         self.comm, self.lock, self.can_send = comm, lock, can_send
         self.interval = max(collective_timeout().total_seconds() / 4, 0.1)
-        self.error: BaseException | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-keep-alive", daemon=True)
         self._thread.start()
@@ -40,8 +39,7 @@ class KeepAlive:
                     return
                 if time.monotonic() - self.comm.last_step >= self.interval:
                     self.comm.broadcast_step((Step((), keep_alive=True),))
-            except Exception as e:  # a worker gone: the engine's next step fails and says so
-                self.error = e
+            except Exception:  # a worker gone or hung: the engine's next step fails, and says so
                 return
             finally:
                 self.lock.release()
