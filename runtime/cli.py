@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from .engine_flags import as_options, engine_flags, given
+from .engine_flags import as_options, engine_flags, given, use_weight_config, weight_config_option
 from .loader import EngineError
 
 
@@ -32,10 +32,12 @@ def main():
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda or cuda:N; cpu unless given, whatever the engine's target (an sm90 engine needs cuda).")
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one --prompt).")
+@weight_config_option
 @engine_flags
 def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
-                 repetition_penalty, device, stream, **flags):
+                 repetition_penalty, device, stream, distributed_weight_config, **flags):
     """Generate completions for PROMPTs."""
+    use_weight_config(distributed_weight_config)
     from .api import LLM
     from .llm_engine import check_prompt
     from .loader import read_engine_config

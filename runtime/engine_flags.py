@@ -4,8 +4,10 @@ take the same names, and a bad value is refused by the name it was given under."
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
@@ -108,3 +110,24 @@ def from_params(params: dict[str, str]) -> dict:
 def to_params(values: dict) -> dict[str, str]:
     """The flags given, as Triton parameters (from_params reads them back)."""
     return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in given(values).items()}
+
+
+def weight_config_option(fn):
+    """`--distributed-weight-config FILE` (generate, serve); use_weight_config applies it."""
+    return click.option("--distributed-weight-config", type=click.Path(exists=True, dir_okay=False), default=None,
+                        help="JSON/TOML file: which node's `k3runtime weight-store` holds which ranks; ranks attach "
+                             "to it instead of reading disk (same as $K3_WEIGHT_STORE_CONFIG).")(fn)
+
+
+def use_weight_config(path: str | None) -> None:
+    """Check the file (BadParameter names what is wrong) and export it: the loader attaches each rank's weights
+    from its node's store (under torchrun, dist.launch exports the same variable on every rank before they load)."""
+    if not path:
+        return
+    from .dist.weight_store_client import ENV_CONFIG, WeightStoreConfig, WeightStoreError
+
+    try:
+        WeightStoreConfig.load(Path(path).resolve())
+    except WeightStoreError as e:
+        raise click.BadParameter(str(e), param_hint="--distributed-weight-config") from None
+    os.environ[ENV_CONFIG] = str(Path(path).resolve())

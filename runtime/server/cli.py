@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 from pathlib import Path
 
 import click
 
-from ..engine_flags import as_options, engine_flags, given
-
-
-def _read_weight_config(path: str):
-    """The parsed `--distributed-weight-config` (nodes -> socket, ranks); BadParameter names what is wrong."""
-    from ..dist.weight_store_client import WeightStoreConfig, WeightStoreError
-
-    try:
-        return WeightStoreConfig.load(Path(path).resolve())
-    except WeightStoreError as e:
-        raise click.BadParameter(str(e), param_hint="--distributed-weight-config") from None
+from ..engine_flags import as_options, engine_flags, given, use_weight_config, weight_config_option
 
 
 def _check_serve_extra() -> None:
@@ -67,9 +56,7 @@ def _check_bindable(host: str, port: int) -> None:
 @click.option("--enable-deepep", is_flag=True,
               help="Exchange experts with DeepEP: refuse to start unless deep_ep imports and its low-latency "
                    "limits (top-k, hidden size; $K3_DEEPEP_CAPS = a JSON file of them) cover the model.")
-@click.option("--distributed-weight-config", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="JSON/TOML file: which node's `k3runtime weight-store` holds which ranks; ranks attach to it "
-                   "instead of reading disk (same as $K3_WEIGHT_STORE_CONFIG).")
+@weight_config_option
 @click.option("--enforce-eager", is_flag=True, help="Run decode steps eagerly instead of replaying CUDA graphs.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="info", show_default=True, help="uvicorn's log level.")
@@ -78,13 +65,7 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     """Serve ENGINE over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics)."""
     _check_serve_extra()
-    if distributed_weight_config:
-        from ..dist.weight_store_client import ENV_CONFIG
-
-        _read_weight_config(distributed_weight_config)
-        # The loader attaches each rank's weights from its node's store (under torchrun, dist.launch exports
-        # the same variable on every rank before they load).
-        os.environ[ENV_CONFIG] = str(Path(distributed_weight_config).resolve())
+    use_weight_config(distributed_weight_config)
     _check_bindable(host, port)  # before the engine loads: a real K3 rank takes minutes to read
     import uvicorn
 

@@ -249,6 +249,14 @@ def test_distributed_weight_config_is_validated(tiny_engine, tmp_path):
     assert r.returncode != 0 and "w.json" in r.stderr and "JSON" in r.stderr
     r = _serve(str(tiny_engine), "--distributed-weight-config", str(tmp_path / "missing.json"))
     assert r.returncode != 0 and "does not exist" in r.stderr
+    # generate takes it too (dist.launch hands it to every rank whatever the command), checked alike
+    from click.testing import CliRunner
+
+    from k3runtime.cli import main
+
+    r = CliRunner().invoke(main, ["generate", str(tiny_engine), "--prompt", "hi", "--distributed-weight-config",
+                                  str(bad)])
+    assert r.exit_code == 2 and "--distributed-weight-config" in r.output and "w.json" in r.output, r.output
 
 
 def test_serve_options_are_validated(tiny_engine):
