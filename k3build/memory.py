@@ -22,7 +22,7 @@ from .memory_weights import CATEGORIES, check_expert_format, weight_bytes
 
 __all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_GIB", "H200_TOTAL_BYTES", "MI300X_GIB", "MAX_GIB",
            "MemoryPlan", "RankMemory", "activation_reserve", "exchange_capacity_rows", "gib_bytes", "kda_state_bytes",
-           "kv_bytes_per_token", "plan_memory", "reserve_bytes", "weight_bytes"]
+           "kv_bytes_per_token", "plan_memory", "reserve_bytes", "size_text", "weight_bytes"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -276,15 +276,15 @@ def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, d
     stage = mapping.rank_layers(rank, cfg.num_hidden_layers)
     where = f"rank {rank} (pp {mapping.pp_rank(rank)}, tp {mapping.tp_rank(rank)})"
     if w > gpu:
-        reason = (f"{where}: weights alone need {_gib(w)}, more than the {_gib(gpu)} of device memory "
+        reason = (f"{where}: weights alone need {size_text(w)}, more than the {size_text(gpu)} of device memory "
                   f"(largest: {_largest(weights)})")
     elif w + res > gpu:
-        reason = (f"{where}: weights {_gib(w)} + reserve {_gib(res)} (overhead {_gib(overhead)}, the runtime's spare "
-                  f"slot and page {_gib(slot + page)}, activations {_gib(res - overhead - slot - page)}) = "
-                  f"{_gib(w + res)} exceed the {_gib(gpu)} of device memory")
+        reason = (f"{where}: weights {size_text(w)} + reserve {size_text(res)} (overhead {size_text(overhead)}, the runtime's spare "
+                  f"slot and page {size_text(slot + page)}, activations {size_text(res - overhead - slot - page)}) = "
+                  f"{size_text(w + res)} exceed the {size_text(gpu)} of device memory")
     elif not n:
-        reason = (f"{where}: {_gib(free)} left after weights and reserve, but one request of {seq} tokens needs "
-                  f"{_gib(req)} (KDA slot {_gib(slot)} + {pages_per_req} pages of {page:,} B)")
+        reason = (f"{where}: {size_text(free)} left after weights and reserve, but one request of {seq} tokens needs "
+                  f"{size_text(req)} (KDA slot {size_text(slot)} + {pages_per_req} pages of {page:,} B)")
     else:
         reason = ""
     return RankMemory(rank=rank, pp_rank=mapping.pp_rank(rank), tp_rank=mapping.tp_rank(rank),
@@ -315,10 +315,11 @@ def _layers(cfg: K3Config, mapping: Mapping, rank: int) -> range:
     return mapping.rank_layers(rank, cfg.num_hidden_layers)
 
 
-def _gib(b: int) -> str:
+def size_text(b: int) -> str:
+    """Bytes as the plan's messages print them: GiB from one GiB, MiB below."""
     return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / MiB:.2f} MiB"
 
 
 def _largest(weights: dict[str, int]) -> str:
     top = sorted(weights.items(), key=lambda kv: -kv[1])[:2]
-    return ", ".join(f"{k} {_gib(v)}" for k, v in top)
+    return ", ".join(f"{k} {size_text(v)}" for k, v in top)

@@ -34,7 +34,7 @@ def _recipe_build_options(recipe_path: str | None, converted: str) -> dict:
             if getattr(want, field) != getattr(cfg, field):
                 raise BuildError(f"{recipe_path}: [model] has {field}={getattr(want, field)}, {converted} has "
                                  f"{getattr(cfg, field)}; its memory budget was planned for another model")
-    return {**{k: v for k, v in r.build_options().items() if v is not None}, "overhead_gib": r.build.overhead_gib}
+    return {k: v for k, v in r.build_options().items() if v is not None}
 
 
 def _mapping_str(m: Mapping) -> str:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
-from ..memory import MAX_GIB, GiB, MiB, kda_state_bytes, kv_bytes_per_token, plan_memory
+from ..memory import MAX_GIB, GiB, kda_state_bytes, kv_bytes_per_token, plan_memory, size_text
 from ..output_dir import check_output_dir, staged_output
 from ..tokenizer import TOKENIZER_FILES
 from . import graph as graph_mod
@@ -215,7 +215,7 @@ def _memory_plan(cfg: K3Config, mapping: Mapping, options: BuildOptions, log: Ca
                     for r in range(mapping.world_size))
         what = (f"{plan['num_slots']} KDA slots and {plan['num_pages']} MLA pages (--max-batch-size "
                 f"{options.max_batch_size} requests of --max-seq-len {options.max_seq_len} tokens) take "
-                + (f"{worst / GiB:.2f} GiB" if worst >= GiB else f"{worst / MiB:.2f} MiB") + " on the largest rank")
+                f"{size_text(worst)} on the largest rank")
         if worst > MAX_GIB * GiB:
             raise BuildError(f"{what}: lower the limits, or give --gpu-memory-gib to size them by a budget")
         log(f"no --gpu-memory-gib: {what}; the runtime allocates them at load")
