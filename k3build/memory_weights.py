@@ -9,7 +9,9 @@ import re
 from functools import lru_cache
 from math import prod
 
-from .config import K3Config, QuantConfig
+from k3plugins.kda.reference import IN_PROJ_ROW_ALIGN
+
+from .config import KDA, K3Config, QuantConfig
 from .mapping import Mapping, MappingError
 
 CATEGORIES = ("embedding", "lm_head", "attention_kda", "attention_mla", "dense_mlp", "shared_experts",
@@ -17,13 +19,16 @@ CATEGORIES = ("embedding", "lm_head", "attention_kda", "attention_mla", "dense_m
 _ITEMSIZE = {"F32": 4, "U8": 1}  # kept as they are; 16-bit tensors take the engine's dtype
 _GLOBAL = {"model.embed_tokens.weight": "embedding", "lm_head.weight": "lm_head"}
 _PART = {"mlp.": "dense_mlp", "block_sparse_moe.shared_experts.": "shared_experts"}
+# The KDA projections of x that build's layout fuses into one `in_proj`, padded with zero rows (layout._kda).
+_KDA_IN_PROJ = frozenset(n + "_proj" for n in ("q", "k", "v", "f_a", "b", "g", "g_a"))
 _NAME = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.|mlp\.|block_sparse_moe\.shared_experts\.|"
                    r"block_sparse_moe\.experts\.(\d+)\.)?")
 
 
 def weight_bytes(cfg: K3Config, mapping: Mapping, rank: int, *, expert_format: str | None = None,
                  dtype_bytes: int = 2) -> dict[str, int]:
-    """Bytes of this rank's slices per category (see CATEGORIES), exactly as `Mapping.shard` assigns them.
+    """Bytes of this rank's slices per category (see CATEGORIES), exactly as `Mapping.shard` assigns them, plus
+    the zero rows that pad each KDA layer's fused `in_proj` (build's layout).
 
     expert_format: "mxfp4" (packed E2M1 + E8M0 scales) or "bf16"; default: what the config's checkpoint holds.
     dtype_bytes: the engine's size of the checkpoint's 16-bit tensors (build --dtype; the build keeps F32 and
@@ -32,9 +37,15 @@ def weight_bytes(cfg: K3Config, mapping: Mapping, rank: int, *, expert_format: s
     dense, experts = _tensor_groups(_with_expert_format(cfg, expert_format), dtype_bytes)
     out = dict.fromkeys(CATEGORIES, 0)
     stage = mapping.rank_layers(rank, cfg.num_hidden_layers)
+    in_proj_rows = dict.fromkeys((i for i in stage if cfg.layer_types[i] == KDA), 0)
     for name, layer, shape, itemsize, cat in dense:
         if layer is None or layer in stage:
-            out[cat] += _owned(mapping, name, shape, itemsize, rank, cfg)
+            owned = _owned(mapping, name, shape, itemsize, rank, cfg)
+            out[cat] += owned
+            if layer in in_proj_rows and name.split(".")[-2] in _KDA_IN_PROJ:
+                in_proj_rows[layer] += owned // (shape[-1] * itemsize)
+    pad_rows = sum(-rows % IN_PROJ_ROW_ALIGN for rows in in_proj_rows.values())
+    out["attention_kda"] += pad_rows * cfg.hidden_size * dtype_bytes
     for layer in stage:
         local = mapping.local_experts(rank, cfg.num_experts)
         if layer not in experts or not len(local):

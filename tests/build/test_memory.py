@@ -10,6 +10,7 @@ from k3build.mapping import Mapping, MappingError
 from k3build.memory import (CATEGORIES, GiB, H200_TOTAL_BYTES, MiB, kda_state_bytes, kv_bytes_per_token,
                             plan_memory, weight_bytes)
 from k3build.schema import checkpoint_tensors
+from k3plugins.kda.reference import in_proj_rows
 
 K3 = preset("k3")
 TINY = preset("tiny")
@@ -77,6 +78,11 @@ def test_weight_bytes_equal_brute_force_over_schema(mapping, fmt, kind):
             s = mapping.shard(name, rank, cfg)
             if s is not None:
                 want += prod(shape) * ITEM[dtype] // (s.parts if s.dim is not None else 1)
+        # build's layout pads each KDA layer's fused in_proj with zero rows (the rank's share of the heads)
+        rows, padded = in_proj_rows(cfg.kda_num_heads // mapping.attn_tp_size, cfg.kda_head_dim,
+                                    not cfg.kda_use_full_rank_gate)
+        kda_layers = [i for i in mapping.rank_layers(rank, cfg.num_hidden_layers) if cfg.layer_types[i] == "kda"]
+        want += len(kda_layers) * (padded - rows) * cfg.hidden_size * 2
         got = weight_bytes(base, mapping, rank, expert_format=fmt)
         assert sum(got.values()) == want, rank
         assert set(got) == set(CATEGORIES)
@@ -145,6 +151,8 @@ def test_engine_dtype_scales_weights_activations_and_conv_state():
     kw = dict(gpu_memory_bytes=GiB, max_seq_len=1024, max_batch_size=8, max_num_tokens=256)
     bf, fp = plan_memory(TINY, Mapping(), **kw), plan_memory(TINY, Mapping(), **kw, dtype="fp32")
     sixteen = sum(prod(shape) for shape, dt in checkpoint_tensors(TINY, "canonical").values() if dt == "BF16")
+    rows, padded = in_proj_rows(TINY.kda_num_heads, TINY.kda_head_dim, not TINY.kda_use_full_rank_gate)
+    sixteen += len(TINY.kda_layers) * (padded - rows) * TINY.hidden_size  # in_proj's zero rows
     assert fp.ranks[0].weight_bytes - bf.ranks[0].weight_bytes == sixteen * 2
     assert fp.ranks[0].weights["routed_experts"] == bf.ranks[0].weights["routed_experts"]  # MXFP4 bytes
     conv = len(TINY.kda_layers) * 3 * TINY.kda_num_heads * TINY.kda_head_dim * (TINY.kda_conv_size - 1) * 2
