@@ -28,7 +28,8 @@ _NAME = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.|mlp\.|block_sparse_moe\
 def weight_bytes(cfg: K3Config, mapping: Mapping, rank: int, *, expert_format: str | None = None,
                  dtype_bytes: int = 2) -> dict[str, int]:
     """Bytes of this rank's slices per category (see CATEGORIES), exactly as `Mapping.shard` assigns them, plus
-    the zero rows that pad each KDA layer's fused `in_proj` (build's layout).
+    the zero rows that pad each KDA layer's fused `in_proj` and less the AttnRes the build leaves out (layout.py):
+    the tensor bytes of the rank's engine.
 
     expert_format: "mxfp4" (packed E2M1 + E8M0 scales) or "bf16"; default: what the config's checkpoint holds.
     dtype_bytes: the engine's size of the checkpoint's 16-bit tensors (build --dtype; the build keeps F32 and
@@ -39,6 +40,8 @@ def weight_bytes(cfg: K3Config, mapping: Mapping, rank: int, *, expert_format: s
     stage = mapping.rank_layers(rank, cfg.num_hidden_layers)
     in_proj_rows = dict.fromkeys((i for i in stage if cfg.layer_types[i] == KDA), 0)
     for name, layer, shape, itemsize, cat in dense:
+        if layer is not None and ".self_attention_res_" in name and not cfg.snapshots_before(layer):
+            continue  # no snapshot yet: the build leaves this AttnRes (the identity) out (layout._layer)
         if layer is None or layer in stage:
             owned = _owned(mapping, name, shape, itemsize, rank, cfg)
             out[cat] += owned

@@ -76,7 +76,8 @@ def test_weight_bytes_equal_brute_force_over_schema(mapping, fmt, kind):
         want = 0
         for name, (shape, dtype) in tensors.items():
             s = mapping.shard(name, rank, cfg)
-            if s is not None:
+            unused = ".self_attention_res_" in name and not cfg.snapshots_before(int(name.split(".")[2]))
+            if s is not None and not unused:  # the build leaves out an AttnRes with no snapshot yet
                 want += prod(shape) * ITEM[dtype] // (s.parts if s.dim is not None else 1)
         # build's layout pads each KDA layer's fused in_proj with zero rows (the rank's share of the heads)
         rows, padded = in_proj_rows(cfg.kda_num_heads // mapping.attn_tp_size, cfg.kda_head_dim,
@@ -150,7 +151,8 @@ def test_engine_dtype_scales_weights_activations_and_conv_state():
     F32 tensors stay as they are (k3build/build/layout.py _cast)."""
     kw = dict(gpu_memory_bytes=GiB, max_seq_len=1024, max_batch_size=8, max_num_tokens=256)
     bf, fp = plan_memory(TINY, Mapping(), **kw), plan_memory(TINY, Mapping(), **kw, dtype="fp32")
-    sixteen = sum(prod(shape) for shape, dt in checkpoint_tensors(TINY, "canonical").values() if dt == "BF16")
+    sixteen = sum(prod(shape) for name, (shape, dt) in checkpoint_tensors(TINY, "canonical").items()
+                  if dt == "BF16" and not name.startswith("model.layers.0.self_attention_res_"))  # 0: unused
     rows, padded = in_proj_rows(TINY.kda_num_heads, TINY.kda_head_dim, not TINY.kda_use_full_rank_gate)
     sixteen += len(TINY.kda_layers) * (padded - rows) * TINY.hidden_size  # in_proj's zero rows
     assert fp.ranks[0].weight_bytes - bf.ranks[0].weight_bytes == sixteen * 2
