@@ -39,7 +39,7 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
     """Generate completions for PROMPTs."""
     use_weight_config(distributed_weight_config)
     from .api import LLM
-    from .llm_engine import check_prompt
+    from .llm_engine import EngineOptions, cache_sizes, check_prompt
     from .loader import read_engine_config
     from .sampling_params import SamplingParams
     from .tokenizer import load_tokenizer
@@ -58,8 +58,9 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
                                        "generate takes text; build from a checkpoint with its tokenizer, or give "
                                        "token ids through the Python API (LLM.generate) or the server")
         prompt_ids = [tokenizer.encode(p) for p in prompts]
+        num_pages = cache_sizes(config, EngineOptions(device=device, **given(flags)))[0]
         for ids in prompt_ids:
-            check_prompt(config, ids)
+            check_prompt(config, ids, max_tokens=max_tokens, num_pages=num_pages)
         llm = LLM(engine, device=device, tokenizer=tokenizer, **given(flags))
         if stream:
             for chunk in llm.stream(prompt_ids[0], params):

@@ -33,7 +33,7 @@ from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, ScheduledItem, StepPlan
+from .scheduler import Scheduler, ScheduledItem, StepPlan, room_error
 from .scheduler_config import SchedulerConfig, check_ints, check_preemption
 from .upload import to_device
 
@@ -150,17 +150,19 @@ def check_ids(token_ids: list[int], vocab: int, field: str) -> None:
         raise ValueError(f"{field}: token id {bad[0]!r} outside the vocabulary 0..{vocab - 1}")
 
 
-def check_prompt(config: dict, token_ids: list[int], field: str = "prompt_token_ids") -> None:
+def check_prompt(config: dict, token_ids: list[int], field: str = "prompt_token_ids", *,
+                 max_tokens: int = 1, num_pages: int | None = None) -> None:
     """ValueError for a prompt the engine whose config.json is `config` never runs: empty, an id outside its
-    vocabulary, or too long to leave room for a token under max_seq_len (Scheduler.add's rule). It reads no weights:
-    a command checks its prompts with it before the engine loads."""
+    vocabulary, or with max_tokens more than max_seq_len or `num_pages` hold (Scheduler.add's rule, room_error).
+    It reads no weights: a command checks its prompts with it before the engine loads."""
     if not token_ids:
         raise ValueError(f"{field}: empty (at least one token is needed)")
     check_ids(token_ids, config["pretrained_config"]["vocab_size"], field)
-    max_len = config["build_config"]["max_seq_len"]
-    if len(token_ids) >= max_len:
-        raise ValueError(f"{field}: {len(token_ids)} tokens leave no room to generate under the engine's "
-                         f"max_seq_len ({max_len})")
+    build = config["build_config"]
+    why = room_error(len(token_ids), max_tokens, max_len=build["max_seq_len"], page_size=build["page_size"],
+                     num_pages=num_pages or config["memory_plan"]["num_pages"])
+    if why:
+        raise ValueError(why.replace("prompt_token_ids:", f"{field}:", 1))
 
 
 def cache_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:

@@ -25,7 +25,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
-from .kv_cache.page_pool import PagePool
+from .kv_cache.page_pool import PagePool, pages_needed
 from .kv_cache.slot_pool import SlotPool
 from .request import FINISH_STATUS, PLACEHOLDER, Request, RequestStatus
 from .sampling_params import SamplingParams
@@ -119,6 +119,22 @@ class StepPlan:
         return not self.items
 
 
+def room_error(num_prompt_tokens: int, max_tokens: int, *, max_len: int | None, page_size: int,
+               num_pages: int) -> str | None:
+    """Why a request of this prompt and max_tokens could never run on caches of `num_pages` (None: it can).
+    Every request must fit alone, or preemption could never make room for it."""
+    if max_len is not None and num_prompt_tokens >= max_len:
+        return (f"prompt_token_ids: {num_prompt_tokens} tokens leave no room to generate under the engine's "
+                f"max_seq_len ({max_len})")
+    # The last sampled token is never fed back, so it needs no cache row.
+    rows = min(num_prompt_tokens + max_tokens, max_len or num_prompt_tokens + max_tokens) - 1
+    need = pages_needed(rows, page_size)
+    if need > num_pages:
+        return (f"max_tokens: prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) needs {need} pages of "
+                f"{page_size} tokens; the cache holds {num_pages} (num_pages)")
+    return None
+
+
 class Scheduler:
     """Owns the request queues and hands out pages/slots from the pools it is given.
 
@@ -172,16 +188,10 @@ class Scheduler:
             raise ValueError(f"request_id: {request.request_id!r} is already live")
         if request.status is not RequestStatus.WAITING or request.output_token_ids or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r}: expected a fresh request, got status {request.status.value}")
-        max_len = self.config.max_model_len
-        if max_len is not None and request.num_prompt_tokens >= max_len:
-            raise ValueError(f"prompt_token_ids: {request.num_prompt_tokens} tokens leave no room to generate under "
-                             f"the engine's max_seq_len ({max_len})")
-        # Every request must fit alone, or preemption could never make room for it.
-        need = self.page_pool.pages_needed(self._max_kv_tokens(request))
-        if need > self.page_pool.num_pages:
-            raise ValueError(f"max_tokens: prompt ({request.num_prompt_tokens}) + max_tokens "
-                             f"({request.params.max_tokens}) needs {need} pages of {self.config.page_size} tokens; "
-                             f"the cache holds {self.page_pool.num_pages} (num_pages)")
+        why = room_error(request.num_prompt_tokens, request.params.max_tokens, max_len=self.config.max_model_len,
+                         page_size=self.config.page_size, num_pages=self.page_pool.num_pages)
+        if why:
+            raise ValueError(why)
         request.arrival = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -291,13 +301,6 @@ class Scheduler:
         return finished
 
     # --- helpers ---
-    def _max_kv_tokens(self, request: Request) -> int:
-        # The last sampled token is never fed back, so it needs no cache row.
-        total = request.num_prompt_tokens + request.params.max_tokens
-        if self.config.max_model_len is not None:
-            total = min(total, self.config.max_model_len)
-        return total - 1
-
     def _chunk(self, request: Request, budget: int, rows: int) -> int:
         """Tokens of the request this step: within the step's token budget and its prefill chunk, and holding at
         most `rows` prompt positions whose logprobs it reports (their logits rows: SamplingParams.prompt_logprobs);

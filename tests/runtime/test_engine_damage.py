@@ -231,6 +231,9 @@ def test_tokenizer_and_prompts_are_checked_before_the_weights(engine):
     assert "empty (at least one token is needed)" in _generate(engine, "--prompt", "")
     max_len = json.loads((engine / "config.json").read_text())["build_config"]["max_seq_len"]
     assert f"under the engine's max_seq_len ({max_len})" in _generate(engine, "--prompt", "a " * max_len)
+    # the last --max-tokens counts: 200 tokens need 4 pages of 64
+    assert "needs 4 pages of 64 tokens; the cache holds 1 (--num-pages)" in _generate(
+        engine, "--num-pages", "1", "--max-tokens", "200")
     (engine / "tokenizer_config.json").write_text("{")
     for opens in (LLM, AsyncLLMEngine):  # the Python API; the server's and Triton's engine
         with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):  # TokenizerError
