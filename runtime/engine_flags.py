@@ -89,7 +89,7 @@ def given(values: dict) -> dict:
 
 # fields the commands take as options of the same name besides the engine flags (sampling, the device): named
 # by their option only where an error starts with them ("top_p: expected ..."), as several are plain words too
-COMMAND_FIELDS = ("device", "model_name", "max_tokens_limit", "max_tokens", "temperature", "top_p", "top_k", "seed",
+COMMAND_FIELDS = ("device", "model_name", "max_prompt_tokens", "max_tokens_limit", "max_tokens", "temperature", "top_p", "top_k", "seed",
                   "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -100,6 +100,21 @@ def as_options(message: str) -> str:
     fields = "|".join(map(re.escape, _FIELDS))
     message = re.sub(rf"(?<![\w/.-])({fields})(?![\w/-])", option, message)
     return re.sub(rf"^({'|'.join(map(re.escape, COMMAND_FIELDS))}):", lambda m: option(m) + ":", message)
+
+
+def sequence_limits(config: dict, max_prompt_tokens: int | None = None,
+                    max_tokens_limit: int | None = None) -> tuple[int, int]:
+    """(a request's prompt tokens at most, its max_tokens at most) for a server of the engine whose config.json is
+    `config`: the values given, by default what its max_seq_len holds. ValueError for a value past that."""
+    max_len = config["build_config"]["max_seq_len"]
+    limits = []
+    for field, value, most in (("max_prompt_tokens", max_prompt_tokens, max_len - 1),
+                               ("max_tokens_limit", max_tokens_limit, max_len)):
+        if value is not None and value > most:
+            raise ValueError(f"{field}: {value} is past what the engine holds, {max_len} tokens a sequence (its "
+                             f"max_seq_len), so at most {most}")
+        limits.append(value or most)
+    return limits[0], limits[1]
 
 
 def from_params(params: dict[str, str]) -> dict:

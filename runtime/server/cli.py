@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from ..engine_flags import as_options, engine_flags, given, use_weight_config, weight_config_option
+from ..engine_flags import (as_options, engine_flags, given, sequence_limits, use_weight_config,
+                            weight_config_option)
 
 
 def _check_serve_extra() -> None:
@@ -76,22 +77,15 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     from .config import ServerConfig
     from .metrics import PrometheusMetrics
 
-    # the limits against the engine's config, before its weights load
     try:
-        max_len = read_engine_config(engine)["build_config"]["max_seq_len"]
-    except EngineError as e:
-        raise click.ClickException(str(e)) from None
-    for flag, value, most in (("--max-prompt-tokens", max_prompt_tokens, max_len - 1),
-                              ("--max-tokens-limit", max_tokens_limit, max_len)):
-        if value is not None and value > most:
-            raise click.ClickException(f"{flag} {value}: the engine holds {max_len} tokens a sequence (its "
-                                       f"max_seq_len), so at most {most}")
-    try:
+        # the limits against the engine's config, before its weights load
+        max_prompt_tokens, max_tokens_limit = sequence_limits(read_engine_config(engine), max_prompt_tokens,
+                                                              max_tokens_limit)
         cfg = ServerConfig(model_name=model_name or Path(engine).resolve().name, api_key=api_key,
                            max_concurrent=max_concurrent, max_queue=max_queue,
-                           max_prompt_tokens=max_prompt_tokens or max_len - 1, max_tokens_limit=max_tokens_limit or max_len)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit)
+    except (EngineError, ValueError) as e:
+        raise click.ClickException(as_options(str(e))) from None
     try:
         ae = AsyncLLMEngine(engine, EngineOptions(device=device, enable_deepep=enable_deepep,
                                                    cuda_graphs=not enforce_eager, load_progress=True, **given(flags)),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..engine_flags import as_options, engine_flags, given, to_params
+from ..engine_flags import as_options, engine_flags, given, sequence_limits, to_params
 from ..llm_engine import EngineOptions, check_build_limits
 from ..loader import EngineError, read_engine_config
 
@@ -81,11 +81,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     # the config first: bad flags leave OUT as it was
     engine_config = read_engine_config(engine_dir)
     check_build_limits(EngineOptions(device=device, **given(flags)), engine_config, engine_dir)
-    max_len = engine_config["build_config"]["max_seq_len"]
-    if max_tokens_limit is not None and max_tokens_limit > max_len:
-        raise ValueError(f"max_tokens_limit: {max_tokens_limit} is more than the engine holds: {max_len} tokens a "
-                         "sequence (its max_seq_len)")
-    max_tokens_limit = max_tokens_limit or max_len
+    _, max_tokens_limit = sequence_limits(engine_config, max_tokens_limit=max_tokens_limit)
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
                           max_batch_size=flags.get("max_num_seqs") or engine_config["build_config"]["max_batch_size"],
                           **flags)

@@ -270,9 +270,10 @@ def test_serve_options_are_validated(tiny_engine):
     assert busy.returncode != 0 and f"--host 127.0.0.1 --port {port}: cannot bind" in busy.stderr, busy.stderr
     max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
     prompt = _serve(str(tiny_engine), "--port", str(free_port()), "--max-prompt-tokens", str(max_len))
-    assert prompt.returncode != 0 and f"--max-prompt-tokens {max_len}: the engine holds {max_len}" in prompt.stderr
+    assert prompt.returncode != 0 and (f"--max-prompt-tokens: {max_len} is past what the engine holds, {max_len} "
+                                       f"tokens a sequence (its max_seq_len), so at most {max_len - 1}") in prompt.stderr
     limit = _serve(str(tiny_engine), "--port", str(free_port()), "--max-tokens-limit", str(max_len + 1))
-    assert limit.returncode != 0 and f"--max-tokens-limit {max_len + 1}: " in limit.stderr
+    assert limit.returncode != 0 and f"--max-tokens-limit: {max_len + 1} is past what the engine holds" in limit.stderr
     level = _serve(str(tiny_engine), "--log-level", "bogus")
     assert level.returncode == 2 and "'bogus' is not one of" in level.stderr
     assert not any("Traceback" in r.stderr for r in (busy, prompt, limit, level))
