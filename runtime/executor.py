@@ -113,6 +113,11 @@ class Executor:
         self.nodes = [self._bind(n, plugins) for n in engine.graph.node]
 
     def _bind(self, node: onnx.NodeProto, plugins: dict) -> _Bound:
+        from .graph_check import op_problem  # load checked the whole graph; a RankEngine made otherwise is not
+
+        why = op_problem(node, plugins)
+        if why:  # an op of a newer k3build, or a graph edited by hand
+            raise EngineError(f"graph node {node.name!r}: {why}; rebuild the engine with this k3build")
         attrs = _attrs(node)
         ins, outs = list(node.input), list(node.output)
         if node.domain == "":
@@ -121,11 +126,7 @@ class Executor:
             return _Bound(node.name, _K3_STRUCTURE_OPS[node.op_type](attrs), ins, outs, {}, "plain")
         if node.op_type in _COMM_OPS:
             return _Bound(node.name, getattr(self.comm, _COMM_OPS[node.op_type]), ins, outs, attrs, "comm")
-        entry = plugins.get(node.op_type)
-        if entry is None:  # an op of a newer k3build, or a graph edited by hand
-            raise EngineError(f"graph node {node.name!r}: op {node.domain}::{node.op_type} is neither a structure op "
-                              f"nor in the engine's plugin table; rebuild the engine with this k3build")
-        fn = registry.find(node.op_type, entry["tactic"]).load()
+        fn = registry.find(node.op_type, plugins[node.op_type]["tactic"]).load()
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
         if kind == "attn_res":
             ins = _attn_res_inputs(ins, attrs)

@@ -74,7 +74,7 @@ def _nodes_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
     caches = {kind: sum(types[i] == kind for i in range(start, stop)) for kind in (KDA, MLA)}
     bound = {"", *(vi.name for vi in graph.input)}  # "": an optional input left out
     for node in graph.node:
-        why = _op_problem(node, plugins, caches)
+        why = op_problem(node, plugins, caches)
         unbound = [i for i in node.input if i not in bound]
         if unbound and not why:
             why = f"input {unbound[0]!r} is no graph input nor an earlier node's output"
@@ -84,7 +84,9 @@ def _nodes_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
     return None
 
 
-def _op_problem(node: onnx.NodeProto, plugins: dict, caches: dict[str, int]) -> str | None:
+def op_problem(node: onnx.NodeProto, plugins: dict, caches: dict[str, int] | None = None) -> str | None:
+    """What keeps the executor from binding `node` with the engine's plugin table (None: nothing); with `caches`
+    (layers of each kind on the rank), also a KDA or MLA node's cache_index past them."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if node.domain == "":
         if node.op_type not in _ONNX_OPS:
@@ -95,7 +97,7 @@ def _op_problem(node: onnx.NodeProto, plugins: dict, caches: dict[str, int]) -> 
     if node.domain != K3_DOMAIN or not (node.op_type in _K3_STRUCTURE_OPS or node.op_type in _COMM_OPS
                                         or node.op_type in plugins):
         return f"op {node.domain}::{node.op_type} is neither a structure op nor in the engine's plugin table"
-    if kind := _CACHED.get(node.op_type):
+    if caches is not None and (kind := _CACHED.get(node.op_type)):
         index = attrs.get("cache_index")
         if not (isinstance(index, int) and 0 <= index < caches[kind]):
             return f"cache_index {index!r}: this rank holds {caches[kind]} {kind.upper()} layer cache(s)"

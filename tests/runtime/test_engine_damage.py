@@ -265,3 +265,21 @@ def test_caches_past_memory_count_as_given_beside_the_spare(k3_tiny_ckpt, tmp_pa
     dp = build_engine(k3_tiny_ckpt, tmp_path / "dp", mapping=Mapping(attention_dp=True))
     with pytest.raises(EngineError, match=rf"the caches of {10**12} MLA pages and \d+ KDA slots .*and a spare one"):
         open_rank(dp, EngineOptions(num_pages=10**12), 0)
+
+
+def test_executor_binds_only_the_ops_it_runs(k3_tiny_engine):
+    """A RankEngine edited after load_rank's graph check (or made without it, as bench_rank's) is refused by the
+    executor naming the node, not by a KeyError."""
+    from k3runtime.executor import Executor
+
+    engine = load_rank(k3_tiny_engine, 0, "cpu", progress=False)
+    kda = next(n for n in engine.graph.node if n.domain == "k3" and n.op_type == "KDA")
+    kda.op_type = "KDA2"
+    with pytest.raises(EngineError, match=rf"graph node '{kda.name}': op k3::KDA2 is neither a structure op nor in "
+                                          "the engine's plugin table; rebuild the engine with this k3build"):
+        Executor(engine, caches=None)
+    kda.op_type = "KDA"
+    plain = next(n for n in engine.graph.node if n.domain == "")
+    plain.op_type = "Softmax2"
+    with pytest.raises(EngineError, match=rf"graph node '{plain.name}': op Softmax2 is not an ONNX op the runtime "):
+        Executor(engine, caches=None)
