@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .llm_engine import EngineOptions, LLMEngine, TokenEvent
+from .engine_options import EngineOptions
+from .llm_engine import LLMEngine, TokenEvent
 from .logprobs import TokenLogprobs
 from .request import Request
 from .sampling_params import SamplingParams

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from .api import StreamChunk
-from .llm_engine import EngineOptions, LLMEngine
+from .engine_options import EngineOptions
+from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
 from .tokenizer import Detokenizer, Tokenizer, load_tokenizer
 

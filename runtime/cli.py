@@ -39,7 +39,7 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
     """Generate completions for PROMPTs."""
     use_weight_config(distributed_weight_config)
     from .api import LLM
-    from .llm_engine import EngineOptions, cache_sizes, check_prompt
+    from .engine_options import EngineOptions, cache_sizes, check_prompt
     from .loader import read_engine_config
     from .sampling_params import SamplingParams
     from .tokenizer import load_tokenizer

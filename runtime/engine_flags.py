@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .llm_engine import ASYNC_SCHEDULING_DEFAULT
+from .engine_options import ASYNC_SCHEDULING_DEFAULT
 from .scheduler_config import PREEMPTION_MODES
 
 

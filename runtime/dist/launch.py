@@ -104,7 +104,8 @@ def _release_all(quiet: bool = False) -> None:
 
 def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     """Ranks > 0: load this rank, then run every broadcast Step until the driver says stop."""
-    from ..llm_engine import HostCopy, cache_sizes, empty_sampled, open_rank, sample_with_logprobs, wants_rows
+    from ..engine_options import cache_sizes
+    from ..llm_engine import HostCopy, empty_sampled, open_rank, sample_with_logprobs, wants_rows
     from ..penalties import SeenCounts
 
     config = read_engine_config(engine_dir)

@@ -71,7 +71,7 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     import uvicorn
 
     from ..async_engine import AsyncLLMEngine
-    from ..llm_engine import EngineOptions
+    from ..engine_options import EngineOptions
     from ..loader import EngineError, read_engine_config
     from .app import create_app
     from .config import ServerConfig

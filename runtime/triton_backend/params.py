@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from ..engine_flags import from_params
-from ..llm_engine import EngineOptions
+from ..engine_options import EngineOptions
 
 
 def engine_options(params: dict[str, str]) -> EngineOptions:
     """device (default cpu) and engine_flags' options (num_pages, preemption_mode, async_scheduling ("true" /
-    "false"), …); one not set is the engine's (memory plan, build limits, llm_engine.resolve_async_scheduling).
+    "false"), …); one not set is the engine's (memory plan, build limits, engine_options.resolve_async_scheduling).
     ValueError names the parameter."""
     values = from_params(params)
     try:

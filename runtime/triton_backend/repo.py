@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..engine_flags import as_options, engine_flags, given, sequence_limits, to_params
-from ..llm_engine import EngineOptions, check_build_limits
+from ..engine_options import EngineOptions, check_build_limits
 from ..loader import EngineError, read_engine_config
 
 _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets

@@ -107,7 +107,8 @@ def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_tiny_ckpt, tmp
     from dataclasses import replace
 
     from k3runtime.dist.exchange import NcclExchange
-    from k3runtime.llm_engine import EngineOptions, dummy_step
+    from k3runtime.engine_options import EngineOptions
+    from k3runtime.llm_engine import dummy_step
 
     engine_dir = build_engine(k3_tiny_ckpt, tmp_path / "dp2", mapping=Mapping(tp_size=2, moe_ep_size=2,
                                                                              attention_dp=True),

@@ -202,7 +202,7 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine, monkeypatch):
 def test_async_scheduling_default(device, pp, dp, wanted, on, monkeypatch):
     """Left to the engine, async scheduling is on for a single-stage CUDA engine, off on the CPU, on ROCm, with
     attention-DP and with pipeline stages (neither run on GPUs); asked for, it runs everywhere."""
-    from k3runtime.llm_engine import EngineOptions, resolve_async_scheduling
+    from k3runtime.engine_options import EngineOptions, resolve_async_scheduling
 
     mapping = {"pp_size": pp, "attention_dp": dp}
     options = EngineOptions(device=device, async_scheduling=wanted)

@@ -260,7 +260,8 @@ def test_caches_past_memory_count_as_given_beside_the_spare(k3_tiny_ckpt, tmp_pa
     """An attention-DP rank holds a spare page and slot of its own (dummy steps): the error counts what was asked."""
     from engines import build_engine
     from k3build.mapping import Mapping
-    from k3runtime.llm_engine import EngineOptions, open_rank
+    from k3runtime.engine_options import EngineOptions
+    from k3runtime.llm_engine import open_rank
 
     dp = build_engine(k3_tiny_ckpt, tmp_path / "dp", mapping=Mapping(attention_dp=True))
     with pytest.raises(EngineError, match=rf"the caches of {10**12} MLA pages and \d+ KDA slots .*and a spare one"):

@@ -245,7 +245,7 @@ def test_config_validation_names_field(field, value):
                                          ("preemption_mode", "drop")])
 def test_engine_options_validation_names_field(field, value):
     """The runtime options are refused by name when they are made, before an engine is opened."""
-    from k3runtime.llm_engine import EngineOptions
+    from k3runtime.engine_options import EngineOptions
 
     with pytest.raises(ValueError, match=f"^{field}: expected"):
         EngineOptions(**{field: value})

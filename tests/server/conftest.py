@@ -45,7 +45,7 @@ class LiveServer:
         import uvicorn
 
         from k3runtime.async_engine import AsyncLLMEngine
-        from k3runtime.llm_engine import EngineOptions
+        from k3runtime.engine_options import EngineOptions
         from k3runtime.server.app import create_app
         from k3runtime.server.config import ServerConfig
         from k3runtime.server.metrics import PrometheusMetrics

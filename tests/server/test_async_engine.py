@@ -9,7 +9,7 @@ import pytest
 
 from k3runtime import SamplingParams
 from k3runtime.async_engine import AsyncLLMEngine, EngineDeadError
-from k3runtime.llm_engine import EngineOptions
+from k3runtime.engine_options import EngineOptions
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])

@@ -139,7 +139,7 @@ def test_openai_client_errors(server):
 def test_the_engines_own_refusal_is_a_400(make_server, tiny_engine):
     # prompt + max_tokens within the server's limits but past what the engine's cache can ever hold: the
     # scheduler's check reaches the client as a 400 naming it, not a 500, and the server keeps serving
-    from k3runtime.llm_engine import EngineOptions
+    from k3runtime.engine_options import EngineOptions
 
     page = json.loads((tiny_engine / "config.json").read_text())["build_config"]["page_size"]
     s = make_server(tiny_engine, EngineOptions(num_pages=2))
