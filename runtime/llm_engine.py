@@ -258,6 +258,8 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+        if request_id is not None and request_id in self._owner:  # live on any attention-DP rank
+            raise ValueError(f"request_id: {request_id!r} is already live")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                       eos_token_id=None if params.ignore_eos else self.eos_token_id)
         # Least-loaded attention-DP rank (the only one without attention-DP).
@@ -530,7 +532,11 @@ class LLMEngine:
         # async scheduling: no step in flight meanwhile; step() returns their tokens
         self._held_events += self._guarded(lambda: self._land(self._collect()))
         pool, slots = self.scheduler.page_pool, self.scheduler.slot_pool
-        pages = pool.allocate(math.ceil(len(token_ids) / self.page_size))
+        need = math.ceil(len(token_ids) / self.page_size)
+        if need > pool.num_pages:  # never fits: retrying cannot help (Scheduler.add's rule for requests)
+            raise ValueError(f"token_ids: {len(token_ids)} tokens need {need} pages of {self.page_size} tokens; "
+                             f"the cache holds {pool.num_pages} (num_pages)")
+        pages = pool.allocate(need)
         slot = slots.allocate()
         if pages is None or slot is None:
             if pages:

@@ -51,6 +51,9 @@ class Handlers:
         self.tok = engine.tokenizer
         self.token_text = TokenText(self.tok)
         self.max_model_len = engine.engine.scheduler.config.max_model_len
+        # the most tokens (prompt + output) one request's KV can ever hold: the smallest attention-DP rank's cache
+        # (scheduler.room_error: the last sampled token needs no cache row)
+        self.cache_tokens = min(s.page_pool.num_pages * s.config.page_size for s in engine.engine.schedulers) + 1
         self.admission_waiting = 0
         self._running = 0
 
@@ -105,11 +108,15 @@ class Handlers:
 
     def _params(self, body, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         limit = self.config.max_tokens_limit
-        if max_tokens is None:  # chat default: as much as the context and the server allow
-            room = self.max_model_len - prompt_len if self.max_model_len else limit
+        if max_tokens is None:  # chat default: as much as the context, the KV cache and the server allow
+            room = min(self.max_model_len or self.cache_tokens, self.cache_tokens) - prompt_len
             max_tokens = max(1, min(limit, room))
         if max_tokens > limit:
             raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {limit}", "max_tokens")
+        if self.max_model_len and prompt_len + max_tokens > self.max_model_len:  # OpenAI: a 400, not a cut output
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                                f"asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
+                                f"the output): reduce max_tokens or the prompt", "max_tokens", "context_length_exceeded")
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -147,7 +154,9 @@ class Handlers:
         if self.tok is None or not self.tok.chat_template:
             raise APIError(400, "messages: this engine's tokenizer has no chat template; use /v1/completions",
                            "messages")
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # "developer" is OpenAI's new name for "system"; chat templates (Kimi's included) know only the latter
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name else {})} for m in body.messages]
         try:
             text = self.tok.apply_chat_template(msgs, add_generation_prompt=True)
         except Exception as e:  # a template that cannot render these messages is the client's input problem
@@ -178,7 +187,7 @@ class Handlers:
         return streams
 
     async def _serve(self, request: Request, body, ids, params, chat: bool, echo: _Echo | None = None):
-        await self._admit()
+        await _until_disconnect(request, self._admit())  # a client that leaves while queued gives its place up
         try:
             streams = await self._start(ids, params, body.n)
         except BaseException:

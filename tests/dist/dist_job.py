@@ -117,6 +117,14 @@ def main():
         result["prompt_logprobs"] = [[x and [x.logprob, x.top] for x in o.prompt_logprobs] for o in outs[:2]]
         result["unasked"] = [outs[2].logprobs, outs[2].token_ids] if len(outs) > 2 else None
         result["penalized"] = [o.token_ids for o in llm.generate(prompts[:2], penalized(job["max_tokens"]))]
+        # one request id live once over all DP ranks' schedulers (the least loaded would take a second one)
+        llm.engine.add_request(prompts[0], greedy, "twice")
+        try:
+            llm.engine.add_request(prompts[1], greedy, "twice")
+        except ValueError as e:
+            result["twice"] = str(e)
+        llm.engine.abort("twice")
+        result["twice_live"] = sum("twice" in s.requests for s in llm.engine.schedulers)
         out.write_text(json.dumps(result))
 
     run(engine, drive)

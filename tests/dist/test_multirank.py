@@ -92,6 +92,7 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     assert got["micro_batches"] == ([] if mapping.pp_size == 1 else [1, 2] if name in CUT else [1])
     # with pipeline stages or attention-DP another rank than the driver samples, and sends the rows
     assert_logprobs_and_penalties_match(got, reference)
+    assert got.get("twice") == "request_id: 'twice' is already live" and got["twice_live"] == 0
 
 
 def test_long_prefill_is_cut_by_the_estimate(k3_tiny_ckpt, tmp_path):

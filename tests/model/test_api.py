@@ -103,6 +103,15 @@ def test_logits_refuse_what_generate_refuses(llm):
     assert llm.logits([5] * max_len).shape == (max_len, vocab)  # the longest sequence the engine holds
 
 
+def test_logits_past_the_cache_say_so(k3_tiny_engine):
+    """A sequence more pages long than the cache holds: never scoreable, so not 'busy, retry'."""
+    small = LLM(k3_tiny_engine, num_pages=2)
+    with pytest.raises(ValueError, match=r"token_ids: 200 tokens need 4 pages of 64 tokens; the cache holds 2 "
+                                         r"\(num_pages\)"):
+        small.logits([5] * 200)
+    assert small.logits([5] * 128).shape[0] == 128
+
+
 def test_engine_switches_must_be_booleans(k3_tiny_engine):
     for name in ("cuda_graphs", "async_scheduling", "enable_deepep"):
         with pytest.raises(ValueError, match=f"{name}: expected True or False, got 'no'"):

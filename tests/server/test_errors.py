@@ -6,6 +6,8 @@ import json
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import openai
@@ -150,8 +152,53 @@ def test_the_engines_own_refusal_is_a_400(make_server, tiny_engine):
         assert f"max_tokens: prompt ({page}) + max_tokens ({2 * page}) needs 3 pages" in msg, msg
         assert "the cache holds 2" in msg, msg
         assert post(s, ok(prompt=[1] * page, max_tokens=page)).status_code == 200
+        # a chat request without max_tokens gets what the cache holds (2 pages, and the last token needs no row)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        r = post(s, chat, "/v1/chat/completions")
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        assert r.json()["usage"]["total_tokens"] == 2 * page + 1, r.json()["usage"]
+        # past max_seq_len: refused as OpenAI does (context_length_exceeded), not cut short
+        max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
+        r = post(s, ok(prompt=[1] * (max_len - 4), max_tokens=8))
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+        assert f"maximum context length is {max_len} tokens; the request asks for {max_len + 4}" in err["message"]
     finally:
         s.close()
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place(tiny_engine, make_server):
+    s = make_server(tiny_engine, max_concurrent=1, max_queue=1, max_tokens_limit=2000)
+    try:
+        body = ok(prompt="occupy", max_tokens=2000, stream=True, ignore_eos=True)
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:")
+            # a request queues behind it, then its client goes away
+            raw = json.dumps(ok()).encode()
+            with socket.create_connection(("127.0.0.1", s.port)) as gone:
+                gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+                _until(lambda: s.metrics()["k3_queue_length"] == 1)
+            _until(lambda: s.metrics()["k3_queue_length"] == 0)
+            # its place is free: the next request waits in the queue instead of a 429
+            answers = []
+            waiting = threading.Thread(target=lambda: answers.append(post(s, ok())))
+            waiting.start()
+            _until(lambda: s.metrics()["k3_queue_length"] == 1 or answers)
+        waiting.join(60)  # the stream left: the request it held is aborted and the queued one runs
+        assert answers[0].status_code == 200, answers[0].text
+        s.wait_idle()
+        assert s.metrics().get('k3_requests_rejected_total{reason="queue_full"}', 0) == 0
+    finally:
+        s.close()
+
+
+def _until(cond, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 @given(st.dictionaries(

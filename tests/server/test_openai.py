@@ -76,6 +76,29 @@ def test_chat_and_chat_streaming(client, llm):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_developer_role_is_system(client, llm):
+    """OpenAI's "developer" role is its new name for "system", which chat templates know."""
+    as_system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    ref = client.chat.completions.create(model=MODEL, messages=as_system, max_tokens=4, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{**as_system[0], "role": "developer"}, as_system[1]],
+                                       max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == ref.usage.prompt_tokens and r.choices[0].message == ref.choices[0].message
+
+
+def test_null_fields_take_their_defaults(server):
+    """OpenAI types n, stream, echo and max_tokens as "X or null": null is the default (max_tokens 16 on
+    /v1/completions), not a type error."""
+    body = {"model": MODEL, "prompt": "hi", "temperature": 0, "n": None, "stream": None, "echo": None,
+            "max_tokens": None, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 16
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": None,
+            "stream": None, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+
+
 def test_completion_logprobs_match_python_api(client, llm):
     """logprobs=2: each token's text, logprob, two most likely alternatives and offset in the text, the Python
     API's values; streamed, the same columns a token a chunk."""
