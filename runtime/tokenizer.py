@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -63,6 +64,7 @@ class Tokenizer:
         self.config = _read_config(engine_dir / "tokenizer_config.json")
         template = engine_dir / "chat_template.jinja"
         self.chat_template = _read_text(template) if template.exists() else self.config.get("chat_template")
+        self._as_text: _HFTokenizer | None = None  # encode_chat's copy that reads special tokens' text as text
 
     @property
     def vocab_size(self) -> int:
@@ -71,12 +73,33 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """ValueError for text that is not Unicode a tokenizer can take (a lone surrogate, which JSON's \\ud800
         escapes and Python strings can hold)."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}") \
-                from None
-        return self._tok.encode(text, add_special_tokens=bool(self.config.get("add_bos_token", False))).ids
+        _check_unicode(text)
+        return self._tok.encode(text, add_special_tokens=self._add_bos).ids
+
+    @property
+    def _add_bos(self) -> bool:
+        return bool(self.config.get("add_bos_token", False))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template's prompt for `messages`, as token ids, where a message's text never becomes a special
+        token: a client whose message spells `<|im_system|>` sends those characters, not a turn of its own. The
+        template's own special tokens are what it renders."""
+        specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        if not any(isinstance(m.get("content"), str) and any(s in m["content"] for s in specials) for m in messages):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))  # the usual case
+        # Mark each message's text, render, then encode the marked spans with special tokens read as text.
+        marked = [{**m, "content": _OPEN + re.sub(_MARKS, "", m["content"]) + _CLOSE}
+                  if isinstance(m.get("content"), str) else m for m in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt)
+        _check_unicode(text)
+        if self._as_text is None:
+            self._as_text = _HFTokenizer.from_str(self._tok.to_str())
+            self._as_text.encode_special_tokens = True
+        ids = []
+        for i, part in enumerate(re.split(_MARKS, text)):  # the template's, a message's, the template's, ...
+            tok = self._as_text if i % 2 else self._tok
+            ids += tok.encode(part, add_special_tokens=self._add_bos and i == 0).ids
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -105,6 +128,20 @@ class Tokenizer:
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
         return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                           **special)
+
+
+# encode_chat's marks around a message's text: Unicode noncharacters, which text meant for interchange never holds
+# (a message's own are dropped)
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+_MARKS = f"[{_OPEN}{_CLOSE}]"
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}") \
+            from None
 
 
 def _read_config(path: Path) -> dict:

@@ -157,11 +157,13 @@ class Handlers:
         # "developer" is OpenAI's new name for "system"; chat templates (Kimi's included) know only the latter
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                  **({"name": m.name} if m.name else {})} for m in body.messages]
-        try:
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True)
+        try:  # a message's text never becomes a special token (Tokenizer.encode_chat)
+            ids = await asyncio.to_thread(self.tok.encode_chat, msgs)
+        except ValueError as e:  # text no tokenizer takes (a lone surrogate)
+            raise APIError(400, f"messages: {e}", "messages") from None
         except Exception as e:  # a template that cannot render these messages is the client's input problem
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-        ids = await asyncio.to_thread(self._encode, text, "messages")
+        ids = self._encode(ids, "messages")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "max_tokens / max_completion_tokens: set at most one", "max_tokens")
         mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
