@@ -3,15 +3,16 @@
 The driver (rank 0) is the only process with a scheduler; every other rank runs `worker_loop` (runtime/dist/
 launch.py) and executes the same `Step`s. With one rank there is no broadcast and no hand-off.
 
-Async scheduling (`EngineOptions.async_scheduling`; on by default on CUDA GPUs, with pipeline stages or attention-DP
-when asked for: engine_options.resolve_async_scheduling): a step is scheduled and launched before the previous step's tokens reach
-the host: its decoding requests take those tokens on the device (`Step.feed`; the rank that samples them, the driver
-or with pipeline stages the last stage's first rank, broadcasts them to the other ranks on the device,
-`share_tokens`; under attention-DP each DP rank feeds its own and sends them to the driver once it has launched the
-next step), and the host reads them, and updates the scheduler, while the new step runs. The GPU then does not wait
-for the host's share of a step (scheduling, staging, sampling's launches, the update); `step()` returns the previous
-step's tokens, and a request that stops on a token (EOS, stop ids or strings) runs one step more, its extra token
-dropped. Swaps to the host store still wait for the step in flight (the pages they copy may be its).
+Async scheduling (`EngineOptions.async_scheduling`; on by default on CUDA GPUs, with pipeline stages or
+attention-DP when asked for: engine_options.resolve_async_scheduling): a step is scheduled and launched before the
+previous step's tokens reach the host: its decoding requests take those tokens on the device (`Step.feed`; the rank
+that samples them, the driver or with pipeline stages the last stage's first rank, broadcasts them to the other
+ranks on the device, `share_tokens`; under attention-DP each DP rank feeds its own and sends them to the driver
+once it has launched the next step), and the host reads them, and updates the scheduler, while the new step runs.
+The GPU then does not wait for the host's share of a step (scheduling, staging, sampling's launches, the update);
+`step()` returns the previous step's tokens, and a request that stops on a token (EOS, stop ids or strings) runs
+one step more, its extra token dropped. Swaps to the host store still wait for the step in flight (the pages they
+copy may be its).
 """
 
 from __future__ import annotations

@@ -126,9 +126,8 @@ def room_error(num_prompt_tokens: int, max_tokens: int, *, max_len: int | None, 
     if max_len is not None and num_prompt_tokens >= max_len:
         return (f"prompt_token_ids: {num_prompt_tokens} tokens leave no room to generate under the engine's "
                 f"max_seq_len ({max_len})")
-    # The last sampled token is never fed back, so it needs no cache row.
-    rows = min(num_prompt_tokens + max_tokens, max_len or num_prompt_tokens + max_tokens) - 1
-    need = pages_needed(rows, page_size)
+    tokens = num_prompt_tokens + max_tokens if max_len is None else min(num_prompt_tokens + max_tokens, max_len)
+    need = pages_needed(tokens - 1, page_size)  # the last sampled token is never fed back: it needs no cache row
     if need > num_pages:
         return (f"max_tokens: prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) needs {need} pages of "
                 f"{page_size} tokens; the cache holds {num_pages} (num_pages)")

@@ -116,7 +116,8 @@ class Handlers:
         if self.max_model_len and prompt_len + max_tokens > self.max_model_len:  # OpenAI: a 400, not a cut output
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
-                                f"the output): reduce max_tokens or the prompt", "max_tokens", "context_length_exceeded")
+                                "the output): reduce max_tokens or the prompt", "max_tokens",
+                           "context_length_exceeded")
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,

@@ -317,8 +317,9 @@ def test_serve_options_are_validated(tiny_engine):
     assert busy.returncode != 0 and f"--host 127.0.0.1 --port {port}: cannot bind" in busy.stderr, busy.stderr
     max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
     prompt = _serve(str(tiny_engine), "--port", str(free_port()), "--max-prompt-tokens", str(max_len))
-    assert prompt.returncode != 0 and (f"--max-prompt-tokens: {max_len} is past what the engine holds, {max_len} "
-                                       f"tokens a sequence (its max_seq_len), so at most {max_len - 1}") in prompt.stderr
+    want = (f"--max-prompt-tokens: {max_len} is past what the engine holds, {max_len} tokens a sequence (its "
+            f"max_seq_len), so at most {max_len - 1}")
+    assert prompt.returncode != 0 and want in prompt.stderr
     limit = _serve(str(tiny_engine), "--port", str(free_port()), "--max-tokens-limit", str(max_len + 1))
     assert limit.returncode != 0 and f"--max-tokens-limit: {max_len + 1} is past what the engine holds" in limit.stderr
     level = _serve(str(tiny_engine), "--log-level", "bogus")

@@ -106,8 +106,9 @@ def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
     max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
     res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--overwrite", "--max-tokens-limit",
                                     str(max_len + 1)])
-    assert res.exit_code != 0 and (f"--max-tokens-limit: {max_len + 1} is past what the engine holds, {max_len} "
-                                   f"tokens a sequence (its max_seq_len), so at most {max_len}") in res.output, res.output
+    want = (f"--max-tokens-limit: {max_len + 1} is past what the engine holds, {max_len} tokens a sequence (its "
+            f"max_seq_len), so at most {max_len}")
+    assert res.exit_code != 0 and want in res.output, res.output
     assert f'key: "max_tokens_limit"\n  value: {{ string_value: "{max_len}" }}' in before  # serve's default too
     with pytest.raises(TypeError, match=r"not engine flags: \['num_page'\]"):
         write_repo(tiny_engine, repo, overwrite=True, num_page=7)
