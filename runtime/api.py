@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,7 +52,8 @@ class LLM:
     only; default = the engine dir's, if it has one); other keywords: EngineOptions.
 
     generate() and stream() may interleave (a stream paused while generate() runs, several streams): each request's
-    events wait in its own mailbox until its caller takes them, while any caller's stepping runs them all."""
+    events wait in its own mailbox until its caller takes them, while any caller's stepping runs them all. Several
+    threads may share one LLM: adding, ending and stepping take a lock (a step runs for every thread's requests)."""
 
     def __init__(self, engine_dir: str | Path, *, device: str = "cpu", tokenizer: Tokenizer | None | str = "auto",
                  **options):
@@ -59,12 +61,16 @@ class LLM:
         self.tokenizer = load_tokenizer(engine_dir) if tokenizer == "auto" else tokenizer
         self.engine = LLMEngine(engine_dir, EngineOptions(device=device, **options))
         self._mail: dict[str, deque[TokenEvent]] = {}  # this LLM's running requests' events, not yet taken
+        self._lock = threading.RLock()  # around the mailboxes and the engine: callers on several threads
 
     def _ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: the engine has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            raise ValueError("prompt: a dict (vLLM's TextPrompt / TokensPrompt) is not taken; pass the text or the "
+                             "list of token ids itself")
         elif isinstance(prompt, (list, tuple)) and all(map(_is_id, prompt)):
             ids = list(prompt)
         else:
@@ -80,6 +86,12 @@ class LLM:
         """Add the prompts' requests, all or none: every prompt is tokenized first, and one the engine refuses
         (too long, a bad token id) takes the others of the call back out."""
         ids = [self._ids(p) for p in prompts]
+        if self.tokenizer is None and any(isinstance(p, SamplingParams) and p.stop for p in params):
+            raise ValueError("stop: stop strings need a tokenizer (this LLM has none); use stop_token_ids")
+        with self._lock:
+            return self._add_locked(ids, params)
+
+    def _add_locked(self, ids: list[list[int]], params: list[SamplingParams]) -> list[Request]:
         added = []
         try:
             for i, p in zip(ids, params):
@@ -94,18 +106,20 @@ class LLM:
 
     def _end(self, req: Request, *, abort: bool = False, reason: str | None = None) -> None:
         """The caller is done with req: aborted (abort), finished by a stop string (reason), or it ended."""
-        if abort and not req.is_finished:
-            self.engine.abort(req.request_id)
-        elif reason is not None:
-            self.engine.finish(req.request_id, reason)
-        self._mail.pop(req.request_id, None)
+        with self._lock:
+            if abort and not req.is_finished:
+                self.engine.abort(req.request_id)
+            elif reason is not None:
+                self.engine.finish(req.request_id, reason)
+            self._mail.pop(req.request_id, None)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:
         """Run prompts to completion with continuous batching; outputs in prompt order."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                      and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -173,13 +187,17 @@ class LLM:
                 waiting |= box is not None
             if not waiting:
                 break
-            if not self.engine.has_unfinished():
-                raise RuntimeError(f"requests {[r.request_id for r in reqs if r.request_id in self._mail]} wait "
-                                   "for tokens but the engine runs nothing")
-            self._step()
-        if not self._mail:
-            while self.engine.has_unfinished():
+            with self._lock:  # another thread's step may have brought ours meanwhile: look again under the lock
+                if any(self._mail.get(r.request_id) for r in reqs):
+                    continue
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"requests {[r.request_id for r in reqs if r.request_id in self._mail]} "
+                                       "wait for tokens but the engine runs nothing")
                 self._step()
+        with self._lock:
+            if not self._mail:
+                while self.engine.has_unfinished():
+                    self._step()
 
     def _step(self) -> None:
         for ev in self.engine.step():
@@ -189,7 +207,9 @@ class LLM:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [len(token_ids), vocab] at every position (for scoring and tests)."""
-        return self.engine.score(self._ids(token_ids)).cpu()
+        ids = self._ids(token_ids)
+        with self._lock:
+            return self.engine.score(ids).cpu()
 
 
 def _is_id(t) -> bool:

@@ -125,8 +125,8 @@ class AsyncLLMEngine:
             if tokenizer == "auto":  # before the weights: a damaged tokenizer file costs no weight reading
                 tokenizer = load_tokenizer(engine)
             engine = LLMEngine(engine, options)
-        elif tokenizer == "auto":
-            tokenizer = None
+        elif tokenizer == "auto":  # the dir the engine was loaded from
+            tokenizer = load_tokenizer(engine.runner.engine.engine_dir)
         self.engine, self.tokenizer = engine, tokenizer
         self.metrics = metrics or Metrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -156,6 +156,8 @@ class AsyncLLMEngine:
         """Queue a request; returns its id at once. Rejections (bad ids, too long) reach `callback` as an exception."""
         if not isinstance(params, SamplingParams):  # here, on the caller's thread: the engine thread takes no guess
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (this engine has none); use stop_token_ids")
         rid = request_id or f"req-{next(self._ids)}"
         with self._submit_lock:
             if self._closed or not self.is_alive:
@@ -194,8 +196,9 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[StreamChunk]:
-        """Yield the request's chunks; the last has finish_reason set. Leaving early (break, task
-        cancellation, client disconnect) aborts the request. Raises ValueError if the engine rejects it."""
+        """Yield the request's chunks, one a token, each with its own text (a delta: vLLM's default yields the
+        output so far); the last has finish_reason set. Leaving early (break, task cancellation, client
+        disconnect) aborts the request. Raises ValueError if the engine rejects it."""
         stream = await self.add(prompt_ids, params, request_id)
         try:
             async for chunk in stream:

@@ -231,7 +231,7 @@ class LLMEngine:
         # async scheduling: each DP rank's launched step; whether the other DP ranks owe their last step's ids
         self._in_flight: list[_InFlight | None] = [None] * self.dp_size
         self._owed = False
-        self._broken = False  # an async step failed (_guarded)
+        self._broken = False  # an async step failed (_guarded), or a step of several ranks
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
         self._prompt_logprobs: dict[Request, list[TokenLogprobs]] = {}  # prompt rows kept until the first token
         self._seen = SeenCounts(num_slots)  # the penalties' counts of the requests this rank samples (DP rank 0's)
@@ -259,6 +259,9 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+        # banned under min_tokens by flat index row * V + id (penalties._ban): an id past the vocabulary would land
+        # in another request's row, or past the logits and fail the step of every request
+        self._check_ids(list(params.stop_token_ids), "stop_token_ids")
         if request_id is not None and request_id in self._owner:  # live on any attention-DP rank
             raise ValueError(f"request_id: {request_id!r} is already live")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
@@ -337,13 +340,23 @@ class LLMEngine:
     def _step(self) -> list[TokenEvent]:
         if self.options.async_scheduling:
             return self._guarded(self._step_async)
+        if self._broken:
+            raise RuntimeError("the engine failed in an earlier step; shut it down")
         plans = self._schedule()
         if all(p.is_empty for p in plans):
             for s, p in zip(self.schedulers, plans):
                 s.update(p, {})
             return []
         events = []
-        results, logprobs = self._execute(self._steps(plans))
+        try:
+            results, logprobs = self._execute(self._steps(plans))
+        except BaseException:  # a failing model or sampler, a KeyboardInterrupt
+            if self.comm is None:  # its requests re-prefill; without this every later schedule() refuses
+                for sched, plan in zip(self.schedulers, plans):
+                    sched.discard(plan)
+            else:  # other ranks may be inside the step: nothing more is exchanged with them but their release
+                self._broken = True
+            raise
         for d, (sched, plan, tokens) in enumerate(zip(self.schedulers, plans, results)):
             rows = logprobs[d].tolist() if logprobs[d] is not None else None
             lps, prompts = self._logprobs(plan, rows, _reporters(sched, plan))

@@ -119,7 +119,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], seen: list
 
 def _ban(x: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
     """x [R, V] with each row's banned ids at -inf."""
-    flat = [r * x.shape[1] + t for r, ids in enumerate(banned) for t in ids]
+    flat = [r * x.shape[1] + t for r, ids in enumerate(banned) for t in ids if 0 <= t < x.shape[1]]
     if flat:
         x.view(-1).index_fill_(0, to_device(flat, x.device), float("-inf"))
     return x

@@ -35,8 +35,11 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens (ties at the k-th broken by lower token id); 0 = off.
         seed: per-request seed in [0, 2**63); None = a random seed fixed at request creation.
-        stop: strings that end generation (matched on detokenized text by the API layer).
-        stop_token_ids: token ids that end generation (applied by the scheduler, even with ignore_eos).
+        stop: strings that end generation (matched on detokenized text by the API layer, which needs a
+            tokenizer); the text is cut before the first one. Special tokens are left out of the text, so a stop
+            string that spells one never matches: give its id in stop_token_ids.
+        stop_token_ids: token ids that end generation (applied by the scheduler, even with ignore_eos); the
+            token and its text stay in the output (vLLM leaves the text out).
         ignore_eos: keep generating past the model's EOS token.
         logprobs: return each output token's log-probability and its `logprobs` most likely alternatives
             (0..MAX_LOGPROBS; 0: the token's alone); None = none. See runtime/logprobs.py.

@@ -299,6 +299,35 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def discard(self, plan: StepPlan) -> None:
+        """Forget a plan whose step failed before update() (an exception in the model or the sampler, a
+        KeyboardInterrupt): the step may have written part of its requests' KV pages and KDA state, and its swaps
+        may not have run, so each of its live requests is preempted by recompute and re-prefills from scratch. A
+        plan no longer in flight (already updated) is left alone."""
+        at = next((i for i, (p, _) in enumerate(self._in_flight) if p is plan), None)
+        if at is None:
+            return
+        requests = self._in_flight.pop(at)[1]
+        for it in plan.items:
+            request = requests[it.request_id]
+            if it.sample:
+                request.num_pending -= 1
+            if it.prompt_rows:  # not reported: report them again
+                request.num_prompt_rows = min(request.num_prompt_rows, it.prompt_rows.start)
+        for request in {*requests.values(), *(self.requests[r] for r in plan.preempted_ids if r in self.requests)}:
+            if request.is_finished or request.status is RequestStatus.PREEMPTED:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:  # SWAPPED by this plan: its swap-out never ran
+                self.waiting.remove(request)
+            self._counted.pop(request.slot_id, None)
+            self._free_device(request)
+            self._free_host(request)
+            request.status, request.num_computed_tokens = RequestStatus.PREEMPTED, 0
+            self._insert(self.waiting, request)
+        self._finished_ids = list(plan.finished_ids) + self._finished_ids  # the executor never saw them
+
     # --- helpers ---
     def _chunk(self, request: Request, budget: int, rows: int) -> int:
         """Tokens of the request this step: within the step's token budget and its prefill chunk, and holding at

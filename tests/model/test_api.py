@@ -89,7 +89,77 @@ def test_a_refused_prompt_takes_its_batch_back_out(llm):
     assert len(llm.generate("fine", greedy(4))[0].token_ids) == 4
     with pytest.raises(TypeError, match="params: expected SamplingParams, got dict"):
         llm.generate("fine", {"max_tokens": 3})
-    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="params: 0 SamplingParams for 2 prompts"):
+        llm.generate(["fine", "also"], [])
+    # vLLM's TextPrompt / TokensPrompt: refused, not generated from the dict's keys as text
+    with pytest.raises(ValueError, match="a dict \\(vLLM's TextPrompt / TokensPrompt\\) is not taken"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(4))
+    # a stop id past the vocabulary would be banned (min_tokens) in another request's logits row
+    vocab = llm.engine.facts.vocab_size
+    with pytest.raises(ValueError, match=f"stop_token_ids: token id {vocab} outside the vocabulary"):
+        llm.generate(["fine", "also"], [greedy(4), greedy(4, stop_token_ids=[vocab], min_tokens=2)])
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.page_pool.num_used == 0
+
+
+def test_stop_strings_need_a_tokenizer(k3_tiny_engine):
+    with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
+        LLM(k3_tiny_engine, tokenizer=None).generate([5, 6], SamplingParams(max_tokens=2, stop=["x"]))
+
+
+def test_a_failed_step_leaves_the_llm_usable(k3_tiny_engine):
+    """A step that raises (a failing kernel, Ctrl-C in a notebook) fails its call; the requests it held re-prefill,
+    so another caller's paused stream goes on with the tokens it would have had, and the next call works."""
+    llm = LLM(k3_tiny_engine, num_pages=8)
+    seeded = SamplingParams(max_tokens=12, seed=7, repetition_penalty=1.3, ignore_eos=True, logprobs=2)
+    want = llm.generate(PROMPT, seeded)[0]
+    stream = llm.stream(PROMPT, seeded)
+    got = [next(stream) for _ in range(3)]
+    execute = llm.engine._execute
+
+    def interrupted(steps):
+        llm.engine._execute = execute  # once
+        raise KeyboardInterrupt
+
+    llm.engine._execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate("another caller", greedy(6))
+    got += list(stream)
+    assert [c.token_id for c in got] == want.token_ids
+    # the tokens after the failed step come from a re-prefill: their logprobs agree to fp32 rounding
+    assert [[t for t, _ in c.logprobs.top] for c in got] == [[t for t, _ in lp.top] for lp in want.logprobs]
+    assert [c.logprobs.logprob for c in got] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
+    again = llm.generate("another caller", greedy(6))[0].token_ids
+    assert again == LLM(k3_tiny_engine).generate("another caller", greedy(6))[0].token_ids
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.page_pool.num_used == 0
+    assert llm.engine.scheduler.slot_pool.num_free == llm.engine.scheduler.slot_pool.num_slots
+
+
+def test_threads_may_share_an_llm(llm):
+    """Callers on several threads step one engine for each other: every output is the one it has alone."""
+    import threading
+
+    prompts = ["a b c", "The quick", [5, 6, 7, 8], "1 2 3"]
+    want = [o.token_ids for o in llm.generate(prompts, greedy(8))]
+    got, errors = {}, []
+
+    def caller(i):
+        try:
+            for _ in range(3):
+                if i % 2:
+                    got.setdefault(i, []).append([c.token_id for c in llm.stream(prompts[i], greedy(8))])
+                else:
+                    got.setdefault(i, []).append(llm.generate(prompts[i], greedy(8))[0].token_ids)
+        except Exception as e:  # noqa: BLE001 (reported below, in the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert all(got[i] == [want[i]] * 3 for i in range(len(prompts))), got
+    assert not llm.engine.has_unfinished() and llm.engine.scheduler.page_pool.num_used == 0
 
 
 def test_logits_refuse_what_generate_refuses(llm):

@@ -89,8 +89,30 @@ def test_rejections_raise_value_error(aengine):
     for params in (None, {"max_tokens": 2}):  # refused on the caller's thread; the engine thread lives on
         with pytest.raises(TypeError, match="params: expected SamplingParams"):
             asyncio.run(first([1], params))
+    # a stop id past the vocabulary (banned under min_tokens by its row * vocab + id) fails its request alone
+    with pytest.raises(ValueError, match="stop_token_ids: token id 1000000 outside the vocabulary"):
+        asyncio.run(first([1], SamplingParams(max_tokens=2, stop_token_ids=[10**6], min_tokens=1)))
     assert aengine.is_alive
     assert asyncio.run(first([1], SamplingParams(max_tokens=1, temperature=0))).finish_reason == "length"
+
+
+def test_engine_given_opened_keeps_its_tokenizer(tiny_engine):
+    """An AsyncLLMEngine over an opened LLMEngine reads stop strings with the engine dir's tokenizer; without a
+    tokenizer, stop strings are refused rather than ignored."""
+    from k3runtime.llm_engine import LLMEngine
+
+    engine = LLMEngine(tiny_engine, EngineOptions())
+    e = AsyncLLMEngine(engine)
+    try:
+        assert e.tokenizer is not None and e.tokenizer.vocab_size == engine.facts.vocab_size
+    finally:
+        e.shutdown()
+    bare = AsyncLLMEngine(LLMEngine(tiny_engine, EngineOptions()), tokenizer=None)
+    try:
+        with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
+            bare.submit([1], SamplingParams(max_tokens=2, stop=["x"]), lambda ev: None)
+    finally:
+        bare.shutdown()
 
 
 def test_exported_from_the_package():

@@ -71,6 +71,7 @@ CASES = [  # (body, status, words the message must contain)
     (ok(response_format={"type": "json_object"}), 400, "response_format: only"),
     (ok(stop_token_ids=[-1]), 400, "stop_token_ids"),
     (ok(stop_token_ids=5), 400, "stop_token_ids"),
+    (ok(stop_token_ids=[10**6], min_tokens=1), 400, "stop_token_ids: token id 1000000 outside the vocabulary"),
     (ok(min_tokens=3), 400, "min_tokens: expected an int in 0..max_tokens (2), got 3"),
     (ok(model="gpt-4"), 404, "does not exist"),
     (ok(prompt=""), 400, "empty"),
