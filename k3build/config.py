@@ -359,8 +359,17 @@ def _dense_layers_from_hf(d: dict, n_layers: int) -> tuple[int, int]:
     return k, freq
 
 
+# Far above any real model; a bigger value is a typo, refused before lists of that length are built.
+MAX_LAYERS, MAX_EXPERTS = 4096, 1 << 16
+
+
 def _from_hf(d: dict[str, Any]) -> K3Config:
     n_layers = _require(d, "num_hidden_layers")
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or not 0 < n_layers <= MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers: expected an int in 1..{MAX_LAYERS}, got {n_layers!r}")
+    n_exp = d.get("num_experts", d.get("num_local_experts"))
+    if isinstance(n_exp, int) and n_exp > MAX_EXPERTS:
+        raise ConfigError(f"num_experts: {n_exp} is above {MAX_EXPERTS}; expected the model's expert count")
     lac = d.get("linear_attn_config") or {}
     hidden_act = d.get("hidden_act", "silu")
     kda_heads = lac.get("num_heads", d.get("linear_num_heads"))

@@ -38,7 +38,7 @@ from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, ope
                            plan_jobs)
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import check_output_dir, exit_on_sigterm, staged_output
+from .output_dir import check_output_dir, exit_on_sigterm, os_error_message, staged_output
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 from .tokenizer import TOKENIZER_FILES, check_tokenizer_files, tokenizer_note
@@ -214,6 +214,11 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     check_mapping(mapping, cfg_out)
     jobs = plan_jobs(src, cfg_out)
     layouts, where = _placements(jobs, mapping, cfg_out)
+    need = sum(layout.size for layout in layouts)
+    probe = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+    if probe is not None and shutil.disk_usage(probe).free < need:
+        raise ConvertError(f"{out}: needs {need / 2**20:,.1f} MiB, but {probe} has only "
+                           f"{shutil.disk_usage(probe).free / 2**20:,.1f} MiB free")
     with staged_output(out, ConvertError) as tmp:
         paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
         for path, layout in zip(paths, layouts):
@@ -277,6 +282,8 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
         path = convert(ckpt, out, mapping, quantize=quantize, workers=workers, overwrite=overwrite)
     except (ConvertError, MappingError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # the output's disk filled up or went away meanwhile: the staging dir is gone already
+        raise click.ClickException(os_error_message(Path(out), "be written", e)) from None
     except KeyboardInterrupt:  # Ctrl-C: the staging dir is gone already; say so and exit as build does
         click.echo(f"\nconvert interrupted; {out} was not written", err=True)
         sys.exit(130)

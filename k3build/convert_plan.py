@@ -75,10 +75,12 @@ def open_source(ckpt_dir: str | Path) -> Source:
         cfg = K3Config.from_dict(raw)
     except FileNotFoundError:
         raise ConvertError(f"{path}: no config.json") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path / 'config.json'}: not valid JSON ({e})") from None
     except ConfigError as e:
         raise ConvertError(f"{path / 'config.json'}: {e}") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise ConvertError(f"{path / 'config.json'}: cannot read ({e.strerror})") from None
     tensors = _read_headers(path)
     try:
         flavour = detect_flavour(set(tensors), cfg)
@@ -94,8 +96,15 @@ def _read_headers(path: Path) -> dict[str, TensorInfo]:
     if index_file.exists():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except OSError as e:
+            raise ConvertError(f"{index_file}: cannot read ({e.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ConvertError(f"{index_file}: corrupt index (expected JSON with a weight_map): {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            bad = weight_map if not isinstance(weight_map, dict) else next(
+                f"{k}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str))
+            raise ConvertError(f"{index_file}: corrupt index: weight_map must map tensor names to shard file names, "
+                               f"got {bad!r:.200}")
         files = sorted(set(weight_map.values()))
     else:
         weight_map, files = None, sorted(p.name for p in path.glob("*.safetensors"))

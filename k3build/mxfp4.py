@@ -87,15 +87,23 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes), (shared + E8M0_BIAS).to(torch.uint8)
 
 
+# The largest scale byte whose block stays finite in BF16 (and FP32) whatever its codes: 6 * 2^(252-127) = 1.5 * 2^127
+# is below BF16's max (~1.99 * 2^127); 253 makes code 6 (and 254 codes >= 2) Inf once decoded.
+E8M0_MAX_FINITE = 252
+
+
 def check_scale(scale: torch.Tensor, name: str) -> None:
-    """Refuse E8M0 scale bytes of 0xFF (NaN); `name` goes into the message."""
+    """Refuse E8M0 scale bytes of 0xFF (NaN) and those above E8M0_MAX_FINITE (decoded weights overflow to Inf);
+    `name` goes into the message."""
     if scale.dtype != torch.uint8:
         raise MXFP4Error(f"{name}: expected uint8 E8M0 scales, got {scale.dtype}")
-    bad = scale == E8M0_NAN
+    bad = scale > E8M0_MAX_FINITE
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise MXFP4Error(f"{name}: scale byte 0xFF (NaN in E8M0) at index {list(idx)}; "
-                         f"expected bytes 0..254 ({int(bad.sum())} bad bytes)")
+        byte = int(scale[idx])
+        what = "NaN in E8M0" if byte == E8M0_NAN else f"2^{byte - E8M0_BIAS}: its weights decode to Inf in BF16"
+        raise MXFP4Error(f"{name}: scale byte 0x{byte:02X} ({what}) at index {list(idx)}; "
+                         f"expected bytes 0..{E8M0_MAX_FINITE} ({int(bad.sum())} bad bytes)")
 
 
 def check_packed_pair(packed_shape: tuple[int, ...], scale_shape: tuple[int, ...], name: str) -> None:

@@ -35,6 +35,8 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
     """`error` when writing `out` (built from `src`) would replace the input or something that is not `what`.
 
     ours: whether an existing out's config.json (config_of) is k3build's `what`."""
+    if out.is_symlink() and not out.resolve().parent.is_dir():
+        raise error(f"{out}: a symlink to {out.resolve()}, whose directory does not exist")
     out_r, src_r = out.resolve(), src.resolve()
     if out_r == src_r or out_r in src_r.parents:
         raise error(f"{out}: is or holds the input {src}; write the output elsewhere")
@@ -173,7 +175,10 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
 def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
     """`with staged_output(OUT, error) as tmp:` write OUT's content into tmp; when the block ends it moves into place
     whole, and when it raises (Ctrl-C and SIGTERM through exit_on_sigterm included) tmp goes with what it held.
-    OUT's parent is made first and dead runs' staging dirs for OUT removed; `error` for what cannot be written."""
+    OUT's parent is made first and dead runs' staging dirs for OUT removed; `error` for what cannot be written.
+    OUT a symlink: the output goes where it points (on that filesystem), and the link stays."""
+    if out.is_symlink():
+        out = out.resolve()
     make_parent(out, error)
     clean_stale(out)
     tmp = make_staging_dir(out, error)

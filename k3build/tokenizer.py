@@ -8,6 +8,7 @@ the lowest free ids, trained tokens fill the rest, and `<|reserved_N|>` fillers 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -129,5 +130,12 @@ def check_tokenizer_files(ckpt_dir: Path, error: type[Exception]) -> None:
         if path.is_file():
             try:
                 json.loads(path.read_text())
+            except OSError as e:
+                raise error(f"{path}: cannot read ({e.strerror})") from None
             except (ValueError, UnicodeDecodeError) as e:
                 raise error(f"{path}: not valid JSON ({e})") from None
+    # the other files are only copied, at the very end of a run: refuse an unreadable one now, not after hours
+    for name in TOKENIZER_FILES:
+        path = ckpt_dir / name
+        if path.is_file() and not os.access(path, os.R_OK):
+            raise error(f"{path}: cannot read (permission denied); convert copies it into the output")

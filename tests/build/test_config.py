@@ -160,7 +160,9 @@ BAD = {
     "shared_null": (_text(num_shared_experts=None), "num_shared_experts: expected an int, got None"),
     "positions_zero": (_text(max_position_embeddings=0), "max_position_embeddings: expected >= 2, got 0"),
     "eos_outside_vocab": (_text(eos_token_id=163840), "eos_token_id: 163840 is outside the vocabulary 0..163839"),
-    "layers_float": (_text(num_hidden_layers=1.5), "wrong kind of value"),
+    "layers_float": (_text(num_hidden_layers=1.5), "num_hidden_layers: expected an int in 1..4096, got 1.5"),
+    "layers_absurd": (_text(num_hidden_layers=10**12), "num_hidden_layers: expected an int in 1..4096"),
+    "experts_absurd": (_text(num_experts=10**6), "num_experts: 1000000 is above 65536"),
 }
 
 

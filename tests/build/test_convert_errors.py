@@ -66,7 +66,9 @@ CASES = {
     "dtype": (_edit(lambda d: d.__setitem__(WQ, d[WQ].float())), [WQ, "wrong dtype F32", "expected BF16"]),
     "nan": (_poke(WQ, 77, float("nan")), [WQ, "nan", "expected finite"]),
     "inf": (_poke(WQ, 5, float("-inf")), [WQ, "-inf", "expected finite"]),
-    "scale_ff": (_poke(SCALE, 9, 0xFF), [SCALE, "0xFF", "expected bytes 0..254"]),
+    "scale_ff": (_poke(SCALE, 9, 0xFF), [SCALE, "0xFF (NaN in E8M0)", "expected bytes 0..252"]),
+    # 2^127 times a code of 2 is Inf in bf16: the engine's logits would be NaN
+    "scale_inf": (_poke(SCALE, 3, 0xFE), [SCALE, "0xFE (2^127: its weights decode to Inf in BF16)", "0..252"]),
     "a_log_tail": (_poke(L2 + "self_attn.A_log", 7, 0.5), [L2 + "self_attn.A_log", "padding must be zero", "index 7"]),
 }
 
@@ -75,7 +77,7 @@ CASES = {
 def test_bad_tensor(tiny, tmp_path, case):
     edit, expect = CASES[case]
     ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
-    target = {"scale_ff": SCALE, "a_log_tail": L2 + "self_attn.A_log"}.get(case, WQ)
+    target = {"scale_ff": SCALE, "scale_inf": SCALE, "a_log_tail": L2 + "self_attn.A_log"}.get(case, WQ)
     shard = rewrite_shard(ckpt, edit, target)
     msg = _run(ckpt, tmp_path / "out", "--tp-size", "2", "--workers", "2" if case == "nan" else "1")
     assert shard in msg or case == "missing", msg
@@ -175,3 +177,44 @@ def test_interrupt_cleans_up(tiny, tmp_path, sig, code):
     if sig == signal.SIGINT:
         assert f"convert interrupted; {out} was not written" in proc.stderr.read()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unreadable_inputs_are_named(tiny, tmp_path):
+    """config.json a directory, an index whose weight_map is not a map of file names: one line each."""
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    index = ckpt / "model.safetensors.index.json"
+    saved = index.read_text()
+    index.write_text(json.dumps({"weight_map": ["a", "b"]}))
+    assert "weight_map must map tensor names to shard file names" in _run(ckpt, tmp_path / "out")
+    index.write_text(saved)
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").mkdir()
+    assert f"{ckpt / 'config.json'}: cannot read" in _run(ckpt, tmp_path / "out")
+
+
+def test_output_through_a_symlink(tiny, tmp_path):
+    """OUT a symlink (to a larger disk, say): the output goes where it points and the link stays, also with
+    --overwrite; a link into a directory that does not exist is refused before any work."""
+    (tmp_path / "disk").mkdir()
+    assert CliRunner().invoke(main, ["convert", str(tiny), str(tmp_path / "disk" / "conv")]).exit_code == 0
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "disk" / "conv")
+    r = CliRunner().invoke(main, ["convert", str(tiny), str(link), "--tp-size", "2", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and json.loads((link / "config.json").read_text())["mapping"]["tp_size"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out"]  # no old output left beside the link
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["conv"]
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere" / "conv")
+    r = CliRunner().invoke(main, ["convert", str(tiny), str(dangling)])
+    assert r.exit_code != 0 and "a symlink to" in r.output and "whose directory does not exist" in r.output
+
+
+def test_too_little_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
+    """The rank files' total size against the free space of OUT's disk (shutil.disk_usage, here told 1 MiB)."""
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=2**20))
+    msg = _run(tiny, tmp_path / "out")
+    assert "MiB, but" in msg and "has only 1.0 MiB free" in msg
