@@ -9,8 +9,9 @@ Converted directory format (read by `k3build build`):
 - `rank{N}.safetensors` for N in range(world_size): exactly the tensors with `Mapping.shard(name, N, cfg)` not
   None, under canonical names (k3build/schema.py, "canonical"), each holding that rank's slice
   `narrow(dim, start, stop - start)` with `(start, stop) = Shard.bounds(full_shape[dim])` (dim None: whole).
-  Header metadata: `k3_rank`, `k3_world_size`, and `k3_slices` = JSON {name: {"shape": full canonical shape,
-  "dim": int|null, "start": int, "stop": int}} so any reader can reassemble or check a tensor.
+  Header metadata: `k3_rank`, `k3_world_size`, `k3_conversion_id` (config.json's `conversion_id`: the files of
+  one run), and `k3_slices` = JSON {name: {"shape": full canonical shape, "dim": int|null, "start": int,
+  "stop": int}} so any reader can reassemble or check a tensor.
   Float tensors keep the source dtype (A_log is [H]: K3's zero padding is validated and dropped).
 - Tokenizer and generation files of the source, copied unchanged.
 The directory appears atomically: it is written in a hidden staging dir next to OUT (output_dir.staged_output),
@@ -19,6 +20,7 @@ fsynced, renamed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -50,7 +52,7 @@ _SLEEP = float(os.environ.get("K3BUILD_CONVERT_TEST_SLEEP", "0") or 0)
 __all__ = ["convert", "convert_cmd", "ConvertError"]
 
 
-def _placements(jobs: list[Job], mapping: Mapping, cfg: K3Config):
+def _placements(jobs: list[Job], mapping: Mapping, cfg: K3Config, conversion_id: str):
     """Per rank the (name, dtype, slice shape) entries and per output the (rank, dim, start, stop) slices."""
     per_rank: list[list[tuple[str, str, tuple[int, ...]]]] = [[] for _ in range(mapping.world_size)]
     slices: list[dict] = [{} for _ in range(mapping.world_size)]
@@ -70,6 +72,7 @@ def _placements(jobs: list[Job], mapping: Mapping, cfg: K3Config):
                 slices[rank][out.name] = {"shape": list(out.shape), "dim": dim, "start": start, "stop": stop}
                 where.setdefault(out.name, []).append((rank, dim, start, stop))
     layouts = [plan_file(entries, {"format": "pt", "k3_rank": str(r), "k3_world_size": str(mapping.world_size),
+                                   "k3_conversion_id": conversion_id,
                                    "k3_slices": json.dumps(slices[r], separators=(",", ":"))})
                for r, entries in enumerate(per_rank)]
     return layouts, where
@@ -213,7 +216,8 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     cfg_out = output_config(src, quantize)
     check_mapping(mapping, cfg_out)
     jobs = plan_jobs(src, cfg_out)
-    layouts, where = _placements(jobs, mapping, cfg_out)
+    conversion_id = _conversion_id(src, cfg_out, mapping)
+    layouts, where = _placements(jobs, mapping, cfg_out, conversion_id)
     need = sum(layout.size for layout in layouts)
     probe = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
     if probe is not None and shutil.disk_usage(probe).free < need:
@@ -226,7 +230,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
         tasks = [(job, {o.name: [(r, dim, a, b, layouts[r].offsets[o.name]) for r, dim, a, b in where[o.name]]
                         for o in job.outputs}) for job in jobs]
         _execute(tasks, (src.cfg, src.flavour, paths), workers, progress)
-        _write_config(tmp, src, cfg_out, mapping)
+        _write_config(tmp, src, cfg_out, mapping, conversion_id)
         for name in TOKENIZER_FILES:
             if (src.path / name).is_file():
                 shutil.copyfile(src.path / name, tmp / name)
@@ -247,9 +251,20 @@ def _write_header(path: Path, layout: FileLayout) -> None:
         os.close(fd)
 
 
-def _write_config(tmp: Path, src: Source, cfg: K3Config, mapping: Mapping) -> None:
+def _conversion_id(src: Source, cfg: K3Config, mapping: Mapping) -> str:
+    """What ties the rank files to their config.json (build checks it): a hash of the source's files (path, size,
+    modification time), the output config and the mapping. A rerun on the same files gives the same id and the
+    same bytes; a conversion of another copy or version of the checkpoint gives another."""
+    files = sorted({t.path for t in src.tensors.values()})
+    stamp = [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+    blob = json.dumps([stamp, cfg.to_dict(), mapping.to_dict(), FORMAT], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _write_config(tmp: Path, src: Source, cfg: K3Config, mapping: Mapping, conversion_id: str) -> None:
     d = cfg.to_dict()
     d["mapping"] = mapping.to_dict()
+    d["conversion_id"] = conversion_id
     d["source"] = {"path": str(src.path.absolute()), "flavour": src.flavour,
                    "model_type": src.raw_config.get("model_type"), "quantization": src.cfg.quantization.method,
                    "num_tensors": len(src.tensors)}

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from ..config import K3Config
 from ..mapping import Mapping
 from ..memory import MAX_GIB, GiB, kda_state_bytes, kv_bytes_per_token, plan_memory, size_text
+from ..mxfp4 import E8M0_MAX_FINITE
 from ..output_dir import check_output_dir, staged_output
 from ..tokenizer import TOKENIZER_FILES
 from . import graph as graph_mod
@@ -126,7 +127,16 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
         def get(name: str) -> torch.Tensor:
             if name not in keys:
                 raise BuildError(f"{src_path}: tensor {name!r} missing (needed by the layout pass for rank {rank})")
-            return src.get_tensor(name)
+            t = src.get_tensor(name)
+            # convert refuses these: a file changed after it would give NaN logits, and the runtime's load check
+            # (which sees only the engine's bytes) would ask for a rebuild that gives them again
+            damaged = f"{src_path}: tensor {name!r} holds {{}}; the file changed after convert: convert again"
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise BuildError(damaged.format("NaN or Inf"))
+            if name.endswith(".weight_scale") and t.numel() and int(t.max()) > E8M0_MAX_FINITE:
+                raise BuildError(damaged.format(f"MXFP4 scale bytes past {E8M0_MAX_FINITE} (weights that decode "
+                                                "to Inf or NaN)"))
+            return t
 
         layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
         bar = tqdm(total=len(layers), desc=f"build rank{rank}", unit="layer", disable=not progress)

@@ -1,8 +1,8 @@
 """Read and check a converted checkpoint before anything is built from it.
 
 Every rank file's header is checked against the checkpoint's mapping (its `k3_rank`/`k3_world_size` and the
-`k3_slices` the converter recorded must be what `Mapping.shard` says), so a renamed, stale or truncated file
-is refused before the first byte of an engine is written.
+`k3_slices` the converter recorded must be what `Mapping.shard` says) and against config.json's conversion id,
+so a renamed, stale (another run's) or truncated file is refused before the first byte of an engine is written.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
         raise BuildError(f"{path}: no 'mapping' field; this looks like an HF checkpoint — run `k3build convert` "
                          "on it first")
     try:
-        cfg = K3Config.from_dict({k: v for k, v in raw.items() if k not in ("mapping", "source", "format")})
+        cfg = K3Config.from_dict({k: v for k, v in raw.items()
+                                  if k not in ("mapping", "source", "format", "conversion_id")})
         mapping = Mapping.from_dict(raw["mapping"])
         mapping.validate(cfg)
     except (ConfigError, MappingError, TypeError) as e:
@@ -45,7 +46,8 @@ def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
     except SchemaError as e:
         raise BuildError(f"{path}: {e}") from None
     for rank in range(mapping.world_size):
-        check_rank_file(converted_dir / f"rank{rank}.safetensors", cfg, mapping, rank, canon)
+        check_rank_file(converted_dir / f"rank{rank}.safetensors", cfg, mapping, rank, canon,
+                        raw.get("conversion_id"), exact_dtypes=(raw.get("source") or {}).get("flavour") == "k3")
     extra = sorted(p.name for p in converted_dir.glob("rank*.safetensors")
                    if p.stem[4:].isdigit() and int(p.stem[4:]) >= mapping.world_size)
     if extra:
@@ -54,10 +56,13 @@ def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
     return raw, cfg, mapping
 
 
-def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, canon: dict[str, Spec]) -> None:
-    """Refuse a rank file that is missing, corrupt, sliced for another rank or mapping, or whose tensors are not
+def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, canon: dict[str, Spec],
+                    conversion_id: str | None = None, *, exact_dtypes: bool = False) -> None:
+    """Refuse a rank file that is missing, corrupt, sliced for another rank or mapping, written by another run of
+    convert than config.json's `conversion_id` (None: a conversion from before the id), or whose tensors are not
     the model's that config.json describes (canon: checkpoint_tensors(cfg, "canonical")): a name, a whole shape,
-    a kind of dtype (float or packed bytes) or a tensor of the rank's missing."""
+    a dtype (exact_dtypes: the canonical one, as convert writes from a K3 checkpoint; else its kind, float or
+    packed bytes) or a tensor of the rank's missing."""
     if not path.exists():
         raise BuildError(f"{path}: missing (the mapping has world_size {mapping.world_size}); convert again")
     try:
@@ -68,6 +73,10 @@ def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, cano
     if meta.get("k3_rank") != str(rank) or meta.get("k3_world_size") != str(mapping.world_size):
         raise BuildError(f"{path}: holds rank {meta.get('k3_rank')} of world size {meta.get('k3_world_size')}, "
                          f"expected rank {rank} of {mapping.world_size}; {again}")
+    if conversion_id is not None and meta.get("k3_conversion_id") != conversion_id:
+        raise BuildError(f"{path}: written by another run of convert (conversion id "
+                         f"{meta.get('k3_conversion_id')}) than {path.parent}/config.json ({conversion_id}): files "
+                         "of two conversions mixed; convert again")
     try:
         slices = json.loads(meta.get("k3_slices", "{}"))
     except json.JSONDecodeError:
@@ -101,7 +110,8 @@ def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, cano
         if list(info.shape) != local:
             raise BuildError(f"{path}: tensor {name!r} is {list(info.shape)}, expected {local} ({model}, this "
                              "rank's slice); convert again")
-        kind = FLOAT if dtype in FLOAT_DTYPES else dtype  # a Kimi-Linear checkpoint's floats keep their dtype
+        # a Kimi-Linear checkpoint's floats keep their dtype
+        kind = FLOAT if dtype in FLOAT_DTYPES and not exact_dtypes else dtype
         if not dtype_matches(kind, info.dtype):
             raise BuildError(f"{path}: tensor {name!r} is {info.dtype}, {model} has {dtype}; convert again")
     missing = [n for n in slices if n not in tensors]  # the converter records a slice for each tensor it wrote

@@ -90,6 +90,20 @@ def test_corrupt_rank_file(converted, tmp_path, damage):
     _refused(_build(conv, out), out, "rank0.safetensors", "corrupt" if damage == "header" else "rank0")
 
 
+def test_rank_file_of_another_conversion(converted, k3_tiny_ckpt, tmp_path):
+    """Same config and mapping, but rank1 comes from a conversion of another copy of the checkpoint (a stale file
+    on one node, say): refused by the conversion id; a rerun on the same files gives the same bytes."""
+    other_ckpt = _copy(k3_tiny_ckpt, tmp_path / "other_ckpt")
+    other = convert(other_ckpt, tmp_path / "other", Mapping(tp_size=2), progress=False)
+    again = convert(k3_tiny_ckpt, tmp_path / "again", Mapping(tp_size=2), progress=False)
+    assert (again / "rank1.safetensors").read_bytes() == (converted["tp2"] / "rank1.safetensors").read_bytes()
+    conv = _copy(converted["tp2"], tmp_path / "conv")
+    shutil.copy(other / "rank1.safetensors", conv / "rank1.safetensors")
+    out = tmp_path / "engine"
+    _refused(_build(conv, out), out, "rank1.safetensors: written by another run of convert",
+             "files of two conversions mixed")
+
+
 def test_rank_files_of_another_mapping(converted, tmp_path):
     # config.json says TP2 but the files are TP1's rank0 twice
     conv = _copy(converted["tp1"], tmp_path / "conv")
@@ -132,9 +146,17 @@ EXPERT = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
     (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].reshape(64, 2)}),
      ["tensor 'model.norm.weight' is [64, 2], expected [128]"]),
     (lambda t: t.update({EXPERT: t[EXPERT].view(torch.int8)}), [f"tensor '{EXPERT}' is I8", "has U8"]),
+    # bf16 bits relabelled fp16: a K3 conversion writes each float tensor in its canonical dtype
+    (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].view(torch.float16)}),
+     ["tensor 'lm_head.weight' is F16", "has BF16"]),
     (lambda t: t.pop("model.norm.weight"), ["tensors of rank 0 missing, the first 'model.norm.weight'"]),
     (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), ["tensor 'model.extra.weight' is not one of"]),
-], ids=["reshaped", "reshaped-norm", "dtype", "missing", "unknown"])
+    # bytes changed after convert, which refuses both: NaN logits otherwise, and a runtime asking for a rebuild
+    (lambda t: t["model.norm.weight"].__setitem__(3, float("nan")), ["'model.norm.weight' holds NaN or Inf",
+                                                                    "changed after convert"]),
+    (lambda t: t[EXPERT.replace("packed", "scale")].view(-1).__setitem__(5, 0xFF),
+     ["holds MXFP4 scale bytes past 252"]),
+], ids=["reshaped", "reshaped-norm", "dtype", "float-dtype", "missing", "unknown", "nan", "scale"])
 def test_rank_tensors_unlike_the_model(converted, tmp_path, damage, words):
     """Headers that read well but do not hold the model config.json describes: refused by tensor at build time,
     not as a shape error at the first generate."""
