@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import __version__
 from .config import K3Config
 from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, open_source, output_config,
                            plan_jobs)
@@ -143,9 +144,8 @@ def _run_job(task) -> int:
     elif job.kind == "quantize":
         results = list(quantize_mxfp4(_load(job.sources[0])))
     else:
-        w = dequantize_mxfp4(_load(job.sources[0]), _load(job.sources[1]), torch.bfloat16)
-        _check_finite(w, job.sources[0])  # 6 * 2^127 overflows: such a scale has no BF16 value
-        results = [w]
+        # finite: _load refused scale bytes past mxfp4.E8M0_MAX_FINITE
+        results = [dequantize_mxfp4(_load(job.sources[0]), _load(job.sources[1]), torch.bfloat16)]
     fds = st["fds"]
     for out, t in zip(job.outputs, results):
         t = t.reshape(out.shape)
@@ -219,7 +219,8 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     conversion_id = _conversion_id(src, cfg_out, mapping)
     layouts, where = _placements(jobs, mapping, cfg_out, conversion_id)
     need = sum(layout.size for layout in layouts)
-    probe = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+    target = out.resolve() if out.is_symlink() else out  # where staged_output writes
+    probe = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
     if probe is not None and shutil.disk_usage(probe).free < need:
         raise ConvertError(f"{out}: needs {need / 2**20:,.1f} MiB, but {probe} has only "
                            f"{shutil.disk_usage(probe).free / 2**20:,.1f} MiB free")
@@ -253,11 +254,13 @@ def _write_header(path: Path, layout: FileLayout) -> None:
 
 def _conversion_id(src: Source, cfg: K3Config, mapping: Mapping) -> str:
     """What ties the rank files to their config.json (build checks it): a hash of the source's files (path, size,
-    modification time), the output config and the mapping. A rerun on the same files gives the same id and the
-    same bytes; a conversion of another copy or version of the checkpoint gives another."""
+    modification time), the output config, the mapping and k3build's version. A rerun on the same files gives the
+    same id and the same bytes; a conversion of another copy or version of the checkpoint, or by another k3build,
+    gives another."""
     files = sorted({t.path for t in src.tensors.values()})
     stamp = [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
-    blob = json.dumps([stamp, cfg.to_dict(), mapping.to_dict(), FORMAT], sort_keys=True, default=str)
+    blob = json.dumps([stamp, cfg.to_dict(), mapping.to_dict(), FORMAT, __version__], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 

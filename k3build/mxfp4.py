@@ -88,7 +88,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # The largest scale byte whose block stays finite in BF16 (and FP32) whatever its codes: 6 * 2^(252-127) = 1.5 * 2^127
-# is below BF16's max (~1.99 * 2^127); 253 makes code 6 (and 254 codes >= 2) Inf once decoded.
+# is below BF16's max (~1.99 * 2^127); at 253 (2^126) codes 4 and 6 decode to Inf, at 254 codes 2 and up.
 E8M0_MAX_FINITE = 252
 
 

@@ -152,7 +152,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield tokens of one request as they are produced (other requests of this engine keep running)."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         req, = self._add([prompt], [params])
         det = self._detok(params)
         try:

@@ -66,7 +66,6 @@ class EngineOptions:
                              "need preemption_mode 'swap'")
 
 
-
 # resolve_async_scheduling's rule, for the command lines' help
 ASYNC_SCHEDULING_DEFAULT = "on for a CUDA engine without pipeline stages or attention-DP; off on the CPU and ROCm"
 
@@ -116,7 +115,8 @@ def check_ids(token_ids: list[int], vocab: int, field: str) -> None:
 def check_prompt(config: dict, token_ids: list[int], field: str = "prompt_token_ids", *,
                  max_tokens: int = 1, num_pages: int | None = None) -> None:
     """ValueError for a prompt the engine whose config.json is `config` never runs: empty, an id outside its
-    vocabulary, or with max_tokens more than max_seq_len or `num_pages` hold (Scheduler.add's rule, room_error).
+    vocabulary, too long to leave a token under max_seq_len, or with max_tokens more than `num_pages` hold (the
+    output stops at max_seq_len; Scheduler.add's rule, room_error).
     It reads no weights: a command checks its prompts with it before the engine loads."""
     if not token_ids:
         raise ValueError(f"{field}: empty (at least one token is needed)")

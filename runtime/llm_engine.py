@@ -350,6 +350,9 @@ class LLMEngine:
         events = []
         try:
             results, logprobs = self._execute(self._steps(plans))
+            # on a GPU the host waits here: a CUDA error or a Ctrl-C of the step surfaces in these reads
+            tokens = [t.tolist() for t in results]
+            rows = [lp.tolist() if lp is not None else None for lp in logprobs]
         except BaseException:  # a failing model or sampler, a KeyboardInterrupt
             if self.comm is None:  # its requests re-prefill; without this every later schedule() refuses
                 for sched, plan in zip(self.schedulers, plans):
@@ -357,10 +360,9 @@ class LLMEngine:
             else:  # other ranks may be inside the step: nothing more is exchanged with them but their release
                 self._broken = True
             raise
-        for d, (sched, plan, tokens) in enumerate(zip(self.schedulers, plans, results)):
-            rows = logprobs[d].tolist() if logprobs[d] is not None else None
-            lps, prompts = self._logprobs(plan, rows, _reporters(sched, plan))
-            sampled, finished = self._update(sched, plan, tokens.tolist())
+        for d, (sched, plan) in enumerate(zip(self.schedulers, plans)):
+            lps, prompts = self._logprobs(plan, rows[d], _reporters(sched, plan))
+            sampled, finished = self._update(sched, plan, tokens[d])
             self.stats["tokens"] += plan.num_batched_tokens
             events += [TokenEvent(rid, tok, finished.get(rid), lp, pl)
                        for (rid, tok), lp, pl in zip(sampled.items(), lps, prompts)]

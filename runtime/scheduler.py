@@ -301,9 +301,10 @@ class Scheduler:
 
     def discard(self, plan: StepPlan) -> None:
         """Forget a plan whose step failed before update() (an exception in the model or the sampler, a
-        KeyboardInterrupt): the step may have written part of its requests' KV pages and KDA state, and its swaps
-        may not have run, so each of its live requests is preempted by recompute and re-prefills from scratch. A
-        plan no longer in flight (already updated) is left alone."""
+        KeyboardInterrupt), on one rank without async scheduling (the only plan in flight): the step may have
+        written part of its requests' KV pages and KDA state, and its swaps may not have run, so each of its live
+        requests is preempted by recompute and re-prefills from scratch. A plan no longer in flight (already
+        updated) is left alone."""
         at = next((i for i, (p, _) in enumerate(self._in_flight) if p is plan), None)
         if at is None:
             return

@@ -64,7 +64,10 @@ class Tokenizer:
         self.config = _read_config(engine_dir / "tokenizer_config.json")
         template = engine_dir / "chat_template.jinja"
         self.chat_template = _read_text(template) if template.exists() else self.config.get("chat_template")
-        self._as_text: _HFTokenizer | None = None  # encode_chat's copy that reads special tokens' text as text
+        # encode_chat's: the special tokens' spellings, a pattern matching them, a copy reading them as text
+        self._specials: list[str] | None = None
+        self._spelled: re.Pattern | None = None
+        self._as_text: _HFTokenizer | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -81,24 +84,35 @@ class Tokenizer:
         return bool(self.config.get("add_bos_token", False))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat template's prompt for `messages`, as token ids, where a message's text never becomes a special
-        token: a client whose message spells `<|im_system|>` sends those characters, not a turn of its own. The
-        template's own special tokens are what it renders."""
-        specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
-        if not any(isinstance(m.get("content"), str) and any(s in m["content"] for s in specials) for m in messages):
+        """The chat template's prompt for `messages`, as token ids, where a message's text (its content and name)
+        never becomes a special token: a client whose message spells `<|im_system|>` sends those characters, not
+        a turn of its own. The template's own special tokens are what it renders. Each spelling is stood in for
+        by one private-use character while the template renders (so its filters see the text as it is), then
+        encoded as text; the tokens next to it may differ from encoding the message whole."""
+        if self._specials is None:
+            self._specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
+                                    key=len, reverse=True)  # the longest spelling first where two overlap
+            self._spelled = re.compile("|".join(map(re.escape, self._specials)) or "(?!)")
+        texts = [(m, f) for m in messages for f in _MESSAGE_TEXT if isinstance(m.get(f), str)]
+        if not any(self._spelled.search(m[f]) for m, f in texts):
             return self.encode(self.apply_chat_template(messages, add_generation_prompt))  # the usual case
-        # Mark each message's text, render, then encode the marked spans with special tokens read as text.
-        marked = [{**m, "content": _OPEN + re.sub(_MARKS, "", m["content"]) + _CLOSE}
-                  if isinstance(m.get("content"), str) else m for m in messages]
-        text = self.apply_chat_template(marked, add_generation_prompt)
+
+        def stand_in(text: str) -> str:
+            text = re.sub(_STAND_INS, "", text)  # (a message's own characters of that range are dropped)
+            return self._spelled.sub(lambda m: chr(_STAND_IN + self._specials.index(m.group())), text)
+
+        hidden = [{**m, **{f: stand_in(m[f]) for f in _MESSAGE_TEXT if isinstance(m.get(f), str)}} for m in messages]
+        text = self.apply_chat_template(hidden, add_generation_prompt)
         _check_unicode(text)
         if self._as_text is None:
             self._as_text = _HFTokenizer.from_str(self._tok.to_str())
             self._as_text.encode_special_tokens = True
         ids = []
-        for i, part in enumerate(re.split(_MARKS, text)):  # the template's, a message's, the template's, ...
-            tok = self._as_text if i % 2 else self._tok
-            ids += tok.encode(part, add_special_tokens=self._add_bos and i == 0).ids
+        for i, part in enumerate(re.split(f"({_STAND_INS})", text)):  # the template's text, a stand-in, ...
+            if i % 2:
+                ids += self._as_text.encode(self._specials[ord(part) - _STAND_IN], add_special_tokens=False).ids
+            elif part or i == 0:
+                ids += self._tok.encode(part, add_special_tokens=self._add_bos and i == 0).ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -130,10 +144,11 @@ class Tokenizer:
                                                           **special)
 
 
-# encode_chat's marks around a message's text: Unicode noncharacters, which text meant for interchange never holds
-# (a message's own are dropped)
-_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
-_MARKS = f"[{_OPEN}{_CLOSE}]"
+# encode_chat: the message fields a template renders as text, and the stand-ins for special-token spellings in them
+# (Supplementary Private Use Area-A, one character a special token)
+_MESSAGE_TEXT = ("content", "name")
+_STAND_IN = 0xF0000
+_STAND_INS = "[\U000F0000-\U000FFFFD]"
 
 
 def _check_unicode(text: str) -> None:

@@ -130,7 +130,8 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
             t = src.get_tensor(name)
             # convert refuses these: a file changed after it would give NaN logits, and the runtime's load check
             # (which sees only the engine's bytes) would ask for a rebuild that gives them again
-            damaged = f"{src_path}: tensor {name!r} holds {{}}; the file changed after convert: convert again"
+            damaged = (f"{src_path}: tensor {name!r} holds {{}}, which convert refuses (the file changed after it, "
+                       "or an older k3build converted it): convert again")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise BuildError(damaged.format("NaN or Inf"))
             if name.endswith(".weight_scale") and t.numel() and int(t.max()) > E8M0_MAX_FINITE:

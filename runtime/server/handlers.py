@@ -109,8 +109,12 @@ class Handlers:
     def _params(self, body, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         limit = self.config.max_tokens_limit
         if max_tokens is None:  # chat default: as much as the context, the KV cache and the server allow
-            room = min(self.max_model_len or self.cache_tokens, self.cache_tokens) - prompt_len
-            max_tokens = max(1, min(limit, room))
+            most = min(self.max_model_len or self.cache_tokens, self.cache_tokens)
+            if prompt_len >= most:
+                raise APIError(400, f"messages: {prompt_len} prompt tokens leave no room to generate: the engine "
+                                    f"holds {most} tokens a request (its max_seq_len and KV cache)", "messages",
+                               "context_length_exceeded")
+            max_tokens = min(limit, most - prompt_len)
         if max_tokens > limit:
             raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {limit}", "max_tokens")
         if self.max_model_len and prompt_len + max_tokens > self.max_model_len:  # OpenAI: a 400, not a cut output

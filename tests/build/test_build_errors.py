@@ -153,7 +153,7 @@ EXPERT = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
     (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), ["tensor 'model.extra.weight' is not one of"]),
     # bytes changed after convert, which refuses both: NaN logits otherwise, and a runtime asking for a rebuild
     (lambda t: t["model.norm.weight"].__setitem__(3, float("nan")), ["'model.norm.weight' holds NaN or Inf",
-                                                                    "changed after convert"]),
+                                                                    "which convert refuses"]),
     (lambda t: t[EXPERT.replace("packed", "scale")].view(-1).__setitem__(5, 0xFF),
      ["holds MXFP4 scale bytes past 252"]),
 ], ids=["reshaped", "reshaped-norm", "dtype", "float-dtype", "missing", "unknown", "nan", "scale"])

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,15 +193,20 @@ def test_unreadable_inputs_are_named(tiny, tmp_path):
     assert f"{ckpt / 'config.json'}: cannot read" in _run(ckpt, tmp_path / "out")
 
 
-def test_output_through_a_symlink(tiny, tmp_path):
+def test_output_through_a_symlink(tiny, tmp_path, monkeypatch):
     """OUT a symlink (to a larger disk, say): the output goes where it points and the link stays, also with
     --overwrite; a link into a directory that does not exist is refused before any work."""
     (tmp_path / "disk").mkdir()
     assert CliRunner().invoke(main, ["convert", str(tiny), str(tmp_path / "disk" / "conv")]).exit_code == 0
     link = tmp_path / "out"
     link.symlink_to(tmp_path / "disk" / "conv")
+    import shutil
+
+    asked, usage = [], shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: asked.append(Path(p)) or usage(p))
     r = CliRunner().invoke(main, ["convert", str(tiny), str(link), "--tp-size", "2", "--overwrite"])
     assert r.exit_code == 0, r.output
+    assert asked and asked[0] == tmp_path / "disk"  # the free space where the output goes
     assert link.is_symlink() and json.loads((link / "config.json").read_text())["mapping"]["tp_size"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out"]  # no old output left beside the link
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["conv"]

@@ -123,6 +123,20 @@ def test_a_failed_step_leaves_the_llm_usable(k3_tiny_engine):
     llm.engine._execute = interrupted
     with pytest.raises(KeyboardInterrupt):
         llm.generate("another caller", greedy(6))
+    got.append(next(stream))
+
+    class Waiting:  # a GPU step's tokens: the host waits for them in tolist(), where Ctrl-C lands
+        def tolist(self):
+            raise KeyboardInterrupt
+
+    def interrupted_reading(steps):
+        llm.engine._execute = execute
+        execute(steps)
+        return [Waiting()], [None]
+
+    llm.engine._execute = interrupted_reading
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate("another caller", greedy(6))
     got += list(stream)
     assert [c.token_id for c in got] == want.token_ids
     # the tokens after the failed step come from a re-prefill: their logprobs agree to fp32 rounding

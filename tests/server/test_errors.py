@@ -158,6 +158,12 @@ def test_the_engines_own_refusal_is_a_400(make_server, tiny_engine):
         r = post(s, chat, "/v1/chat/completions")
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
         assert r.json()["usage"]["total_tokens"] == 2 * page + 1, r.json()["usage"]
+        # a chat prompt longer than the cache: no room for a default max_tokens, said so
+        long_chat = {**chat, "messages": [{"role": "user", "content": "word " * (2 * page)}]}
+        r = post(s, long_chat, "/v1/chat/completions")
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
+        assert "leave no room to generate: the engine holds 129 tokens a request" in err["message"], err
         # past max_seq_len: refused as OpenAI does (context_length_exceeded), not cut short
         max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
         r = post(s, ok(prompt=[1] * (max_len - 4), max_tokens=8))
