@@ -57,13 +57,19 @@ def os_error_message(out: Path, doing: str, e: OSError) -> str:
     return f"{out}: cannot {doing} ({why}{f': {e.filename}' if e.filename else ''})"
 
 
-def make_parent(out: Path, error: type[Exception]) -> None:
-    """out's parent directories, made where missing; `error` where they cannot be (a file in the way, no
-    permission), before any work is done."""
+def make_parent(out: Path, error: type[Exception]) -> list[Path]:
+    """out's parent directories, made where missing (returned, the deepest first); `error` where they cannot be (a
+    file in the way, no permission), before any work is done."""
+    missing = []
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise error(os_error_message(out, f"make its directory {out.parent}", e)) from None
+    return missing
 
 
 PID_FILE = ".k3build.pid"
@@ -179,7 +185,7 @@ def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
     OUT a symlink: the output goes where it points (on that filesystem), and the link stays."""
     if out.is_symlink():
         out = out.resolve()
-    make_parent(out, error)
+    made = make_parent(out, error)
     clean_stale(out)
     tmp = make_staging_dir(out, error)
     try:
@@ -187,6 +193,11 @@ def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
         move_into_place(tmp, out, error)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:  # the directories this run made for OUT, where nothing else went meanwhile
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
 
 

@@ -224,3 +224,11 @@ def test_too_little_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=2**20))
     msg = _run(tiny, tmp_path / "out")
     assert "MiB, but" in msg and "has only 1.0 MiB free" in msg
+
+
+def test_a_failed_run_leaves_no_directories_it_made(tiny, tmp_path):
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    rewrite_shard(ckpt, _poke(WQ, 1, float("nan")), WQ)
+    (tmp_path / "kept").mkdir()
+    _run(ckpt, tmp_path / "kept" / "new" / "deeper" / "out")
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == []
