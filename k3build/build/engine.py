@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
+from ..finite import first_nonfinite
 from ..memory import MAX_GIB, GiB, kda_state_bytes, kv_bytes_per_token, plan_memory, size_text
 from ..mxfp4 import E8M0_MAX_FINITE
 from ..output_dir import check_output_dir, staged_output
@@ -132,7 +133,7 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
             # (which sees only the engine's bytes) would ask for a rebuild that gives them again
             damaged = (f"{src_path}: tensor {name!r} holds {{}}, which convert refuses (the file changed after it, "
                        "or an older k3build converted it): convert again")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if t.is_floating_point() and first_nonfinite(t) is not None:
                 raise BuildError(damaged.format("NaN or Inf"))
             if name.endswith(".weight_scale") and t.numel() and int(t.max()) > E8M0_MAX_FINITE:
                 raise BuildError(damaged.format(f"MXFP4 scale bytes past {E8M0_MAX_FINITE} (weights that decode "
