@@ -40,14 +40,14 @@ class Source:
     tensors: dict[str, TensorInfo]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Output:
     name: str  # canonical
     dtype: str
     shape: tuple[int, ...]  # full canonical shape
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Job:
     """One unit of work: read `sources`, validate, transform by `kind`, write `outputs`' slices."""
 

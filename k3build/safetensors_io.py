@@ -29,7 +29,7 @@ class SafetensorsError(ValueError):
     """A shard that is truncated, corrupt or not safetensors; names the file (and tensor)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
     """Where one tensor's bytes live: `path` at absolute offset `start`, `nbytes` long."""
 
