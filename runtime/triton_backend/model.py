@@ -156,8 +156,11 @@ class TritonPythonModel:
 
     def _unavailable(self):
         why = "being unloaded" if self.finalizing else f"stopped ({self.engine.error!r})"
-        return _error(f"the k3 engine is {why}; reload the model (POST /v2/repository/models/{self.model_name}/load) "
-                      "or restart the server", pb_utils.TritonError.UNAVAILABLE)
+        # A POST .../load of a model whose files did not change is a no-op in Triton (the dead engine stays), and
+        # the default --model-control-mode=none refuses load/unload altogether: only unload + load brings it back.
+        return _error(f"the k3 engine is {why}; restart the server, or (--model-control-mode=explicit) unload then "
+                      f"load the model (POST /v2/repository/models/{self.model_name}/unload, then .../load)",
+                      pb_utils.TritonError.UNAVAILABLE)
 
     def _parse(self, request):
         """(prompt ids, SamplingParams, stream) of one request; ValueError names the bad input."""
@@ -284,3 +287,12 @@ class TritonPythonModel:
     def finalize(self):
         self.finalizing = True
         self.engine.shutdown()
+        # Drop this model's metrics (a family's or metric's deletion is sent to Triton when its object goes): the stub
+        # is killed after finalize without collecting them, and Triton would go on showing k3_engine_alive 1 and the
+        # counters of a model that is no longer loaded.
+        import gc
+        self.counters.by_reason.clear()
+        del self.counters.prompt, self.counters.generation
+        self.counters.families.clear()
+        del self.alive, self.alive_family
+        gc.collect()
