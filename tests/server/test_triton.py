@@ -38,14 +38,15 @@ def _ports(n=3):
 def test_config_pbtxt_shape(tmp_path):
     txt = config_pbtxt("k3", tmp_path, decoupled=True)
     for name in ["text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop",
-                 "return_log_probs", "text_output", "output_ids", "finish_reason", "output_log_probs"]:
+                 "return_log_probs", "min_tokens", "ignore_eos", "stop_token_ids", "text_output", "output_ids",
+                 "finish_reason", "output_log_probs"]:
         assert f'name: "{name}"' in txt
     assert 'backend: "python"' in txt and "decoupled: true" in txt and str(tmp_path) in txt
     unary = config_pbtxt("k3", tmp_path, decoupled=False, max_batch_size=8)
     assert "decoupled" not in unary and "max_batch_size: 0" in txt
     # the unary model takes the requests queued while it runs together; prompts and stops of any length
     assert "max_batch_size: 8" in unary and "dynamic_batching" in unary and "dynamic_batching" not in txt
-    assert unary.count("allow_ragged_batch: true") == 2 and "allow_ragged_batch" not in txt
+    assert unary.count("allow_ragged_batch: true") == 3 and "allow_ragged_batch" not in txt
     with pytest.raises(FileNotFoundError, match="not a k3build engine"):
         write_repo(tmp_path, tmp_path / "repo")
 
@@ -151,7 +152,8 @@ def _inputs(mod, batched=False, **values):
              "max_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32), "temperature": ("FP32", np.float32),
              "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_),
              "return_log_probs": ("BOOL", np.bool_), "presence_penalty": ("FP32", np.float32),
-             "frequency_penalty": ("FP32", np.float32), "repetition_penalty": ("FP32", np.float32)}
+             "frequency_penalty": ("FP32", np.float32), "repetition_penalty": ("FP32", np.float32),
+             "min_tokens": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_), "stop_token_ids": ("INT32", np.int32)}
     out = []
     for name, v in values.items():
         dt, npt = kinds[name]
@@ -253,13 +255,21 @@ def test_seed_stop_and_penalties_pass_through(triton, llm):
     penalties = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.25)  # exact in fp32
     pen_ref = llm.generate("Hello world", SamplingParams(max_tokens=12, temperature=0, **penalties))[0]
     assert pen_ref.token_ids != llm.generate("Hello world", SamplingParams(max_tokens=12, temperature=0))[0].token_ids
-    a, b, c = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [
+    # stop ids held back by min_tokens, past EOS (vLLM's extensions, as the Python API and the OpenAI server)
+    greedy = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    stops = dict(min_tokens=2, stop_token_ids=[greedy[1], greedy[4]], ignore_eos=True)
+    stop_id_ref = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, **stops))[0]
+    assert stop_id_ref.token_ids[1] != greedy[1]  # banned under min_tokens
+    a, b, c, d = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [
         dict(text_input="seeded", max_tokens=10, temperature=1.0, top_k=40, seed=99),
         dict(text_input="Hello world", max_tokens=16, temperature=0.0, stop=[text[3:5]]),
-        dict(text_input="Hello world", max_tokens=12, temperature=0.0, **penalties)])
+        dict(text_input="Hello world", max_tokens=12, temperature=0.0, **penalties),
+        dict(input_ids=[5, 6, 7], max_tokens=8, temperature=0.0, **stops)])
     assert _ids(a[0]) == ref.token_ids
     assert _ids(b[0]) == stop_ref.token_ids and b[0].as_numpy("finish_reason")[0].decode() == "stop"
     assert _ids(c[0]) == pen_ref.token_ids
+    assert _ids(d[0]) == stop_id_ref.token_ids
+    assert d[0].as_numpy("finish_reason")[0].decode() == stop_id_ref.finish_reason
 
 
 def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
