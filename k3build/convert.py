@@ -42,7 +42,7 @@ from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, ope
 from .finite import first_nonfinite
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import check_output_dir, exit_on_sigterm, os_error_message, staged_output
+from .output_dir import check_output_dir, exit_on_sigterm, os_error_message, staged_output, write_target
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 from .tokenizer import TOKENIZER_FILES, check_tokenizer_files, tokenizer_note
@@ -209,11 +209,11 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
         layouts, where = _placements(jobs, mapping, cfg_out, conversion_id)
         stage.update()
     need = sum(layout.size for layout in layouts)
-    target = out.resolve() if out.is_symlink() else out  # where staged_output writes
+    target = write_target(out)
     probe = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
-    if probe is not None and shutil.disk_usage(probe).free < need:
-        raise ConvertError(f"{out}: needs {need / 2**20:,.1f} MiB, but {probe} has only "
-                           f"{shutil.disk_usage(probe).free / 2**20:,.1f} MiB free")
+    free = shutil.disk_usage(probe).free if probe is not None else need
+    if free < need:
+        raise ConvertError(f"{out}: needs {need / 2**20:,.1f} MiB, but {probe} has only {free / 2**20:,.1f} MiB free")
     with staged_output(out, ConvertError) as tmp:
         paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
         for path, layout in zip(paths, layouts):

@@ -279,9 +279,10 @@ def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, d
         reason = (f"{where}: weights alone need {size_text(w)}, more than the {size_text(gpu)} of device memory "
                   f"(largest: {_largest(weights)})")
     elif w + res > gpu:
-        reason = (f"{where}: weights {size_text(w)} + reserve {size_text(res)} (overhead {size_text(overhead)}, the runtime's spare "
-                  f"slot and page {size_text(slot + page)}, activations {size_text(res - overhead - slot - page)}) = "
-                  f"{size_text(w + res)} exceed the {size_text(gpu)} of device memory")
+        reason = (f"{where}: weights {size_text(w)} + reserve {size_text(res)} (overhead {size_text(overhead)}, "
+                  f"the runtime's spare slot and page {size_text(slot + page)}, activations "
+                  f"{size_text(res - overhead - slot - page)}) = {size_text(w + res)} exceed the {size_text(gpu)} "
+                  "of device memory")
     elif not n:
         reason = (f"{where}: {size_text(free)} left after weights and reserve, but one request of {seq} tokens needs "
                   f"{size_text(req)} (KDA slot {size_text(slot)} + {pages_per_req} pages of {page:,} B)")

@@ -51,6 +51,11 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
                     "empty directory); remove it yourself or pick another path")
 
 
+def write_target(out: Path) -> Path:
+    """Where staged_output writes OUT: out, or the path a symlink at out points to."""
+    return out.resolve() if out.is_symlink() else out
+
+
 def os_error_message(out: Path, doing: str, e: OSError) -> str:
     """`out: cannot <doing> (<why>: <path>)` for an OSError met writing out."""
     why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or str(e)
@@ -183,8 +188,7 @@ def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
     whole, and when it raises (Ctrl-C and SIGTERM through exit_on_sigterm included) tmp goes with what it held.
     OUT's parent is made first and dead runs' staging dirs for OUT removed; `error` for what cannot be written.
     OUT a symlink: the output goes where it points (on that filesystem), and the link stays."""
-    if out.is_symlink():
-        out = out.resolve()
+    out = write_target(out)
     made = make_parent(out, error)
     clean_stale(out)
     tmp = make_staging_dir(out, error)

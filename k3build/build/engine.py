@@ -25,7 +25,7 @@ from ..config import K3Config
 from ..mapping import Mapping
 from ..finite import first_nonfinite
 from ..memory import MAX_GIB, GiB, kda_state_bytes, kv_bytes_per_token, plan_memory, size_text
-from ..mxfp4 import E8M0_MAX_FINITE
+from ..mxfp4 import MXFP4Error, check_scale
 from ..output_dir import check_output_dir, staged_output
 from ..tokenizer import TOKENIZER_FILES
 from . import graph as graph_mod
@@ -131,13 +131,15 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
             t = src.get_tensor(name)
             # convert refuses these: a file changed after it would give NaN logits, and the runtime's load check
             # (which sees only the engine's bytes) would ask for a rebuild that gives them again
-            damaged = (f"{src_path}: tensor {name!r} holds {{}}, which convert refuses (the file changed after it, "
-                       "or an older k3build converted it): convert again")
+            again = ("which convert refuses (the file changed after it, or an older k3build converted it): convert "
+                     "again")
             if t.is_floating_point() and first_nonfinite(t) is not None:
-                raise BuildError(damaged.format("NaN or Inf"))
-            if name.endswith(".weight_scale") and t.numel() and int(t.max()) > E8M0_MAX_FINITE:
-                raise BuildError(damaged.format(f"MXFP4 scale bytes past {E8M0_MAX_FINITE} (weights that decode "
-                                                "to Inf or NaN)"))
+                raise BuildError(f"{src_path}: tensor {name!r} holds NaN or Inf, {again}")
+            if name.endswith(".weight_scale"):
+                try:
+                    check_scale(t, f"{src_path}: tensor {name!r}")
+                except MXFP4Error as e:
+                    raise BuildError(f"{e}, {again}") from None
             return t
 
         layers = mapping.rank_layers(rank, cfg.num_hidden_layers)

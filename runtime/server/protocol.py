@@ -46,11 +46,12 @@ class _Sampling(_Strict):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     return_token_ids: bool = Field(False, description="Extension: add the generated token ids to each choice.")
 
-    @field_validator("n", "stream", "ignore_eos", "return_token_ids", "min_tokens", "echo", mode="before",
-                     check_fields=False)
+    @field_validator("n", "stream", "ignore_eos", "return_token_ids", "min_tokens", "echo", "max_tokens",
+                     mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v, info):
-        """OpenAI types these "X or null": an explicit null is the default, not a type error."""
+        """OpenAI types these "X or null": an explicit null is the default (completions' max_tokens 16), not a
+        type error."""
         return cls.model_fields[info.field_name].default if v is None else v
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -80,11 +81,6 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Each token's logprob and this many most likely alternatives.")
-
-    @field_validator("max_tokens", mode="before")
-    @classmethod
-    def _null_max_tokens(cls, v):
-        return 16 if v is None else v  # OpenAI: "integer or null, defaults to 16"
 
     def wanted_logprobs(self) -> int | None:
         """SamplingParams.logprobs."""

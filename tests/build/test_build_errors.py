@@ -155,7 +155,7 @@ EXPERT = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
     (lambda t: t["model.norm.weight"].__setitem__(3, float("nan")), ["'model.norm.weight' holds NaN or Inf",
                                                                     "which convert refuses"]),
     (lambda t: t[EXPERT.replace("packed", "scale")].view(-1).__setitem__(5, 0xFF),
-     ["holds MXFP4 scale bytes past 252"]),
+     ["scale byte 0xFF (NaN in E8M0)", "expected bytes 0..252 (1 bad bytes), which convert refuses"]),
 ], ids=["reshaped", "reshaped-norm", "dtype", "float-dtype", "missing", "unknown", "nan", "scale"])
 def test_rank_tensors_unlike_the_model(converted, tmp_path, damage, words):
     """Headers that read well but do not hold the model config.json describes: refused by tensor at build time,
