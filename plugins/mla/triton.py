@@ -78,55 +78,6 @@ def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o
 
 
 @triton.jit
-def mla_decode_t_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale, H,
-                        stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_kv_page, stride_ob, stride_os,
-                        stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: tl.constexpr, TPI: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_prologue(PDL)
-    hb = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    ctx = tl.load(lens_ptr + b)
-    pt_row = pt_ptr + tl.load(qseq_ptr + b).to(tl.int64) * stride_pb
-    first_page = split * PAGES_PER_SPLIT
-    n_pages = tl.minimum(tl.cdiv(ctx, PAGE_SIZE) - first_page, PAGES_PER_SPLIT)
-    offs_h = hb * BH + tl.arange(0, BH)
-    h_mask = offs_h < H
-    rl = tl.arange(0, DL)
-    rr = tl.arange(0, DR)
-    rt = tl.arange(0, TPI)
-    q = tl.load(q_lat_ptr + b * stride_qb + offs_h[:, None] * stride_qh + rl[None, :], mask=h_mask[:, None], other=0.0)
-    qp = tl.load(q_pe_ptr + b * stride_rb + offs_h[:, None] * stride_rh + rr[None, :], mask=h_mask[:, None], other=0.0)
-    qt = tl.trans(q)
-    qpt = tl.trans(qp)
-    qk_scale = sm_scale * 1.4426950408889634
-    m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BH,), dtype=tl.float32)
-    acc = tl.zeros((DL, BH), dtype=tl.float32)
-    for i in range(0, n_pages, TPI // PAGE_SIZE):
-        pi = i + rt // PAGE_SIZE
-        row = rt % PAGE_SIZE
-        page = tl.load(pt_row + first_page + pi, mask=pi < n_pages, other=0).to(tl.int64)
-        t_ok = (pi < n_pages) & ((first_page + pi) * PAGE_SIZE + row < ctx)
-        base = kv_ptr + page[:, None] * stride_kv_page + row[:, None] * (DL + DR)
-        c = tl.load(base + rl[None, :], mask=t_ok[:, None], other=0.0)                  # [TPI, DL]
-        cp = tl.load(base + DL + rr[None, :], mask=t_ok[:, None], other=0.0)            # [TPI, DR]
-        s = tl.dot(c, qt) + tl.dot(cp, qpt)                                              # [TPI, BH]
-        s = tl.where(t_ok[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype))               # [DL, BH]
-        m_i = m_new
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    o_off = b * stride_ob + split * stride_os + offs_h[None, :] * stride_oh + rl[:, None]
-    tl.store(o_ptr + o_off, (acc / safe_l[None, :]).to(o_ptr.dtype.element_ty), mask=h_mask[None, :])
-    lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-    tl.store(lse_ptr + b * stride_lb + split * stride_ls + offs_h, lse, mask=h_mask)
-
-
-@triton.jit
 def mla_merge_kernel(o_part_ptr, lse_ptr, out_ptr, H, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
                      stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, DL: tl.constexpr, PDL: tl.constexpr = False):
     """out[b, h] = Σ_s 2^(lse_s − max) o_s / Σ_s 2^(lse_s − max)."""
@@ -224,7 +175,7 @@ def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                          context_lens: torch.Tensor, *, scale: float, query_seq: torch.Tensor | None = None,
                          num_splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                         num_stages: int = 2, token_major: bool = False, tokens_per_iter: int = PAGE) -> torch.Tensor:
+                         num_stages: int = 2) -> torch.Tensor:
     """softmax(scale·(q_lat·c_latᵀ + q_pe·k_peᵀ)) · c_lat over each sequence's cached tokens.
 
     Args:
@@ -236,8 +187,6 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         scale: softmax scale (K3: 192^-0.5).
         num_splits: split-K factor (power of two); None picks one from the shapes (no device sync).
         block_h, num_warps, num_stages: the tactic (heads per program and its launch shape).
-        token_major, tokens_per_iter: the tactic's MMA form: tokens on M (mla_decode_t_kernel, tokens_per_iter a
-            loop step) instead of heads.
 
     Returns:
         o_lat [B, H, 512] in q_lat.dtype.
@@ -262,13 +211,11 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         query_seq = torch.arange(B, dtype=torch.int32, device=q_lat.device)
     o_part = torch.empty(B, splits, H, dl, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
-    kernel, form = ((mla_decode_t_kernel, dict(TPI=tokens_per_iter)) if token_major and dr >= 16 else
-                    (mla_decode_kernel, {}))
-    kernel[(triton.cdiv(H, block_h), splits, B)](
+    mla_decode_kernel[(triton.cdiv(H, block_h), splits, B)](
         q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, float(scale), H, q_lat.stride(0),
         q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), kv_cache.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGES_PER_SPLIT=pps, BH=block_h, PAGE_SIZE=PAGE,
-        DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages, **form, **pdl(q_lat))
+        DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages, **pdl(q_lat))
     out = torch.empty(B, H, dl, dtype=q_lat.dtype, device=q_lat.device)
     mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                              lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,

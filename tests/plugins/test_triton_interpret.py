@@ -137,14 +137,14 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     return {"rel": _rel(out, expect), "rel_fp32_y" if y_half else "rel_loop": _rel(out, other)}
 
 
-def _mla_case(mla, splits, **tactic):
+def _mla_case(mla, splits):
     g = torch.Generator().manual_seed(2)
     B, H, max_pages, num_pages = 3, 5, 4, 20
     lens = torch.tensor([1, 70, 256], dtype=torch.int32)
     kv = torch.randn(num_pages, 64, 576, generator=g)
     pt = torch.randperm(num_pages, generator=g)[: B * max_pages].view(B, max_pages).int()
     ql, qp = torch.randn(B, H, 512, generator=g), torch.randn(B, H, 64, generator=g)
-    out = mla.mla_decode_attention(ql, qp, kv, pt, lens, scale=192 ** -0.5, num_splits=splits, **tactic)
+    out = mla.mla_decode_attention(ql, qp, kv, pt, lens, scale=192 ** -0.5, num_splits=splits)
     rels = []
     for b in range(B):
         toks = kv[pt[b].long()].reshape(-1, 576)[: int(lens[b])].double()
@@ -575,8 +575,6 @@ def _child(part: str) -> None:
     res["dequant"] = {"equal": bool(torch.equal(moe.dequantize(w, s, torch.float32), dequantize_mxfp4(w, s)))}
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
-        for tpi in (64, 128):  # tokens on M: a page, or two pages (an odd count masks the second) an iteration
-            res[f"mla-t{tpi}-{splits}"] = _mla_case(mla, splits, block_h=16, token_major=True, tokens_per_iter=tpi)
     res["mla-mixer"] = _mla_mixer_case(mla)
     res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
@@ -686,9 +684,8 @@ def test_mxfp4_dequant_interpreted(results):
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
-@pytest.mark.parametrize("form", ["", "t64-", "t128-"], ids=["heads_on_m", "tokens_on_m", "tokens_on_m_2pages"])
-def test_mla_decode_interpreted(results, splits, form):
-    assert results[f"mla-{form}{splits}"]["rel"] < 1e-5
+def test_mla_decode_interpreted(results, splits):
+    assert results[f"mla-{splits}"]["rel"] < 1e-5
 
 
 def test_mla_cache_write_interpreted(results):
