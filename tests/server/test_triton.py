@@ -120,6 +120,36 @@ def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
     assert sorted(p.name for p in repo.iterdir()) == ["k3"]
 
 
+SLOW_SEND = """
+
+import time as _time
+
+
+class _SlowSender:
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, *args, **kwargs):
+        _time.sleep(0.03)
+        return self.sender.send(*args, **kwargs)
+
+
+class _SlowRequest:
+    def __init__(self, request):
+        self.request = request
+
+    def __getattr__(self, name):
+        return getattr(self.request, name)
+
+    def get_response_sender(self):
+        return _SlowSender(self.request.get_response_sender())
+
+
+_execute = TritonPythonModel.execute
+TritonPythonModel.execute = lambda self, requests: _execute(self, [_SlowRequest(r) for r in requests])
+"""
+
+
 @pytest.fixture(scope="module")
 def triton(tiny_engine, tmp_path_factory):
     try:
@@ -133,10 +163,15 @@ def triton(tiny_engine, tmp_path_factory):
     write_repo(tiny_engine, work / "repo", model_name="k3", decoupled=True, max_tokens_limit=64)
     write_repo(tiny_engine, work / "repo", model_name="k3_unary", decoupled=False, max_tokens_limit=1000)
     # a model whose engine fails at its first step (its stub's LLMEngine.step replaced): how a stopped engine is told
-    dies = write_repo(tiny_engine, work / "repo", model_name="k3_dies", decoupled=False)
-    with open(dies / "1" / "model.py", "a") as f:
-        f.write("\n\nfrom k3runtime.llm_engine import LLMEngine\n\n\ndef _fail(self, *a, **k):\n"
-                "    raise RuntimeError('injected step failure')\n\n\nLLMEngine.step = _fail\n")
+    for name, decoupled in (("k3_dies", False), ("k3_dies_stream", True)):
+        dies = write_repo(tiny_engine, work / "repo", model_name=name, decoupled=decoupled)
+        with open(dies / "1" / "model.py", "a") as f:
+            f.write("\n\nfrom k3runtime.llm_engine import LLMEngine\n\n\ndef _fail(self, *a, **k):\n"
+                    "    raise RuntimeError('injected step failure')\n\n\nLLMEngine.step = _fail\n")
+    # a model whose every response takes 30 ms to send (a slow IPC), whichever thread sends it
+    slow = write_repo(tiny_engine, work / "repo", model_name="k3_slow_send", decoupled=True, max_tokens_limit=1000)
+    with open(slow / "1" / "model.py", "a") as f:
+        f.write(SLOW_SEND)
     ts = TritonServer(work / "repo", work, _ports(), env=env)
     ts.start()
     yield ts
@@ -169,8 +204,9 @@ def _unary(mod, **values):
     return _inputs(mod, batched=True, **values)
 
 
-def _stream(url, model, requests):
-    """Send each request (a dict of inputs) on one gRPC stream; returns, per request, its list of responses."""
+def _stream(url, model, requests, on_response=lambda res: None):
+    """Send each request (a dict of inputs) on one gRPC stream; returns, per request, its list of responses.
+    on_response: called with each response as it arrives."""
     import tritonclient.grpc as tg
 
     q: queue.Queue = queue.Queue()
@@ -188,6 +224,7 @@ def _stream(url, model, requests):
                 raise AssertionError(f"stream error (request {rid}): {err}")
             resp = res.get_response()
             got[resp.id].append(res)
+            on_response(res)
             if resp.parameters["triton_final_response"].bool_param:
                 open_.discard(resp.id)
         return [got[str(i)] for i in range(len(requests))]
@@ -390,8 +427,76 @@ def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
             recover = "restart the server, or (--model-control-mode=explicit) unload then load"  # a load alone: no-op
             assert e.value.status() == "503" and recover in str(e.value)
         assert c.is_model_ready("k3")
+    # the decoupled model's: the request in flight through its sender thread, one after from execute
+    import tritonclient.grpc as tg
+
+    for _ in range(2):
+        q: queue.Queue = queue.Queue()
+        with tg.InferenceServerClient(f"127.0.0.1:{triton.ports[1]}") as c:
+            c.start_stream(callback=lambda result, error: q.put((result, error)))
+            c.async_stream_infer("k3_dies_stream", _inputs(tg, input_ids=[1, 2], max_tokens=2, stream=True))
+            res, err = q.get(timeout=60)
+            c.stop_stream()
+        # a stream's error carries no status code: its message names the cause and the way back
+        assert res is None and "injected step failure" in str(err) and recover in str(err), err
+    assert _metric(triton, 'k3_engine_alive{model="k3_dies_stream"}', until=lambda v: v == 0) == 0
     # the gauge drops once the engine thread has ended (its watcher sets it), maybe a moment after the answers
     assert _metric(triton, 'k3_engine_alive{model="k3_dies"}', until=lambda v: v == 0) == 0
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
     alive = dict(re.findall(r'^k3_engine_alive\{model="(\w+)"\} (\S+)$', metrics, re.M))
-    assert alive == {"k3": "1", "k3_unary": "1", "k3_dies": "0"}, alive
+    assert alive == {"k3": "1", "k3_unary": "1", "k3_slow_send": "1", "k3_dies": "0", "k3_dies_stream": "0"}, alive
+
+
+def _final(res) -> bool:
+    return res.get_response().parameters["triton_final_response"].bool_param
+
+
+def test_engine_thread_does_not_wait_for_responses(triton, llm):
+    """The engine thread only queues responses; a thread of the model's own sends them. With each send taking 30 ms
+    (k3_slow_send), the engine finishes 12 streamed requests (more than its 8 KDA slots) while most of their responses
+    are still to go, and every stream still gets all its tokens, one a response and in order, the last one final."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[3 + i, 14, 15, 92][: 1 + i % 4] for i in range(12)]
+    refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    finished = 'k3_requests_finished_total{finish_reason="length",model="k3_slow_send"}'
+    before = _metric(triton, finished)
+    arrived = []
+    reqs = [dict(input_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True, stream=True) for p in prompts]
+    with ThreadPoolExecutor(1) as pool:
+        streams = pool.submit(_stream, f"127.0.0.1:{triton.ports[1]}", "k3_slow_send", reqs, arrived.append)
+        assert _metric(triton, finished, until=lambda v: v == before + len(prompts)) == before + len(prompts)
+        sent_when_engine_done = len(arrived)
+        out = streams.result()
+    total = 6 * len(prompts)
+    # sending on the engine thread, it finishes its last request after all but that request's last response went
+    assert sent_when_engine_done < total // 2, (sent_when_engine_done, total)
+    for ref, resps in zip(refs, out):
+        assert [_ids(r) for r in resps] == [[t] for t in ref.token_ids]
+        assert [_final(r) for r in resps] == [False] * 5 + [True]
+        assert resps[-1].as_numpy("finish_reason")[0].decode() == "length"
+
+
+def test_stream_cancelled_by_its_client_is_aborted(triton, llm):
+    """A gRPC client that cancels its stream has its request aborted on the engine (counted as finished by "abort"),
+    the responses the engine made meanwhile dropped; the model answers the next request."""
+    import tritonclient.grpc as tg
+
+    url = f"127.0.0.1:{triton.ports[1]}"
+    aborted = 'k3_requests_finished_total{finish_reason="abort",model="k3_slow_send"}'
+    before = _metric(triton, aborted)
+    q: queue.Queue = queue.Queue()
+    c = tg.InferenceServerClient(url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer("k3_slow_send", _inputs(tg, input_ids=[5], max_tokens=1000, temperature=0.0, ignore_eos=True,
+                                                 stream=True))
+    for _ in range(3):
+        res, err = q.get(timeout=60)
+        assert err is None and not _final(res)
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    # without the abort it runs to its end (1000 tokens), finished by "length"
+    assert _metric(triton, aborted, until=lambda v: v > before) == before + 1
+    ref = llm.generate([7], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    (resps,) = _stream(url, "k3_slow_send", [dict(input_ids=[7], max_tokens=3, temperature=0.0)])
+    assert [t for r in resps for t in _ids(r)] == ref and _final(resps[-1])
