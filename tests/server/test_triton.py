@@ -120,21 +120,24 @@ def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
     assert sorted(p.name for p in repo.iterdir()) == ["k3"]
 
 
-SLOW_SEND = """
+# appended to k3_gated's model.py: its responses go out only while the file GATE exists, whichever thread sends them
+GATED_SEND = """
 
+import os as _os
 import time as _time
 
 
-class _SlowSender:
+class _GatedSender:
     def __init__(self, sender):
         self.sender = sender
 
     def send(self, *args, **kwargs):
-        _time.sleep(0.03)
+        while not _os.path.exists(GATE):
+            _time.sleep(0.005)
         return self.sender.send(*args, **kwargs)
 
 
-class _SlowRequest:
+class _GatedRequest:
     def __init__(self, request):
         self.request = request
 
@@ -142,12 +145,16 @@ class _SlowRequest:
         return getattr(self.request, name)
 
     def get_response_sender(self):
-        return _SlowSender(self.request.get_response_sender())
+        return _GatedSender(self.request.get_response_sender())
 
 
 _execute = TritonPythonModel.execute
-TritonPythonModel.execute = lambda self, requests: _execute(self, [_SlowRequest(r) for r in requests])
+TritonPythonModel.execute = lambda self, requests: _execute(self, [_GatedRequest(r) for r in requests])
 """
+
+
+def _gate(triton) -> Path:
+    return triton.workdir / "send_gate"
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +175,10 @@ def triton(tiny_engine, tmp_path_factory):
         with open(dies / "1" / "model.py", "a") as f:
             f.write("\n\nfrom k3runtime.llm_engine import LLMEngine\n\n\ndef _fail(self, *a, **k):\n"
                     "    raise RuntimeError('injected step failure')\n\n\nLLMEngine.step = _fail\n")
-    # a model whose every response takes 30 ms to send (a slow IPC), whichever thread sends it
-    slow = write_repo(tiny_engine, work / "repo", model_name="k3_slow_send", decoupled=True, max_tokens_limit=1000)
-    with open(slow / "1" / "model.py", "a") as f:
-        f.write(SLOW_SEND)
+    gated = write_repo(tiny_engine, work / "repo", model_name="k3_gated", decoupled=True, max_tokens_limit=1000)
+    with open(gated / "1" / "model.py", "a") as f:
+        f.write(f"\n\nGATE = {str(work / 'send_gate')!r}\n" + GATED_SEND)
+    (work / "send_gate").touch()
     ts = TritonServer(work / "repo", work, _ports(), env=env)
     ts.start()
     yield ts
@@ -390,6 +397,7 @@ def _metric(triton, name, deadline_s=30.0, until=lambda v: True):
         v = float(m.group(1)) if m else 0.0
         if until(v) or time.monotonic() > deadline:
             return v
+        time.sleep(0.02)
 
 
 def test_unary_request_cancelled_by_its_client_is_aborted(triton, llm):
@@ -444,7 +452,7 @@ def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
     assert _metric(triton, 'k3_engine_alive{model="k3_dies"}', until=lambda v: v == 0) == 0
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
     alive = dict(re.findall(r'^k3_engine_alive\{model="(\w+)"\} (\S+)$', metrics, re.M))
-    assert alive == {"k3": "1", "k3_unary": "1", "k3_slow_send": "1", "k3_dies": "0", "k3_dies_stream": "0"}, alive
+    assert alive == {"k3": "1", "k3_unary": "1", "k3_gated": "1", "k3_dies": "0", "k3_dies_stream": "0"}, alive
 
 
 def _final(res) -> bool:
@@ -452,25 +460,27 @@ def _final(res) -> bool:
 
 
 def test_engine_thread_does_not_wait_for_responses(triton, llm):
-    """The engine thread only queues responses; a thread of the model's own sends them. With each send taking 30 ms
-    (k3_slow_send), the engine finishes 12 streamed requests (more than its 8 KDA slots) while most of their responses
-    are still to go, and every stream still gets all its tokens, one a response and in order, the last one final."""
+    """The engine thread only queues responses; a thread of the model's own sends them. With k3_gated's sends held
+    back, the engine finishes 12 streamed requests (more than its 8 KDA slots) before any response has gone out;
+    once they may go, every stream gets all its tokens, one a response and in order, the last one final."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompts = [[3 + i, 14, 15, 92][: 1 + i % 4] for i in range(12)]
     refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    finished = 'k3_requests_finished_total{finish_reason="length",model="k3_slow_send"}'
+    finished = 'k3_requests_finished_total{finish_reason="length",model="k3_gated"}'
     before = _metric(triton, finished)
     arrived = []
     reqs = [dict(input_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True, stream=True) for p in prompts]
+    _gate(triton).unlink()
     with ThreadPoolExecutor(1) as pool:
-        streams = pool.submit(_stream, f"127.0.0.1:{triton.ports[1]}", "k3_slow_send", reqs, arrived.append)
-        assert _metric(triton, finished, until=lambda v: v == before + len(prompts)) == before + len(prompts)
-        sent_when_engine_done = len(arrived)
+        streams = pool.submit(_stream, f"127.0.0.1:{triton.ports[1]}", "k3_gated", reqs, arrived.append)
+        try:  # sending on the engine thread, it would wait for the gate at its first token
+            done = _metric(triton, finished, deadline_s=60, until=lambda v: v == before + len(prompts))
+            sent = len(arrived)
+        finally:
+            _gate(triton).touch()
         out = streams.result()
-    total = 6 * len(prompts)
-    # sending on the engine thread, it finishes its last request after all but that request's last response went
-    assert sent_when_engine_done < total // 2, (sent_when_engine_done, total)
+    assert (done - before, sent) == (len(prompts), 0)
     for ref, resps in zip(refs, out):
         assert [_ids(r) for r in resps] == [[t] for t in ref.token_ids]
         assert [_final(r) for r in resps] == [False] * 5 + [True]
@@ -483,13 +493,13 @@ def test_stream_cancelled_by_its_client_is_aborted(triton, llm):
     import tritonclient.grpc as tg
 
     url = f"127.0.0.1:{triton.ports[1]}"
-    aborted = 'k3_requests_finished_total{finish_reason="abort",model="k3_slow_send"}'
+    aborted = 'k3_requests_finished_total{finish_reason="abort",model="k3_gated"}'
     before = _metric(triton, aborted)
     q: queue.Queue = queue.Queue()
     c = tg.InferenceServerClient(url)
     c.start_stream(callback=lambda result, error: q.put((result, error)))
-    c.async_stream_infer("k3_slow_send", _inputs(tg, input_ids=[5], max_tokens=1000, temperature=0.0, ignore_eos=True,
-                                                 stream=True))
+    c.async_stream_infer("k3_gated", _inputs(tg, input_ids=[5], max_tokens=1000, temperature=0.0, ignore_eos=True,
+                                             stream=True))
     for _ in range(3):
         res, err = q.get(timeout=60)
         assert err is None and not _final(res)
@@ -498,5 +508,5 @@ def test_stream_cancelled_by_its_client_is_aborted(triton, llm):
     # without the abort it runs to its end (1000 tokens), finished by "length"
     assert _metric(triton, aborted, until=lambda v: v > before) == before + 1
     ref = llm.generate([7], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
-    (resps,) = _stream(url, "k3_slow_send", [dict(input_ids=[7], max_tokens=3, temperature=0.0)])
+    (resps,) = _stream(url, "k3_gated", [dict(input_ids=[7], max_tokens=3, temperature=0.0)])
     assert [t for r in resps for t in _ids(r)] == ref and _final(resps[-1])
