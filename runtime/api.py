@@ -80,7 +80,9 @@ class LLM:
         return ids
 
     def _detok(self, params: SamplingParams) -> Detokenizer | None:
-        return Detokenizer(self.tokenizer, params.stop, params.min_tokens) if self.tokenizer is not None else None
+        if self.tokenizer is None:
+            return None
+        return Detokenizer(self.tokenizer, params.stop, params.min_tokens, params.skip_special_tokens)
 
     def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Request]:
         """Add the prompts' requests, all or none: every prompt is tokenized first, and one the engine refuses

@@ -269,7 +269,8 @@ class AsyncLLMEngine:
             except (ValueError, TypeError) as e:  # the caller's input: its request alone is refused
                 _call(callback, e)
                 return
-            detok = Detokenizer(self.tokenizer, params.stop, params.min_tokens) if self.tokenizer is not None else None
+            detok = None if self.tokenizer is None else Detokenizer(self.tokenizer, params.stop, params.min_tokens,
+                                                                    params.skip_special_tokens)
             self._live[rid] = _Live(callback, detok, req.num_prompt_tokens, time.monotonic())
             if not _call(callback, ACCEPTED):
                 self._apply(("abort", rid))

@@ -36,11 +36,14 @@ class SamplingParams:
         top_k: keep the k most likely tokens (ties at the k-th broken by lower token id); 0 = off.
         seed: per-request seed in [0, 2**63); None = a random seed fixed at request creation.
         stop: strings that end generation (matched on detokenized text by the API layer, which needs a
-            tokenizer); the text is cut before the first one. Special tokens are left out of the text, so a stop
-            string that spells one never matches: give its id in stop_token_ids.
+            tokenizer); the text is cut before the first one. With skip_special_tokens a stop string that spells
+            a special token never matches (the text leaves it out): give its id in stop_token_ids.
         stop_token_ids: token ids that end generation (applied by the scheduler, even with ignore_eos); the
             token and its text stay in the output (vLLM leaves the text out).
         ignore_eos: keep generating past the model's EOS token.
+        skip_special_tokens: leave special tokens (EOS, chat markers) out of the output's text (vLLM's default);
+            False keeps them as the tokenizer spells them, the EOS that ends the output too (vLLM leaves that one
+            out, as it does a stop id's text). Token ids and logprobs are the same either way.
         logprobs: return each output token's log-probability and its `logprobs` most likely alternatives
             (0..MAX_LOGPROBS; 0: the token's alone); None = none. See runtime/logprobs.py.
         prompt_logprobs: the same for the prompt's tokens, from its second (the first has nothing before it); they
@@ -64,6 +67,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -92,8 +96,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (tuple, list)) \
                 or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: expected a sequence of ints >= 0, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):

@@ -195,8 +195,8 @@ class IncrementalText:
     run of byte tokens into U+FFFDs while its last character is unfinished, so their count tells nothing.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids: list[int] = []
         self.text = ""  # the text of ids[:read]
         self.prefix = self.read = 0  # the windows: ids[prefix:read] (already in text) and ids[prefix:]
@@ -206,8 +206,9 @@ class IncrementalText:
         """Add one token; return where its text starts (a token with a piece of a character starts at the
         character)."""
         self.ids.append(token_id)
-        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        new = self.tokenizer.decode(self.ids[self.prefix:])[len(done):]
+        skip = self.skip_special_tokens
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=skip)
+        new = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=skip)[len(done):]
         common = 0
         if self._pending and self._continues(token_id):  # the character that the pending text ends with
             common = len(self._pending.rstrip("\ufffd"))    # (U+FFFD; one a byte with byte-fallback tokens)
@@ -236,11 +237,13 @@ class Detokenizer:
     The released prefix never changes afterwards, so streamed deltas concatenate to the final text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
-        """min_tokens: stop strings are looked for only in text that ends past the first min_tokens tokens."""
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0,
+                 skip_special_tokens: bool = True):
+        """min_tokens: stop strings are looked for only in text that ends past the first min_tokens tokens;
+        skip_special_tokens: special tokens are left out of the text (False: kept, so stop strings can match them)."""
         self.stop, self.min_tokens, self._tokens = stop, min_tokens, 0
         self._hold = max((len(s) - 1 for s in stop), default=0)  # the longest tail that could begin one
-        self._text = IncrementalText(tokenizer)
+        self._text = IncrementalText(tokenizer, skip_special_tokens)
         self._searched = 0  # stop strings were looked for in text[:_searched]
         self.released = 0
         self.text = ""

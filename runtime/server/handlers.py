@@ -128,7 +128,7 @@ class Handlers:
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
                 seed=body.seed, stop=() if body.stop is None else body.stop, ignore_eos=body.ignore_eos,
                 logprobs=body.wanted_logprobs(), stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens,
-                **body.penalties())
+                skip_special_tokens=body.skip_special_tokens, **body.penalties())
         except ValueError as e:
             raise APIError(400, str(e), _param(e)) from None
         vocab = self.engine.vocab_size
@@ -147,7 +147,7 @@ class Handlers:
         # tokenized off the event loop: a megabyte prompt takes seconds, which would stall every other client
         ids = await asyncio.to_thread(lambda: [self._encode(x, "prompt") for x in prompts])
         texts = [x if isinstance(x, str) else None for x in prompts]
-        echo = _Echo(ids, texts, body.n, body.max_tokens == 0) if body.echo else None
+        echo = _Echo(ids, texts, body.n, body.max_tokens == 0, body.skip_special_tokens) if body.echo else None
         # max_tokens 0 with echo: the prompt alone (its logprobs): one token is generated and left out
         params = [self._params(body, 1 if echo and echo.only else body.max_tokens, len(x)) for x in ids]
         if echo and body.logprobs is not None:
@@ -315,16 +315,18 @@ class Handlers:
 @dataclass(frozen=True)
 class _Echo:
     """A completion that echoes its prompts (`echo`): choice i's is prompts[i // n], written as the client's text
-    where it sent one (texts[i // n]; None: token ids, decoded); only: max_tokens 0, the prompt alone."""
+    where it sent one (texts[i // n]; None: token ids, decoded with or without special tokens, as the output is);
+    only: max_tokens 0, the prompt alone."""
 
     prompts: list[list[int]]
     texts: list[str | None]
     n: int
     only: bool
+    skip_special_tokens: bool
 
     def __call__(self, text_of: TokenText, choice: int, lps) -> tuple[str, dict | None, int]:
         """echoed_prompt's (text, logprobs columns, shift) for a choice."""
-        said, columns, shift = echoed_prompt(text_of, self.prompts[choice // self.n], lps)
+        said, columns, shift = echoed_prompt(text_of, self.prompts[choice // self.n], lps, self.skip_special_tokens)
         text = self.texts[choice // self.n]
         return (said, columns, shift) if text is None else (text, columns, shift + len(text) - len(said))
 

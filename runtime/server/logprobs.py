@@ -1,10 +1,11 @@
 """Tokens' logprobs (runtime/logprobs.py) in OpenAI's two shapes: the completions' columns and the chat's entries.
 
-A token's text is its own bytes (Tokenizer.token_bytes) decoded, with U+FFFD for a piece of a multi-byte
-character; chat entries also carry the bytes, which add up to the tokens' text with special tokens kept (the
-message's text leaves those out, and a stop string cuts it). Without a tokenizer, or for an id it does not have,
-the text is "token_id:N". Two alternatives of the same text share one key of a completions' top_logprobs dict: the
-more likely stays. JSON has no infinities: a logprob of -inf (a token the model rules out) is written -9999.0.
+A token's text is its own bytes (Tokenizer.token_bytes) decoded, with U+FFFD for a piece of a multi-byte character;
+chat entries also carry the bytes, which add up to the tokens' text with special tokens kept (the message's text
+leaves those out unless skip_special_tokens is false, and a stop string cuts it). Without a tokenizer, or for an id
+it does not have, the text is "token_id:N". Two alternatives of the same text share one key of a completions'
+top_logprobs dict: the more likely stays. JSON has no infinities: a logprob of -inf (a token the model rules out) is
+written -9999.0.
 """
 
 from __future__ import annotations
@@ -71,14 +72,14 @@ def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogpr
             "top_logprobs": top, "text_offset": starts}
 
 
-def echoed_prompt(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs | None] | None
-                  ) -> tuple[str, dict | None, int]:
+def echoed_prompt(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs | None] | None,
+                  skip_special_tokens: bool = True) -> tuple[str, dict | None, int]:
     """A completion's echoed prompt (`echo`): its text (the tokenizer's decoding of `ids`; "" without one), its
     `logprobs` columns when lps (the request's prompt_logprobs) is given, and how far the output's text_offsets
     move: the text's length, or without a tokenizer the length of the prompt's "token_id:N" names (ChoiceOffsets)."""
     offsets = ChoiceOffsets(text_of)
     if text_of.tokenizer is not None:
-        det, starts = Detokenizer(text_of.tokenizer), []
+        det, starts = Detokenizer(text_of.tokenizer, skip_special_tokens=skip_special_tokens), []
         for i, t in enumerate(ids):
             det.push(t, final=i == len(ids) - 1)
             starts.append(det.offset)

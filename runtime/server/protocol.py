@@ -44,10 +44,11 @@ class _Sampling(_Strict):
     response_format: dict | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
+    skip_special_tokens: bool = Field(True, description="Extension (vLLM's): leave special tokens out of the text.")
     return_token_ids: bool = Field(False, description="Extension: add the generated token ids to each choice.")
 
-    @field_validator("n", "stream", "ignore_eos", "return_token_ids", "min_tokens", "echo", "max_tokens",
-                     mode="before", check_fields=False)
+    @field_validator("n", "stream", "ignore_eos", "skip_special_tokens", "return_token_ids", "min_tokens", "echo",
+                     "max_tokens", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v, info):
         """OpenAI types these "X or null": an explicit null is the default (completions' max_tokens 16), not a

@@ -2,16 +2,17 @@
 
 Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `input_ids`), `max_tokens`,
 `temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop`, `return_log_probs`, `presence_penalty`,
-`frequency_penalty`, `repetition_penalty` in (no logit bias: TensorRT-LLM's backend takes bias words instead);
-`text_output`, `output_ids`, `finish_reason`, `output_log_probs` (each output token's log-probability, flat; empty
-unless asked) out. In decoupled mode each request is handed to the engine thread, which queues its tokens for a
-sender thread that answers (one response per token when stream=true), so concurrent requests batch continuously.
-The unary model (not decoupled) takes the requests Triton's dynamic batcher hands it together (each with a batch
-dimension of 1) and answers them when all are done. A cancelled request (client gone) is aborted on the engine,
-which frees its pages and KDA slot. Errors: the client's mistakes are INVALID_ARG (HTTP 400), a stopped engine
-UNAVAILABLE (503; the gauge k3_engine_alive of Triton's metrics goes to 0, since Triton before 2.64 cannot mark a
-Python model not ready: reload the model or restart the server). Triton's metrics also count finished requests by
-reason (k3_requests_finished_total), prompt and generated tokens.
+`frequency_penalty`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` in
+(no logit bias: TensorRT-LLM's backend takes bias words instead); `text_output`, `output_ids`, `finish_reason`,
+`output_log_probs` (each output token's log-probability, flat; empty unless asked) out. In decoupled mode each
+request is handed to the engine thread, which queues its tokens for a sender thread that answers (one response per
+token when stream=true), so concurrent requests batch continuously. The unary model (not decoupled) takes the
+requests Triton's dynamic batcher hands it together (each with a batch dimension of 1) and answers them when all are
+done. A cancelled request (client gone) is aborted on the engine, which frees its pages and KDA slot. Errors: the
+client's mistakes are INVALID_ARG (HTTP 400), a stopped engine UNAVAILABLE (503; the gauge k3_engine_alive of
+Triton's metrics goes to 0, since Triton before 2.64 cannot mark a Python model not ready: reload the model or
+restart the server). Triton's metrics also count finished requests by reason (k3_requests_finished_total), prompt
+and generated tokens.
 Needs numpy<2 in the stub's environment (Triton 2.51's stub), plus k3runtime and its dependencies.
 """
 
@@ -311,7 +312,8 @@ class TritonPythonModel:
                                  frequency_penalty=_scalar(request, "frequency_penalty", 0.0, float),
                                  repetition_penalty=_scalar(request, "repetition_penalty", 1.0, float),
                                  min_tokens=_scalar(request, "min_tokens", 0, int), stop_token_ids=stop_ids,
-                                 ignore_eos=_scalar(request, "ignore_eos", False, bool))
+                                 ignore_eos=_scalar(request, "ignore_eos", False, bool),
+                                 skip_special_tokens=_scalar(request, "skip_special_tokens", True, bool))
         return ids, sp, _scalar(request, "stream", False, bool)
 
     def execute(self, requests):

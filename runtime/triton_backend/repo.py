@@ -30,6 +30,7 @@ _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only wh
     ("min_tokens", "TYPE_INT32", [1]),
     ("ignore_eos", "TYPE_BOOL", [1]),
     ("stop_token_ids", "TYPE_INT32", [-1]),
+    ("skip_special_tokens", "TYPE_BOOL", [1]),
 ]
 _OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]),
             ("finish_reason", "TYPE_STRING", [1]), ("output_log_probs", "TYPE_FP32", [-1])]

@@ -229,6 +229,37 @@ def test_stop_string_with_async_scheduling(llm, k3_tiny_engine):
     assert fast.engine.scheduler.page_pool.num_used == 0
 
 
+def test_skip_special_tokens(llm, k3_tiny_engine):
+    """Special tokens are left out of the text by default (vLLM's), kept with skip_special_tokens=False: as the
+    tokenizer's own decoding (transformers) spells them, generated or streamed; a stop string that spells one then
+    matches it. The tokens are the same either way."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(k3_tiny_engine)
+    special = set(hf.all_special_ids)
+    # the tiny model's tokens are random: a prompt whose output holds special tokens among others
+    outs = (llm.generate([a, 14, 15], greedy(24))[0] for a in range(7, 200))
+    ref = next(o for o in outs if special & set(o.token_ids[1:-1]) and not set(o.token_ids) <= special)
+    prompt, ids = ref.prompt_token_ids, ref.token_ids
+    assert ref.text == hf.decode(ids, skip_special_tokens=True)
+    for skip in (True, False):
+        out = llm.generate(prompt, greedy(24, skip_special_tokens=skip))[0]
+        assert out.token_ids == ids and out.text == hf.decode(ids, skip_special_tokens=skip), skip
+        chunks = list(llm.stream(prompt, greedy(24, skip_special_tokens=skip)))
+        assert [c.token_id for c in chunks] == ids and "".join(c.text for c in chunks) == out.text
+    first = next(i for i, t in enumerate(ids) if t in special)
+    spelled = hf.convert_ids_to_tokens(ids[first])
+    assert spelled in hf.decode(ids, skip_special_tokens=False) and spelled not in ref.text
+    stopped = llm.generate(prompt, greedy(24, stop=(spelled,), skip_special_tokens=False))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == ids[:first + 1]
+    assert stopped.text == hf.decode(ids[:first], skip_special_tokens=False)
+    streamed = list(llm.stream(prompt, greedy(24, stop=(spelled,), skip_special_tokens=False)))
+    assert "".join(c.text for c in streamed) == stopped.text and streamed[-1].finish_reason == "stop"
+    assert llm.generate(prompt, greedy(24, stop=(spelled,)))[0].text == ref.text  # left out: never matches
+    with pytest.raises(ValueError, match="skip_special_tokens: expected a bool, got 'no'"):
+        SamplingParams(skip_special_tokens="no")
+
+
 def test_sampling_options_do_what_they_say(llm):
     ids = llm.tokenizer.encode(PROMPT)
     g = llm.generate(ids, greedy(8))[0].token_ids

@@ -38,6 +38,21 @@ def llm(tiny_engine):
     return LLM(tiny_engine)
 
 
+@pytest.fixture(scope="session")
+def special_output(llm, tiny_engine):
+    """(the engine's tokenizer in transformers, the oracle of its decoding; a greedy output of 24 tokens past EOS
+    that holds special tokens among others: the tiny model's tokens are random, so a prompt is looked for)"""
+    from transformers import AutoTokenizer
+
+    from k3runtime import SamplingParams
+
+    hf = AutoTokenizer.from_pretrained(tiny_engine)
+    special = set(hf.all_special_ids)
+    outs = (llm.generate([a, 14, 15], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+            for a in range(7, 200))
+    return hf, next(o for o in outs if special & set(o.token_ids[1:-1]) and not set(o.token_ids) <= special)
+
+
 class LiveServer:
     """uvicorn in a thread of this process, serving create_app(engine, config) on 127.0.0.1."""
 

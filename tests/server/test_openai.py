@@ -107,6 +107,39 @@ def test_null_fields_take_their_defaults(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
 
 
+def test_skip_special_tokens_extension(client, special_output):
+    """vLLM's skip_special_tokens: special tokens left out of the text by default (and for null), kept with false,
+    as the tokenizer's own decoding spells them: completions, streamed or not, the echoed prompt and chat; a stop
+    string that spells one then matches it."""
+    hf, ref = special_output
+    ids = ref.token_ids
+    kw = dict(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=24, temperature=0)
+    for skip in (None, True, False, "absent"):
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        if skip != "absent":
+            extra["skip_special_tokens"] = skip
+        want = hf.decode(ids, skip_special_tokens=skip is not False)
+        c = client.completions.create(**kw, extra_body=extra).choices[0]
+        assert c.model_extra["token_ids"] == ids and c.text == want, skip
+        chunks = list(client.completions.create(**kw, stream=True, extra_body=extra))
+        assert "".join(ch.choices[0].text for ch in chunks) == want, skip
+    kept = {"ignore_eos": True, "skip_special_tokens": False}
+    said = hf.decode(ref.prompt_token_ids + [1], skip_special_tokens=False)  # the prompt with BOS (id 1) after it
+    echoed = client.completions.create(**{**kw, "prompt": ref.prompt_token_ids + [1], "max_tokens": 1}, echo=True,
+                                       extra_body=kept).choices[0]
+    assert echoed.text.startswith(said) and hf.convert_ids_to_tokens(1) in said
+    first = next(i for i, t in enumerate(ids) if t in hf.all_special_ids)
+    spelled = hf.convert_ids_to_tokens(ids[first])
+    stopped = client.completions.create(**kw, stop=[spelled], extra_body=kept).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == hf.decode(ids[:first], skip_special_tokens=False)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=24,
+                                          temperature=0, extra_body={**kept, "return_token_ids": True}).choices[0]
+    assert chat.message.content == hf.decode(chat.model_extra["token_ids"], skip_special_tokens=False)
+    with pytest.raises(openai.BadRequestError, match="skip_special_tokens") as e:
+        client.completions.create(**kw, extra_body={"skip_special_tokens": "no"})
+    assert e.value.body["param"] == "skip_special_tokens"
+
+
 def test_completion_logprobs_match_python_api(client, llm):
     """logprobs=2: each token's text, logprob, two most likely alternatives and offset in the text, the Python
     API's values; streamed, the same columns a token a chunk."""

@@ -38,7 +38,8 @@ def _ports(n=3):
 def test_config_pbtxt_shape(tmp_path):
     txt = config_pbtxt("k3", tmp_path, decoupled=True)
     for name in ["text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop",
-                 "return_log_probs", "min_tokens", "ignore_eos", "stop_token_ids", "text_output", "output_ids",
+                 "return_log_probs", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "text_output",
+                 "output_ids",
                  "finish_reason", "output_log_probs"]:
         assert f'name: "{name}"' in txt
     assert 'backend: "python"' in txt and "decoupled: true" in txt and str(tmp_path) in txt
@@ -195,7 +196,8 @@ def _inputs(mod, batched=False, **values):
              "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_),
              "return_log_probs": ("BOOL", np.bool_), "presence_penalty": ("FP32", np.float32),
              "frequency_penalty": ("FP32", np.float32), "repetition_penalty": ("FP32", np.float32),
-             "min_tokens": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_), "stop_token_ids": ("INT32", np.int32)}
+             "min_tokens": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_), "stop_token_ids": ("INT32", np.int32),
+             "skip_special_tokens": ("BOOL", np.bool_)}
     out = []
     for name, v in values.items():
         dt, npt = kinds[name]
@@ -314,6 +316,31 @@ def test_seed_stop_and_penalties_pass_through(triton, llm):
     assert _ids(c[0]) == pen_ref.token_ids
     assert _ids(d[0]) == stop_id_ref.token_ids
     assert d[0].as_numpy("finish_reason")[0].decode() == stop_id_ref.finish_reason
+
+
+def test_skip_special_tokens_input(triton, special_output):
+    """skip_special_tokens (BOOL, default true): special tokens left out of text_output or kept, as the tokenizer's
+    own decoding spells them, streamed (gRPC) or unary (HTTP); kept, a stop string that spells one matches it."""
+    import tritonclient.http as th
+
+    hf, ref = special_output
+    ids = ref.token_ids
+    first = next(i for i, t in enumerate(ids) if t in hf.all_special_ids)
+    spelled = hf.convert_ids_to_tokens(ids[first])
+    base = dict(input_ids=ref.prompt_token_ids, max_tokens=24, temperature=0.0, ignore_eos=True)
+    flags = [{}, dict(skip_special_tokens=True), dict(skip_special_tokens=False)]
+    out = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(base, stream=True, **f) for f in flags] +
+                  [dict(base, stop=[spelled], skip_special_tokens=False)])
+    for f, resps in zip(flags, out):
+        assert [t for r in resps for t in _ids(r)] == ids
+        text = "".join(r.as_numpy("text_output")[0].decode() for r in resps if r.get_output("text_output") is not None)
+        assert text == hf.decode(ids, skip_special_tokens=f.get("skip_special_tokens", True)), f
+    (stopped,) = out[3]
+    assert stopped.as_numpy("finish_reason")[0].decode() == "stop"
+    assert stopped.as_numpy("text_output")[0].decode() == hf.decode(ids[:first], skip_special_tokens=False)
+    with th.InferenceServerClient(f"127.0.0.1:{triton.ports[0]}") as c:
+        r = c.infer("k3_unary", _unary(th, skip_special_tokens=False, **base))
+    assert r.as_numpy("text_output")[0, 0].decode() == hf.decode(ids, skip_special_tokens=False)
 
 
 def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
