@@ -82,7 +82,7 @@ class Handlers:
         if body.model != self.config.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.config.model_name!r}",
                            "model", "model_not_found")
-        bad = body.unsupported()
+        bad = body.unsupported() or body.out_of_range()
         if bad:
             raise APIError(400, bad[1], bad[0])
 
