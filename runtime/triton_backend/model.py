@@ -6,7 +6,7 @@ Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `i
 (no logit bias: TensorRT-LLM's backend takes bias words instead); `text_output`, `output_ids`, `finish_reason`,
 `output_log_probs` (each output token's log-probability, flat; empty unless asked) out. In decoupled mode each
 request is handed to the engine thread, which queues its tokens for a sender thread that answers (one response per
-token when stream=true), so concurrent requests batch continuously. The unary model (not decoupled) takes the
+token when stream=true, or the tokens made since the last when sends fall behind), so concurrent requests batch continuously. The unary model (not decoupled) takes the
 requests Triton's dynamic batcher hands it together (each with a batch dimension of 1) and answers them when all are
 done. A cancelled request (client gone) is aborted on the engine, which frees its pages and KDA slot. Errors: the
 client's mistakes are INVALID_ARG (HTTP 400), a stopped engine UNAVAILABLE (503; the gauge k3_engine_alive of
@@ -85,11 +85,13 @@ def _invalid(e: Exception):
 
 
 class _Stream:
-    """One decoupled request's response side; once opened, only the sender thread touches it."""
+    """One decoupled request's response side; once opened, only the sender thread sends on it (the engine thread
+    adds to `waiting` under the responder's lock)."""
 
     def __init__(self, request, rid: str):
         self.request, self.sender, self.rid = request, request.get_response_sender(), rid
         self.closed = False  # its final response went (or its stream failed): what comes later is dropped
+        self.waiting: _Output | None = None  # its streamed tokens queued and not yet taken by the sender
 
 
 _OPEN, _CLOSE = object(), object()
@@ -111,6 +113,9 @@ class _Responder:
     POLL_S: a cancelled one is aborted on the engine (abort(rid)) and closed with an empty final response."""
 
     POLL_S = 0.05
+    # A streamed token joins its request's response still in the queue: when sends fall behind the engine (one
+    # thread sends about 5K responses a second), a response carries the tokens made since the last, so the sends
+    # a second stay what one thread can do and no stream falls further behind than one response.
 
     def __init__(self, build, abort):
         self._build, self._abort = build, abort
@@ -132,10 +137,31 @@ class _Responder:
     def put(self, st: _Stream, payload, final: bool = False) -> None:
         """payload: what build() turns into a response (final: the request's last)."""
         with self._lock:
+            st.waiting = None  # what follows this goes after it
             if not self._closed:
                 self._queue.put((st, payload, final))
                 return
             self._send(st, payload, final)
+
+    def put_token(self, st: _Stream, ev) -> None:
+        """A streamed token (an engine event): added to the request's response in the queue, or queued as one."""
+        with self._lock:
+            if st.waiting is not None:
+                st.waiting.add(ev)
+                return
+            out = _Output().add(ev)
+            if not self._closed:
+                st.waiting = out
+                self._queue.put((st, out, False))
+                return
+            self._send(st, out, ev.finish_reason is not None)
+
+    def _take(self, item):
+        """A queued item, detached (under the lock) from the tokens still to come."""
+        st, payload, final = item
+        if st.waiting is payload:
+            st.waiting = None
+        return st, payload, final or (isinstance(payload, _Output) and payload.reason is not None)
 
     def close(self) -> None:
         """Send what was put, then end the thread."""
@@ -153,9 +179,11 @@ class _Responder:
                 with self._lock:
                     self._closed = True
                     while not self._queue.empty():
-                        self._send(*self._queue.get())
+                        self._send(*self._take(self._queue.get()))
                 return
             if item is not None:
+                with self._lock:
+                    item = self._take(item)
                 self._send(*item)
             if time.monotonic() >= next_poll:
                 for st in list(self._open.values()):
@@ -344,7 +372,7 @@ class TritonPythonModel:
             if isinstance(ev, BaseException):
                 put(st, ev, final=True)
             elif stream:
-                put(st, _Output().add(ev), final=ev.finish_reason is not None)
+                self.responder.put_token(st, ev)
             elif acc.add(ev).reason:
                 put(st, acc, final=True)
 
