@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from k3plugins.moe.mxfp4 import (E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXFP4_BLOCK, dequantize_mxfp4, e2m1_table,
-                                 unpack_e2m1)
+from k3plugins.moe.mxfp4 import (E2M1_VALUES, E8M0_BIAS, E8M0_MAX_FINITE, E8M0_NAN, MXFP4_BLOCK, dequantize_mxfp4,
+                                 e2m1_table, unpack_e2m1)
 
 __all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "dequantize_mxfp4", "e2m1_table", "unpack_e2m1", "pack_e2m1",
            "quantize_mxfp4", "check_scale", "MXFP4Error"]
@@ -87,9 +87,6 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes), (shared + E8M0_BIAS).to(torch.uint8)
 
 
-# The largest scale byte whose block stays finite in BF16 (and FP32) whatever its codes: 6 * 2^(252-127) = 1.5 * 2^127
-# is below BF16's max (~1.99 * 2^127); at 253 (2^126) codes 4 and 6 decode to Inf, at 254 codes 2 and up.
-E8M0_MAX_FINITE = 252
 
 
 def check_scale(scale: torch.Tensor, name: str) -> None:

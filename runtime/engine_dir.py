@@ -23,10 +23,17 @@ def not_an_engine(cfg: object, path: Path) -> str | None:
 
 
 def no_config(engine_dir: str | Path) -> str:
-    """The error for a path holding no config.json: a file given for its directory, or no engine there."""
-    if Path(engine_dir).is_file():
+    """The error for a path holding no config.json: a file given for its directory, a rank directory given for its
+    engine's, or no engine there."""
+    path = Path(engine_dir)
+    if path.is_file():
         return (f"{engine_dir}: a file; give the engine's directory (the one `k3build build` wrote, which holds "
                 "config.json)")
+    if any((path / name).is_file() for name in ("graph.onnx", "weights.safetensors")):
+        parent = path.resolve().parent
+        engine = f" ({parent})" if (parent / "config.json").is_file() else ""
+        return (f"{engine_dir}: one rank's directory, not an engine; give the engine's directory{engine}, which holds "
+                "config.json and every rank's")
     return f"{engine_dir}: not an engine dir (no config.json); build one with `k3build build`"
 
 

@@ -35,7 +35,7 @@ def _type_name(elem_type) -> str:
 
 
 def _is_data(vi: onnx.ValueInfoProto) -> bool:
-    """A step's input (symbolic dims), bound per step; the others are weights (loader._check_weights: same rule)."""
+    """A step's input (symbolic dims), bound per step; the others are weights (loader._weights_problem: same rule)."""
     return any(d.dim_param for d in vi.type.tensor_type.shape.dim)
 
 

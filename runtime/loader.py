@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 import torch
 from k3plugins import registry
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from k3plugins.moe.mxfp4 import E8M0_MAX_FINITE, W4_MAX_SCALE_BYTE, W4_TACTICS
 
 from .dist import weight_store
 from .engine_dir import check_engine_fields, no_config, not_an_engine
@@ -76,6 +77,7 @@ class RankEngine:
 def read_engine_config(engine_dir: str | Path) -> dict:
     path = Path(engine_dir) / "config.json"
     try:
+        _regular(path)
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):
         raise EngineError(no_config(engine_dir)) from None
@@ -156,20 +158,34 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     for name in ("graph.onnx", "weights.safetensors"):
         _check_readable(rank_dir / name)
     try:
-        model = onnx.load(rank_dir / "graph.onnx")
+        data = (rank_dir / "graph.onnx").read_bytes()
+    except OSError as e:
+        raise EngineError(_unreadable(rank_dir / "graph.onnx", e)) from None
+    try:
+        model = onnx.load_from_string(data)
     except Exception as e:  # protobuf DecodeError and friends
         raise EngineError(f"{rank_dir}/graph.onnx: not a valid ONNX model ({e}); rebuild the engine") from None
     if why := graph_problem(model, cfg, rank):
         raise EngineError(f"{rank_dir}/graph.onnx: {why}; rebuild the engine with `k3build build` from this "
                           "installation")
+    # graph_problem names what the executor cannot bind; the build's record of the file (engines from before it have
+    # none) refuses the rest: an attribute's name or value changed by one bit parses and binds, then fails at the
+    # first step or runs another model
+    built = cfg["ranks"][str(rank)].get("graph_sha256")
+    if isinstance(built, str) and (here := hashlib.sha256(data).hexdigest()) != built:
+        raise EngineError(f"{rank_dir}/graph.onnx: damaged since its build (sha256 {here[:12]}, config.json records "
+                          f"{built[:12]}); copy the engine whole again, or rebuild it")
     graph = model.graph
     # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk.
-    weights = weight_store.attach(engine_dir, rank, device=device)
-    if weights is None:
-        weights = _read_weights(rank_dir / "weights.safetensors", rank, cfg["ranks"][str(rank)],
-                                cfg["stamp"].get("build_id"), device, progress)
-    _check_weights(graph, weights, rank_dir)
-    _check_finite(weights, rank_dir)
+    weights = _read_weights(rank_dir / "weights.safetensors", rank, cfg["ranks"][str(rank)],
+                            cfg["stamp"].get("build_id"), device, progress,
+                            attach=lambda: weight_store.attach(engine_dir, rank, device=device))
+    if why := (_weights_problem(graph, weights) or _nonfinite_problem(weights)
+               or _scales_problem(graph, weights, cfg["build_config"]["plugins"])):
+        # the error's traceback holds this frame: empty the dict it holds, or a failed load keeps the rank's tensors
+        # (on a GPU its whole device memory) for as long as the error lives (a notebook's sys.last_value, a retry)
+        weights.clear()
+        raise EngineError(f"{rank_dir}/weights.safetensors: {why}")
     return RankEngine(engine_dir, rank, cfg, ModelFacts.from_pretrained_config(cfg["pretrained_config"]), graph, weights)
 
 
@@ -179,10 +195,20 @@ def _unreadable(path: Path, e: OSError) -> str:
     return f"{path}: cannot be read ({e.strerror or e})"
 
 
+def _regular(path: Path) -> None:
+    """EngineError for a pipe, socket or device in an engine file's place: open() of a FIFO waits for a writer, so
+    the load would hang without a word. (A directory is left to open(), which says "Is a directory".)"""
+    mode = path.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise EngineError(f"{path}: not a regular file (a pipe, socket or device in its place); copy the engine's "
+                          "file there, or rebuild the engine")
+
+
 def _check_readable(path: Path) -> None:
     """EngineError for an engine file that is missing or cannot be read, before its reader's own error (safetensors
     says FileNotFoundError for a file it may not read) or a traceback."""
     try:
+        _regular(path)
         with open(path, "rb"):
             pass
     except FileNotFoundError:
@@ -192,11 +218,14 @@ def _check_readable(path: Path) -> None:
 
 
 def _read_weights(path: Path, rank: int, info: dict, build_id: str | None, device: torch.device,
-                  progress: bool) -> dict[str, torch.Tensor]:
-    """The rank's weights from disk: on a GPU streamed through pinned buffers (weight_reader), on the CPU mapped
-    (shared with the page cache). The header is checked first on both (read_header names the tensor that does not
-    fit, where safetensors says "incomplete metadata"), and its record of the rank it was built for (a file
-    rewritten by another tool may have none)."""
+                  progress: bool, attach=lambda: None) -> dict[str, torch.Tensor]:
+    """The rank's weights: from the node's host store when `attach()` gives them, else from disk: on a GPU streamed
+    through pinned buffers (weight_reader), on the CPU read straight into the tensors (not mapped: a private mapping
+    still reads the file's pages as they are, so a file replaced in place — cp over it, rsync --inplace — would
+    change a running engine's weights, and one truncated would kill it with SIGBUS). The header is checked first on
+    all three (read_header names the tensor that does not fit), and its record of the rank and build it was written
+    for (a file rewritten by another tool may have none): a store copies the file as it is, so it holds another
+    rank's or build's file as faithfully."""
     try:
         _, _, metadata = read_header(path)
         if metadata.get("rank", str(rank)) != str(rank):
@@ -207,14 +236,16 @@ def _read_weights(path: Path, rank: int, info: dict, build_id: str | None, devic
             raise EngineError(f"{path}: written by another build ({metadata['build_id']}) than the engine's "
                               f"config.json ({build_id}): files of two builds mixed; copy the engine whole again, or "
                               "rebuild it")
-        if device.type == "cuda":
-            return read_weights(path, device, progress=progress)
-        return load_file(path, device=str(device))
-    except (SafetensorError, WeightFileError) as e:
-        size, built = path.stat().st_size, info.get("weight_bytes")
-        sizes = f"; it is {size} bytes, its build wrote {built}" if isinstance(built, int) and built != size else ""
+        if (attached := attach()) is not None:
+            return attached
+        return read_weights(path, device, progress=progress)
+    except WeightFileError as e:
         why = str(e).removeprefix(f"{path}: ")
-        raise EngineError(f"{path}: corrupt ({why}){sizes}; rebuild the engine") from None
+    # raised out of the except block: as its context, the reader's error would keep read_weights' frame, and every
+    # tensor it had allocated, alive for as long as this one lives
+    size, built = path.stat().st_size, info.get("weight_bytes")
+    sizes = f"; it is {size} bytes, its build wrote {built}" if isinstance(built, int) and built != size else ""
+    raise EngineError(f"{path}: corrupt ({why}){sizes}; rebuild the engine")
 
 
 _ONNX_TO_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
@@ -222,29 +253,51 @@ _ONNX_TO_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT
                   onnx.TensorProto.INT64: torch.int64}
 
 
-def _check_finite(weights: dict[str, torch.Tensor], rank_dir: Path) -> None:
-    """Refuse float weights holding NaN or Inf: convert refuses them in a checkpoint, so here they are a file
-    damaged since (bytes overwritten in place keep its size), which would otherwise sample from NaN logits without
-    a word. One test a tensor on the weights' device and one sync for them all."""
-    floats = [(name, t) for name, t in weights.items() if t.is_floating_point()]
+def _nonfinite_problem(weights: dict[str, torch.Tensor]) -> str | None:
+    """Float weights holding NaN or Inf: convert refuses them in a checkpoint, so here they are a file damaged
+    since (bytes overwritten in place keep its size), which would otherwise sample from NaN logits without a word.
+    One test a tensor on the weights' device and one sync for them all. (A problem string, not an exception: one
+    raised here would keep every tensor alive through this frame.)"""
+    floats = [name for name, t in weights.items() if t.is_floating_point()]
     if not floats:
-        return
-    ok = torch.stack([torch.isfinite(t).all() for _, t in floats]).cpu()
-    bad = [name for (name, _), good in zip(floats, ok.tolist()) if not good]
+        return None
+    ok = torch.stack([torch.isfinite(weights[name]).all() for name in floats]).cpu().tolist()
+    bad = [name for name, good in zip(floats, ok) if not good]
     if bad:
-        raise EngineError(f"{rank_dir}/weights.safetensors: {len(bad)} tensor(s) hold NaN or Inf, the first "
-                          f"{bad[0]!r}; the file was damaged after its build — rebuild the engine")
+        return (f"{len(bad)} tensor(s) hold NaN or Inf, the first {bad[0]!r}; the file was damaged after its build — "
+                "rebuild the engine")
+    return None
 
 
-def _check_weights(graph: onnx.GraphProto, weights: dict[str, torch.Tensor], rank_dir: Path) -> None:
+def _scales_problem(graph: onnx.GraphProto, weights: dict[str, torch.Tensor], plugins: dict) -> str | None:
+    """MXFP4 expert scale bytes the build would not have written: past E8M0_MAX_FINITE (0xFF is NaN, 253 and 254
+    decode to Inf), or, for a W4 tactic, past W4_MAX_SCALE_BYTE (its decode is inexact there, so the build steps
+    down to triton_ds). _nonfinite_problem sees only float tensors, and one flipped bit of a scale byte of 2^0 (127)
+    makes it 0xFF: NaN logits from every token routed to that expert. One max a tensor, one sync."""
+    tactic = plugins.get("MoEExperts", {}).get("tactic")
+    bound = W4_MAX_SCALE_BYTE if tactic in W4_TACTICS else E8M0_MAX_FINITE
+    names = [n.input[i] for n in graph.node if n.op_type == "MoEExperts" and n.domain == "k3" for i in (4, 6)
+             if len(n.input) > i and n.input[i] and weights[n.input[i]].dtype == torch.uint8
+             and weights[n.input[i]].numel()]
+    if not names:
+        return None
+    highest = torch.stack([weights[name].max() for name in names]).cpu().tolist()
+    for name, byte in zip(names, highest):
+        if byte > bound:
+            return (f"{name!r} holds E8M0 scale byte 0x{byte:02X}, past {bound} (the most a {tactic} engine's build "
+                    "writes); the file was damaged after its build — rebuild the engine")
+    return None
+
+
+def _weights_problem(graph: onnx.GraphProto, weights: dict[str, torch.Tensor]) -> str | None:
     for vi in graph.input:
         t = vi.type.tensor_type
         if any(d.dim_param for d in t.shape.dim):
             continue  # a data input (symbolic dims), bound per step
         if vi.name not in weights:
-            raise EngineError(f"{rank_dir}/weights.safetensors: tensor {vi.name!r} declared by graph.onnx is missing")
+            return f"tensor {vi.name!r} declared by graph.onnx is missing"
         shape = tuple(d.dim_value for d in t.shape.dim)
         w = weights[vi.name]
         if tuple(w.shape) != shape or w.dtype != _ONNX_TO_TORCH[t.elem_type]:
-            raise EngineError(f"{rank_dir}/weights.safetensors: {vi.name!r} is {tuple(w.shape)} {w.dtype}, graph expects "
-                              f"{shape} {_ONNX_TO_TORCH[t.elem_type]}")
+            return f"{vi.name!r} is {tuple(w.shape)} {w.dtype}, graph expects {shape} {_ONNX_TO_TORCH[t.elem_type]}"
+    return None

@@ -72,6 +72,8 @@ def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
         if start_b < end_a:
             raise WeightFileError(f"{path}: tensors {a!r} and {b!r} overlap in the data section")
+    if (last := max((t for _, t, _ in spans), default=0)) != data_bytes:  # safetensors' "not fully covered"
+        raise WeightFileError(f"{path}: {data_bytes - last} bytes past its last tensor's data (bytes appended?)")
     metadata = header.get("__metadata__")
     return entries, 8 + n, metadata if isinstance(metadata, dict) else {}
 

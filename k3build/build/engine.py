@@ -8,6 +8,7 @@ Written into a hidden sibling directory and renamed into place, so an interrupte
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -176,6 +177,9 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
         "pp_group": mapping.pp_group(rank), "moe_group": mapping.tp_group(rank),
         "first_stage": mapping.is_first_stage(rank), "last_stage": mapping.is_last_stage(rank),
         "weight_bytes": (rank_dir / "weights.safetensors").stat().st_size,
+        # what the runtime checks the files against: a byte changed since (a disk, a copy) is refused, not run
+        "graph_sha256": hashlib.sha256((rank_dir / "graph.onnx").read_bytes()).hexdigest(),
+        "weights_sha256": writer.sha256,
     }
 
 

@@ -6,9 +6,9 @@ final file is never half-valid: it appears only once complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 import struct
 
 import torch
@@ -25,6 +25,7 @@ class SafetensorsWriter:
         self._entries: dict[str, dict] = {}
         self._offset = 0
         self._metadata = metadata or {}
+        self.sha256: str | None = None  # of the whole file, once closed (config.json records it for the runtime)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._entries:
@@ -44,12 +45,18 @@ class SafetensorsWriter:
             header["__metadata__"] = self._metadata
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned for mmap readers
+        digest = hashlib.sha256()
         with open(self.path, "wb") as out, open(self._data_path, "rb") as data:
-            out.write(struct.pack("<Q", len(blob)))
-            out.write(blob)
-            shutil.copyfileobj(data, out, 16 << 20)
+            for head in (struct.pack("<Q", len(blob)), blob):
+                out.write(head)
+                digest.update(head)
+            buf = memoryview(bytearray(16 << 20))
+            while n := data.readinto(buf):  # hashed as it is copied: no second pass over the file
+                out.write(buf[:n])
+                digest.update(buf[:n])
             out.flush()
             os.fsync(out.fileno())
+        self.sha256 = digest.hexdigest()
         os.remove(self._data_path)
 
     def abort(self) -> None:

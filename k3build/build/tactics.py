@@ -6,7 +6,7 @@ import importlib.metadata
 
 import torch
 from k3plugins import registry
-from k3plugins.moe.mxfp4 import STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE
+from k3plugins.moe.mxfp4 import STRIDE_BLOCK_K, W4_MAX_SCALE_BYTE, W4_TACTICS
 
 from .. import __version__
 
@@ -33,10 +33,6 @@ def resolve_plugins(target: str, overrides: dict[str, str] | None = None, quanti
         if op not in overrides:
             notes += _passed_over(op, target, impl.tactic, quantization, dtype)
     return table, notes
-
-
-# MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only
-W4_TACTICS = ("triton_l", "triton_s", "triton_p", "triton_f8", "triton")
 
 
 def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_scale_byte: int | None, *,

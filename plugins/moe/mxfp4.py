@@ -16,6 +16,11 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 # The Triton W4 decode multiplies by 2^(s-1) in bf16: exact for scale bytes up to this (|w| <= 12).
 W4_MAX_SCALE_BYTE = 128
+# MoE tactics whose decode is exact up to W4_MAX_SCALE_BYTE only (the build steps past them to triton_ds).
+W4_TACTICS = ("triton_l", "triton_s", "triton_p", "triton_f8", "triton")
+# The largest scale byte whose block stays finite in BF16 (and FP32) whatever its codes: 6 * 2^(252-127) = 1.5 * 2^127
+# is below BF16's max (~1.99 * 2^127); at 253 (2^126) codes 4 and 6 decode to Inf, at 254 codes 2 and up.
+E8M0_MAX_FINITE = 252
 # The K tile of the strided-nibble layout (a scale group per nibble sub-block of 32).
 STRIDE_BLOCK_K = 256
 

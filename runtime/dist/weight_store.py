@@ -8,6 +8,7 @@ files and the socket and exit 0. This module imports no torch, so `k3runtime` st
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -115,7 +117,7 @@ def copy_verified(src: Path, dst: Path, stop: threading.Event, on_bytes=lambda n
     after = src.stat()
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
         raise StoreError(f"{src} changed while it was being copied; restart the store once the engine is written")
-    copy_sha = _sha256_file(part, buf)
+    copy_sha = _sha256_file(part, buf, stop)
     if copy_sha != digest.hexdigest():
         raise StoreError(f"{part}: copy does not match {src} (sha256 {copy_sha[:12]} vs {digest.hexdigest()[:12]})")
     part.chmod(0o444)
@@ -123,10 +125,12 @@ def copy_verified(src: Path, dst: Path, stop: threading.Event, on_bytes=lambda n
     return copy_sha
 
 
-def _sha256_file(path: Path, buf: memoryview) -> str:
+def _sha256_file(path: Path, buf: memoryview, stop: threading.Event) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while n := f.readinto(buf):
+            if stop.is_set():  # a rank's copy is tens of GB: SIGTERM must not wait for its whole re-read
+                raise _Stopped
             digest.update(buf[:n])
     return digest.hexdigest()
 
@@ -139,16 +143,22 @@ class WeightStore:
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._bound = False
+        self._dir_fd: int | None = None  # the shm dir, flock'ed while this store lives: what tells a live store's dir
         self._owns_dir = False
-        self.config_sha = proto.config_sha256(opts.engine_dir)
-        declared = proto.engine_ranks(opts.engine_dir)
-        if missing := sorted(set(opts.ranks) - set(declared)):
-            raise StoreError(f"{opts.engine_dir}: no rank(s) {missing}; the engine has ranks {declared}")
-        self.sources = {r: proto.weights_path(opts.engine_dir, r) for r in opts.ranks}
-        for r, path in self.sources.items():
-            if not path.is_file():
-                raise StoreError(f"{path}: missing; the engine dir is incomplete")
-        self.prints = {r: proto.rank_print(p) for r, p in self.sources.items()}
+        try:
+            self.config_sha = proto.config_sha256(opts.engine_dir)
+            declared = proto.engine_ranks(opts.engine_dir)
+            if missing := sorted(set(opts.ranks) - set(declared)):
+                raise StoreError(f"{opts.engine_dir}: no rank(s) {missing}; the engine has ranks {declared}")
+            self.sources = {r: proto.weights_path(opts.engine_dir, r) for r in opts.ranks}
+            for r, path in self.sources.items():
+                if not path.is_file():
+                    raise StoreError(f"{path}: missing; the engine dir is incomplete")
+            self.prints = {r: proto.rank_print(p) for r, p in self.sources.items()}
+            self.built_sha = proto.built_sha256(opts.engine_dir)  # rank -> the build's sha256 of its file, if recorded
+        except OSError as e:  # a file or directory of the engine this user may not read
+            raise StoreError(f"{e.filename or opts.engine_dir}: cannot be read ({e.strerror or e})") from None
         self.total_bytes = sum(p.size for p in self.prints.values())
         self.loaded_bytes = 0
         self.content_sha: dict[int, str] = {}
@@ -169,27 +179,46 @@ class WeightStore:
     def claim(self) -> None:
         """Take the shm dir and socket; refuse if a live store has them, clear what a dead one left."""
         o = self.opts
-        if o.socket_path.exists():
+        if o.socket_path.is_symlink() or o.socket_path.exists():
+            if not stat.S_ISSOCK(o.socket_path.lstat().st_mode):
+                raise StoreError(f"{o.socket_path}: exists and is not a socket; pick another --socket")
             try:
                 other = proto.request(o.socket_path, {"op": "status"}, timeout_s=2.0)
-            except OSError:
-                o.socket_path.unlink()
+            except ConnectionRefusedError:
+                o.socket_path.unlink()  # nothing listens: a dead store's
+            except OSError as e:  # a timeout above all: a live store that is busy, or something else, not a dead one
+                raise StoreError(f"{o.socket_path}: something listens there but did not answer ({e.strerror or e}); "
+                                 "stop it or pick another --name/--socket") from None
             except ValueError as e:
                 raise StoreError(f"{o.socket_path}: something else listens there ({e}); pick another --socket") from None
             else:
                 raise StoreError(f"a weight store (pid {other.get('pid')}, engine {other.get('engine_dir')}) already "
                                  f"serves {o.socket_path}; stop it or pick another --name/--socket")
         if o.shm_dir.exists():
+            if (fd := _lock_dir(o.shm_dir)) is None:
+                raise StoreError(f"{o.shm_dir}: a live weight store holds it (one with another --socket?); stop it or "
+                                 "pick another --name")
+            os.close(fd)  # nobody held it: a dead store's
             foreign = [p.name for p in o.shm_dir.iterdir() if not OWN_FILE.fullmatch(p.name)]
             if foreign:
                 raise StoreError(f"{o.shm_dir} holds files a weight store did not write ({foreign[:3]}); pick another --name")
             click.echo(f"weight-store: removing leftovers of a dead store in {o.shm_dir}", err=True)
             shutil.rmtree(o.shm_dir)
         check_space(self.total_bytes, o.ranks, o.shm_root, o.max_bytes)
-        o.shm_dir.mkdir(parents=True)
+        try:
+            o.shm_dir.mkdir(parents=True)
+        except OSError as e:  # FileExistsError: another store made it since the check above
+            raise StoreError(f"{o.shm_dir}: cannot create it ({e.strerror})") from None
+        self._dir_fd = _lock_dir(o.shm_dir)
+        if self._dir_fd is None:
+            raise StoreError(f"{o.shm_dir}: another weight store took it while this one started; pick another --name")
         self._owns_dir = True
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(str(o.socket_path))
+        try:
+            self._sock.bind(str(o.socket_path))
+        except OSError as e:
+            raise StoreError(f"{o.socket_path}: cannot listen there ({e.strerror})") from None
+        self._bound = True
         self._sock.listen(64)
         self._sock.settimeout(0.2)
         with self._lock:
@@ -200,6 +229,9 @@ class WeightStore:
         for r, src in self.sources.items():
             dst = self.opts.shm_dir / f"rank{r}.safetensors"
             sha = copy_verified(src, dst, self.stop, self._count)
+            if (built := self.built_sha.get(r)) and sha != built:  # the store hashes every byte anyway: free here
+                raise StoreError(f"{src}: damaged since its build (sha256 {sha[:12]}, {self.opts.engine_dir}/"
+                                 f"config.json records {built[:12]}); copy the engine whole again, or rebuild it")
             if diffs := self.prints[r].differences(proto.rank_print(dst)):
                 raise StoreError(f"{src} changed after the store started: {'; '.join(diffs)}; restart the store")
             with self._lock:
@@ -235,9 +267,25 @@ class WeightStore:
         self.stop.set()
         if self._sock is not None:
             self._sock.close()
-            self.opts.socket_path.unlink(missing_ok=True)
+            if self._bound:  # only a socket this store made: never a path it failed to bind
+                self.opts.socket_path.unlink(missing_ok=True)
         if self._owns_dir:
             shutil.rmtree(self.opts.shm_dir, ignore_errors=True)
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+
+def _lock_dir(path: Path) -> int | None:
+    """An fd of `path` (a directory) holding flock(LOCK_EX), or None when a live store holds it. The lock lasts
+    while the fd is open, and the kernel drops it when its process dies, however it dies (SIGKILL included)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def run_store(opts: StoreOptions, echo=click.echo) -> int:
@@ -283,6 +331,8 @@ def weight_store_cmd(engine, ranks, name, socket_path, shm_root, max_bytes):
         raise SystemExit(run_store(opts))
     except (StoreError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # reading the engine or writing the copy (EIO, a file that went away): one line, not a traceback
+        raise click.ClickException(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}") from None
 
 
 def attach(engine_dir, rank: int, *, config=None, device="cpu", timeout_s: float = 3.0):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..loader import EngineError
+from ..weight_reader import WeightFileError, read_header
 from . import weight_store_proto as proto
 
 try:
@@ -29,10 +30,6 @@ except ModuleNotFoundError:  # Python 3.10
 
 ENV_CONFIG = "K3_WEIGHT_STORE_CONFIG"
 DEFAULT_TIMEOUT_S = 3.0
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class WeightStoreError(EngineError):
@@ -170,23 +167,22 @@ def attach(engine_dir: str | Path, rank: int, *, config=None, device: str | torc
 
 
 def map_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Copy-on-write views of a safetensors file's tensors: pages are shared with the file, writes stay private."""
-    header, data_start = proto.read_header(path)
-    meta = json.loads(header)
+    """Copy-on-write views of a safetensors file's tensors: pages are shared with the file, writes stay private.
+    The header is checked as a read from disk checks it (weight_reader.read_header): every tensor inside the file,
+    of its dtype's size."""
+    try:
+        entries, data_start, _ = read_header(Path(path))
+    except WeightFileError as e:
+        raise WeightStoreError(f"weight store copy {e}; restart the store") from None
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     base = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive as long as any view lives
     out = {}
-    for name, e in meta.items():
-        if name == "__metadata__":
-            continue
-        if e["dtype"] not in _DTYPES:
-            raise WeightStoreError(f"{path}: tensor {name!r} has dtype {e['dtype']}, not one of {sorted(_DTYPES)}")
-        start, end = e["data_offsets"]
+    for name, (dtype, shape, start, end) in entries.items():
         raw = base[data_start + start:data_start + end]
         try:
-            t = raw.view(_DTYPES[e["dtype"]])
+            t = raw.view(dtype)
         except RuntimeError:
-            t = raw.clone().view(_DTYPES[e["dtype"]])  # offset not a multiple of the element size
-        out[name] = t.view(e["shape"])
+            t = raw.clone().view(dtype)  # offset not a multiple of the element size
+        out[name] = t.view(shape)
     return out

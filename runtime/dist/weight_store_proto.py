@@ -79,6 +79,8 @@ def config_sha256(engine_dir: str | Path) -> str:
 def engine_ranks(engine_dir: str | Path) -> list[int]:
     """Ranks an engine's config.json declares."""
     path = Path(engine_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(no_config(engine_dir))
     try:
         cfg = json.loads(path.read_text())
         if why := not_an_engine(cfg, path):
@@ -87,6 +89,16 @@ def engine_ranks(engine_dir: str | Path) -> list[int]:
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: cannot read the engine's rank list ({type(e).__name__}: {e})") from None
     return sorted(int(r) for r in ranks)
+
+
+def built_sha256(engine_dir: str | Path) -> dict[int, str]:
+    """rank -> the sha256 the build recorded of its weights file (config.json ranks.N.weights_sha256), where it did."""
+    try:
+        ranks = json.loads((Path(engine_dir) / "config.json").read_text())["ranks"]
+        return {int(r): info["weights_sha256"] for r, info in ranks.items()
+                if isinstance(info, dict) and isinstance(info.get("weights_sha256"), str)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def weights_path(engine_dir: str | Path, rank: int) -> Path:

@@ -1,0 +1,60 @@
+"""Bytes of a rank's files changed after the build (a disk, a copy) are refused at load by the sha256 the build
+records in config.json: graph.onnx always (a one-bit change to an attribute's name was a KeyError traceback at the
+first step; to its value, another model's output without a word), weights.safetensors where the weight store
+copies it (it hashes every byte anyway)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from test_weight_store import Store
+
+from k3runtime.loader import EngineError, load_rank
+
+
+@pytest.fixture
+def engine(k3_tiny_engine, tmp_path) -> Path:
+    return Path(shutil.copytree(k3_tiny_engine, tmp_path / "engine"))
+
+
+def _flip(path: Path, find: bytes, offset: int, mask: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[data.index(find) + offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("find, offset, mask", [(b"renormalize", 1, 0x04), (b"\x03eps\x15", 8, 0x08)],
+                         ids=["attribute-name", "attribute-value"])
+def test_a_graph_changed_after_the_build_is_refused(engine, find, offset, mask):
+    _flip(engine / "rank0/graph.onnx", find, offset, mask)
+    with pytest.raises(EngineError, match=r"rank0/graph.onnx: damaged since its build \(sha256 "):
+        load_rank(engine, 0)
+
+
+def test_the_build_records_what_it_wrote(engine):
+    import hashlib
+
+    info = json.loads((engine / "config.json").read_text())["ranks"]["0"]
+    for name, key in (("graph.onnx", "graph_sha256"), ("weights.safetensors", "weights_sha256")):
+        assert info[key] == hashlib.sha256((engine / "rank0" / name).read_bytes()).hexdigest()
+    load_rank(engine, 0)  # the intact engine loads
+
+
+def test_the_weight_store_refuses_weights_changed_after_the_build(engine):
+    path = engine / "rank0/weights.safetensors"
+    with open(path, "r+b") as f:  # one bit of one bf16 weight: no NaN, same size, header intact
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n + json.loads(f.read(n))["embed"]["data_offsets"][0])
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    store = Store(engine)
+    try:
+        _, err = store.proc.communicate(timeout=60)
+    finally:
+        store.close()
+    assert store.proc.returncode == 1 and "weights.safetensors: damaged since its build" in err, err
