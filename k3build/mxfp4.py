@@ -87,8 +87,6 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes), (shared + E8M0_BIAS).to(torch.uint8)
 
 
-
-
 def check_scale(scale: torch.Tensor, name: str) -> None:
     """Refuse E8M0 scale bytes of 0xFF (NaN) and those above E8M0_MAX_FINITE (decoded weights overflow to Inf);
     `name` goes into the message."""
