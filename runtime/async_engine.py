@@ -221,6 +221,8 @@ class AsyncLLMEngine:
                 self._drain(block=not busy)
                 if self._stop:
                     break
+                if self.engine.failure is not None:  # a multi-rank engine's workers went while it idled
+                    raise self.engine.failure
                 if self.engine.has_unfinished():
                     self._step()
         except BaseException as e:  # a failing step must not leave callers waiting forever

@@ -206,12 +206,14 @@ class LLMEngine:
             comm = driver_comm(config, options.device, options)
         self.runner = runner = open_rank(engine_dir, options, 0, comm)
         self.comm = comm
+        if comm is not None:
+            comm.opened = True
         # held around every exchange with the workers (step, score, shutdown), and by the keep-alive between them
         self._comm_lock = threading.Lock()
         if comm is not None:
             from .dist.keep_alive import KeepAlive
 
-            comm.keep_alive = KeepAlive(comm, self._comm_lock, lambda: not self._broken)
+            comm.keep_alive = KeepAlive(comm, self._comm_lock, lambda: not self._broken, self._workers_lost)
         build = runner.engine.build
         self.device, self.page_size = runner.device, build["page_size"]
         sched_cfg = SchedulerConfig(
@@ -232,6 +234,8 @@ class LLMEngine:
         self._in_flight: list[_InFlight | None] = [None] * self.dp_size
         self._owed = False
         self._broken = False  # an async step failed (_guarded), or a step of several ranks
+        # the error of a keep-alive that failed between steps (a worker gone or hung): the engine is broken
+        self.failure: BaseException | None = None
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
         self._prompt_logprobs: dict[Request, list[TokenLogprobs]] = {}  # prompt rows kept until the first token
         self._seen = SeenCounts(num_slots)  # the penalties' counts of the requests this rank samples (DP rank 0's)
@@ -239,6 +243,16 @@ class LLMEngine:
         # pipeline stages: what a micro-batch costs a stage, to choose how many a step is cut into
         self._stage_cost = StageCost.from_engine(runner.engine.weights, config["pretrained_config"],
                                                  runner.cache.config) if self.pp_size > 1 else None
+
+    def _workers_lost(self, error: BaseException) -> None:
+        """KeepAlive's on_error (the comm lock held): nothing more is exchanged with the workers but their release."""
+        self._broken, self.failure = True, error
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:  # its text kept: launch.run names the rank from it
+            raise RuntimeError(f"the workers stopped answering between steps: {self.failure}") from self.failure
+        if self._broken:
+            raise RuntimeError("the engine failed in an earlier step; shut it down")
 
     @property
     def facts(self):
@@ -340,8 +354,7 @@ class LLMEngine:
     def _step(self) -> list[TokenEvent]:
         if self.options.async_scheduling:
             return self._guarded(self._step_async)
-        if self._broken:
-            raise RuntimeError("the engine failed in an earlier step; shut it down")
+        self._check_usable()
         plans = self._schedule()
         if all(p.is_empty for p in plans):
             for s, p in zip(self.schedulers, plans):
@@ -449,13 +462,13 @@ class LLMEngine:
 
     def _guarded(self, fn):
         """fn(), marking the engine broken if it fails: a step may be in flight on other ranks, or their ids in
-        transit, so nothing more is exchanged with them but their release (shutdown)."""
-        if self._broken:
-            raise RuntimeError("the engine failed in an earlier step; shut it down")
+        transit, so nothing more is exchanged with them but their release (shutdown). (One synchronous rank stays
+        usable: nothing is in flight.)"""
+        self._check_usable()
         try:
             return fn()
         except BaseException:
-            self._broken = self.options.async_scheduling
+            self._broken = self.options.async_scheduling or self.comm is not None
             raise
 
     def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple] | None]:

@@ -115,6 +115,8 @@ class DistCommunicator(Communicator):
         self.exchange = None
         self.last_step = time.monotonic()
         self.keep_alive = None  # the driver's KeepAlive (dist/keep_alive.py), stopped before its workers' release
+        # the driver has opened its rank: its workers, past the load barrier, wait for steps (launch.release_workers)
+        self.opened = False
 
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         y = x.float() if self.upcast and x.dtype != torch.float32 else x.contiguous()

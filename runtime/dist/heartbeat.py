@@ -5,16 +5,26 @@ makes its peers' collectives time out, and they cannot tell who is missing. Ever
 the store that torch.distributed was initialised with, from a daemon thread. A thread keeps beating while
 its rank waits inside a collective, and stops when the process stops or leaves (stop). After a timeout, the
 ranks whose stamps do not move for a few seconds are the silent ones.
+
+The store is the job's lifeline (torchrun's agent holds it): a rank whose beats fail ORPHAN_BEATS times in a row has
+lost it, its agent killed or gone with its node, and no one is left to stop it; it stops itself (SIGTERM, so that a
+server shuts down; a hard exit if that does not end it), rather than serving on as an orphan that holds the
+accelerator and the server's port.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
 import time
 
 import torch.distributed as dist
 
 PERIOD_S = 1.0
+ORPHAN_BEATS = 3  # beats failed in a row: the store is gone (its torchrun agent killed?), this rank stops itself
+ORPHAN_GRACE_S = 30.0  # after its SIGTERM, how long an orphaned rank may take to stop before a hard exit
 _KEY = "k3/heartbeat/{}"
 
 
@@ -38,16 +48,29 @@ def start() -> None:
     done = threading.Event()
 
     def beat():
+        failed = 0
         while not done.is_set():
             try:
                 store.set(_KEY.format(rank), repr(time.time()))
-            except Exception:  # the store went away with the job: stop quietly
-                return
+                failed = 0
+            except Exception as e:  # noqa: BLE001 - the store went away with the job, or a hiccup
+                failed += 1
+                if failed >= ORPHAN_BEATS and not done.is_set():
+                    _orphaned(rank, e, done)
+                    return
             done.wait(PERIOD_S)
 
     thread = threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True)
     thread.start()
     _beating.append((thread, done, store, rank))
+
+
+def _orphaned(rank: int, error: BaseException, done: threading.Event) -> None:
+    print(f"k3runtime: rank {rank} lost the job's store ({error}): its launcher (torchrun's agent) is gone; this "
+          "rank stops", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    if not done.wait(ORPHAN_GRACE_S):  # (stop() sets it on the way out)
+        os._exit(1)
 
 
 def stop() -> None:
@@ -107,10 +130,17 @@ def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
 
 def explain_lost_peer(exc: BaseException) -> str | None:
     """A message naming the ranks that left the job when `exc` is a collective that lost its peer (gloo's closed
-    connection: a rank that failed, at start-up say, and exited with its own error), else None."""
+    connection: a rank that failed, at start-up say, and exited with its own error), or else the ranks that died
+    without leaving (killed, crashed, their node lost: their beat stopped, never marked left); else None."""
     message = str(exc).lower()
     if "connection closed by peer" not in message and "connection reset by peer" not in message:
         return None
     left = sorted(r for r, beat in _stamps().items() if beat == LEFT)
-    who = ", ".join(f"rank {r}" for r in left) or "another rank"
-    return f"{who} left the job (its own error says why); this rank's collective lost it"
+    if left:
+        return f"{', '.join(f'rank {r}' for r in left)} left the job (its own error says why); this rank's " \
+               "collective lost it"
+    watch_s = 3 * PERIOD_S
+    if dead := silent_ranks(watch_s):
+        return (f"{', '.join(f'rank {r}' for r in dead)} died without an error of its own (killed, crashed or its "
+                f"node lost: no heartbeat in {watch_s:.0f} s, and it did not leave); this rank's collective lost it")
+    return "another rank left the job; this rank's collective lost it"

@@ -10,8 +10,10 @@ its stale heartbeat (heartbeat.py), so the job never hangs silently.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 import click
 import torch
@@ -47,6 +49,47 @@ def init_from_env(device: str = "cpu") -> None:
     heartbeat.start()
 
 
+_PREFLIGHT = "k3/preflight/{}"
+
+
+def preflight(engine_dir: str) -> None:
+    """Every rank reads its engine's config and the ranks compare them (build id, rank count, or the error reading
+    it) through the job's store, before any process group is made. The groups come from each rank's config: ranks
+    of engines with other mappings would make other groups and wait in them for each other until the timeout, and
+    the peers of a rank that cannot read its engine (a node without the engine dir) would wait there for it."""
+    rank, world, store = dist.get_rank(), dist.get_world_size(), heartbeat._store()
+    try:
+        config = read_engine_config(engine_dir)
+        mine = {"build": config["stamp"].get("build_id"), "world": config["mapping"]["world_size"]}
+    except EngineError as e:
+        mine = {"error": str(e)}
+    if store is not None and world > 1:
+        store.set(_PREFLIGHT.format(rank), json.dumps(mine))
+        keys = [_PREFLIGHT.format(r) for r in range(world)]
+        deadline = time.monotonic() + collective_timeout().total_seconds()
+        while not store.check(keys):  # polled: TCPStore.wait holds the GIL, and the heartbeat would stop with it
+            if time.monotonic() > deadline:
+                late = [r for r, k in enumerate(keys) if not store.check([k])]
+                raise EngineError(f"rank(s) {', '.join(map(str, late))} did not start within "
+                                  f"{collective_timeout().total_seconds():.0f} s (K3_DIST_TIMEOUT_S)")
+            time.sleep(0.05)
+        every = [json.loads(store.get(k)) for k in keys]
+    else:
+        every = [mine]
+    if "error" in mine:
+        raise EngineError(mine["error"])
+    if failed := [r for r, m in enumerate(every) if "error" in m]:
+        raise EngineError(f"rank(s) {', '.join(map(str, failed))} cannot open their engine: "
+                          f"{every[failed[0]]['error']}")
+    if mine["world"] != world:
+        raise EngineError(f"the engine has {mine['world']} ranks but torchrun started {world} processes; "
+                          f"use --nproc-per-node/--nnodes for {mine['world']}")
+    if odd := [r for r, m in enumerate(every) if m["build"] != every[0]["build"] or m["world"] != every[0]["world"]]:
+        raise EngineError(f"the ranks opened engines of different builds: rank 0's is {every[0]['build']}, rank(s) "
+                          f"{', '.join(map(str, odd))} another ({every[odd[0]]['build']}); give every rank a copy of "
+                          "the same engine dir")
+
+
 def _communicator(config: dict, device: str) -> DistCommunicator:
     init_from_env(device)
     world = config["mapping"]["world_size"]
@@ -66,10 +109,41 @@ def _communicator(config: dict, device: str) -> DistCommunicator:
 
 
 _live: list[DistCommunicator] = []  # driver communicators whose workers still wait for steps
+# Rank 0 in the job's store: it opens the engine (the workers then make the groups with it), or its command ended
+# without (help, a refused flag or prompt, a port in use: the workers leave, with its error if any)
+_DRIVER_OPENS, _DRIVER_ENDED = "k3/driver/opens", "k3/driver/ended"
+
+
+def _tell_workers(key: str, value: str = "") -> None:
+    store = heartbeat._store()
+    if store is not None and dist.get_world_size() > 1:
+        try:
+            store.set(key, value)
+        except Exception:  # noqa: BLE001 - the store gone: the workers' own timeout ends them, the error stays ours
+            pass
+
+
+def _wait_for_driver() -> None:
+    """A worker: wait until rank 0 opens the engine (return), or ends its command without (SystemExit: with rank
+    0's error, or 0)."""
+    store = heartbeat._store()
+    if store is None:
+        return
+    deadline = time.monotonic() + collective_timeout().total_seconds()
+    while not store.check([_DRIVER_OPENS]):  # polled: TCPStore.wait holds the GIL (the heartbeat would stop)
+        if store.check([_DRIVER_ENDED]):
+            error = store.get(_DRIVER_ENDED).decode()
+            if error:
+                raise EngineError(f"rank 0 ended before it opened the engine: {error}")
+            raise SystemExit(0)
+        if time.monotonic() > deadline:
+            return  # the groups' creation times out and names no one; rank 0 may still come
+        time.sleep(0.05)
 
 
 def driver_comm(config: dict, device: str, options) -> DistCommunicator:
     """Rank 0: join the groups and hand every worker the runtime options (cache sizes must agree)."""
+    _tell_workers(_DRIVER_OPENS)
     comm = _communicator(config, device)
     comm.control.broadcast(options)
     _attach_exchange(comm, config, options)
@@ -89,7 +163,10 @@ def release_workers(comm: DistCommunicator) -> None:
         _live.remove(comm)
         if comm.keep_alive is not None:
             comm.keep_alive.stop()
-        comm.control.broadcast((Step((), stop=True),))
+        # A driver that failed opening its rank leaves its workers elsewhere (the load barrier, under a 30-minute
+        # timeout): a stop would wait for them for the step timeout; its leaving ends their wait at once.
+        if comm.opened:
+            comm.control.broadcast((Step((), stop=True),))
 
 
 def _release_all(quiet: bool = False) -> None:
@@ -109,6 +186,7 @@ def worker_loop(engine_dir: str, device: str = "cpu") -> None:
     from ..penalties import SeenCounts
 
     config = read_engine_config(engine_dir)
+    _wait_for_driver()
     comm = _communicator(config, device)
     rank = dist.get_rank()
     options = comm.control.broadcast()
@@ -159,13 +237,16 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
     init_from_env(device)
     try:
         try:
+            preflight(engine_dir)
             if dist.get_rank() == 0:
                 try:
                     result = driver_fn()
-                except BaseException:
+                except BaseException as e:
+                    _tell_workers(_DRIVER_ENDED, _one_line(e))  # (read only by workers it never joined)
                     # a hung worker makes the release time out too: the driver's own error is the one to show
                     _release_all(quiet=True)
                     raise
+                _tell_workers(_DRIVER_ENDED)
                 _release_all()
                 return result
             worker_loop(engine_dir, device)
@@ -180,6 +261,16 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
             heartbeat.stop()
         finally:
             dist.destroy_process_group()
+
+
+def _one_line(e: BaseException) -> str:
+    """A driver's error as the workers tell it (the CLI's own message for a click error)."""
+    if isinstance(e, click.ClickException):
+        return e.format_message()
+    if isinstance(e, (SystemExit, click.exceptions.Exit)):
+        code = getattr(e, "code", getattr(e, "exit_code", 0))
+        return "" if code in (0, None) else f"exit status {code}"
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _option(command: list[str], name: str) -> str | None:
@@ -197,7 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) < 2:
         raise SystemExit("usage: torchrun ... -m k3runtime.dist.launch ENGINE <k3runtime command> [args]")
     engine_dir, command = argv[0], argv[1:]
-    device = "cuda" if (_option(command, "--device") or "cpu").startswith("cuda") else "cpu"
+    given = _option(command, "--device") or "cpu"
+    if given.startswith("cuda:"):
+        # rank 0's options go to every rank: each would read its weights onto that one GPU, while its collectives
+        # run on its LOCAL_RANK's
+        click.echo(f"Error (rank {os.environ.get('RANK', '?')}): --device {given}: under torchrun every rank takes "
+                   "the GPU of its LOCAL_RANK; give --device cuda (CUDA_VISIBLE_DEVICES chooses the node's GPUs)",
+                   err=True)
+        raise SystemExit(2)
+    device = "cuda" if given.startswith("cuda") else "cpu"
     if weights := _option(command, "--distributed-weight-config"):
         # Only rank 0 parses the command: every rank must attach from its node's store before it loads.
         from .weight_store_client import ENV_CONFIG

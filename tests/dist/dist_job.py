@@ -4,6 +4,7 @@ job["mode"] == "stream": rank 0 streams a long generation and touches `out` afte
 test kills a rank meanwhile); every rank writes its pid to `<out>.rank<N>.pid` first. job["mode"] == "score_mid":
 steps by hand with scores, an abort and a shutdown while steps are in flight (score_mid). job["mode"] == "idle":
 generations with pauses of job["idle_s"] between them, and one inside a stream (the workers wait meanwhile).
+job["mode"] == "score_fails": rank 0's share of a score fails, then a generation is asked for.
 job["load_delay_s"] = {rank: seconds}: those ranks read their weights that much later (a slow disk).
 job["engine_by_rank"] = {rank: dir}: those ranks open another engine dir (a stale copy on a node).
 """
@@ -90,6 +91,30 @@ def main():
             return
         if job.get("mode") == "score_mid":
             out.write_text(json.dumps(score_mid(llm, job, greedy)))
+            return
+        if job.get("mode") == "score_fails":  # rank 0's share of a score fails (an OOM of its logits, a Ctrl-C)
+            from k3runtime.rank_runner import RankRunner
+
+            run_rank = RankRunner.run
+
+            def failing(self, step, *args, **kwargs):
+                if step.all_logits:
+                    raise MemoryError("rank 0 could not hold the score's logits")
+                return run_rank(self, step, *args, **kwargs)
+
+            RankRunner.run = failing
+            try:
+                llm.logits(job["prompts"][0])
+            except MemoryError:
+                pass
+            RankRunner.run = run_rank
+            started = time.monotonic()
+            try:
+                llm.generate(job["prompts"], greedy)
+                after = "generated"
+            except Exception as e:  # noqa: BLE001 - what the caller gets is the result
+                after = str(e)
+            out.write_text(json.dumps({"after": after, "seconds": time.monotonic() - started}))
             return
         if job.get("mode") == "idle":
             first = [o.token_ids for o in llm.generate(job["prompts"], greedy)]

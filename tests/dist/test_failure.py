@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -175,3 +176,246 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _serve(engine: Path, timeout_s: int) -> tuple[subprocess.Popen, str]:
+    """`serve` under torchrun on 2 ranks (K3_DIST_TIMEOUT_S = timeout_s), up and answering /health; (proc, url)."""
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": str(timeout_s)}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "k3runtime.dist.launch", str(engine), "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+
+
+def test_hung_rank_ends_an_idle_multirank_server(k3_tiny_ckpt, tmp_path):
+    """A worker that hangs while the server has no request: the keep-alive that finds it stops the engine, and the
+    job ends naming the rank (before, the keep-alive gave up silently: /health answered 200 until the next request,
+    a dead worker on another node was never noticed)."""
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    proc, url = _serve(engine, 5)
+    workers = _children(proc.pid)
+    victim = workers[1]
+    # a server that stays up fails the test, not hangs it (the workers hold the log's pipe too)
+    timer = threading.Timer(90, lambda: [_kill(p) for p in (proc.pid, *workers.values())])
+    try:
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        timer.start()
+        lines = []
+        for line in proc.stdout:  # no request is sent: the idle server must stop by itself
+            lines.append(line)
+            if victim is not None and "rank 1 stopped responding" in line:
+                os.kill(victim, signal.SIGKILL)  # what torchrun does after its 30 s grace
+                victim = None
+        proc.wait(timeout=60)
+        log = "".join(lines)
+        assert proc.returncode != 0 and time.monotonic() - stopped_at < 60, log[-3000:]
+        assert re.search(r"Error \(rank 0\): .*rank 1 stopped responding", log), log[-3000:]
+    finally:
+        timer.cancel()
+        for pid in (proc.pid, *workers.values()):
+            _kill(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ranks_stop_when_their_launcher_is_killed(k3_tiny_ckpt, tmp_path):
+    """torchrun's agent SIGKILLed (the OOM killer, `kill -9`, a crashed supervisor) cannot stop its ranks: they find
+    the job's store gone from their heartbeats and stop themselves (before, both ranks served on as orphans,
+    holding the port and, on a GPU node, the accelerators)."""
+    import urllib.request
+
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    proc, url = _serve(engine, 10)
+    workers = _children(proc.pid)
+    try:
+        assert sorted(workers) == [0, 1]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 45
+        while any(_alive(p) for p in workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = {r: p for r, p in workers.items() if _alive(p)}
+        assert not left, f"ranks {sorted(left)} outlived their launcher by 45 s"
+        with pytest.raises(OSError):  # nothing answers on the port any more
+            urllib.request.urlopen(f"{url}/health", timeout=5)
+    finally:
+        for pid in (proc.pid, *workers.values()):
+            _kill(pid)
+
+
+def test_driver_that_fails_to_load_ends_the_job_at_once(k3_tiny_ckpt, tmp_path):
+    """Rank 0's own weights damaged: its error and the workers' naming it come at once, not after the collective
+    timeout (before, the driver's release of its workers waited K3_DIST_TIMEOUT_S for them in the load barrier)."""
+    import shutil
+
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    cut = Path(shutil.copytree(engine, tmp_path / "cut"))
+    weights = cut / "rank0" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4096])
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "k3runtime.dist.launch", str(cut), "generate", "--prompt", "Hello"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"}, capture_output=True,
+                          text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0 and "weights.safetensors: corrupt" in proc.stderr, proc.stderr[-3000:]
+    assert "Error (rank 1): rank 0 left the job" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 40, f"the job took {elapsed:.0f} s to end (K3_DIST_TIMEOUT_S is 60)"
+
+
+def test_ranks_of_other_mappings_are_refused_at_once(k3_tiny_ckpt, tmp_path):
+    """Rank 1 opens an engine of the same model and rank count but another mapping (pp2 beside tp2): refused at
+    start-up like any other build, naming the odd rank (before, the ranks made different process groups from their
+    configs and waited in them for each other until the timeout: a store 'wait timeout' and a C++ trace)."""
+    engines = [build_engine(k3_tiny_ckpt, tmp_path / name, mapping=m)
+               for name, m in (("tp2", Mapping(tp_size=2)), ("pp2", Mapping(pp_size=2)))]
+    job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 2, "options": {}, "engine_by_rank": {"1": str(engines[1])}})
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(JOB), str(engines[0]), str(tmp_path / "out"), job],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and time.monotonic() - started < 40, proc.stderr[-3000:]
+    assert "the ranks opened engines of different builds" in proc.stderr and "rank(s) 1 another" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+def test_a_node_without_the_engine_is_named_at_once(k3_tiny_ckpt, tmp_path):
+    """Two nodes (two torchrun agents here), the second without the engine dir: node 0's rank names rank 1 and its
+    error at start-up (before, it waited K3_DIST_TIMEOUT_S in its groups' creation and failed with the store's
+    'wait timeout' and a C++ trace, naming no one)."""
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}", "-m",
+                               "k3runtime.dist.launch", str(where), "generate", "--prompt", "Hello"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n, where in enumerate((engine, tmp_path / "missing"))]
+    started = time.monotonic()
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in nodes) and time.monotonic() - started < 40, errs[0][-3000:]
+    assert "Error (rank 1): " in errs[1] and "not an engine dir" in errs[1], errs[1][-3000:]
+    assert re.search(r"Error \(rank 0\): rank\(s\) 1 cannot open their engine: .*not an engine dir", errs[0]), \
+        errs[0][-3000:]
+
+
+def test_a_rank_killed_on_another_node_is_named(k3_tiny_ckpt, tmp_path):
+    """Two nodes (two torchrun agents here), node 1's rank SIGKILLed mid-generation: node 0's torchrun cannot name
+    it (its own rank is the one that fails), so rank 0's error does, as dead rather than as a rank that left with an
+    error of its own (before: 'another rank left the job (its own error says why)', naming no one)."""
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
+                          max_num_tokens=512)
+    out = tmp_path / "progress"
+    job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 4000, "options": {}, "mode": "stream"})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "30"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}", str(JOB),
+                               str(engine), str(out), job], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for n in range(2)]
+    victim = None
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.exists() and int(out.read_text() or 0) >= 3):
+            assert all(p.poll() is None for p in nodes) and time.monotonic() < deadline, "generation never started"
+            time.sleep(0.2)
+        victim = int(Path(f"{out}.rank1.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+        log = nodes[0].communicate(timeout=120)[1]
+        assert nodes[0].returncode != 0, log[-3000:]
+        assert re.search(r"rank 1 died without an error of its own", log), log[-3000:]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        if victim is not None:
+            _kill(victim)
+
+
+def test_a_failed_score_over_ranks_marks_the_engine_failed(k3_tiny_ckpt, tmp_path):
+    """Rank 0's share of a score fails while the workers are inside its step (synchronous scheduling): the engine is
+    marked failed, and the next call says so at once (before, it stayed usable, and the next step's broadcast met
+    the workers' pending collectives and hung for K3_DIST_TIMEOUT_S)."""
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    out = tmp_path / "out.json"
+    job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 2, "options": {}, "mode": "score_fails"})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(JOB), str(engine), str(out), job],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "8"}, capture_output=True,
+                          text=True, timeout=300)
+    got = json.loads(out.read_text())
+    assert "the engine failed in an earlier step" in got["after"], (got, proc.stderr[-3000:])
+    assert got["seconds"] < 5
+
+
+def test_a_command_that_opens_no_engine_lets_the_workers_go(k3_tiny_ckpt, tmp_path):
+    """Rank 0's command ends before it opens the engine: `--help` ends the job at once with status 0, and a refused
+    flag on a two-node job reaches the other node's rank with rank 0's message (before, the workers waited for the
+    groups' creation for K3_DIST_TIMEOUT_S and failed with the store's 'wait timeout', naming no one)."""
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"}
+    started = time.monotonic()
+    helped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "k3runtime.dist.launch", str(engine), "generate", "--help"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and "--max-tokens" in helped.stdout, helped.stderr[-3000:]
+    assert time.monotonic() - started < 40
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}", "-m",
+                               "k3runtime.dist.launch", str(engine), "generate", "--prompt", "Hi", "--max-tokens", "0"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for n in range(2)]
+    started = time.monotonic()
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in nodes) and time.monotonic() - started < 40, errs[1][-3000:]
+    assert "Error (rank 1): rank 0 ended before it opened the engine: --max-tokens: expected an int" in errs[1], \
+        errs[1][-3000:]
+
+
+def test_a_gpu_index_is_refused_under_torchrun(k3_tiny_ckpt, tmp_path):
+    """`--device cuda:1` under torchrun: rank 0's options reach every rank, which would all read their weights onto
+    GPU 1 while their NCCL collectives run on their LOCAL_RANK's GPU; every rank refuses it at once, saying what to
+    give (checked before any GPU is touched, so this runs on the CPU)."""
+    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "k3runtime.dist.launch", str(engine), "generate", "--prompt", "Hi", "--device",
+                           "cuda:1"], env={**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--device cuda:1: under torchrun every rank takes the GPU of its LOCAL_RANK" in proc.stderr, \
+        proc.stderr[-3000:]
