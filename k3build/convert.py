@@ -73,12 +73,15 @@ def _placements(jobs: list[Job], mapping: Mapping, cfg: K3Config, conversion_id:
                 slices[rank][out.name] = (out.shape, dim, start, stop)  # a tuple: ~500k tensors x ranks of them
                 where.setdefault(out.name, []).append((rank, dim, start, stop))
     layouts = []
+    # the model config the files were cut for: build refuses a config.json edited after convert (the id cannot tell)
+    k3_config = json.dumps(cfg.to_dict(), sort_keys=True, separators=(",", ":"))
     for r, entries in enumerate(per_rank):  # one rank's slices as JSON at a time
         json_slices = json.dumps({n: {"shape": list(shape), "dim": dim, "start": a, "stop": b}
                                   for n, (shape, dim, a, b) in slices[r].items()}, separators=(",", ":"))
         slices[r] = None
         layouts.append(plan_file(entries, {"format": "pt", "k3_rank": str(r), "k3_world_size": str(mapping.world_size),
-                                           "k3_conversion_id": conversion_id, "k3_slices": json_slices}))
+                                           "k3_conversion_id": conversion_id, "k3_config": k3_config,
+                                           "k3_slices": json_slices}))
     return layouts, where
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -123,8 +124,7 @@ def make_staging_dir(out: Path, error: type[Exception]) -> Path:
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        pid = os.getpid()
-        (tmp / PID_FILE).write_text(f"{pid} {_host()} {_start_time(pid) or '-'}\n")
+        (tmp / PID_FILE).write_text(_pid_line())
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
@@ -135,11 +135,18 @@ def make_staging_dir(out: Path, error: type[Exception]) -> Path:
     return tmp
 
 
+def _pid_line() -> str:
+    pid = os.getpid()
+    return f"{pid} {_host()} {_start_time(pid) or '-'}\n"
+
+
 def clean_stale(out: Path) -> list[Path]:
-    """Remove staging dirs of `out` whose run is no longer running; returns what was removed."""
+    """Remove staging dirs of `out` whose run is no longer running, and what such a run left of the output it was
+    replacing (move_into_place); returns what was removed."""
     removed = []
     host = _host()
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+    asides = [d for d in out.parent.glob(f".{out.name}.old-*") if (d / PID_FILE).is_file()]  # only ours say whose
+    for tmp in [*out.parent.glob(f".{out.name}.tmp-*"), *asides]:
         if not tmp.is_dir():
             continue
         try:
@@ -165,21 +172,47 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
     aside first and then removed, so that out is never a mix of the old and the new. `error` where a rename is
     refused (the old out is back in place then; the caller removes staging)."""
     (staging / PID_FILE).unlink(missing_ok=True)  # a finished output is no run's staging dir
-    try:
-        if not out.exists():
-            os.replace(staging, out)
-            return
-        # aside under a name clean_stale does not match: a run starting meanwhile must not remove it
-        old = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
-        os.replace(out, old)
+    if not out.exists():
         try:
             os.replace(staging, out)
+        except OSError as e:
+            raise error(os_error_message(out, "put the finished output in place", e)) from None
+        return
+    old = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
+    # SIGINT/SIGTERM held while OUT is swapped: between the two renames OUT would be missing, the old one aside
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        # this run's pid in the copy going aside: a run starting meanwhile leaves it alone, one starting after this
+        # run died removes what is left of it (clean_stale); an old output the pid cannot go in is never removed
+        try:
+            (out / PID_FILE).write_text(_pid_line())
         except OSError:
-            os.replace(old, out)
-            raise
-    except OSError as e:
-        raise error(os_error_message(out, "put the finished output in place", e)) from None
-    shutil.rmtree(old, ignore_errors=True)
+            pass
+        try:
+            os.replace(out, old)
+            try:
+                os.replace(staging, out)
+            except OSError:
+                os.replace(old, out)
+                raise
+        except OSError as e:
+            (out / PID_FILE).unlink(missing_ok=True)
+            raise error(os_error_message(out, "put the finished output in place", e)) from None
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal held during the swap lands here
+        for child in old.iterdir():  # the pid file last: what an interrupt leaves still says whose it is
+            if child.name == PID_FILE:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+        shutil.rmtree(old, ignore_errors=True)
+    except (KeyboardInterrupt, SystemExit):
+        pass  # OUT is complete and in place: what is left of the old output goes with the next run's clean_stale
 
 
 @contextmanager

@@ -204,3 +204,9 @@ def _check_runtime(r: RuntimeSpec, mapping: Mapping, b: BuildSpec) -> None:
                           f"moe_ep_size={mapping.moe_ep_size}; use 'nccl'")
     if r.expert_backend == "deepep" and b.target == "cpu":
         raise RecipeError("runtime.expert_backend: 'deepep' needs a GPU target, got build.target = 'cpu'")
+    if r.expert_backend == "deepep" and not (mapping.attention_dp and mapping.moe_ep_size > 1):
+        raise RecipeError(f"runtime.expert_backend: 'deepep' serves attention-DP + EP only, but the mapping has "
+                          f"attention_dp={str(mapping.attention_dp).lower()}, moe_ep_size={mapping.moe_ep_size}; "
+                          "use 'nccl'")
+    if r.expert_backend == "deepep" and b.dtype != "bf16":
+        raise RecipeError(f"runtime.expert_backend: 'deepep' carries bf16 tokens, but build.dtype = {b.dtype!r}")

@@ -37,6 +37,11 @@ def _recipe_build_options(recipe_path: str | None, converted: str) -> dict:
     return {k: v for k, v in r.build_options().items() if v is not None}
 
 
+def _recipe_field(option: str) -> str:
+    """Where a BuildOptions field lives in a recipe."""
+    return "runtime.expert_backend" if option == "expert_backend" else f"build.{option}"
+
+
 def _mapping_str(m: Mapping) -> str:
     return ", ".join(f"{k}={v}" for k, v in m.to_dict().items())
 
@@ -83,15 +88,21 @@ def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
     try:
         from_recipe = _recipe_build_options(recipe, converted)
         given = {k: v for k, v in flags.items() if v is not None}
+        for k in sorted(set(from_recipe) & set(given)):
+            if from_recipe[k] != given[k]:  # the flag wins: say so, as the values differ
+                click.echo(f"note: --{k.replace('_', '-')} {given[k]} overrides {recipe}'s {_recipe_field(k)} = "
+                           f"{from_recipe[k]!r}", err=True)
         try:
             options = BuildOptions(**{**from_recipe, **given})
-        except ValueError as e:
-            # A bad value the user did not type comes from the recipe: say so.
-            if any(f"--{k.replace('_', '-')}" in str(e) for k in set(from_recipe) - set(given)):
-                raise BuildError(f"{recipe} [build]: {e}") from None
+            out = build(converted, engine, options, overwrite=overwrite, progress=progress,
+                        log=lambda m: click.echo(f"note: {m}", err=True))
+        except (ValueError, BuildError) as e:
+            # A bad value the user did not type comes from the recipe: say so, naming its field.
+            named = [k for k in set(from_recipe) - set(given) if f"--{k.replace('_', '-')}" in str(e)]
+            if named:
+                section = "[runtime]" if named == ["expert_backend"] else "[build]"
+                raise BuildError(f"{recipe} {section}: {e}") from None
             raise
-        out = build(converted, engine, options, overwrite=overwrite, progress=progress,
-                    log=lambda m: click.echo(f"note: {m}", err=True))
     except (BuildError, ConfigError, MappingError, ValueError, KeyError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
@@ -111,17 +122,27 @@ def inspect_cmd(engine, as_json):
     if not path.exists():
         raise click.ClickException(f"{engine}: not an engine dir (no config.json); build one with `k3build build`")
     try:
-        cfg = json.loads(path.read_text())
+        text = path.read_text()
+    except OSError as e:  # a directory, no permission
+        raise click.ClickException(f"{path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"{path}: not a k3build engine config (not UTF-8 text: {e.reason} at byte "
+                                   f"{e.start})") from None
+    try:
+        cfg = json.loads(text)
         if isinstance(cfg, dict) and cfg.get("format") == CONVERTED_FORMAT:
             raise click.ClickException(f"{engine}: a converted checkpoint, not an engine; build one from it with "
                                        f"`k3build build {engine} ENGINE_DIR`")
         if isinstance(cfg, dict) and "mapping" not in cfg and "model_type" in cfg:
             raise click.ClickException(f"{engine}: a Hugging Face checkpoint, not an engine; run `k3build convert` "
                                        "on it, then `k3build build` on the result")
-        lines = _describe(Path(engine), cfg)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        lines, missing = _describe(Path(engine), cfg)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # ValueError: JSON, UTF-8
         raise click.ClickException(f"{path}: not a k3build engine config ({type(e).__name__}: {e})") from None
     click.echo(json.dumps(cfg, indent=1) if as_json else "\n".join(lines))
+    if missing:
+        raise click.ClickException(f"{engine}: incomplete engine: {'; '.join(missing)}; build it again with "
+                                   "`k3build build --overwrite`")
 
 
 def _mib(n: int) -> str:
@@ -130,7 +151,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if abs(n) < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def _describe(engine: Path, cfg: dict) -> list[str]:
+def _describe(engine: Path, cfg: dict) -> tuple[list[str], list[str]]:
+    """The report's lines, and what is wrong with the rank files the config lists (missing, or not the size the
+    build wrote)."""
     b, s, m = cfg["build_config"], cfg["stamp"], cfg["mapping"]
     out = [f"engine {engine}  (format v{cfg['version']}, k3build {s['k3build_version']}, target {s['target']}, "
            f"plugin ABI {s['plugin_abi']}, torch {s['torch']}, triton {s.get('triton') or '-'})",
@@ -156,10 +179,18 @@ def _describe(engine: Path, cfg: dict) -> list[str]:
         out.append(f"  {op:<12} v{p['version']}  {p['tactic']}")
     out += [f"  note: {n}" for n in b.get("plugin_notes", [])]
     out.append("ranks:")
+    missing = []
     for r, info in cfg["ranks"].items():
-        graph = engine / f"rank{r}" / "graph.onnx"
-        gsize = _mib(graph.stat().st_size) if graph.exists() else "missing"
+        graph, weights = engine / f"rank{r}" / "graph.onnx", engine / f"rank{r}" / "weights.safetensors"
+        gsize = _mib(graph.stat().st_size) if graph.is_file() else "missing"
+        wsize = _mib(info["weight_bytes"])
+        if not weights.is_file():
+            wsize = "missing"
+        elif weights.stat().st_size != info["weight_bytes"]:
+            wsize = f"{_mib(weights.stat().st_size)}, not the {_mib(info['weight_bytes'])} built"
+            missing.append(f"rank{r}/weights.safetensors is {weights.stat().st_size} bytes, the build wrote "
+                           f"{info['weight_bytes']}")
+        missing += [f"rank{r}/{p.name} missing" for p in (graph, weights) if not p.is_file()]
         out.append(f"  rank{r}: pp={info['pp_rank']} tp={info['tp_rank']} layers {info['layers'][0]}..{info['layers'][1] - 1} "
-                   f"experts {info['experts'][0]}..{info['experts'][1] - 1}  weights {_mib(info['weight_bytes'])}  "
-                   f"graph {gsize}")
-    return out
+                   f"experts {info['experts'][0]}..{info['experts'][1] - 1}  weights {wsize}  graph {gsize}")
+    return out, missing

@@ -62,6 +62,11 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     if options.expert_backend == "local" and mapping.moe_ep_size > 1:
         raise BuildError(f"--expert-backend local: {converted_dir} is split over moe_ep_size={mapping.moe_ep_size} "
                          "ranks, whose experts must be exchanged; use nccl or deepep")
+    if options.expert_backend == "deepep" and not (mapping.attention_dp and mapping.moe_ep_size > 1):
+        # no EPGather/EPScatter in the graph, yet k3runtime would require deep_ep at every start of this engine
+        raise BuildError(f"--expert-backend deepep: {converted_dir} has no expert exchange to run it (attention_dp="
+                         f"{mapping.attention_dp}, moe_ep_size={mapping.moe_ep_size}; DeepEP serves attention-DP + "
+                         "EP only); use nccl")
     if options.tune and not torch.cuda.is_available():
         raise BuildError("--tune: measures tactics on this machine's GPU, and torch sees none; build without --tune "
                          "or on a machine with the target GPU")
@@ -168,7 +173,10 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
             raise
         finally:
             bar.close()
-    writer.close()
+    # the data goes behind the header in one more pass over the rank's bytes: as long as writing them, so shown too
+    with tqdm(total=writer.data_bytes, desc=f"write rank{rank}", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=not progress) as wbar:
+        writer.close(progress=wbar.update)
     model = graph_mod.build_graph(cfg, mapping, rank, shapes, options.torch_dtype, capacity=options.max_num_tokens)
     onnx.save(model, rank_dir / "graph.onnx")
     return {
@@ -248,4 +256,13 @@ def _memory_plan(cfg: K3Config, mapping: Mapping, options: BuildOptions, log: Ca
     # (A rank without KDA or MLA layers holds no slots or pages and sets no bound.)
     plan["num_slots"] = min([plan["num_slots"]] + [r.kda_slots for r in mp.ranks if r.kda_state_bytes_per_request])
     plan["num_pages"] = min([plan["num_pages"]] + [r.kv_pages for r in mp.ranks if r.page_bytes])
+    if plan["num_slots"] < options.max_batch_size:
+        # the user's batch size is not what the engine runs: say so, with the way out
+        short = min((r for r in mp.ranks if r.kda_state_bytes_per_request), key=lambda r: r.kda_slots)
+        full = plan["num_pages"] // pages_per_seq
+        log(f"--max-batch-size {options.max_batch_size}: --gpu-memory-gib {options.gpu_memory_gib} holds "
+            f"{plan['num_slots']} KDA slots (rank {short.rank}: {size_text(short.free_bytes)} free after weights and "
+            f"reserve, {size_text(short.kda_state_bytes_per_request)} a slot) and {plan['num_pages']} pages, so at "
+            f"most {plan['num_slots']} requests run at once, {full} of them of --max-seq-len "
+            f"{options.max_seq_len}; raise the budget or lower --max-batch-size")
     return {**plan, "budget": mp.to_dict()}

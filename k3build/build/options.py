@@ -39,6 +39,10 @@ class BuildOptions:
             raise ValueError(f"--expert-backend: expected one of {', '.join(EXPERT_BACKENDS)}, got {self.expert_backend!r}")
         if self.expert_backend == "deepep" and self.target == "cpu":
             raise ValueError("--expert-backend deepep: DeepEP runs on GPUs; pick --target sm90 or nccl")
+        if self.expert_backend == "deepep" and self.dtype != "bf16":
+            # k3runtime refuses it at every start (runtime/dist/exchange.py choose_backend)
+            raise ValueError(f"--expert-backend deepep: DeepEP's low-latency dispatch carries bf16 tokens, but --dtype "
+                             f"is {self.dtype}; use --dtype bf16 or --expert-backend nccl")
         if self.state_dtype not in ("fp32", "bf16"):
             raise ValueError(f"--state-dtype: expected fp32 or bf16, got {self.state_dtype!r}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "page_size"):
@@ -58,6 +62,10 @@ class BuildOptions:
         for pair in self.tactics:
             if len(pair) != 2 or not all(isinstance(x, str) and x for x in pair):
                 raise ValueError(f"--tactic: expected OP=TACTIC, got {pair!r}")
+        for op in dict(self.tactics):
+            asked = sorted({t for o, t in self.tactics if o == op})
+            if len(asked) > 1:  # dict() would keep the last one given, silently
+                raise ValueError(f"--tactic: {op} given {len(asked)} tactics ({', '.join(asked)}); give one")
         if self.max_num_tokens < self.max_batch_size:
             raise ValueError(f"--max-num-tokens ({self.max_num_tokens}) must be >= --max-batch-size ({self.max_batch_size}): every running request decodes one token a step")
 

@@ -118,6 +118,19 @@ def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, cano
     if missing:
         raise BuildError(f"{path}: {len(missing)} tensors of rank {rank} missing, the first {missing[0]!r}; "
                          "convert again")
+    # last: a config edited where it changes a shape is named by the checks above, by tensor
+    if "k3_config" in meta:  # conversions before it lack it
+        try:
+            was = json.loads(meta["k3_config"])
+        except json.JSONDecodeError:
+            raise BuildError(f"{path}: corrupt k3_config metadata; convert again") from None
+        now = json.loads(json.dumps(cfg.to_dict()))
+        changed = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+        if changed:
+            k = changed[0]
+            raise BuildError(f"{path.parent}/config.json: {k} is {now.get(k)!r}, but {path.name} was converted with "
+                             f"{was.get(k)!r} ({len(changed)} field(s) changed after convert); restore config.json "
+                             "or convert again")
 
 
 def _norm(dim: int | None, start: int, stop: int, shape: list[int]) -> tuple:

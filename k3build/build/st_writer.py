@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +39,13 @@ class SafetensorsWriter:
                                "data_offsets": [self._offset, self._offset + size]}
         self._offset += size
 
-    def close(self) -> None:
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of tensor data added so far (what close() copies behind the header)."""
+        return self._offset
+
+    def close(self, progress: Callable[[int], None] | None = None) -> None:
+        """Write the file: header, then the data copied from the side file; `progress(n)` after each n bytes."""
         self._data.close()
         header = dict(self._entries)
         if self._metadata:
@@ -54,6 +61,8 @@ class SafetensorsWriter:
             while n := data.readinto(buf):  # hashed as it is copied: no second pass over the file
                 out.write(buf[:n])
                 digest.update(buf[:n])
+                if progress is not None:
+                    progress(n)
             out.flush()
             os.fsync(out.fileno())
         self.sha256 = digest.hexdigest()
