@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from test_weight_store import Store
+from test_weight_store import Store, stores  # noqa: F401 - stores: the fixture, shared
 
 from k3runtime.dist.weight_store_client import store_status
 
@@ -20,19 +20,6 @@ from k3runtime.dist.weight_store_client import store_status
 @pytest.fixture(scope="module")
 def engine(k3_tiny_engine) -> "os.PathLike":
     return k3_tiny_engine
-
-
-@pytest.fixture
-def stores():
-    started: list[Store] = []
-
-    def start(engine, *args, **kw) -> Store:
-        started.append(Store(engine, *args, **kw))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.close()
 
 
 def _refused(store: Store) -> str:
