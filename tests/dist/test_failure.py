@@ -45,14 +45,7 @@ def _stop_a_rank_mid_generation(engine_root: Path, ckpt: Path, sig: int, timeout
         if kill_on is None:
             log, _ = proc.communicate(timeout=120)
         else:
-            lines = []
-            for line in proc.stdout:
-                lines.append(line)
-                if victim is not None and re.search(kill_on, line):
-                    os.kill(victim, signal.SIGKILL)
-                    victim = None
-            proc.wait(timeout=120)
-            log = "".join(lines)
+            log, victim = _log_killing(proc, victim, kill_on), None
         return proc.returncode, time.monotonic() - stopped_at, log
     finally:
         if proc.poll() is None:
@@ -62,6 +55,19 @@ def _stop_a_rank_mid_generation(engine_root: Path, ckpt: Path, sig: int, timeout
                 os.kill(victim, signal.SIGKILL)  # torchrun normally did; never leave a stopped process behind
             except ProcessLookupError:
                 pass
+
+
+def _log_killing(proc: subprocess.Popen, victim: int, pattern: str) -> str:
+    """proc's whole output, SIGKILLing `victim` once a line matches `pattern`: what torchrun does to a stopped rank
+    after its 30 s grace, done at once."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if victim is not None and re.search(pattern, line):
+            os.kill(victim, signal.SIGKILL)
+            victim = None
+    proc.wait(timeout=120)
+    return "".join(lines)
 
 
 def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
@@ -122,26 +128,13 @@ def _children(pid: int) -> dict[int, int]:
 def test_hung_rank_ends_a_multirank_server(k3_tiny_ckpt, tmp_path):
     """`serve` under torchrun with a rank stopped: the request fails, and the server does not stay up; the job
     ends with rank 0's error naming the silent rank (before, the server answered 503 forever)."""
-    import socket
     import urllib.error
     import urllib.request
 
     engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "5"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "k3runtime.dist.launch", str(engine), "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, victim, workers = f"http://127.0.0.1:{port}", None, {}
+    proc, url = _serve(engine, 5)
+    workers = {}
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
-            try:
-                if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
         workers = _children(proc.pid)
         victim = workers[1]
         os.kill(victim, signal.SIGSTOP)
@@ -153,14 +146,7 @@ def test_hung_rank_ends_a_multirank_server(k3_tiny_ckpt, tmp_path):
         assert e.value.code >= 500
         # a server that stays up fails the test, not hangs it (the workers hold the log's pipe too)
         threading.Timer(90, lambda: [_kill(p) for p in (proc.pid, *workers.values())]).start()
-        lines = []
-        for line in proc.stdout:  # torchrun gives a stopped rank 30 s before SIGKILL: this test does it at once
-            lines.append(line)
-            if victim is not None and "rank 1 stopped responding" in line:
-                os.kill(victim, signal.SIGKILL)
-                victim = None
-        proc.wait(timeout=60)
-        log = "".join(lines)
+        log = _log_killing(proc, victim, "rank 1 stopped responding")
         assert proc.returncode != 0 and time.monotonic() - stopped_at < 60, log[-3000:]
         assert re.search(r"Error \(rank 0\): .*rank 1 stopped responding \(no heartbeat in \d+ s\)", log), log[-3000:]
     finally:
@@ -234,14 +220,7 @@ def test_hung_rank_ends_an_idle_multirank_server(k3_tiny_ckpt, tmp_path):
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()
         timer.start()
-        lines = []
-        for line in proc.stdout:  # no request is sent: the idle server must stop by itself
-            lines.append(line)
-            if victim is not None and "rank 1 stopped responding" in line:
-                os.kill(victim, signal.SIGKILL)  # what torchrun does after its 30 s grace
-                victim = None
-        proc.wait(timeout=60)
-        log = "".join(lines)
+        log = _log_killing(proc, victim, "rank 1 stopped responding")  # no request is sent: it stops by itself
         assert proc.returncode != 0 and time.monotonic() - stopped_at < 60, log[-3000:]
         assert re.search(r"Error \(rank 0\): .*rank 1 stopped responding", log), log[-3000:]
     finally:
