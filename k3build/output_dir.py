@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -180,7 +181,7 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
         return
     old = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
     # SIGINT/SIGTERM held while OUT is swapped: between the two renames OUT would be missing, the old one aside
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    held = _hold_signals()
     try:
         # this run's pid in the copy going aside: a run starting meanwhile leaves it alone, one starting after this
         # run died removes what is left of it (clean_stale); an old output the pid cannot go in is never removed
@@ -199,10 +200,10 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
             (out / PID_FILE).unlink(missing_ok=True)
             raise error(os_error_message(out, "put the finished output in place", e)) from None
     except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        held()
         raise
     try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal held during the swap lands here
+        held()  # a signal held during the swap lands here
         for child in old.iterdir():  # the pid file last: what an interrupt leaves still says whose it is
             if child.name == PID_FILE:
                 continue
@@ -213,6 +214,27 @@ def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
         shutil.rmtree(old, ignore_errors=True)
     except (KeyboardInterrupt, SystemExit):
         pass  # OUT is complete and in place: what is left of the old output goes with the next run's clean_stale
+
+
+def _hold_signals() -> Callable[[], None]:
+    """Hold SIGINT and SIGTERM until the returned function is called, which delivers what came meanwhile.
+
+    Their Python handlers are swapped for one that notes the signal: blocking them (pthread_sigmask) would hold them
+    in the calling thread only, and the kernel gives a process-directed signal to any thread that does not block it
+    (tqdm's monitor, torch's OpenMP workers), after which CPython runs the handler in the main thread at its next
+    bytecode. Off the main thread (no handler can be set there) nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    came: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def release() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
+        for s in dict.fromkeys(came):
+            signal.raise_signal(s)  # its own handler now: KeyboardInterrupt, SystemExit, or the default action
+
+    return release
 
 
 @contextmanager

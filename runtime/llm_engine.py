@@ -210,6 +210,10 @@ class LLMEngine:
             comm.opened = True
         # held around every exchange with the workers (step, score, shutdown), and by the keep-alive between them
         self._comm_lock = threading.Lock()
+        # before the keep-alive starts: its thread reads _broken (can_send) and sets both (on_error) from its first tick
+        self._broken = False  # an async step failed (_guarded), or a step of several ranks
+        # the error of a keep-alive that failed between steps (a worker gone or hung): the engine is broken
+        self.failure: BaseException | None = None
         if comm is not None:
             from .dist.keep_alive import KeepAlive
 
@@ -233,9 +237,6 @@ class LLMEngine:
         # async scheduling: each DP rank's launched step; whether the other DP ranks owe their last step's ids
         self._in_flight: list[_InFlight | None] = [None] * self.dp_size
         self._owed = False
-        self._broken = False  # an async step failed (_guarded), or a step of several ranks
-        # the error of a keep-alive that failed between steps (a worker gone or hung): the engine is broken
-        self.failure: BaseException | None = None
         self._held_events: list[TokenEvent] = []  # an in-flight step's, read early (score())
         self._prompt_logprobs: dict[Request, list[TokenLogprobs]] = {}  # prompt rows kept until the first token
         self._seen = SeenCounts(num_slots)  # the penalties' counts of the requests this rank samples (DP rank 0's)

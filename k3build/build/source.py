@@ -125,12 +125,26 @@ def check_rank_file(path: Path, cfg: K3Config, mapping: Mapping, rank: int, cano
         except json.JSONDecodeError:
             raise BuildError(f"{path}: corrupt k3_config metadata; convert again") from None
         now = json.loads(json.dumps(cfg.to_dict()))
-        changed = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+        # fields both know: one that k3build added (or dropped) since the convert is no edit of config.json
+        changed = _changed_fields(was, now)
         if changed:
-            k = changed[0]
-            raise BuildError(f"{path.parent}/config.json: {k} is {now.get(k)!r}, but {path.name} was converted with "
-                             f"{was.get(k)!r} ({len(changed)} field(s) changed after convert); restore config.json "
+            k, old_value, new_value = changed[0]
+            raise BuildError(f"{path.parent}/config.json: {k} is {new_value!r}, but {path.name} was converted with "
+                             f"{old_value!r} ({len(changed)} field(s) changed after convert); restore config.json "
                              "or convert again")
+
+
+def _changed_fields(was: dict, now: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted name, value at convert, value now) of the fields, nested ones included, that both configs hold and
+    that differ."""
+    out = []
+    for k in sorted(set(was) & set(now)):
+        a, b = was[k], now[k]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_fields(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append((f"{prefix}{k}", a, b))
+    return out
 
 
 def _norm(dim: int | None, start: int, stop: int, shape: list[int]) -> tuple:

@@ -6,9 +6,10 @@ the store that torch.distributed was initialised with, from a daemon thread. A t
 its rank waits inside a collective, and stops when the process stops or leaves (stop). After a timeout, the
 ranks whose stamps do not move for a few seconds are the silent ones.
 
-The store is the job's lifeline (torchrun's agent holds it): a rank whose beats fail ORPHAN_BEATS times in a row has
-lost it, its agent killed or gone with its node, and no one is left to stop it; it stops itself (SIGTERM, so that a
-server shuts down; a hard exit if that does not end it), rather than serving on as an orphan that holds the
+The store is the job's lifeline (the torchrun agent of the rendezvous host holds it: MASTER_ADDR's, on node 0, which
+need not be this rank's own agent): a rank whose beats fail ORPHAN_BEATS times in a row has lost it, that agent killed,
+gone with its node, or ended with a failure of its own ranks, and no one is left to stop it; it stops itself (SIGTERM,
+so that a server shuts down; a hard exit if that does not end it), rather than serving on as an orphan that holds the
 accelerator and the server's port.
 """
 
@@ -66,8 +67,11 @@ def start() -> None:
 
 
 def _orphaned(rank: int, error: BaseException, done: threading.Event) -> None:
-    print(f"k3runtime: rank {rank} lost the job's store ({error}): its launcher (torchrun's agent) is gone; this "
-          "rank stops", file=sys.stderr, flush=True)
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    # on another node than the store's, this rank's own agent is alive: the store's is the one gone
+    print(f"k3runtime: rank {rank} lost the job's store at {where} ({error}): the torchrun agent that holds it (the "
+          "rendezvous host's) is gone, killed or ended with its node's ranks; this rank stops", file=sys.stderr,
+          flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
     if not done.wait(ORPHAN_GRACE_S):  # (stop() sets it on the way out)
         os._exit(1)

@@ -70,7 +70,7 @@ def preflight(engine_dir: str) -> None:
         while not store.check(keys):  # polled: TCPStore.wait holds the GIL, and the heartbeat would stop with it
             if time.monotonic() > deadline:
                 late = [r for r, k in enumerate(keys) if not store.check([k])]
-                raise EngineError(f"rank(s) {', '.join(map(str, late))} did not start within "
+                raise EngineError(f"rank(s) {', '.join(map(str, late))} did not report their engine within "
                                   f"{collective_timeout().total_seconds():.0f} s (K3_DIST_TIMEOUT_S)")
             time.sleep(0.05)
         every = [json.loads(store.get(k)) for k in keys]

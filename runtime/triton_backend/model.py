@@ -378,8 +378,8 @@ class TritonPythonModel:
 
         try:
             self.engine.submit(ids, sp, on_event, request_id=rid)
-        except self.EngineDeadError as e:  # it stopped since execute looked
-            put(st, e, final=True)
+        except (self.EngineDeadError, ValueError, TypeError) as e:  # it stopped since execute looked, or refused
+            put(st, e, final=True)  # the input (the other requests of the batch still start)
 
     def _execute_unary(self, requests):
         responses = [None] * len(requests)

@@ -47,3 +47,22 @@ def test_untouched_and_reformatted_config_builds(converted, tmp_path):
     (conv / "config.json").write_text(json.dumps(cfg, indent=4, sort_keys=True))  # same values, other layout
     res = _build(conv, tmp_path / "engine")
     assert res.exit_code == 0, res.output
+
+
+def test_a_field_added_to_k3build_since_the_convert_is_no_edit(converted, tmp_path):
+    """A converted checkpoint from a k3build whose config had fewer fields (a field added since, at its default):
+    nothing was edited, so it builds (the check compared every field, and a new one was "converted with None")."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    conv = shutil.copytree(converted, tmp_path / "conv")
+    for rank in (0, 1):
+        path = conv / f"rank{rank}.safetensors"
+        with safe_open(path, "pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        was = json.loads(meta["k3_config"])
+        del was["routed_scaling_factor"], was["quantization"][next(iter(was["quantization"]))]  # not there back then
+        meta["k3_config"] = json.dumps(was)
+        save_file(tensors, path, metadata=meta)
+    res = _build(conv, tmp_path / "engine")
+    assert res.exit_code == 0, res.output

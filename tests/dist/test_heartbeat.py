@@ -79,3 +79,22 @@ def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
     assert "rank 1 stopped responding (no heartbeat in 5 s)" in got["why"] and got["other"] is None
     assert "rank 1 stopped responding" in got["pair"]
     assert got["still"]
+
+
+def test_an_orphaned_rank_names_the_store_it_lost(monkeypatch, capsys):
+    """The store is the rendezvous host's agent's (MASTER_ADDR): on another node, the rank's own agent is alive, so
+    the message names the store's address rather than blaming "its launcher"."""
+    import threading
+
+    from k3runtime.dist import heartbeat
+
+    monkeypatch.setenv("MASTER_ADDR", "node0.example")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(sig))
+    done = threading.Event()
+    done.set()  # stop() came: no hard exit
+    heartbeat._orphaned(1, RuntimeError("Broken pipe"), done)
+    err = capsys.readouterr().err
+    assert sent == [signal.SIGTERM]
+    assert "rank 1 lost the job's store at node0.example:29500 (Broken pipe)" in err and "its launcher" not in err, err

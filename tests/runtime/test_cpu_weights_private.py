@@ -4,7 +4,6 @@ engine read the new bytes, or died of SIGBUS."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import struct
 import subprocess

@@ -69,7 +69,12 @@ def test_store_of_a_truncated_rank_file_names_the_file_and_tensor(served):
         load_rank(engine, 0)
 
 
-def test_store_of_an_intact_engine_still_attaches(served):
+def test_store_of_an_intact_engine_still_attaches(served, monkeypatch):
+    import k3runtime.loader as loader
+
     engine = served(lambda e: None)
+    # from the store's mapping: a read from disk would fail the test (rank.weights' keys are tensor names, so a
+    # check of their text for "k3ws-" passed whichever way the rank loaded)
+    monkeypatch.setattr(loader, "read_weights", lambda *a, **k: pytest.fail("read from disk, not attached"))
     rank = load_rank(engine, 1)
-    assert all("k3ws-" not in str(t) for t in rank.weights) and rank.weights  # loaded (from the store's mapping)
+    assert rank.weights

@@ -513,8 +513,10 @@ def test_engine_thread_does_not_wait_for_responses(triton, llm):
         assert [t for r in resps for t in _ids(r)] == ref.token_ids
         assert [_final(r) for r in resps] == [False] * (len(resps) - 1) + [True]
         assert resps[-1].as_numpy("finish_reason")[0].decode() == "length"
-    # one stream's first token was in the send held at the gate; every other stream's 6 waited together
-    assert sorted(len(resps) for resps in out) == [1] * (len(prompts) - 1) + [2]
+    # one stream's first token was in the send held at the gate; every other stream's 6 waited together. (The
+    # engine counts a request finished just before it queues the last token: a stall there may split one more.)
+    counts = sorted(len(resps) for resps in out)
+    assert max(counts) <= 3 and sum(counts) <= len(prompts) + 2, counts
 
 
 def test_stream_cancelled_by_its_client_is_aborted(triton, llm):
