@@ -28,7 +28,7 @@ from ..finite import first_nonfinite
 from ..memory import MAX_GIB, GiB, kda_state_bytes, kv_bytes_per_token, plan_memory, size_text
 from ..mxfp4 import MXFP4Error, check_scale
 from ..output_dir import check_output_dir, staged_output
-from ..tokenizer import TOKENIZER_FILES
+from ..tokenizer import TOKENIZER_FILES, tokenizer_note
 from . import graph as graph_mod
 from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
@@ -70,7 +70,10 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     if options.tune and not torch.cuda.is_available():
         raise BuildError("--tune: measures tactics on this machine's GPU, and torch sees none; build without --tune "
                          "or on a machine with the target GPU")
-    memory_plan = _memory_plan(cfg, mapping, options, log or (lambda m: None))
+    log = log or (lambda m: None)
+    if note := tokenizer_note(converted_dir):  # said before the long work, as convert says it after its own
+        log(note)
+    memory_plan = _memory_plan(cfg, mapping, options, log)
     forced = dict(options.tactics)
     for op in set(forced) - set(PLUGIN_OPS):
         raise BuildError(f"--tactic {op}={forced[op]}: {op!r} is not a plugin op; they are {', '.join(PLUGIN_OPS)}")
@@ -93,7 +96,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
         note, tuning = _tune_fp8(cfg, mapping, converted_dir, plugins, options.torch_dtype)
         notes.append(note)
     for note in notes:
-        (log or (lambda m: None))(note)
+        log(note)
     layout = expert_layout(plugins)
     # one id for this build, in its config's stamp and in every rank's weights: the runtime refuses ranks (or rank
     # files) of different builds, which would run together and generate nonsense

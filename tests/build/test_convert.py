@@ -172,7 +172,7 @@ def test_kimi_linear_quantize_mxfp4(kimi_linear, tmp_path):
 
 def test_tokenizer_files_travel_and_a_missing_tokenizer_json_is_told(tiny, tmp_path):
     """convert and build carry every tokenizer file (a tiktoken.model too); without tokenizer.json, which k3runtime
-    reads, convert warns that the engine will take token ids only."""
+    reads, convert and build both warn that the engine will take token ids only (build said nothing)."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     for f in tiny.iterdir():
@@ -184,6 +184,9 @@ def test_tokenizer_files_travel_and_a_missing_tokenizer_json_is_told(tiny, tmp_p
     assert "no tokenizer.json (only tiktoken.model)" in res.stderr and "token ids only" in res.stderr
     res = CliRunner().invoke(main, ["build", str(tmp_path / "conv"), str(tmp_path / "engine"), "--no-progress"])
     assert res.exit_code == 0, res.output
+    assert "no tokenizer.json (only tiktoken.model)" in res.stderr and "token ids only" in res.stderr
     assert (tmp_path / "engine" / "tiktoken.model").read_text() == "IQ== 0\n"
     res = CliRunner().invoke(main, ["convert", str(tiny), str(tmp_path / "conv2")])
     assert res.exit_code == 0 and "warning" not in res.stderr, res.output
+    res = CliRunner().invoke(main, ["build", str(tmp_path / "conv2"), str(tmp_path / "engine2"), "--no-progress"])
+    assert res.exit_code == 0 and "token ids only" not in res.stderr, res.output
