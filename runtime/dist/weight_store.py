@@ -148,7 +148,8 @@ class WeightStore:
         self._owns_dir = False
         try:
             self.config_sha = proto.config_sha256(opts.engine_dir)
-            declared = proto.engine_ranks(opts.engine_dir)
+            records = proto.rank_records(opts.engine_dir)
+            declared = sorted(records)
             if missing := sorted(set(opts.ranks) - set(declared)):
                 raise StoreError(f"{opts.engine_dir}: no rank(s) {missing}; the engine has ranks {declared}")
             self.sources = {r: proto.weights_path(opts.engine_dir, r) for r in opts.ranks}
@@ -156,7 +157,7 @@ class WeightStore:
                 if not path.is_file():
                     raise StoreError(f"{path}: missing; the engine dir is incomplete")
             self.prints = {r: proto.rank_print(p) for r, p in self.sources.items()}
-            self.built_sha = proto.built_sha256(opts.engine_dir)  # rank -> the build's sha256 of its file, if recorded
+            self.built_sha = proto.built_sha256(records)  # rank -> the build's sha256 of its file, if recorded
         except OSError as e:  # a file or directory of the engine this user may not read
             raise StoreError(f"{e.filename or opts.engine_dir}: cannot be read ({e.strerror or e})") from None
         self.total_bytes = sum(p.size for p in self.prints.values())

@@ -76,8 +76,8 @@ def config_sha256(engine_dir: str | Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def engine_ranks(engine_dir: str | Path) -> list[int]:
-    """Ranks an engine's config.json declares."""
+def rank_records(engine_dir: str | Path) -> dict[int, object]:
+    """rank -> its record in the engine's config.json (`ranks`)."""
     path = Path(engine_dir) / "config.json"
     if not path.exists():
         raise ValueError(no_config(engine_dir))
@@ -85,20 +85,21 @@ def engine_ranks(engine_dir: str | Path) -> list[int]:
         cfg = json.loads(path.read_text())
         if why := not_an_engine(cfg, path):
             raise ValueError(why)
-        ranks = cfg["ranks"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        return {int(r): info for r, info in cfg["ranks"].items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: cannot read the engine's rank list ({type(e).__name__}: {e})") from None
-    return sorted(int(r) for r in ranks)
 
 
-def built_sha256(engine_dir: str | Path) -> dict[int, str]:
-    """rank -> the sha256 the build recorded of its weights file (config.json ranks.N.weights_sha256), where it did."""
-    try:
-        ranks = json.loads((Path(engine_dir) / "config.json").read_text())["ranks"]
-        return {int(r): info["weights_sha256"] for r, info in ranks.items()
-                if isinstance(info, dict) and isinstance(info.get("weights_sha256"), str)}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+def engine_ranks(engine_dir: str | Path) -> list[int]:
+    """Ranks an engine's config.json declares."""
+    return sorted(rank_records(engine_dir))
+
+
+def built_sha256(records: dict[int, object]) -> dict[int, str]:
+    """rank -> the sha256 the build recorded of its weights file (ranks.N.weights_sha256 of rank_records), where it
+    did (engines from before have none)."""
+    return {r: info["weights_sha256"] for r, info in records.items()
+            if isinstance(info, dict) and isinstance(info.get("weights_sha256"), str)}
 
 
 def weights_path(engine_dir: str | Path, rank: int) -> Path:
