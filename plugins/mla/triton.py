@@ -26,10 +26,26 @@ PAGE = 64
 
 
 @triton.jit
+def _barrier_zero(i, PTX_BAR: tl.constexpr):
+    """A CTA barrier that returns 0, for addresses to depend on. As PTX (CUDA): tl.debug_barrier in the loop stops
+    Triton pipelining its loads, and the dependence keeps the loads after the barrier. Elsewhere (ROCm, the
+    interpreter) tl.debug_barrier."""
+    if PTX_BAR:
+        zero = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [i], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+    else:
+        tl.debug_barrier()
+        zero = 0
+    return zero
+
+
+@triton.jit
 def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr, sm_scale, H,
                       stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_kv_page, stride_ob, stride_os, stride_oh,
                       stride_lb, stride_ls, PAGES_PER_SPLIT, BH: tl.constexpr,
-                      PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PDL: tl.constexpr = False):
+                      PAGE_SIZE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, PDL: tl.constexpr = False,
+                      xp_ptr=None, xa_ptr=None, XCHG: tl.constexpr = False,
+                      PTX_BAR: tl.constexpr = False):
     pdl_prologue(PDL)
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -57,17 +73,31 @@ def mla_decode_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, pt_ptr, qseq_ptr, lens_ptr, o
         base = kv_ptr + page * stride_kv_page + rt[:, None] * (DL + DR)
         c = tl.load(base + rl[None, :])                                                  # [T, DL]
         cp = tl.load(base + DL + rr[None, :])                                            # [T, DR]
-        if DR >= 16:
+        if DR >= 16 and XCHG:  # scaled apart, so that Triton does not chain one dot into the other
+            s = tl.dot(q, tl.trans(c)) * qk_scale + tl.dot(qp, tl.trans(cp)) * qk_scale
+        elif DR >= 16:
             s = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(cp))                        # [BH, T]
         else:  # an MMA needs K >= 16: small test models' rope parts are summed directly
             s = tl.dot(q, tl.trans(c)) + tl.sum(qp[:, None, :].to(tl.float32) * cp[None, :, :].to(tl.float32), 2)
         t_ok = (first_page + i) * PAGE_SIZE + rt < ctx
-        s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))
+        s = tl.where(t_ok[None, :], s if XCHG and DR >= 16 else s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        if XCHG:
+            # the scores reach the values' dot through a per-program scratch (L2), not as an SSA value: Triton
+            # then splits each dot's N over the warpgroups instead of computing the scores in both
+            slot = ((tl.program_id(2) * tl.num_programs(1) + split) * tl.num_programs(0) + hb) * 2 + i % 2
+            rh = tl.arange(0, BH)
+            xp = xp_ptr + slot.to(tl.int64) * (BH * PAGE_SIZE) + rh[:, None] * PAGE_SIZE + rt[None, :]
+            xa = xa_ptr + slot.to(tl.int64) * BH + rh
+            tl.store(xp, p.to(c.dtype))
+            tl.store(xa, alpha)
+            zero = _barrier_zero(i, PTX_BAR)
+            acc = tl.dot(tl.load(xp + zero), c, acc * tl.load(xa + zero)[:, None])
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
     # an empty slice (past the context) leaves l_i = 0: weight 0 in the merge, never a NaN
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -175,7 +205,7 @@ def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                          context_lens: torch.Tensor, *, scale: float, query_seq: torch.Tensor | None = None,
                          num_splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                         num_stages: int = 2) -> torch.Tensor:
+                         num_stages: int = 2, exchange: bool = False) -> torch.Tensor:
     """softmax(scale·(q_lat·c_latᵀ + q_pe·k_peᵀ)) · c_lat over each sequence's cached tokens.
 
     Args:
@@ -187,6 +217,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         scale: softmax scale (K3: 192^-0.5).
         num_splits: split-K factor (power of two); None picks one from the shapes (no device sync).
         block_h, num_warps, num_stages: the tactic (heads per program and its launch shape).
+        exchange: the scores reach the values' dot through an L2 scratch (a GPU with 64-row MMAs and 8+ warps:
+            each warpgroup then computes its own share of the scores, not all of them).
 
     Returns:
         o_lat [B, H, 512] in q_lat.dtype.
@@ -211,11 +243,18 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         query_seq = torch.arange(B, dtype=torch.int32, device=q_lat.device)
     o_part = torch.empty(B, splits, H, dl, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
-    mla_decode_kernel[(triton.cdiv(H, block_h), splits, B)](
+    grid = (triton.cdiv(H, block_h), splits, B)
+    xp = xa = None
+    if exchange:  # two buffers a program: a program's next page may start before every warp read this one's
+        xp = torch.empty(grid[0] * splits * B * 2, block_h * PAGE, dtype=q_lat.dtype, device=q_lat.device)
+        xa = torch.empty(grid[0] * splits * B * 2, block_h, dtype=torch.float32, device=q_lat.device)
+    mla_decode_kernel[grid](
         q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, float(scale), H, q_lat.stride(0),
         q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), kv_cache.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGES_PER_SPLIT=pps, BH=block_h, PAGE_SIZE=PAGE,
-        DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages, **pdl(q_lat))
+        DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages, xp_ptr=xp, xa_ptr=xa, XCHG=exchange,
+        PTX_BAR=exchange and q_lat.is_cuda and torch.version.hip is None,
+        **pdl(q_lat))
     out = torch.empty(B, H, dl, dtype=q_lat.dtype, device=q_lat.device)
     mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                              lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,

@@ -21,8 +21,9 @@ def _ref(ql, qp, kv, pt, lens, scale):
 @pytest.mark.parametrize("H", [1, 16, 96])
 @pytest.mark.parametrize("lens", [[1], [64], [65, 1, 300], [4096, 17, 2000, 128]], ids=str)
 @pytest.mark.parametrize("splits", [None, 4])
-@pytest.mark.parametrize("block_h", [16, 64])
-def test_mla_decode_matches_definition(H, lens, splits, block_h):
+@pytest.mark.parametrize("block_h,num_warps,exchange", [(16, None, False), (64, None, False), (64, 8, True),
+                                                          (64, 16, True)])
+def test_mla_decode_matches_definition(H, lens, splits, block_h, num_warps, exchange):
     if block_h == 64 and H != 96:
         pytest.skip("block_h=64 is the 96-head config")
     g = torch.Generator(device="cuda").manual_seed(len(lens) * 100 + H)
@@ -34,7 +35,8 @@ def test_mla_decode_matches_definition(H, lens, splits, block_h):
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     ql = torch.randn(B, H, 512, device="cuda", generator=g).to(torch.bfloat16)
     qp = torch.randn(B, H, 64, device="cuda", generator=g).to(torch.bfloat16)
-    out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, block_h=block_h)
+    out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, block_h=block_h,
+                               num_warps=num_warps, exchange=exchange)
     ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
     assert out.shape == (B, H, 512) and torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2

@@ -137,14 +137,14 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     return {"rel": _rel(out, expect), "rel_fp32_y" if y_half else "rel_loop": _rel(out, other)}
 
 
-def _mla_case(mla, splits):
+def _mla_case(mla, splits, exchange=False):
     g = torch.Generator().manual_seed(2)
     B, H, max_pages, num_pages = 3, 5, 4, 20
     lens = torch.tensor([1, 70, 256], dtype=torch.int32)
     kv = torch.randn(num_pages, 64, 576, generator=g)
     pt = torch.randperm(num_pages, generator=g)[: B * max_pages].view(B, max_pages).int()
     ql, qp = torch.randn(B, H, 512, generator=g), torch.randn(B, H, 64, generator=g)
-    out = mla.mla_decode_attention(ql, qp, kv, pt, lens, scale=192 ** -0.5, num_splits=splits)
+    out = mla.mla_decode_attention(ql, qp, kv, pt, lens, scale=192 ** -0.5, num_splits=splits, exchange=exchange)
     rels = []
     for b in range(B):
         toks = kv[pt[b].long()].reshape(-1, 576)[: int(lens[b])].double()
@@ -575,6 +575,7 @@ def _child(part: str) -> None:
     res["dequant"] = {"equal": bool(torch.equal(moe.dequantize(w, s, torch.float32), dequantize_mxfp4(w, s)))}
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
+        res[f"mla-{splits}-exchange"] = _mla_case(mla, splits, exchange=True)
     res["mla-mixer"] = _mla_mixer_case(mla)
     res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
@@ -683,9 +684,11 @@ def test_mxfp4_dequant_interpreted(results):
     assert results["dequant"]["equal"]
 
 
+@pytest.mark.parametrize("exchange", [False, True], ids=["", "exchange"])
 @pytest.mark.parametrize("splits", [1, 2, 4])
-def test_mla_decode_interpreted(results, splits):
-    assert results[f"mla-{splits}"]["rel"] < 1e-5
+def test_mla_decode_interpreted(results, splits, exchange):
+    """exchange: the scores through the per-program scratch, two buffers by page parity (a slice of 1-4 pages)."""
+    assert results[f"mla-{splits}" + ("-exchange" if exchange else "")]["rel"] < 1e-5
 
 
 def test_mla_cache_write_interpreted(results):
