@@ -1,5 +1,5 @@
-"""Launch the decode kernels that hold the rank (MoE gate/up and down, the fused KDA decode) a few times each, on
-the bench shapes, for a profiler to attach to (Nsight Compute, where the machine's runtime lets it read counters):
+"""Launch the decode kernels that hold the rank (MoE gate/up and down, the fused KDA decode; the MLA decode on
+request) a few times each, on the bench shapes, for a profiler to attach to (Nsight Compute, where the machine's runtime lets it read counters):
 
     python tools/profile_kernels.py                       # once without a profiler: fills Triton's cache
     ncu --clock-control none -k regex:'moe_gate_up|moe_down|kda_decode_fused' --launch-count 3 \
@@ -37,10 +37,19 @@ def kda_target(sequences: int):
                                       tactic="fused")
 
 
+def mla_target(heads: int, exchange: bool):
+    import mla
+    from k3plugins.mla.triton import mla_decode_attention
+    kv, pt, lens, ql, qp = mla.make_case(64, 8192, heads, torch.Generator(device="cuda").manual_seed(1))
+    return lambda: mla_decode_attention(ql, qp, kv, pt, lens, scale=mla.SCALE, exchange=exchange)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe-tokens", type=int, default=1, help="tokens per expert of the MoE target (0: skip it)")
     ap.add_argument("--kda-sequences", type=int, default=64, help="sequences of the KDA target at 96 heads (0: skip)")
+    ap.add_argument("--mla-heads", type=int, default=0, help="heads of the MLA target at 64 x 8K (0: skip it); "
+                    "it runs with the scores' exchange off, then on")
     ap.add_argument("--calls", type=int, default=1)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -50,6 +59,10 @@ def main() -> None:
         targets.append((f"moe decode_p, {args.moe_tokens} tokens/expert", moe_target(args.moe_tokens)))
     if args.kda_sequences:
         targets.append((f"kda fused decode, {args.kda_sequences} x 96 heads", kda_target(args.kda_sequences)))
+    if args.mla_heads:
+        for exchange in (False, True):
+            targets.append((f"mla decode, 64 x 8K x {args.mla_heads} heads, exchange {exchange}",
+                            mla_target(args.mla_heads, exchange)))
     for name, fn in targets:
         for _ in range(args.calls):
             fn()
