@@ -54,25 +54,21 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         # the host's split count (num_splits_for: about one wave of programs; 4 at 64 x 8K and 8 at 32 x 64K with
         # 16 heads, 2 / 4 with 96) beside fewer and beside two waves' (8 / 16, and 4 / 8), which write and merge more
         # partial outputs (fp32 [B, splits, H, 512]: 16.8 MB at 8 splits, about 3 % of the KV bytes)
-        # (block_h, splits, warps, stages, exchange, page_tiles): exchange sends the scores through an L2 scratch so
-        # that each warpgroup computes its share of them (64-head blocks, 8 warps); page_tiles > 1 splits each page
-        # into smaller tiles, which leaves shared memory for a third stage
-        configs = ([(16, None, 4, 2, False, 1), (16, 2, 4, 2, False, 1), (16, 8, 4, 2, False, 1),
-                    (16, None, 4, 2, False, 2), (16, None, 4, 3, False, 2), (16, None, 4, 4, False, 4)]
+        # (block_h, splits, warps, stages, exchange): exchange sends the scores through an L2 scratch so that each
+        # warpgroup computes its share of them (64-head blocks of 8 warps: the host's default on CUDA)
+        configs = ([(16, None, 4, 2, False), (16, 2, 4, 2, False), (16, 8, 4, 2, False), (16, 16, 4, 2, False)]
                    if H == 16 else
-                   [(32, None, 4, 2, False, 1), (64, None, 8, 2, False, 1), (64, 4, 8, 2, False, 1),
-                    (64, None, 8, 2, True, 1), (64, None, 8, 3, True, 2), (64, 4, 8, 3, True, 2),
-                    (64, None, 8, 3, False, 2), (64, None, 8, 4, True, 4), (64, None, 8, 3, True, 4)])
+                   [(32, None, 4, 2, False), (64, None, 8, 2, False), (64, 4, 8, 2, False), (64, 8, 8, 2, False),
+                    (64, None, 8, 2, True), (64, 4, 8, 2, True)])
         if sweep:
-            configs += ([(16, None, 4, 1, False, 1), (16, None, 4, 3, False, 1), (16, None, 8, 2, False, 1)]
-                        if H == 16 else
-                        [(32, None, 8, 2, False, 1), (32, None, 4, 1, False, 1), (64, None, 8, 1, False, 1),
-                         (64, 8, 8, 3, True, 2), (64, None, 16, 3, True, 2)])
+            configs += ([(16, None, 4, 1, False), (16, None, 4, 3, False), (16, None, 8, 2, False)] if H == 16 else
+                        [(32, None, 8, 2, False), (32, None, 4, 1, False), (32, None, 4, 3, False),
+                         (64, None, 8, 1, False), (16, None, 2, 2, False), (64, 8, 8, 2, True), (64, None, 16, 2, True)])
         best = None
-        for bh, ns, nw, st, xc, sub in configs:
-            fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, sub=sub: mla_decode_attention(
+        for bh, ns, nw, st, xc in configs:
+            fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc: mla_decode_attention(
                 ql, qp, kv, pt, lens, scale=SCALE, num_splits=ns, block_h=bh, num_warps=nw, num_stages=st,
-                exchange=xc, page_tiles=sub)
+                exchange=xc)
             try:
                 t = time_ms(fn, rep=10)
                 err = rel_l2(fn().float(), ref)
@@ -80,10 +76,10 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
                 emit(bench="mla_config_failed", block_h=bh, num_splits=ns, num_warps=nw, error=repr(exc)[:300])
                 continue
             emit(bench="mla_config", B=B, L=L, H=H, block_h=bh, num_splits=ns, num_warps=nw, num_stages=st,
-                 exchange=xc, page_tiles=sub, ms=round(t, 4),
+                 exchange=xc, ms=round(t, 4),
                  frac_of_floor=round(floor_ms / t, 3), rel_l2_vs_bmm=err)
             if best is None or t < best[1]:
-                best = ((bh, ns, nw, st, xc, sub), t)
+                best = ((bh, ns, nw, st, xc), t)
         emit(bench="mla", B=B, L=L, H=H, kv_bytes=B * L * 1152, floor_ms=round(floor_ms, 4),
              bmm_ms=round(t_base, 4), bmm_x_floor=round(t_base / floor_ms, 2), best_config=list(best[0]),
              best_ms=round(best[1], 4), frac_of_floor=round(floor_ms / best[1], 3),
