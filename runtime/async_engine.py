@@ -235,6 +235,9 @@ class AsyncLLMEngine:
             err = self.error or EngineDeadError("the engine was shut down")
             for rid in list(self._live):
                 _call(self._live.pop(rid).callback, EngineDeadError(f"request {rid}: {err!r}"))
+            # nothing runs or waits any more: the last step's snapshot would show its requests forever
+            st = self.stats
+            self.stats = EngineStats(pages_total=st.pages_total, slots_total=st.slots_total, num_steps=st.num_steps)
             with self._submit_lock:
                 self._closed = True
             self._drain_rejecting(err)

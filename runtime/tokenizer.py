@@ -134,14 +134,33 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The template rendered as transformers' apply_chat_template (what vLLM serves) renders it: a sandbox (a
+        checkpoint's template is untrusted code), trim_blocks and lstrip_blocks, undefined names falsy (`tools`,
+        a message's `tool_calls`: Kimi's template tests both), raise_exception, strftime_now and its tojson."""
         if not self.chat_template:
             raise ValueError("the engine's tokenizer has no chat template; use completions instead")
-        import jinja2
-
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                          **special)
+        return _chat_env().from_string(self.chat_template).render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special)
+
+
+def _chat_env():
+    """transformers' chat template environment (utils/chat_template_utils.py)."""
+    import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # jinja's escapes HTML
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.datetime.now().strftime(f))
+    return env
 
 
 # encode_chat: the message fields a template renders as text, and the stand-ins for special-token spellings in them

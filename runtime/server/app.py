@@ -50,7 +50,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                              429: {"model": ErrorResponse}})
     metrics = engine.metrics if isinstance(engine.metrics, PrometheusMetrics) else PrometheusMetrics()
     h = Handlers(engine, config, metrics)
-    metrics.bind(lambda: engine.stats, lambda: h.admission_waiting)
+    metrics.bind(lambda: engine.stats, lambda: h.admission_waiting, lambda: engine.is_alive)
     if config.api_key is not None:
         app.add_middleware(_AuthMiddleware, api_key=config.api_key)
 

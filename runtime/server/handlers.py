@@ -106,7 +106,8 @@ class Handlers:
             raise APIError(400, f"{field}: token ids must be in 0..{vocab - 1}", field)
         return ids
 
-    def _params(self, body, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def _params(self, body, max_tokens: int | None, prompt_len: int, field: str = "max_tokens") -> SamplingParams:
+        """field: the request's name for max_tokens (chat's max_completion_tokens), which its errors name."""
         limit = self.config.max_tokens_limit
         if max_tokens is None:  # chat default: as much as the context, the KV cache and the server allow
             most = min(self.max_model_len or self.cache_tokens, self.cache_tokens)
@@ -116,11 +117,11 @@ class Handlers:
                                "context_length_exceeded")
             max_tokens = min(limit, most - prompt_len)
         if max_tokens > limit:
-            raise APIError(400, f"max_tokens: {max_tokens} is over this server's limit of {limit}", "max_tokens")
+            raise APIError(400, f"{field}: {max_tokens} is over this server's limit of {limit}", field)
         if self.max_model_len and prompt_len + max_tokens > self.max_model_len:  # OpenAI: a 400, not a cut output
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
-                                "the output): reduce max_tokens or the prompt", "max_tokens",
+                                f"the output): reduce {field} or the prompt", field,
                            "context_length_exceeded")
         try:
             params = SamplingParams(
@@ -130,7 +131,8 @@ class Handlers:
                 logprobs=body.wanted_logprobs(), stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens,
                 skip_special_tokens=body.skip_special_tokens, **body.penalties())
         except ValueError as e:
-            raise APIError(400, str(e), _param(e)) from None
+            msg = re.sub(r"^max_tokens\b", field, str(e))
+            raise APIError(400, msg, _param(ValueError(msg))) from None
         vocab = self.engine.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise APIError(400, f"logit_bias: token ids must be in 0..{vocab - 1}", "logit_bias")
@@ -171,8 +173,9 @@ class Handlers:
         ids = self._encode(ids, "messages")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "max_tokens / max_completion_tokens: set at most one", "max_tokens")
-        mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._serve(request, body, [ids], [self._params(body, mt, len(ids))], chat=True)
+        new = body.max_completion_tokens is not None
+        mt, field = (body.max_completion_tokens, "max_completion_tokens") if new else (body.max_tokens, "max_tokens")
+        return await self._serve(request, body, [ids], [self._params(body, mt, len(ids), field)], chat=True)
 
     async def _start(self, ids, params, n: int) -> list[RequestStream]:
         """Each prompt's requests, n of them (its choices, in order; choice j seeded seed + j when a seed is set,

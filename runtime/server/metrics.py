@@ -34,10 +34,12 @@ class PrometheusMetrics(Metrics):
         self._lock = threading.Lock()
         self._stats: Callable[[], EngineStats] = EngineStats
         self._server_waiting: Callable[[], int] = lambda: 0
+        self._alive: Callable[[], bool] = lambda: True
         r.register(_Gauges(self))
 
-    def bind(self, stats: Callable[[], EngineStats], server_waiting: Callable[[], int]) -> None:
-        self._stats, self._server_waiting = stats, server_waiting
+    def bind(self, stats: Callable[[], EngineStats], server_waiting: Callable[[], int],
+             alive: Callable[[], bool] = lambda: True) -> None:
+        self._stats, self._server_waiting, self._alive = stats, server_waiting, alive
 
     # engine-thread hooks
     def on_first_token(self, ttft_s):
@@ -86,6 +88,8 @@ class _Gauges:
             ("k3_kda_slots_total", "KDA state slots.", s.slots_total),
             ("k3_generation_tokens_per_second", f"Generated tokens/s over the last {THROUGHPUT_WINDOW_S:g} s.",
              self.m.tokens_per_second()),
+            ("k3_engine_alive", "1 while the engine runs, 0 once it stopped (/health then answers 503).",
+             int(self.m._alive())),
         ]:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)

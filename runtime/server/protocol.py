@@ -116,7 +116,7 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -219,3 +219,60 @@ def test_a_message_never_becomes_special_tokens(chat_tokenizer, tmp_path, templa
 def test_chat_without_markers_in_messages_is_encoded_whole(chat_tokenizer):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The quick <b>fox</b> |>"}]
     assert chat_tokenizer.encode_chat(messages) == chat_tokenizer.encode(chat_tokenizer.apply_chat_template(messages))
+
+
+# Kimi K2's chat template's shape: it tests `tools` and a message's `tool_calls`, which a request need not send, its
+# tags stand on lines of their own (trim_blocks, lstrip_blocks), and tool results go through tojson
+KIMI = """{%- if tools -%}
+  <|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|end_of_msg|>
+{%- endif -%}
+{% for message in messages %}
+  {% if loop.first and messages[0]['role'] != 'system' %}
+<|im_system|>system<|im_middle|>You are Kimi.<|end_of_msg|>
+  {% endif %}
+  {% if message.role not in ['system', 'user', 'assistant'] %}
+    {{ raise_exception('unknown role ' + message.role) }}
+  {% endif %}
+<|im_{{ message.role }}|>{{ message.role }}<|im_middle|>
+  {%- if message.role == 'assistant' and message.tool_calls -%}
+    {{ message.tool_calls | tojson }}
+  {%- else -%}
+    {{ message.content }}
+  {%- endif -%}
+<|end_of_msg|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_assistant|>assistant<|im_middle|>
+{% endif %}"""
+
+
+def test_chat_template_renders_as_transformers_does(tmp_path):
+    """A checkpoint's chat template gives the prompt transformers' apply_chat_template (what vLLM serves) gives:
+    names a request does not send are falsy, blocks trim their lines, raise_exception and tojson are transformers'."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, preset("tiny"))
+    (tmp_path / "chat_template.jinja").write_text(KIMI)
+    tok, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for messages in ([{"role": "user", "content": "hi <b>"}],
+                     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]):
+        for gen in (True, False):
+            assert tok.apply_chat_template(messages, gen) == hf.apply_chat_template(messages, tokenize=False,
+                                                                                     add_generation_prompt=gen)
+    hi = [{"role": "user", "content": "hi"}]
+    assert tok.encode_chat(hi) == hf.apply_chat_template(hi, add_generation_prompt=True)["input_ids"]
+    with pytest.raises(Exception, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "42"}])
+
+
+def test_chat_template_is_sandboxed(chat_tokenizer):
+    """A chat template comes with a checkpoint: it is untrusted code, and cannot reach Python's internals."""
+    import jinja2.exceptions
+
+    chat_tokenizer.chat_template = "{{ cycler.__init__.__globals__.os.getpid() }}"
+    try:
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            chat_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    finally:
+        chat_tokenizer.chat_template = chat_tokenizer.config["chat_template"]

@@ -127,6 +127,19 @@ def test_bad_chat_request(server, body, words):
     assert words in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("value, words", [(0, "expected an int"), (65, "over this server's limit"),
+                                          (10**6, "over this server's limit")])
+def test_max_completion_tokens_errors_name_it(server, value, words):
+    """A chat request's max_completion_tokens that cannot run is refused naming that field (message and param), not
+    max_tokens, which the client did not send; max_tokens' own errors name max_tokens."""
+    hi = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = post(server, {**hi, field: value}, "/v1/chat/completions")
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and err["message"].startswith(f"{field}: "), err
+        assert words in err["message"]
+
+
 def test_openai_client_errors(server):
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -296,6 +309,31 @@ def test_queue_full_gives_429(tiny_engine, make_server):
         s.wait_idle()
         assert post(s, ok()).status_code == 200
         assert s.metrics()['k3_requests_rejected_total{reason="queue_full"}'] == 1
+    finally:
+        s.close()
+
+
+def test_a_stopped_engine_shows_in_health_and_metrics(tiny_engine, make_server):
+    """An engine whose step fails answers the request in flight and every later one 503; /health says so, and
+    /metrics shows k3_engine_alive 0 and nothing running or holding pages (not the last step's requests forever)."""
+    s = make_server(tiny_engine, max_tokens_limit=2000)
+    try:
+        assert s.metrics()["k3_engine_alive"] == 1
+        body = ok(prompt="occupy", max_tokens=2000, stream=True, ignore_eos=True)
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:") and s.metrics()["k3_requests_running"] == 1
+
+            def fail():
+                raise RuntimeError("injected step failure")
+
+            s.engine.engine.step = fail
+            assert "injected step failure" in [ln for ln in lines if ln.startswith("data:")][-1]
+        assert s.engine.wait_stopped(10)
+        assert httpx.get(f"{s.url}/health").status_code == 503 and post(s, ok()).status_code == 503
+        m = s.metrics()
+        assert m["k3_engine_alive"] == 0, m
+        assert m["k3_requests_running"] == m["k3_queue_length"] == m["k3_kv_pages_used"] == m["k3_kda_slots_used"] == 0
     finally:
         s.close()
 
