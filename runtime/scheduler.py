@@ -228,6 +228,7 @@ class Scheduler:
         preempted: list[str] = []
 
         i = 0
+        held = False  # a request waits for the pages of requests whose last token is in flight (_waits)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.num_pending and self._ends_by_length(request):
@@ -237,6 +238,9 @@ class Scheduler:
             if n == 0:  # its next position reports a prompt logprob: next step
                 i += 1
                 continue
+            if not items and self._waits(request, n, i):
+                held = True
+                break
             if not self._reserve_pages(request, n, swap_out, preempted):
                 break  # the request preempted itself; every later one already was
             items.append((request.arrival, self._item(request, n)))
@@ -244,7 +248,8 @@ class Scheduler:
             i += 1
 
         # No admissions in a step that had to preempt: the freed room went to older requests.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not preempted and not held and self.waiting and budget > 0 \
+                and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             n = self._chunk(request, budget, rows)
             if n == 0 or not self._admit(request, n, reset, swap_in):
@@ -374,6 +379,14 @@ class Scheduler:
         out, total = request.num_output_tokens + request.num_pending, request.num_tokens + request.num_pending
         max_len = self.config.max_model_len
         return out >= request.params.max_tokens or (max_len is not None and total >= max_len)
+
+    def _waits(self, request: Request, n: int, i: int) -> bool:
+        """Whether running[i], first of the plan, would have to preempt itself for its pages: those are then held by
+        the requests before it, each skipped as its pending token is its last (async scheduling), which free them
+        once that token lands. The engine runs no step for a plan without items, so a swap-out there would never
+        be copied (and a recompute would drop the request's cache for nothing): it waits for the next plan."""
+        need = self.page_pool.pages_needed(request.num_computed_tokens + n) - len(request.page_ids)
+        return i > 0 and need > self.page_pool.num_free + sum(len(r.page_ids) for r in self.running[i + 1:])
 
     def _reserve_pages(self, request: Request, n: int, swap_out: list, preempted: list) -> bool:
         """Give a running request the pages for n more tokens, preempting the newest running requests if short."""

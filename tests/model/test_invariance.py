@@ -136,6 +136,25 @@ def test_async_scheduling_gives_identical_outputs(k3_tiny_engine, alone, mode, m
         assert llm.engine.stats["preemptions"] > 0
 
 
+def test_async_request_short_of_a_page_that_a_last_token_frees(k3_tiny_engine, monkeypatch):
+    """A's second token is its last, so the plan after it skips A; B, halfway through its prefill, needs the page A
+    frees once that token lands. B must not be swapped out in that plan without items (the engine runs no step for
+    it, so the copy never ran and B came back from an unwritten host page): its logits are those of B alone."""
+    rec = _LogitsRecorder(monkeypatch)
+    a, b = [1] + list(range(100, 163)), [1, 40, 97, 311, 5, 260, 18, 77] * 16  # one page, two pages
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    alone = LLM(k3_tiny_engine).generate(b, params)[0]
+    alone_logits = rec.of(alone.request_id, 2)  # before the next engine's ids, which start again, overwrite them
+    llm = LLM(k3_tiny_engine, num_pages=3, max_prefill_chunk=64, preemption_mode="swap", num_host_pages=2,
+              num_host_slots=1, async_scheduling=True)
+    out, ids = run_staggered(llm.engine, [a, b], params, first=1, later_at=1)
+    rid = next(r for r, i in ids.items() if i == 1)
+    assert out[1] == alone.token_ids
+    torch.testing.assert_close(rec.of(rid, 2), alone_logits, rtol=1e-5, atol=1e-5)
+    sched = llm.engine.scheduler
+    assert sched.page_pool.num_used == 0 and sched.host_page_pool.num_used == 0
+
+
 def test_async_scheduling_stops_and_samples_as_sync(k3_tiny_engine):
     """Seeded sampling with EOS, stop ids and max_tokens: async scheduling finds a stop one step late and drops
     the extra token, so outputs and finish reasons equal the synchronous engine's."""

@@ -66,6 +66,8 @@ class FakeExecutor:
 
     def step(self, plan: StepPlan, fed: dict[str, int] | None = None) -> dict[str, int]:
         """The plan's sampled tokens; fed: the previous plan's sampled tokens (PLACEHOLDER inputs take them)."""
+        if plan.is_empty:  # LLMEngine runs no step for a plan without items
+            return {}
         for e in plan.swap_out:
             for d, h in zip(e.page_ids, e.host_page_ids):
                 self.host_pages[h], self.pages[d] = self.pages[d], None
@@ -146,6 +148,8 @@ class FakeExecutor:
 
 def check_plan(plan: StepPlan, sched: Scheduler) -> None:
     cfg = sched.config
+    # the engine runs no step for a plan without items: it may carry no cache edits
+    assert plan.items or not (plan.swap_out or plan.swap_in or plan.reset_slot_ids), "cache edits in an empty plan"
     assert plan.num_batched_tokens == sum(it.num_tokens for it in plan.items) <= cfg.max_num_batched_tokens
     assert len(plan.items) <= cfg.max_num_seqs
     assert len({it.request_id for it in plan.items}) == len(plan.items)

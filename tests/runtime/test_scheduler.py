@@ -370,3 +370,17 @@ def test_async_outputs_match_reference_under_preemption_and_aborts(mode):
                                  abort_rate=0.05, max_model_len=48)
     assert sum(bool(p.preempted_ids) for p in plans) > 5 and len(aborted) > 5
     assert sum(PLACEHOLDER in it.token_ids for p in plans for it in p.items) > 500
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_no_preemption_in_a_plan_without_items(mode):
+    """a's pending token is its last, so the next plan skips it; b, prefilling, is short of a page that a frees when
+    that token lands. The engine runs no step for a plan without items, so preempting b there would lose its swap-out
+    (and, by recompute, its prefill for nothing): b waits for a's page instead."""
+    sched = make(num_pages=3, max_prefill_chunk=4, preemption_mode=mode, num_host_pages=4 if mode == "swap" else 0,
+                 num_host_slots=2 if mode == "swap" else 0, async_scheduling=True)
+    a, b = req("a", 4, max_tokens=2, ignore_eos=True), req("b", 8, max_tokens=3, ignore_eos=True)
+    _, plans = run(sched, {0: [a], 1: [b]})
+    assert_matches_reference([a, b])
+    assert not [p for p in plans if p.is_empty and (p.swap_out or p.preempted_ids)]
+    assert_all_free(sched)
