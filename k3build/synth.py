@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, K3Config, _k3_layer_types, preset, to_hf_wrapper_config
 from .mxfp4 import quantize_mxfp4
-from .output_dir import config_of, exit_on_sigterm, staged_output
+from .output_dir import config_of, exit_on_sigterm, os_error_message, staged_output
 from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, plan_file, pwrite_all, tensor_bytes
 from .schema import PREFIX, checkpoint_tensors
 from .tokenizer import write_tokenizer
@@ -156,6 +156,8 @@ def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, ov
         synth(out, cfg, seed=seed, num_shards=shards, overwrite=overwrite)
     except (ConfigError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # the output's disk filled up or went away meanwhile: the staging dir is gone already
+        raise click.ClickException(os_error_message(Path(out), "be written", e)) from None
     except KeyboardInterrupt:  # Ctrl-C: the staging dir is gone already; say so and exit as build does
         click.echo(f"\nsynth interrupted; {out} was not written", err=True)
         sys.exit(130)

@@ -3,7 +3,8 @@
 For each size: synth a checkpoint (preset `small` with --num-layers/--num-experts overrides), then, in one run:
 evict the source's pages (posix_fadvise DONTNEED after a sync: "cold-ish", the device cache may still hold
 them), time `cp -r` + fsync of the copies, evict again, time `k3build convert` (which fsyncs its output),
-and sample the convert's process tree (parent, forkserver, workers) for peak RSS. Prints JSON lines; deletes everything it wrote.
+and sample the convert's process tree (parent, forkserver, workers) for peak RSS. Prints JSON lines; deletes everything it wrote
+(in a directory of its own under --workdir; what else is there stays).
 
     python tools/bench_convert.py --workdir /tmp/bench --sizes 4x16,4x64 --tp-size 2
 """
@@ -18,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -136,8 +138,11 @@ def main() -> None:
     ap.add_argument("--tp-size", default="2")
     ap.add_argument("--workers", default="1")
     args = ap.parse_args()
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    # the run's files go in a fresh directory of its own under --workdir, which may hold anything else
+    base = Path(args.workdir)
+    made = [] if base.is_dir() else [base, *(p for p in base.parents if not p.exists())]
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="k3_bench_convert-", dir=base))
     print(json.dumps({"bench": "bench_convert", "host": platform.node(), "cpus": os.cpu_count(),
                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "free_disk_gib": round(shutil.disk_usage(work).free / 2**30, 1)}), flush=True)
@@ -148,6 +153,11 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for d in made:  # the directories this run made for --workdir, where nothing else went meanwhile
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
 if __name__ == "__main__":

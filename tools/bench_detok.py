@@ -30,9 +30,9 @@ def _tokenizer(engine: str | None) -> Tokenizer:
     from k3build.config import preset
     from k3build.tokenizer import write_tokenizer
 
-    out = tempfile.mkdtemp(prefix="bench_detok_")
-    write_tokenizer(out, preset("tiny"))
-    return Tokenizer(out)
+    with tempfile.TemporaryDirectory(prefix="bench_detok_") as out:  # Tokenizer reads its files at once
+        write_tokenizer(out, preset("tiny"))
+        return Tokenizer(out)
 
 
 def _median_ms(step, steps: int) -> float:

@@ -57,7 +57,8 @@ def write_synthetic_engine(engine: Path, gib: float, num_ranks: int) -> None:
     count = max(per_rank // nbytes, 1)
     engine.mkdir(parents=True, exist_ok=True)
     ranks = {str(r): {"synthetic": True} for r in range(num_ranks)}
-    (engine / "config.json").write_text(json.dumps({"version": 1, "synthetic_benchmark_engine": True, "ranks": ranks}))
+    (engine / "config.json").write_text(json.dumps({"version": 1, "build_config": {}, "synthetic_benchmark_engine": True,
+                                                           "ranks": ranks}))
     for r in range(num_ranks):
         header = {"__metadata__": {"format": "k3engine", "rank": str(r)}}
         header |= {f"w{i}": {"dtype": "BF16", "shape": list(TENSOR_SHAPE), "data_offsets": [i * nbytes, (i + 1) * nbytes]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import click
 from ..config import ConfigError
 from ..convert import FORMAT as CONVERTED_FORMAT
 from ..mapping import Mapping, MappingError
+from ..output_dir import os_error_message
 from .engine import BuildError, build
 from .options import DTYPES, EXPERT_BACKENDS, TARGETS, BuildOptions
 
@@ -51,6 +53,15 @@ def _tactics(values: tuple[str, ...]) -> tuple[tuple[str, str], ...] | None:
         if v.count("=") != 1 or not all(v.split("=")):
             raise click.BadParameter(f"expected OP=TACTIC (e.g. MoEExperts=triton), got {v!r}", param_hint="--tactic")
     return tuple(tuple(v.split("=")) for v in values) or None
+
+
+def _os_error(e: OSError, converted: str, engine: str) -> str:
+    """One line for an OSError met building: a file of the converted checkpoint that could not be read, or the
+    engine that could not be written (no space left, a file size limit)."""
+    name = e.filename and Path(os.fsdecode(e.filename)).resolve()
+    if name and (name == Path(converted).resolve() or Path(converted).resolve() in name.parents):
+        return f"{e.filename}: cannot read it ({e.strerror or e})"
+    return os_error_message(Path(engine), "be written", e)
 
 
 def _raise_interrupt(signum, frame):
@@ -105,6 +116,8 @@ def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
             raise
     except (BuildError, ConfigError, MappingError, ValueError, KeyError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # the engine's disk filled up (or a file went away) meanwhile: the staging dir is gone already
+        raise click.ClickException(_os_error(e, converted, engine)) from None
     except KeyboardInterrupt:
         click.echo(f"\nbuild interrupted; {engine} was not written", err=True)
         sys.exit(130)
