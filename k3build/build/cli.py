@@ -64,9 +64,12 @@ def _os_error(e: OSError, converted: str, engine: str) -> str:
     return os_error_message(Path(engine), "be written", e)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, unwinding like Ctrl-C so that the staging dir is removed on the way out; the exit is 143."""
+
+
 def _raise_interrupt(signum, frame):
-    # SIGTERM unwinds like Ctrl-C, so the staging dir is removed on the way out.
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 @click.command("build")
@@ -118,9 +121,9 @@ def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
         raise click.ClickException(str(e)) from None
     except OSError as e:  # the engine's disk filled up (or a file went away) meanwhile: the staging dir is gone already
         raise click.ClickException(_os_error(e, converted, engine)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         click.echo(f"\nbuild interrupted; {engine} was not written", err=True)
-        sys.exit(130)
+        sys.exit(128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT))
     finally:
         signal.signal(signal.SIGTERM, previous)
     click.echo(f"engine written to {out}")
