@@ -14,7 +14,7 @@ from ..config import ConfigError
 from ..convert import FORMAT as CONVERTED_FORMAT
 from ..mapping import Mapping, MappingError
 from ..output_dir import os_error_message
-from .engine import BuildError, build
+from .engine import ENGINE_FORMAT_VERSION, BuildError, build
 from .options import DTYPES, EXPERT_BACKENDS, TARGETS, BuildOptions
 
 
@@ -144,6 +144,7 @@ def inspect_cmd(engine, as_json):
     except UnicodeDecodeError as e:
         raise click.ClickException(f"{path}: not a k3build engine config (not UTF-8 text: {e.reason} at byte "
                                    f"{e.start})") from None
+    other = False  # an engine of another format version
     try:
         cfg = json.loads(text)
         if isinstance(cfg, dict) and cfg.get("format") == CONVERTED_FORMAT:
@@ -152,9 +153,14 @@ def inspect_cmd(engine, as_json):
         if isinstance(cfg, dict) and "mapping" not in cfg and "model_type" in cfg:
             raise click.ClickException(f"{engine}: a Hugging Face checkpoint, not an engine; run `k3build convert` "
                                        "on it, then `k3build build` on the result")
+        other = isinstance(cfg, dict) and cfg.get("version", ENGINE_FORMAT_VERSION) != ENGINE_FORMAT_VERSION
+        if other:  # what follows may still read; the runtime will not load it
+            click.echo(f"warning: {path}: engine format v{cfg['version']}, and this k3build reads and writes "
+                       f"v{ENGINE_FORMAT_VERSION}: k3runtime refuses the engine; rebuild it with this k3build", err=True)
         lines, missing = _describe(Path(engine), cfg)
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # ValueError: JSON, UTF-8
-        raise click.ClickException(f"{path}: not a k3build engine config ({type(e).__name__}: {e})") from None
+        why = f"format v{cfg['version']}, not v{ENGINE_FORMAT_VERSION}: " if other else ""
+        raise click.ClickException(f"{path}: not a k3build engine config ({why}{type(e).__name__}: {e})") from None
     click.echo(json.dumps(cfg, indent=1) if as_json else "\n".join(lines))
     if missing:
         raise click.ClickException(f"{engine}: incomplete engine: {'; '.join(missing)}; build it again with "

@@ -91,3 +91,15 @@ def test_truncated_weights_are_reported(engine, tmp_path):
 def test_whole_engine_still_inspects(engine):
     res = _inspect(engine)
     assert res.exit_code == 0 and "rank1: pp=0 tp=1" in res.output and "missing" not in res.output
+
+
+def test_another_format_version_is_named(engine, tmp_path):
+    """An engine of a format this k3build does not read (a newer k3build's): inspect says so, as the runtime refuses
+    it; if the rest cannot be read either, the one line names the version."""
+    eng = _copy(engine, tmp_path)
+    _edit(eng, lambda c: c.update(version=99))
+    res = _inspect(eng)
+    assert res.exit_code == 0 and "engine format v99" in res.output and "k3runtime refuses the engine" in res.output
+    _edit(eng, lambda c: c.pop("stamp"))
+    res = _inspect(eng)
+    assert res.exit_code == 1 and "not a k3build engine config (format v99, not v1: KeyError" in res.output
