@@ -329,6 +329,8 @@ class TritonPythonModel:
             raise ValueError(f"max_tokens: {max_tokens} is over this model's limit of {self.max_tokens_limit}")
         stop_t = pb_utils.get_input_tensor_by_name(request, "stop")
         stop = tuple(_text("stop", s) for s in stop_t.as_numpy().reshape(-1)) if stop_t is not None else ()
+        if stop and self.engine.tokenizer is None:
+            raise ValueError("stop: stop strings need the engine's tokenizer, and it has none; send stop_token_ids")
         seed = _scalar(request, "seed", None, int)
         stop_ids_t = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
         stop_ids = tuple(int(x) for x in stop_ids_t.as_numpy().reshape(-1)) if stop_ids_t is not None else ()
@@ -408,6 +410,9 @@ class TritonPythonModel:
                 self.engine.submit(ids, sp, on_event, request_id=rid)
             except self.EngineDeadError:  # it stopped since execute looked
                 responses[i] = self._unavailable()
+                continue
+            except (ValueError, TypeError) as e:  # refused: this request alone; the batch's others still run
+                responses[i] = _invalid(e)
                 continue
             pending.append((i, request, rid, done, acc))
         while pending:  # until each is done, or cancelled by its client (then aborted: its pages and slot freed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -176,6 +177,10 @@ def triton(tiny_engine, tmp_path_factory):
         with open(dies / "1" / "model.py", "a") as f:
             f.write("\n\nfrom k3runtime.llm_engine import LLMEngine\n\n\ndef _fail(self, *a, **k):\n"
                     "    raise RuntimeError('injected step failure')\n\n\nLLMEngine.step = _fail\n")
+    no_tok = shutil.copytree(tiny_engine, work / "engine_no_tokenizer")  # takes token ids only
+    (no_tok / "tokenizer.json").unlink()
+    for name, decoupled in (("k3_ids_only", False), ("k3_ids_only_stream", True)):
+        write_repo(no_tok, work / "repo", model_name=name, decoupled=decoupled)
     gated = write_repo(tiny_engine, work / "repo", model_name="k3_gated", decoupled=True, max_tokens_limit=1000)
     with open(gated / "1" / "model.py", "a") as f:
         f.write(f"\n\nGATE = {str(work / 'send_gate')!r}\n" + GATED_SEND)
@@ -379,6 +384,38 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
         c.close()
     with pytest.raises(AssertionError, match="max_tokens"):
         _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(text_input="x", max_tokens=-2)])
+
+
+def test_stop_strings_without_a_tokenizer_refuse_that_request_alone(triton, llm):
+    """An engine without a tokenizer cannot match stop strings: a request that sends some is refused (400, naming
+    stop), and the requests sent with it, to the unary or the decoupled model, are answered as usual."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    ref = llm.generate([[3, 14, 15]], SamplingParams(max_tokens=5, temperature=0))[0].token_ids
+    url = f"127.0.0.1:{triton.ports[0]}"
+
+    def one(values):
+        with th.InferenceServerClient(url) as c:
+            try:
+                return c.infer("k3_ids_only", _unary(th, **values)).as_numpy("output_ids")[0].tolist()
+            except InferenceServerException as e:
+                return e
+
+    asks = [dict(input_ids=[3, 14, 15], max_tokens=5, temperature=0.0, stop=["x"])] + \
+        [dict(input_ids=[3, 14, 15], max_tokens=5, temperature=0.0)] * 3
+    with ThreadPoolExecutor(len(asks)) as pool:
+        refused, *answered = pool.map(one, asks)
+    assert isinstance(refused, InferenceServerException) and refused.status() == "400", refused
+    assert "stop: stop strings need the engine's tokenizer" in str(refused)
+    assert answered == [ref] * 3
+    grpc = f"127.0.0.1:{triton.ports[1]}"
+    with pytest.raises(AssertionError, match="stop strings need the engine's tokenizer"):
+        _stream(grpc, "k3_ids_only_stream", [dict(input_ids=[3, 14, 15], max_tokens=5, stop=["x"])])
+    out = _stream(grpc, "k3_ids_only_stream", [dict(input_ids=[3, 14, 15], max_tokens=5, temperature=0.0)])
+    assert [t for res in out[0] for t in _ids(res)] == ref
 
 
 def _unary_counts(c, model="k3_unary"):
