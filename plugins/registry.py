@@ -29,12 +29,16 @@ class Impl:
     host_sync: bool = False  # reads device values on the host each call (.tolist()): no CUDA graph can hold it
 
     def supports(self, target: str, quantization: str = "mxfp4", dtype: str = "bf16") -> tuple[bool, str]:
-        if target not in self.targets:
-            return False, f"{self.op}/{self.tactic} does not run on {target}"
         if self.mxfp4_only and quantization != "mxfp4":
             return False, f"{self.op}/{self.tactic} reads MXFP4 experts; this checkpoint's experts are {quantization!r}"
         if dtype not in self.dtypes:
             return False, f"{self.op}/{self.tactic} takes {'/'.join(self.dtypes)} activations, not {dtype}"
+        return self.runs_on(target)
+
+    def runs_on(self, target: str) -> tuple[bool, str]:
+        """Whether this machine can run it on that target: the target is its, and its package imports."""
+        if target not in self.targets:
+            return False, f"{self.op}/{self.tactic} does not run on {target}"
         if self.needs:
             try:
                 importlib.import_module(self.needs)

@@ -73,11 +73,13 @@ def _nodes_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
     start, stop = info["layers"]
     caches = {kind: sum(types[i] == kind for i in range(start, stop)) for kind in (KDA, MLA)}
     bound = {"", *(vi.name for vi in graph.input)}  # "": an optional input left out
+    shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in graph.input if not _is_data(vi)}
     for node in graph.node:
         why = op_problem(node, plugins, caches)
         unbound = [i for i in node.input if i not in bound]
         if unbound and not why:
             why = f"input {unbound[0]!r} is no graph input nor an earlier node's output"
+        why = why or _cache_problem(node, shapes, cfg)
         if why:
             return f"graph node {node.name!r}: {why}"
         bound.update(node.output)
@@ -101,6 +103,33 @@ def op_problem(node: onnx.NodeProto, plugins: dict, caches: dict[str, int] | Non
         index = attrs.get("cache_index")
         if not (isinstance(index, int) and 0 <= index < caches[kind]):
             return f"cache_index {index!r}: this rank holds {caches[kind]} {kind.upper()} layer cache(s)"
+    return None
+
+
+def _cache_problem(node: onnx.NodeProto, shapes: dict[str, list[int]], cfg: dict) -> str | None:
+    """A KDA or MLA node whose layer does not fit the cache the runtime sizes from config.json's pretrained_config
+    (rank_runner.cache_config): the plugin would refuse its cache at the first step, after the engine had started."""
+    if node.domain != K3_DOMAIN or node.op_type not in _CACHED:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    model, mapping = cfg["pretrained_config"], cfg["mapping"]
+    if node.op_type == "KDA":
+        tp = 1 if mapping["attention_dp"] else mapping["tp_size"]
+        want = (model["kda_num_heads"] // tp, model["kda_head_dim"], model["kda_conv_size"])
+        conv = shapes.get(node.input[2]) if len(node.input) > 2 else None
+        have = (attrs.get("num_heads"), attrs.get("head_dim"), conv[-1] if conv else want[2])
+        if have != want:
+            return (f"{have[0]} heads of {have[1]} with a conv of width {have[2]}, but the KDA cache config.json "
+                    f"sizes holds {want[0]} heads of {want[1]} (pretrained_config.kda_num_heads "
+                    f"{model['kda_num_heads']} over {tp} rank(s), kda_head_dim) and a conv of width {want[2]} "
+                    "(kda_conv_size)")
+        return None
+    norm = shapes.get(node.input[4]) if len(node.input) > 4 else None
+    width = model["kv_lora_rank"] + model["qk_rope_head_dim"]
+    have = (norm[0] if norm else model["kv_lora_rank"]) + attrs.get("qk_rope_head_dim", -1)
+    if have != width:
+        return (f"caches {have} values a token (its kv_a_norm's rank + qk_rope_head_dim), but the MLA cache "
+                f"config.json sizes holds {width} (pretrained_config.kv_lora_rank + qk_rope_head_dim)")
     return None
 
 

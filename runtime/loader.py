@@ -142,6 +142,12 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
         if here != target:
             raise EngineError(f"{path}: engine built for target {target!r} but this device is {here!r}; "
                               f"rebuild with `k3build build --target {here if here in ('cpu', 'sm90', 'gfx942') else '<target>'}`")
+        for op, p in cfg["build_config"]["plugins"].items():  # the table's tactics, found above
+            impl = registry.find(op, p["tactic"])
+            ok, why = impl.runs_on(here)
+            if not ok:
+                raise EngineError(f"{path}: plugin {op}/{p['tactic']} cannot run here ({why}); rebuild with "
+                                  f"`k3build build --target {here}`")
 
 
 def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu",
@@ -165,6 +171,12 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
         model = onnx.load_from_string(data)
     except Exception as e:  # protobuf DecodeError and friends
         raise EngineError(f"{rank_dir}/graph.onnx: not a valid ONNX model ({e}); rebuild the engine") from None
+    build_id = cfg["stamp"].get("build_id")
+    graph_build = next((p.value for p in model.metadata_props if p.key == "build_id"), None)
+    if build_id and graph_build is not None and graph_build != build_id:  # graphs from before it: no check
+        raise EngineError(f"{rank_dir}/graph.onnx: written by another build ({graph_build}) than the engine's "
+                          f"config.json ({build_id}): files of two builds mixed; copy the engine whole again, or "
+                          "rebuild it")
     if why := graph_problem(model, cfg, rank):
         raise EngineError(f"{rank_dir}/graph.onnx: {why}; rebuild the engine with `k3build build` from this "
                           "installation")

@@ -181,6 +181,9 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
               disable=not progress) as wbar:
         writer.close(progress=wbar.update)
     model = graph_mod.build_graph(cfg, mapping, rank, shapes, options.torch_dtype, capacity=options.max_num_tokens)
+    # the build's id in the graph too (as in the weights' header): a graph.onnx of another build is refused by it,
+    # whatever config.json's sha256 record says (engines from before that record have none)
+    onnx.helper.set_model_props(model, {"build_id": build_id})
     onnx.save(model, rank_dir / "graph.onnx")
     return {
         "pp_rank": mapping.pp_rank(rank), "tp_rank": mapping.tp_rank(rank), "layers": [layers.start, layers.stop],

@@ -88,6 +88,22 @@ def test_rank_files_of_another_build(k3_tiny_engine, k3_tiny_ckpt, tmp_path):
     _refused(engine, WEIGHTS, f"written by another build ({ids[1]}) than the engine's config.json ({ids[0]})")
 
 
+def test_graph_of_another_build(k3_tiny_engine, k3_tiny_ckpt, tmp_path):
+    """A graph.onnx of another build, config.json's sha256 record matched to it (engines from before that record
+    have none): refused by the build id the graph holds, not run with the other build's attributes."""
+    import hashlib
+
+    from engines import build_engine
+
+    engine = Path(shutil.copytree(k3_tiny_engine, tmp_path / "engine"))
+    other = build_engine(k3_tiny_ckpt, tmp_path / "other")
+    shutil.copy(other / GRAPH, engine / GRAPH)
+    _edit_config(engine, lambda c: c["ranks"]["0"].update(
+        graph_sha256=hashlib.sha256((engine / GRAPH).read_bytes()).hexdigest()))
+    ids = [json.loads((e / "config.json").read_text())["stamp"]["build_id"] for e in (engine, other)]
+    _refused(engine, GRAPH, f"written by another build ({ids[1]}) than the engine's config.json ({ids[0]})")
+
+
 def _graph_edit(fn):
     def edit(engine: Path) -> None:
         model = onnx.load(engine / GRAPH)
@@ -147,8 +163,18 @@ def test_damaged_graph_is_refused_at_load(engine, damage, words):
     (lambda c: c["pretrained_config"].update(eos_token_id=99999), "in 0..511 (vocab_size) or null, got 99999"),
     (lambda c: c["pretrained_config"].update(vocab_size=100000),
      "'embed': 512 vocabulary rows on each of 1 rank(s), but pretrained_config.vocab_size is 100000"),
+    # a GPU tactic of the registry in a CPU engine's table: Triton's "0 active drivers" traceback at bind before
+    (lambda c: c["build_config"]["plugins"]["MLA"].update(tactic="triton"),
+     "plugin MLA/triton cannot run here (MLA/triton does not run on cpu)"),
+    # the cache is sized from these: a layer that does not fit it failed the engine at its first step, not its load
+    (lambda c: c["pretrained_config"].update(kda_num_heads=2),
+     "graph node 'l0.kda': 4 heads of 32 with a conv of width 4, but the KDA cache config.json sizes holds 2 heads"),
+    (lambda c: c["pretrained_config"].update(kda_conv_size=2), "and a conv of width 2 (kda_conv_size)"),
+    (lambda c: c["pretrained_config"].update(kv_lora_rank=8),
+     "graph node 'l3.mla': caches 40 values a token (its kv_a_norm's rank + qk_rope_head_dim), but the MLA cache "
+     "config.json sizes holds 16"),
 ], ids=["plugin-no-tactic", "plugin-str", "stamp-list", "no-first-stage", "layer-type", "eos-str", "eos-oob",
-        "vocab-size"])
+        "vocab-size", "gpu-tactic", "kda-heads", "kda-conv", "mla-width"])
 def test_edited_config_is_refused_by_its_field(engine, edit, words):
     _edit_config(engine, edit)
     _refused(engine, words)
