@@ -15,7 +15,7 @@ from .llm_engine import LLMEngine, TokenEvent
 from .logprobs import TokenLogprobs
 from .request import Request
 from .sampling_params import SamplingParams
-from .tokenizer import Detokenizer, Tokenizer, load_tokenizer
+from .tokenizer import Detokenizer, Tokenizer, resolve_tokenizer
 
 
 @dataclass
@@ -49,7 +49,8 @@ Prompt = str | list[int]
 
 class LLM:
     """Args: engine_dir: a `k3build build` output; device: "cpu" or "cuda"; tokenizer: for text (None = token ids
-    only; default = the engine dir's, if it has one); other keywords: EngineOptions.
+    only; default = the engine dir's, if it has one; a Tokenizer, or a directory holding tokenizer.json); other
+    keywords: EngineOptions.
 
     generate() and stream() may interleave (a stream paused while generate() runs, several streams): each request's
     events wait in its own mailbox until its caller takes them, while any caller's stepping runs them all. Several
@@ -58,7 +59,7 @@ class LLM:
     def __init__(self, engine_dir: str | Path, *, device: str = "cpu", tokenizer: Tokenizer | None | str = "auto",
                  **options):
         # the tokenizer first: a damaged tokenizer file is refused before any weight is read
-        self.tokenizer = load_tokenizer(engine_dir) if tokenizer == "auto" else tokenizer
+        self.tokenizer = resolve_tokenizer(tokenizer, engine_dir)
         self.engine = LLMEngine(engine_dir, EngineOptions(device=device, **options))
         self._mail: dict[str, deque[TokenEvent]] = {}  # this LLM's running requests' events, not yet taken
         self._lock = threading.RLock()  # around the mailboxes and the engine: callers on several threads

@@ -21,7 +21,7 @@ from .api import StreamChunk
 from .engine_options import EngineOptions
 from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
-from .tokenizer import Detokenizer, Tokenizer, load_tokenizer
+from .tokenizer import Detokenizer, Tokenizer, resolve_tokenizer
 
 # Called on the engine thread: ACCEPTED once the request is queued, then each chunk; or once with the
 # exception that rejected it (or EngineDeadError if the engine stops under it).
@@ -122,11 +122,11 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine | str, options: EngineOptions = EngineOptions(), *,
                  tokenizer: Tokenizer | None | str = "auto", metrics: Metrics | None = None):
         if not isinstance(engine, LLMEngine):
-            if tokenizer == "auto":  # before the weights: a damaged tokenizer file costs no weight reading
-                tokenizer = load_tokenizer(engine)
+            # before the weights: a damaged tokenizer file costs no weight reading
+            tokenizer = resolve_tokenizer(tokenizer, engine)
             engine = LLMEngine(engine, options)
-        elif tokenizer == "auto":  # the dir the engine was loaded from
-            tokenizer = load_tokenizer(engine.runner.engine.engine_dir)
+        else:  # "auto": the dir the engine was loaded from
+            tokenizer = resolve_tokenizer(tokenizer, engine.runner.engine.engine_dir)
         self.engine, self.tokenizer = engine, tokenizer
         self.metrics = metrics or Metrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -33,7 +33,8 @@ class SamplingParams:
             until then their logits are -inf and stop strings are not looked for.
         temperature: 0 = greedy (so is anything under sampler.MIN_TEMPERATURE, 1e-5); above, divides the logits.
         top_p: nucleus mass in (0, 1]; 1 = off.
-        top_k: keep the k most likely tokens (ties at the k-th broken by lower token id); 0 = off.
+        top_k: keep the k most likely tokens (ties at the k-th broken by lower token id); 0 = off (-1 too, as in vLLM
+            and the OpenAI server; stored as 0).
         seed: per-request seed in [0, 2**63); None = a random seed fixed at request creation.
         stop: strings that end generation (matched on detokenized text by the API layer, which needs a
             tokenizer); the text is cut before the first one. With skip_special_tokens a stop string that spells
@@ -86,8 +87,9 @@ class SamplingParams:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k: expected an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k: expected an int >= 0 (0 or -1 = off), got {self.top_k!r}")
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed: expected None or an int in [0, 2**63), got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

@@ -200,6 +200,23 @@ def load_tokenizer(engine_dir: str | os.PathLike) -> Tokenizer | None:
         return None
 
 
+def resolve_tokenizer(tokenizer, engine_dir: str | os.PathLike) -> Tokenizer | None:
+    """The `tokenizer` argument of LLM and AsyncLLMEngine: "auto" (the engine dir's, None when it has none), None,
+    a Tokenizer, or a directory holding tokenizer.json (as vLLM's `tokenizer=path`). Anything else is a ValueError
+    naming the argument: a path string kept as the tokenizer failed later as "unknown encoding" or "no attribute
+    'decode'", and another library's tokenizer object in the middle of a generation (no token_bytes)."""
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        return load_tokenizer(engine_dir)
+    if tokenizer is None or isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if not (Path(tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer: {os.fspath(tokenizer)!r} is not a directory holding tokenizer.json")
+        return Tokenizer(tokenizer)
+    raise ValueError("tokenizer: expected 'auto', None, a k3runtime Tokenizer or a directory holding tokenizer.json, "
+                     f"got {type(tokenizer).__name__}")
+
+
 class IncrementalText:
     """Text of a growing token list, decoding only the last few tokens at each step (vLLM's window).
 

@@ -106,6 +106,30 @@ def test_stop_strings_need_a_tokenizer(k3_tiny_engine):
         LLM(k3_tiny_engine, tokenizer=None).generate([5, 6], SamplingParams(max_tokens=2, stop=["x"]))
 
 
+def test_tokenizer_argument_is_a_directory_or_refused_by_name(k3_tiny_engine, llm, tmp_path):
+    """tokenizer= takes a directory holding tokenizer.json (vLLM's tokenizer=path), read as the engine dir's is; a
+    path without one, or another library's tokenizer object, is a ValueError naming the argument before any weight
+    is read (a path was kept as the tokenizer: "unknown encoding" at the first text prompt, and an object without
+    token_bytes failed inside a generation). AsyncLLMEngine takes the argument alike."""
+    from k3runtime.async_engine import AsyncLLMEngine
+    from k3runtime.tokenizer import Tokenizer
+
+    want = llm.generate(PROMPT, greedy(4))[0]
+    for path in (str(k3_tiny_engine), k3_tiny_engine):
+        got = LLM(k3_tiny_engine, tokenizer=path).generate(PROMPT, greedy(4))[0]
+        assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    for cls in (LLM, AsyncLLMEngine):
+        with pytest.raises(ValueError, match="tokenizer: '.*' is not a directory holding tokenizer.json"):
+            cls(k3_tiny_engine, tokenizer=str(tmp_path))
+        with pytest.raises(ValueError, match="tokenizer: expected 'auto', None, a k3runtime Tokenizer .*got dict"):
+            cls(k3_tiny_engine, tokenizer={"name": "moonshotai/Kimi-K2"})
+    ae = AsyncLLMEngine(k3_tiny_engine, tokenizer=str(k3_tiny_engine))
+    try:
+        assert isinstance(ae.tokenizer, Tokenizer)
+    finally:
+        ae.shutdown()
+
+
 def test_a_failed_step_leaves_the_llm_usable(k3_tiny_engine):
     """A step that raises (a failing kernel, Ctrl-C in a notebook) fails its call; the requests it held re-prefill,
     so another caller's paused stream goes on with the tokens it would have had, and the next call works."""

@@ -27,7 +27,7 @@ def test_defaults_match_the_contract():
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", MAX_TOKENS_LIMIT + 1), ("max_tokens", 2.0),
     ("max_tokens", True), ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "1"),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 1.5), ("seed", -1), ("seed", 1 << 63), ("seed", "7"),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5), ("seed", -1), ("seed", 1 << 63), ("seed", "7"),
     ("stop", ("ok", "")), ("stop", 3), ("stop_token_ids", (1, -2)), ("stop_token_ids", "12"), ("ignore_eos", 1)])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):

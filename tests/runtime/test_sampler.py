@@ -181,3 +181,14 @@ def test_top_p_cut_at_an_exact_mass():
     top_p = torch.tensor([0.5, 0.75, 0.5], dtype=torch.float64)
     want = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
     assert torch.equal(top_p_keep(x, top_p), want)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """vLLM's SamplingParams (and this OpenAI server's top_k) take -1 for "all tokens": the Python API, the Triton
+    model and `generate --top-k` build SamplingParams, which refused it."""
+    assert SamplingParams(temperature=1.0, top_k=-1) == SamplingParams(temperature=1.0, top_k=0)
+    assert SamplingParams(top_k=-1).top_k == 0
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert {sample(logits, [SamplingParams(top_k=-1)], [s], [0])[0] for s in range(300)} == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match=r"top_k: expected an int >= 0 \(0 or -1 = off\), got -2"):
+        SamplingParams(top_k=-2)
