@@ -225,6 +225,9 @@ class K3Config:
             text = dict(d["text_config"])
             if "quantization_config" not in text and "quantization_config" in d:
                 text["quantization_config"] = d["quantization_config"]
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # what transformers generates with
+                if text.get(key) is None and d.get(key) is not None:
+                    text[key] = d[key]
             return _from_hf(text)
         if model_type == "kimi_linear":
             return _from_hf(d)

@@ -28,6 +28,8 @@ import shutil
 import signal
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import click
@@ -155,6 +157,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _run_jobs(tasks: list) -> int:
+    return sum(_run_job(task) for task in tasks)
+
+
 def _execute(tasks: list, context: tuple, workers: int, progress: bool) -> None:
     tasks = sorted(tasks, key=lambda t: -t[0].nbytes)  # big first, so workers finish together
     bar = tqdm(total=sum(t[0].nbytes for t in tasks), unit="B", unit_scale=True, desc="convert",
@@ -166,15 +172,26 @@ def _execute(tasks: list, context: tuple, workers: int, progress: bool) -> None:
                 bar.update(_run_job(task))
             return
         # forkserver: workers start from a clean single-threaded process (fork of a threaded torch can hang).
-        ctx = multiprocessing.get_context("forkserver")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=context)
+        # A process pool that notices a worker that died (the OOM killer's SIGKILL): multiprocessing.Pool starts
+        # another and waits forever for the lost task, and its terminate() then hangs on the dead worker's lock.
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"),
+                                   initializer=_init_worker, initargs=context)
         try:
-            for n in pool.imap_unordered(_run_job, tasks, chunksize=max(1, min(64, len(tasks) // (workers * 8)))):
-                bar.update(n)
-            pool.close()
+            step = max(1, min(64, len(tasks) // (workers * 8)))
+            futures = [pool.submit(_run_jobs, tasks[i:i + step]) for i in range(0, len(tasks), step)]
+            for future in as_completed(futures):
+                bar.update(future.result())
+        except BaseException as e:  # a dead worker, a failed job, Ctrl-C: the jobs still running go too (their
+            # output is being removed anyway); shutdown() alone would wait for them (Python 3.14's terminate_workers)
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+            if isinstance(e, BrokenProcessPool):
+                raise ConvertError(f"a --workers process died mid-conversion (killed by a signal: the OOM killer, "
+                                   f"say); nothing was written; with less memory, pass fewer --workers than "
+                                   f"{workers}") from None
+            raise
         finally:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         bar.close()
         for fd in _STATE.pop("fds", {}).values():

@@ -110,11 +110,17 @@ def _read_headers(path: Path) -> dict[str, TensorInfo]:
         weight_map, files = None, sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise ConvertError(f"{path}: no *.safetensors files and no {INDEX}")
+    # every shard the index names first: a tensor mapped to a missing file is that, not a stray in another shard
+    for fname in files:
+        if not (path / fname).is_file():
+            if weight_map is None:
+                raise ConvertError(f"{path / fname}: not a shard file (a directory, or a symlink to nothing)")
+            name = next(k for k, v in weight_map.items() if v == fname)
+            raise ConvertError(f"{index_file}: lists shard {fname} (for tensor {name}), which does not exist in "
+                               f"{path}")
     tensors: dict[str, TensorInfo] = {}
     for fname in files:
         fpath = path / fname
-        if not fpath.is_file():
-            raise ConvertError(f"{index_file}: lists shard {fname}, which does not exist in {path}")
         try:
             infos, _ = read_header(fpath)
         except SafetensorsError as e:

@@ -1,5 +1,6 @@
 """Launch the decode kernels that hold the rank (MoE gate/up and down, the fused KDA decode; the MLA decode on
-request) a few times each, on the bench shapes, for a profiler to attach to (Nsight Compute, where the machine's runtime lets it read counters):
+request) a few times each, on the bench shapes, for a profiler to attach to (Nsight Compute, where the machine's
+runtime lets it read counters):
 
     python tools/profile_kernels.py                       # once without a profiler: fills Triton's cache
     ncu --clock-control none -k regex:'moe_gate_up|moe_down|kda_decode_fused' --launch-count 3 \

@@ -67,6 +67,16 @@ def test_wrapper_quantization_config_at_top_level():
     assert K3Config.from_dict(d).quantization.method == "none"
 
 
+def test_wrapper_token_ids_at_top_level():
+    # A wrapper that keeps bos/eos/pad at its top level only (transformers generates with those): the engine must
+    # stop on that EOS, not on none.
+    d = copy.deepcopy(K3_WRAPPER)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        d["text_config"].pop(key)
+    cfg = K3Config.from_dict(d)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (163584, 163586, 163839)
+
+
 def test_canonical_form_round_trips(tmp_path):
     for name in ("k3", "tiny"):
         cfg = preset(name)

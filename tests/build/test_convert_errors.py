@@ -94,6 +94,23 @@ def test_truncated_shard(tiny, tmp_path):
     assert str(f) in msg and "truncated" in msg and "tensor language_model." in msg, msg
 
 
+def test_index_naming_a_missing_shard(tiny, tmp_path):
+    """An index that maps a tensor to a shard file that is not there names that file and tensor (it blamed the
+    shard that does hold the tensor, as unlisted there); without an index, a dangling shard link is no index's."""
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"][WQ] = "model-00009-of-00009.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    msg = _run(ckpt, tmp_path / "out")
+    assert f"lists shard model-00009-of-00009.safetensors (for tensor {WQ}), which does not exist" in msg, msg
+    (ckpt / "model.safetensors.index.json").unlink()
+    shard = ckpt / _shard_of(tiny, WQ)
+    shard.unlink()
+    shard.symlink_to(tmp_path / "nowhere")
+    msg = _run(ckpt, tmp_path / "out")
+    assert f"{shard}: not a shard file" in msg and "index.json" not in msg, msg
+
+
 @pytest.mark.parametrize("how", ["garbage_json", "huge_length"])
 def test_corrupt_header(tiny, tmp_path, how):
     ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
@@ -177,6 +194,43 @@ def test_interrupt_cleans_up(tiny, tmp_path, sig, code):
     assert proc.wait(timeout=30) == code
     if sig == signal.SIGINT:
         assert f"convert interrupted; {out} was not written" in proc.stderr.read()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _children(pid):
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _writing(pid):
+    """Whether process pid holds a rank file of a staging dir open (a worker in the middle of its jobs)."""
+    try:
+        return any(".tmp-" in os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def test_a_worker_killed_midway_ends_the_run(tiny, tmp_path):
+    """The OOM killer takes a --workers process mid-job: convert stops with one line and leaves nothing (it waited
+    for the lost job forever, and a SIGTERM then hung in the pool's clean-up)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "k3build.cli", "convert", str(tiny), str(out), "--tp-size", "2", "--workers", "2"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, K3BUILD_CONVERT_TEST_SLEEP="0.05"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, workers = time.time() + 60, []
+        while not (len(workers) == 2 and all(map(_writing, workers))) and time.time() < deadline:
+            time.sleep(0.05)
+            workers = [w for c in _children(proc.pid) for w in _children(c)]  # the forkserver's children
+        assert proc.poll() is None and all(map(_writing, workers)), "no two workers seen writing"
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert "Traceback" not in err and "a --workers process died" in err, err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -516,7 +516,8 @@ def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
     assert _metric(triton, 'k3_engine_alive{model="k3_dies"}', until=lambda v: v == 0) == 0
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
     alive = dict(re.findall(r'^k3_engine_alive\{model="(\w+)"\} (\S+)$', metrics, re.M))
-    assert alive == {"k3": "1", "k3_unary": "1", "k3_gated": "1", "k3_dies": "0", "k3_dies_stream": "0"}, alive
+    assert alive == {"k3": "1", "k3_unary": "1", "k3_gated": "1", "k3_ids_only": "1", "k3_ids_only_stream": "1",
+                     "k3_dies": "0", "k3_dies_stream": "0"}, alive
 
 
 def _final(res) -> bool:
