@@ -139,7 +139,10 @@ class Tokenizer:
         a message's `tool_calls`: Kimi's template tests both), raise_exception, strftime_now and its tojson."""
         if not self.chat_template:
             raise ValueError("the engine's tokenizer has no chat template; use completions instead")
-        special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
+        # a special token as a string, or as transformers writes an AddedToken ({"content": ..., "lstrip": ...})
+        special = {k: v.get("content") if isinstance(v, dict) else v for k, v in self.config.items()
+                   if k.endswith("_token")}
+        special = {k: v for k, v in special.items() if isinstance(v, str)}
         return _chat_env().from_string(self.chat_template).render(
             messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special)
 

@@ -276,3 +276,21 @@ def test_chat_template_is_sandboxed(chat_tokenizer):
             chat_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     finally:
         chat_tokenizer.chat_template = chat_tokenizer.config["chat_template"]
+
+
+def test_chat_template_special_tokens_as_added_token_objects(tmp_path):
+    """tokenizer_config.json may spell bos_token/eos_token as transformers' AddedToken objects ({"content": ...}):
+    the template gets their text, as transformers gives it (they rendered as nothing: no BOS in the prompt)."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, preset("tiny"))
+    conf = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for key in ("bos_token", "eos_token"):
+        conf[key] = {"__type": "AddedToken", "content": conf[key], "lstrip": False, "normalized": False,
+                     "rstrip": False, "single_word": False, "special": True}
+    conf["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    messages = [{"role": "user", "content": "hi"}]
+    got = Tokenizer(tmp_path).apply_chat_template(messages)
+    assert got == "<|bos|>hi<|end_of_msg|>"
+    assert got == AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
