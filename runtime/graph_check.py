@@ -8,7 +8,7 @@ import onnx
 from onnx import helper
 
 from .executor import _COMM_OPS, _K3_STRUCTURE_OPS, _ONNX_OPS
-from .loader import _ONNX_TO_TORCH, KDA, MLA
+from .loader import _ONNX_TO_TORCH, KDA, MLA, ModelFacts, dense_tp
 
 K3_DOMAIN = "k3"
 _CACHED = {"KDA": KDA, "MLA": MLA}  # ops that take their layer's cache, found by their cache_index attribute
@@ -47,7 +47,7 @@ def _inputs_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None
     if not info["first_stage"]:
         fed |= {"hidden_in", *(f"blocks_in.{i}" for i in range(blocks))}
     mapping, vocab = cfg["mapping"], cfg["pretrained_config"]["vocab_size"]
-    dense_tp = 1 if mapping["attention_dp"] else mapping["tp_size"]
+    tp = dense_tp(mapping)
     for vi in graph.input:
         t = vi.type.tensor_type
         if _is_data(vi):
@@ -56,8 +56,8 @@ def _inputs_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None
         elif t.elem_type not in _ONNX_TO_TORCH:
             return (f"graph input {vi.name!r}: element type {_type_name(t.elem_type)} is not one the runtime reads "
                     f"({', '.join(map(_type_name, _ONNX_TO_TORCH))})")
-        elif vi.name in ("embed", "lm_head") and (rows := _rows(t)) * dense_tp != vocab:
-            return (f"graph input {vi.name!r}: {rows} vocabulary rows on each of {dense_tp} rank(s), but "
+        elif vi.name in ("embed", "lm_head") and (rows := _rows(t)) * tp != vocab:
+            return (f"graph input {vi.name!r}: {rows} vocabulary rows on each of {tp} rank(s), but "
                     f"pretrained_config.vocab_size is {vocab}")
     return None
 
@@ -112,20 +112,20 @@ def _cache_problem(node: onnx.NodeProto, shapes: dict[str, list[int]], cfg: dict
     if node.domain != K3_DOMAIN or node.op_type not in _CACHED:
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    model, mapping = cfg["pretrained_config"], cfg["mapping"]
+    model, facts = cfg["pretrained_config"], ModelFacts.from_pretrained_config(cfg["pretrained_config"])
     if node.op_type == "KDA":
-        tp = 1 if mapping["attention_dp"] else mapping["tp_size"]
-        want = (model["kda_num_heads"] // tp, model["kda_head_dim"], model["kda_conv_size"])
+        tp = dense_tp(cfg["mapping"])
+        want = (facts.kda_num_heads // tp, facts.kda_head_dim, facts.kda_conv_size)
         conv = shapes.get(node.input[2]) if len(node.input) > 2 else None
         have = (attrs.get("num_heads"), attrs.get("head_dim"), conv[-1] if conv else want[2])
         if have != want:
             return (f"{have[0]} heads of {have[1]} with a conv of width {have[2]}, but the KDA cache config.json "
                     f"sizes holds {want[0]} heads of {want[1]} (pretrained_config.kda_num_heads "
-                    f"{model['kda_num_heads']} over {tp} rank(s), kda_head_dim) and a conv of width {want[2]} "
+                    f"{facts.kda_num_heads} over {tp} rank(s), kda_head_dim) and a conv of width {want[2]} "
                     "(kda_conv_size)")
         return None
     norm = shapes.get(node.input[4]) if len(node.input) > 4 else None
-    width = model["kv_lora_rank"] + model["qk_rope_head_dim"]
+    width = facts.mla_cache_width
     have = (norm[0] if norm else model["kv_lora_rank"]) + attrs.get("qk_rope_head_dim", -1)
     if have != width:
         return (f"caches {have} values a token (its kv_a_norm's rank + qk_rope_head_dim), but the MLA cache "

@@ -48,6 +48,12 @@ class ModelFacts:
                    bos_token_id=d.get("bos_token_id"), max_position_embeddings=d["max_position_embeddings"])
 
 
+def dense_tp(mapping: dict) -> int:
+    """Ranks a layer's attention heads (and the vocabulary rows) are split over: tp_size, or 1 under attention-DP,
+    whose ranks each hold them whole."""
+    return 1 if mapping["attention_dp"] else mapping["tp_size"]
+
+
 @dataclass
 class RankEngine:
     engine_dir: Path

@@ -19,7 +19,7 @@ from .cuda_graph import DecodeGraphs, bucket_for
 from .executor import FED, Communicator, Executor, StepBatch, feed_tokens
 from .kv_cache import CacheTensors, HostStore
 from .kv_cache.cache_tensors import CacheConfig
-from .loader import KDA, MLA, EngineError, RankEngine
+from .loader import KDA, MLA, EngineError, RankEngine, dense_tp
 from .micro_batch import split
 from .request import PLACEHOLDER
 from .scheduler import ScheduledItem, StepPlan, SwapEntry
@@ -56,8 +56,7 @@ class Step:
 
 def cache_config(engine: RankEngine, *, num_pages: int, num_slots: int) -> CacheConfig:
     facts, build, mapping = engine.facts, engine.build, engine.config["mapping"]
-    tp = 1 if mapping["attention_dp"] else mapping["tp_size"]
-    heads = facts.kda_num_heads // tp
+    heads = facts.kda_num_heads // dense_tp(mapping)
     return CacheConfig(
         num_pages=num_pages, num_slots=num_slots, num_mla_layers=len(engine.local_layers(MLA)),
         mla_width=facts.mla_cache_width, num_kda_layers=len(engine.local_layers(KDA)), kda_num_heads=heads,

@@ -385,12 +385,16 @@ class Scheduler:
         the requests before it, each skipped as its pending token is its last (async scheduling), which free them
         once that token lands. The engine runs no step for a plan without items, so a swap-out there would never
         be copied (and a recompute would drop the request's cache for nothing): it waits for the next plan."""
-        need = self.page_pool.pages_needed(request.num_computed_tokens + n) - len(request.page_ids)
+        need = self._more_pages(request, n)
         return i > 0 and need > self.page_pool.num_free + sum(len(r.page_ids) for r in self.running[i + 1:])
+
+    def _more_pages(self, request: Request, n: int) -> int:
+        """Pages a running request needs beyond its own for n more tokens."""
+        return self.page_pool.pages_needed(request.num_computed_tokens + n) - len(request.page_ids)
 
     def _reserve_pages(self, request: Request, n: int, swap_out: list, preempted: list) -> bool:
         """Give a running request the pages for n more tokens, preempting the newest running requests if short."""
-        need = self.page_pool.pages_needed(request.num_computed_tokens + n) - len(request.page_ids)
+        need = self._more_pages(request, n)
         while need > self.page_pool.num_free:
             victim = self.running.pop()
             self._preempt(victim, swap_out, preempted)

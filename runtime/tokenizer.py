@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -143,12 +144,14 @@ class Tokenizer:
         special = {k: v.get("content") if isinstance(v, dict) else v for k, v in self.config.items()
                    if k.endswith("_token")}
         special = {k: v for k, v in special.items() if isinstance(v, str)}
-        return _chat_env().from_string(self.chat_template).render(
+        return _compiled_chat_template(self.chat_template).render(
             messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special)
 
 
-def _chat_env():
-    """transformers' chat template environment (utils/chat_template_utils.py)."""
+@functools.lru_cache(maxsize=8)
+def _compiled_chat_template(source: str):
+    """A chat template compiled once in transformers' chat template environment (utils/chat_template_utils.py,
+    which caches its compiled templates too): each chat request renders it."""
     import datetime
 
     import jinja2
@@ -163,7 +166,7 @@ def _chat_env():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.datetime.now().strftime(f))
-    return env
+    return env.from_string(source)
 
 
 # encode_chat: the message fields a template renders as text, and the stand-ins for special-token spellings in them

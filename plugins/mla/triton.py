@@ -235,8 +235,9 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     if block_h is None:  # measured on H200: 64 heads x 8 warps for 96 heads, 16 x 4 for 16
         block_h, num_warps = (64, num_warps or 8) if H >= 64 else (16, num_warps or 4)
     num_warps = num_warps or 4
+    nvidia = q_lat.is_cuda and torch.version.hip is None  # the exchange's barrier as PTX
     if exchange is None:
-        exchange = block_h == 64 and num_warps == 8 and q_lat.is_cuda and torch.version.hip is None
+        exchange = block_h == 64 and num_warps == 8 and nvidia
     splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h)
     pps = triton.cdiv(max_pages, splits)
     # the kernel takes row and head strides: a bmm's transposed output or a column slice needs no copy
@@ -256,7 +257,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), kv_cache.stride(0), o_part.stride(0), o_part.stride(1),
         o_part.stride(2), lse.stride(0), lse.stride(1), PAGES_PER_SPLIT=pps, BH=block_h, PAGE_SIZE=PAGE,
         DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages, xp_ptr=xp, xa_ptr=xa, XCHG=exchange,
-        PTX_BAR=exchange and q_lat.is_cuda and torch.version.hip is None,
+        PTX_BAR=exchange and nvidia,
         **pdl(q_lat))
     out = torch.empty(B, H, dl, dtype=q_lat.dtype, device=q_lat.device)
     mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),

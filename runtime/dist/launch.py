@@ -52,6 +52,17 @@ def init_from_env(device: str = "cpu") -> None:
 _PREFLIGHT = "k3/preflight/{}"
 
 
+def _poll(done, timeout_s: float) -> bool:
+    """Whether done() came true within timeout_s, asked every 50 ms: TCPStore.wait holds the GIL, and this rank's
+    heartbeat would stop with it."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def preflight(engine_dir: str) -> None:
     """Every rank reads its engine's config and the ranks compare them (build id, rank count, or the error reading
     it) through the job's store, before any process group is made. The groups come from each rank's config: ranks
@@ -66,13 +77,10 @@ def preflight(engine_dir: str) -> None:
     if store is not None and world > 1:
         store.set(_PREFLIGHT.format(rank), json.dumps(mine))
         keys = [_PREFLIGHT.format(r) for r in range(world)]
-        deadline = time.monotonic() + collective_timeout().total_seconds()
-        while not store.check(keys):  # polled: TCPStore.wait holds the GIL, and the heartbeat would stop with it
-            if time.monotonic() > deadline:
-                late = [r for r, k in enumerate(keys) if not store.check([k])]
-                raise EngineError(f"rank(s) {', '.join(map(str, late))} did not report their engine within "
-                                  f"{collective_timeout().total_seconds():.0f} s (K3_DIST_TIMEOUT_S)")
-            time.sleep(0.05)
+        if not _poll(lambda: store.check(keys), collective_timeout().total_seconds()):
+            late = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise EngineError(f"rank(s) {', '.join(map(str, late))} did not report their engine within "
+                              f"{collective_timeout().total_seconds():.0f} s (K3_DIST_TIMEOUT_S)")
         every = [json.loads(store.get(k)) for k in keys]
     else:
         every = [mine]
@@ -129,16 +137,13 @@ def _wait_for_driver() -> None:
     store = heartbeat._store()
     if store is None:
         return
-    deadline = time.monotonic() + collective_timeout().total_seconds()
-    while not store.check([_DRIVER_OPENS]):  # polled: TCPStore.wait holds the GIL (the heartbeat would stop)
-        if store.check([_DRIVER_ENDED]):
-            error = store.get(_DRIVER_ENDED).decode()
-            if error:
-                raise EngineError(f"rank 0 ended before it opened the engine: {error}")
-            raise SystemExit(0)
-        if time.monotonic() > deadline:
-            return  # the groups' creation times out and names no one; rank 0 may still come
-        time.sleep(0.05)
+    # on a timeout the groups' creation times out and names no one; rank 0 may still come
+    _poll(lambda: store.check([_DRIVER_OPENS]) or store.check([_DRIVER_ENDED]), collective_timeout().total_seconds())
+    if not store.check([_DRIVER_OPENS]) and store.check([_DRIVER_ENDED]):
+        error = store.get(_DRIVER_ENDED).decode()
+        if error:
+            raise EngineError(f"rank 0 ended before it opened the engine: {error}")
+        raise SystemExit(0)
 
 
 def driver_comm(config: dict, device: str, options) -> DistCommunicator:
