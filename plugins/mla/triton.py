@@ -205,7 +205,7 @@ def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                          context_lens: torch.Tensor, *, scale: float, query_seq: torch.Tensor | None = None,
                          num_splits: int | None = None, block_h: int | None = None, num_warps: int | None = None,
-                         num_stages: int = 2, exchange: bool | None = None) -> torch.Tensor:
+                         num_stages: int = 2, exchange: bool | None = None, kernel: str = "triton") -> torch.Tensor:
     """softmax(scale·(q_lat·c_latᵀ + q_pe·k_peᵀ)) · c_lat over each sequence's cached tokens.
 
     Args:
@@ -220,6 +220,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         exchange: the scores reach the values' dot through an L2 scratch, so that each warpgroup computes its
             share of them rather than all of them (Triton's chained dots put both warpgroups on the same 64 rows).
             None: on for 64-head blocks of 8 warps on CUDA (2-3 % faster at 96 heads on an H100).
+        kernel: "triton" (portable) or "gluon" (gluon_sm90: CUDA sm_90, bf16/fp16, 64-head blocks; block_h,
+            num_warps, num_stages and exchange do not apply).
 
     Returns:
         o_lat [B, H, 512] in q_lat.dtype.
@@ -232,7 +234,15 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     if q_pe.shape != (B, H, dr):
         raise ValueError(f"mla_decode_attention: q_pe must be [{B}, {H}, {dr}], got {tuple(q_pe.shape)}")
     max_pages = page_table.shape[1]
-    if block_h is None:  # measured on H200: 64 heads x 8 warps for 96 heads, 16 x 4 for 16
+    if kernel not in ("triton", "gluon"):
+        raise ValueError(f"mla_decode_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
+    if kernel == "gluon":
+        from . import gluon_sm90  # Hopper-only module: imported where used
+        ok, why = gluon_sm90.supports(q_lat, kv_cache)
+        if not ok:
+            raise ValueError(f"mla_decode_attention: {why}")
+        block_h = gluon_sm90.BLOCK_H
+    elif block_h is None:  # measured on H200: 64 heads x 8 warps for 96 heads, 16 x 4 for 16
         block_h, num_warps = (64, num_warps or 8) if H >= 64 else (16, num_warps or 4)
     num_warps = num_warps or 4
     nvidia = q_lat.is_cuda and torch.version.hip is None  # the exchange's barrier as PTX
@@ -248,6 +258,23 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     o_part = torch.empty(B, splits, H, dl, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
     grid = (triton.cdiv(H, block_h), splits, B)
+    if kernel == "gluon":
+        gluon_sm90.launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale, pps)
+    else:
+        _launch_triton(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale, pps, grid,
+                       block_h, num_warps, num_stages, exchange, nvidia)
+    out = torch.empty(B, H, dl, dtype=q_lat.dtype, device=q_lat.device)
+    mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
+                             DL=dl, num_warps=4, **pdl(o_part))
+    return out
+
+
+def _launch_triton(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale, pps, grid, block_h,
+                   num_warps, num_stages, exchange, nvidia):
+    _, H, dl = q_lat.shape
+    dr = kv_cache.shape[2] - dl
+    splits, B = grid[1], grid[2]
     xp = xa = None
     if exchange:  # two buffers a program: a program's next page may start before every warp read this one's
         xp = torch.empty(grid[0] * splits * B * 2, block_h * PAGE, dtype=q_lat.dtype, device=q_lat.device)
@@ -259,11 +286,6 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         DL=dl, DR=dr, num_warps=num_warps, num_stages=num_stages, xp_ptr=xp, xa_ptr=xa, XCHG=exchange,
         PTX_BAR=exchange and nvidia,
         **pdl(q_lat))
-    out = torch.empty(B, H, dl, dtype=q_lat.dtype, device=q_lat.device)
-    mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                             DL=dl, num_warps=4, **pdl(o_part))
-    return out
 
 
 def _token_index(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, page_table: torch.Tensor, T: int):

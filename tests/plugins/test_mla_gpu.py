@@ -42,6 +42,39 @@ def test_mla_decode_matches_definition(H, lens, splits, block_h, num_warps, exch
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
+@pytest.mark.parametrize("H", [64, 96, 128])
+@pytest.mark.parametrize("lens", [[1], [64], [65, 1, 300], [4096, 17, 2000, 128], [8192] * 3], ids=str)
+@pytest.mark.parametrize("splits", [None, 4, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
+    """The sm_90 Gluon kernel (TMA pages, two page buffers): ragged contexts, one token, a last page of one token,
+    more splits than pages (empty slices), a head count that is not a multiple of its 64-head block."""
+    g = torch.Generator(device="cuda").manual_seed(len(lens) * 100 + H)
+    B = len(lens)
+    max_pages = (max(lens) + 63) // 64
+    num_pages = B * max_pages + 3
+    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(dtype)
+    pt = torch.randperm(num_pages, device="cuda", generator=g)[: B * max_pages].view(B, max_pages).int()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
+    qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
+    out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, kernel="gluon")
+    ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
+    assert out.shape == (B, H, 512) and out.dtype == dtype and torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    same = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits)
+    assert ((out.double() - same.double()).norm() / ref.norm()).item() < 1e-2
+
+
+def test_gluon_mla_refuses_what_it_does_not_run():
+    kv = torch.zeros(4, 64, 576 - 256, device="cuda", dtype=torch.float32)
+    q = torch.zeros(1, 64, 256, device="cuda")
+    with pytest.raises(ValueError, match="bf16 or fp16|sm_90"):
+        mla_decode_attention(q, q[..., :64], kv, torch.zeros(1, 4, dtype=torch.int32, device="cuda"),
+                             torch.ones(1, dtype=torch.int32, device="cuda"), scale=1.0, kernel="gluon")
+
+
 @pytest.mark.parametrize("T", [1, 7, 128, 16384])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16_w", "fp32_w"])
 def test_write_cache_equals_the_torch_launches(T, w_dtype):

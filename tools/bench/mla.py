@@ -64,22 +64,27 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
             configs += ([(16, None, 4, 1, False), (16, None, 4, 3, False), (16, None, 8, 2, False)] if H == 16 else
                         [(32, None, 8, 2, False), (32, None, 4, 1, False), (32, None, 4, 3, False),
                          (64, None, 8, 1, False), (16, None, 2, 2, False), (64, 8, 8, 2, True), (64, None, 16, 2, True)])
+        # the sm_90 Gluon kernel (64-head blocks, TMA pages): its split counts
+        runs = [(c, "triton") for c in configs]
+        if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
+            runs += [((64, ns, 8, 2, False), "gluon") for ns in (None, 2, 4, 8)]
         best = None
-        for bh, ns, nw, st, xc in configs:
-            fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc: mla_decode_attention(
+        for (bh, ns, nw, st, xc), kern in runs:
+            fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(
                 ql, qp, kv, pt, lens, scale=SCALE, num_splits=ns, block_h=bh, num_warps=nw, num_stages=st,
-                exchange=xc)
+                exchange=xc, kernel=kern)
             try:
                 t = time_ms(fn, rep=10)
                 err = rel_l2(fn().float(), ref)
             except Exception as exc:
-                emit(bench="mla_config_failed", block_h=bh, num_splits=ns, num_warps=nw, error=repr(exc)[:300])
+                emit(bench="mla_config_failed", kernel=kern, block_h=bh, num_splits=ns, num_warps=nw,
+                     error=repr(exc)[:300])
                 continue
-            emit(bench="mla_config", B=B, L=L, H=H, block_h=bh, num_splits=ns, num_warps=nw, num_stages=st,
-                 exchange=xc, ms=round(t, 4),
+            emit(bench="mla_config", B=B, L=L, H=H, kernel=kern, block_h=bh, num_splits=ns, num_warps=nw,
+                 num_stages=st, exchange=xc, ms=round(t, 4),
                  frac_of_floor=round(floor_ms / t, 3), rel_l2_vs_bmm=err)
             if best is None or t < best[1]:
-                best = ((bh, ns, nw, st, xc), t)
+                best = ((kern, bh, ns, nw, st, xc), t)
         emit(bench="mla", B=B, L=L, H=H, kv_bytes=B * L * 1152, floor_ms=round(floor_ms, 4),
              bmm_ms=round(t_base, 4), bmm_x_floor=round(t_base / floor_ms, 2), best_config=list(best[0]),
              best_ms=round(best[1], 4), frac_of_floor=round(floor_ms / best[1], 3),

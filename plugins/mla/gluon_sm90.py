@@ -1,0 +1,161 @@
+"""Absorbed-MLA paged decode for Hopper (sm_90) in Gluon: the 64-head-block path of `mla_decode_attention`,
+with the same split-K partials and merge as the portable Triton kernel (triton.py).
+
+Why a second kernel: Triton's kernel issues the next page's copy only after this page's math (two stages hold all
+its 72 KB pages beside 72 KB of queries), so load and math barely overlap, and its chained dots put both
+warpgroups on the same 64 scores unless they go through an L2 scratch (BENCHMARKS.md, forty-third session). Here
+the program places its own shared memory: the queries (72 KB), two page buffers filled by TMA (2 x 72 KB) and the
+scores (8 KB); page i+1's copy is issued before page i's math, tracked by an mbarrier a buffer. Each dot's N is
+split over the two warpgroups (warps [4, 2]): the scores' 64 tokens and the values' 512 columns; the row max and
+sum cross the warpgroups through the compiler's reduction scratch, the scores through `p_smem`.
+
+CUDA sm_90 only (TMA, wgmma); ROCm and the interpreter keep the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_H = 64  # heads a program: one 64-row wgmma tile
+WARPS = 8  # two warpgroups, each taking half of every dot's N
+
+
+@gluon.jit
+def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
+                           qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
+                           stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
+                           DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
+    hb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    ctx = gl.load(lens_ptr + b)
+    pt_row = pt_ptr + gl.load(qseq_ptr + b).to(gl.int64) * stride_pb
+    first = split * PAGES_PER_SPLIT
+    n_pages = gl.minimum(gl.cdiv(ctx, PAGE) - first, PAGES_PER_SPLIT)
+
+    # every dot's N split over the two warpgroups; instr N as wide as that half allows
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, PAGE // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, DL // 2, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dt: gl.constexpr = lat_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dt, [BH, DL], lat_desc.layout)
+    qp_smem = gl.allocate_shared_memory(dt, [BH, DR], pe_desc.layout)
+    kl_smem = gl.allocate_shared_memory(dt, [2, PAGE, DL], lat_desc.layout)
+    kp_smem = gl.allocate_shared_memory(dt, [2, PAGE, DR], pe_desc.layout)
+    p_smem = gl.allocate_shared_memory(dt, [BH, PAGE], pe_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(bars.index(j), count=1)
+    nbytes: gl.constexpr = lat_desc.block_type.nbytes + pe_desc.block_type.nbytes
+
+    # page 0's copy first, so that it runs while the queries load
+    has_pages = n_pages > 0
+    page = gl.load(pt_row + first, mask=has_pages, other=0)
+    mbarrier.expect(bars.index(0), nbytes, pred=has_pages)
+    tma.async_copy_global_to_shared(lat_desc, [page * PAGE, 0], bars.index(0), kl_smem.index(0), pred=has_pages)
+    tma.async_copy_global_to_shared(pe_desc, [page * PAGE, 0], bars.index(0), kp_smem.index(0), pred=has_pages)
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+    h_ok = (rh < H)[:, None]
+    rl = gl.arange(0, DL, layout=gl.SliceLayout(0, ld))
+    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
+    q_smem.store(gl.load(q_lat_ptr + b * stride_qb + rh[:, None] * stride_qh + rl[None, :], mask=h_ok, other=0.0))
+    qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
+    fence_async_shared()  # the queries' generic-proxy stores before wgmma's async-proxy reads
+
+    rt = gl.arange(0, PAGE, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([BH], gl.float32, layout=rows_s)
+    acc = gl.zeros([BH, DL], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([BH, PAGE], gl.float32, layout=s_layout)
+    for i in range(n_pages):
+        st = i % 2
+        # every warp is past page i-1's dots: its buffer and p_smem may be written again
+        gl.thread_barrier()
+        more = i + 1 < n_pages
+        nxt = gl.load(pt_row + first + i + 1, mask=more, other=0)
+        mbarrier.expect(bars.index(1 - st), nbytes, pred=more)
+        tma.async_copy_global_to_shared(lat_desc, [nxt * PAGE, 0], bars.index(1 - st), kl_smem.index(1 - st),
+                                        pred=more)
+        tma.async_copy_global_to_shared(pe_desc, [nxt * PAGE, 0], bars.index(1 - st), kp_smem.index(1 - st),
+                                        pred=more)
+        mbarrier.wait(bars.index(st), phase=(i // 2) & 1)
+        kl = kl_smem.index(st)
+        s = warpgroup_mma(q_smem, kl.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(qp_smem, kp_smem.index(st).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        t_ok = (first + i) * PAGE + rt < ctx
+        s = gl.where(t_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p_smem.store(p.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()  # both warpgroups' scores in p_smem before either's values dot reads all of them
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for j in gl.static_range(2):
+        mbarrier.invalidate(bars.index(j))
+
+    # an empty slice (past the context) leaves l_i = 0: weight 0 in the merge, never a NaN
+    safe_l = gl.where(l_i > 0, l_i, 1.0)
+    ro = hb * BH + gl.arange(0, BH, layout=rows_o)
+    co = gl.arange(0, DL, layout=gl.SliceLayout(0, o_layout))
+    o = acc / gl.convert_layout(safe_l, rows_o)[:, None]
+    gl.store(o_ptr + b * stride_ob + split * stride_os + ro[:, None] * stride_oh + co[None, :], o,
+             mask=(ro < H)[:, None])
+    rs = hb * BH + gl.arange(0, BH, layout=rows_s)
+    lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+    gl.store(lse_ptr + b * stride_lb + split * stride_ls + rs, lse, mask=rs < H)
+
+
+def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
+    """bf16/fp16 on a CUDA sm_90 device; K3's widths (latent 256 or 512, rope 64)."""
+    if not (q_lat.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(q_lat.device)[0] == 9):
+        return False, "the Gluon MLA kernel runs on CUDA sm_90 only"
+    dl, dr = q_lat.shape[-1], kv_cache.shape[-1] - q_lat.shape[-1]
+    if dl not in (256, 512) or dr != 64:
+        return False, f"the Gluon MLA kernel takes latent 256 or 512 and rope 64, got {dl} and {dr}"
+    if q_lat.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q_lat.dtype:
+        return False, "the Gluon MLA kernel takes bf16 or fp16 queries and cache"
+    return True, ""
+
+
+def page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of a page's latent [64, dl] and rope [64, dr] parts, over the cache as [pages·64, dl + dr]."""
+    pages, page, width = kv_cache.shape
+    if not kv_cache.is_contiguous():
+        raise ValueError("mla_decode (gluon): the kv cache must be contiguous")
+    rows = kv_cache.view(pages * page, width)
+    dt = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
+    lat = TensorDescriptor(rows, [pages * page, dl], [width, 1], [page, dl],
+                           gl.NVMMASharedLayout.get_default_for([page, dl], dt))
+    pe = TensorDescriptor(rows[:, dl:], [pages * page, width - dl], [width, 1], [page, width - dl],
+                          gl.NVMMASharedLayout.get_default_for([page, width - dl], dt))
+    return lat, pe
+
+
+def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale: float,
+           pages_per_split: int) -> None:
+    """o_part [B, splits, H, dl] fp32 and lse [B, splits, H] (log2) for each 64-head block and split."""
+    B, H, dl = q_lat.shape
+    lat, pe = page_descriptors(kv_cache, dl)
+    grid = (-(-H // BLOCK_H), o_part.shape[1], B)
+    mla_decode_sm90_kernel[grid](
+        q_lat, q_pe, lat, pe, page_table, query_seq, context_lens, o_part, lse, float(scale) * 1.4426950408889634, H,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), o_part.stride(0),
+        o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split, BH=BLOCK_H,
+        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=WARPS)

@@ -1,0 +1,68 @@
+"""The sm_90 Gluon MLA decode kernel compiled on the CPU (Triton ships ptxas and cuobjdump): what its design rests on,
+read from its SASS. Not compiled for gfx942: it is Hopper-only by design (TMA, wgmma); ROCm runs the Triton kernel
+(test_rocm_compile)."""
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import pytest
+
+triton = pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+from k3plugins.mla import gluon_sm90  # noqa: E402
+
+H100_SHARED = 232448  # bytes of shared memory a block may have on sm_90
+
+
+@pytest.fixture(scope="module")
+def sass():
+    from triton.backends import backends
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    fn = gluon_sm90.mla_decode_sm90_kernel
+    lat, pe = gluon_sm90.page_descriptors(torch.zeros(4, 64, 576, dtype=torch.bfloat16), 512)
+    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32")
+    consts = dict(BH=gluon_sm90.BLOCK_H, PAGE=64, DL=512, DR=64, num_warps=gluon_sm90.WARPS)
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = ("constexpr" if name in consts else mangle_type(lat) if name == "lat_desc" else
+                     mangle_type(pe) if name == "pe_desc" else ptrs.get(name, "*i32") if name.endswith("_ptr") else
+                     "fp32" if name == "qk_scale" else "i32")
+    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, {})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=gluon_sm90.WARPS))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        code = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return code, usage, compiled.metadata.shared
+
+
+def test_fits_one_program_an_sm_without_spills(sass):
+    code, usage, shared = sass
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) <= 255
+    assert not re.findall(r"\b(?:STL|LDL)\b", code), "registers spill to local memory"
+    # queries 72 KB + two page buffers 144 KB + scores 8 KB, within a block's limit
+    assert 224 * 1024 <= shared <= H100_SHARED
+
+
+def test_each_warpgroup_computes_its_half_of_the_scores(sass):
+    """Per page and warpgroup: the scores [64 heads, 32 of the 64 tokens] over K = 576 (36 MMAs of k 16), the
+    values [64, 256 of 512 columns] over the page's 64 tokens (4); Triton's kernel without the exchange took 72
+    score MMAs of the same shape (both warpgroups all 64 tokens)."""
+    mmas = Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass[0]))
+    assert mmas == {"64x32x16": 36, "64x256x16": 4}
+
+
+def test_pages_arrive_by_tma(sass):
+    code = sass[0]
+    # the first page's copy and the loop's: latent [64, 512] and rope [64, 64] each (the latent as 64-column boxes)
+    assert len(re.findall(r"\bUTMALDG\b", code)) == 4
+    assert "SYNCS.PHASECHK.TRANS64" in code  # the mbarrier wait on a page's bytes
