@@ -28,6 +28,11 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None  # one a token of token_ids, when SamplingParams.logprobs asked
     # one a token of prompt_token_ids (None for the first), when SamplingParams.prompt_logprobs asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # what ended it with finish_reason "stop", as vLLM's stop_reason: the stop string (str) or the stop_token_ids id
+    # (int); None when it ended on EOS or length (or runs on)
+    stop_reason: int | str | None = None
+    # the sum of its tokens' logprobs (the model's raw ones, as `logprobs`), when SamplingParams.logprobs asked
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class StreamChunk:
     text_offset: int | None = None
     # on a request's first chunk, when SamplingParams.prompt_logprobs asked: one a prompt token (None for the first)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    stop_reason: int | str | None = None  # on the last chunk: CompletionOutput.stop_reason
 
 
 Prompt = str | list[int]
@@ -128,7 +134,9 @@ class LLM:
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         reqs = self._add(prompts, plist)
         outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids, [], None, None,
-                                                  [] if p.logprobs is not None else None) for r, p in zip(reqs, plist)}
+                                                  [] if p.logprobs is not None else None,
+                                                  cumulative_logprob=0.0 if p.logprobs is not None else None)
+                   for r, p in zip(reqs, plist)}
         detoks = {r.request_id: self._detok(p) for r, p in zip(reqs, plist)}
         by_id = {r.request_id: r for r in reqs}
         try:
@@ -137,15 +145,18 @@ class LLM:
                 out.token_ids.append(ev.token_id)
                 if out.logprobs is not None:
                     out.logprobs.append(ev.logprobs)
+                    out.cumulative_logprob += ev.logprobs.logprob
                 if ev.prompt_logprobs is not None:
                     out.prompt_logprobs = list(ev.prompt_logprobs)
                 out.finish_reason = ev.finish_reason or out.finish_reason
+                if ev.finish_reason is not None:
+                    out.stop_reason = by_id[ev.request_id].stop_reason
                 if det is not None:
                     det.push(ev.token_id, final=ev.finish_reason is not None)
                     if det.stopped:  # also on the last token max_tokens allows: its stop string ends the text
                         if ev.finish_reason is None:
                             self._end(by_id[ev.request_id], reason="stop")
-                        out.finish_reason = "stop"
+                        out.finish_reason, out.stop_reason = "stop", det.stop_string
                     out.text = det.text
         finally:  # interrupted (KeyboardInterrupt, a failing step): the requests of this call go
             for req in reqs:
@@ -160,14 +171,15 @@ class LLM:
         det = self._detok(params)
         try:
             for ev in self._events([req]):
-                reason = ev.finish_reason
+                reason, why = ev.finish_reason, req.stop_reason
                 text = det.push(ev.token_id, final=reason is not None) if det else ""
                 if det and det.stopped:
                     if reason is None:
                         self._end(req, reason="stop")
-                    reason = "stop"
+                    reason, why = "stop", det.stop_string
                 offset = det.offset if det is not None else None
-                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, offset, ev.prompt_logprobs)
+                yield StreamChunk(req.request_id, ev.token_id, text, reason, ev.logprobs, offset, ev.prompt_logprobs,
+                                  why if reason is not None else None)
                 if reason is not None:
                     return
         finally:

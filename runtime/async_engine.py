@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from .api import StreamChunk
 from .engine_options import EngineOptions
 from .llm_engine import LLMEngine
+from .request import Request
 from .sampling_params import SamplingParams
 from .tokenizer import Detokenizer, Tokenizer, resolve_tokenizer
 
@@ -78,7 +79,7 @@ def _call(callback: Callback, ev) -> bool:
 class _Live:
     callback: Callback
     detok: Detokenizer | None
-    num_prompt: int
+    request: Request
     submitted: float
     first: float | None = None
     num_out: int = 0
@@ -276,14 +277,14 @@ class AsyncLLMEngine:
                 return
             detok = None if self.tokenizer is None else Detokenizer(self.tokenizer, params.stop, params.min_tokens,
                                                                     params.skip_special_tokens)
-            self._live[rid] = _Live(callback, detok, req.num_prompt_tokens, time.monotonic())
+            self._live[rid] = _Live(callback, detok, req, time.monotonic())
             if not _call(callback, ACCEPTED):
                 self._apply(("abort", rid))
         elif cmd[0] == "abort":
             if cmd[1] in self._live:
                 self.engine.abort(cmd[1])
                 live = self._live.pop(cmd[1])
-                self.metrics.on_finish("abort", live.num_prompt, live.num_out, None)
+                self.metrics.on_finish("abort", live.request.num_prompt_tokens, live.num_out, None)
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -294,14 +295,14 @@ class AsyncLLMEngine:
             live = self._live.get(ev.request_id)
             if live is None:  # aborted while the step ran
                 continue
-            reason = ev.finish_reason
+            reason, why = ev.finish_reason, live.request.stop_reason
             text = ""
             if live.detok is not None:
                 text = live.detok.push(ev.token_id, final=reason is not None)
                 if live.detok.stopped:  # also on the last token max_tokens allows: its stop string ends the text
                     if reason is None:
                         self.engine.finish(ev.request_id, "stop")
-                    reason = "stop"
+                    reason, why = "stop", live.detok.stop_string
             live.num_out += 1
             if live.first is None:
                 live.first = now
@@ -309,10 +310,11 @@ class AsyncLLMEngine:
             if reason is not None:
                 del self._live[ev.request_id]
                 tpot = (now - live.first) / (live.num_out - 1) if live.num_out > 1 else None
-                self.metrics.on_finish(reason, live.num_prompt, live.num_out, tpot)
+                self.metrics.on_finish(reason, live.request.num_prompt_tokens, live.num_out, tpot)
             # A broken consumer (closed event loop, Triton stream gone) cancels only its own request.
             chunk = StreamChunk(ev.request_id, ev.token_id, text, reason, ev.logprobs,
-                                live.detok.offset if live.detok is not None else None, ev.prompt_logprobs)
+                                live.detok.offset if live.detok is not None else None, ev.prompt_logprobs,
+                                why if reason is not None else None)
             if not _call(live.callback, chunk) and reason is None:
                 self._apply(("abort", ev.request_id))
         self.stats = self._snapshot(self.stats.num_steps + 1)

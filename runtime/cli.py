@@ -25,6 +25,8 @@ def main():
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1]; 1 = off.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="In [0, 1]: drop tokens less likely than this times the most likely one; 0 = off.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling draws (none: a random one).")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
@@ -34,8 +36,8 @@ def main():
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one --prompt).")
 @weight_config_option
 @engine_flags
-def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
-                 repetition_penalty, device, stream, distributed_weight_config, **flags):
+def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, min_p, seed, presence_penalty,
+                 frequency_penalty, repetition_penalty, device, stream, distributed_weight_config, **flags):
     """Generate completions for PROMPTs."""
     use_weight_config(distributed_weight_config)
     from .api import LLM
@@ -47,8 +49,8 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, seed, p
     if stream and len(prompts) > 1:
         raise click.UsageError(f"--stream prints one completion as it comes; got {len(prompts)} --prompt")
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                 repetition_penalty=repetition_penalty)
         # the tokenizer and the prompts before the engine loads: what it would refuse costs no weight reading
         config = read_engine_config(engine)

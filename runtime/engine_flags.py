@@ -90,7 +90,7 @@ def given(values: dict) -> dict:
 # fields the commands take as options of the same name besides the engine flags (sampling, the device): named
 # by their option only where an error starts with them ("top_p: expected ..."), as several are plain words too
 COMMAND_FIELDS = ("device", "model_name", "max_prompt_tokens", "max_tokens_limit", "max_tokens", "temperature",
-                  "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+                  "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def as_options(message: str) -> str:

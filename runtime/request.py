@@ -1,7 +1,7 @@
 """One generation request and its bookkeeping (no torch; nano-vllm's `Sequence` in spirit).
 
 The scheduler owns every field below `params`; the API layer creates the request and reads
-`output_token_ids`, `status` and `finish_reason`.
+`output_token_ids`, `status`, `finish_reason` and `stop_reason`.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class Request:
     host_page_ids: list[int] = field(default_factory=list)
     host_slot_id: int | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # the stop_token_ids id that ended it (vLLM's stop_reason); None: EOS, length, abort or a stop string (API layer)
+    stop_reason: int | None = None
     arrival: int = -1  # arrival order, set by Scheduler.add; smaller = older = higher priority
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0

@@ -1,10 +1,10 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, each draw seeded by (request seed, position).
+"""Turn logits into tokens: greedy, temperature, min-p, top-k, top-p, each draw seeded by (request seed, position).
 
 Seeding every draw by the request's seed and the index of the token being sampled makes sampling a pure
 function of the request, so batch composition and preemption-by-recompute cannot change the output.
 
 The whole batch is sampled in one pass of tensor ops on the logits' device, with one device->host copy (the
-token ids) at the end: rows are masked by their own top-k and top-p, then drawn by the Gumbel-max trick,
+token ids) at the end: rows are masked by their own min-p, top-k and top-p, then drawn by the Gumbel-max trick,
 argmax(x + g) over the tokens left (x the tempered logits), where g comes from a counter-based hash of (the row's
 draw seed, the token id). The noise of a row is thus a function of its seed alone, in any batch, and the same
 bits on any device (its logarithms may differ in the last bit between devices). A torch.Generator a row, as
@@ -83,9 +83,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     """Args: logits [M, V] fp32; per row its params, request seed and output-token index. Returns the M token ids,
     int64 on the logits' device, without a sync (async scheduling feeds them to the next step on the device).
 
-    A row keeps its top_k best tokens (0: all; ties at the k-th broken by token id), then the smallest prefix of
-    those, best first (ties by token id), whose probability reaches top_p (the first always stays); its token is
-    argmax(x + g) over them, the lowest id on a tie. Every step is a function of the row alone."""
+    A row keeps the tokens whose probability is at least min_p times its best one's (0: all), of those its top_k
+    best (0: all; ties at the k-th broken by token id), then the smallest prefix of those, best first (ties by token
+    id), whose probability reaches top_p (the first always stays); its token is argmax(x + g) over them, the lowest
+    id on a tie. Every step is a function of the row alone."""
     greedy = logits.argmax(dim=-1)
     hot = [p.temperature >= MIN_TEMPERATURE for p in params]
     if not any(hot):
@@ -94,14 +95,16 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     ks = [min(p.top_k, V) if h else 1 for p, h in zip(params, hot)]  # a greedy row's draw is thrown away
     # the rows' parameters in two uploads from pinned memory: no sync (a pageable copy may wait for the stream);
     # fp64, so that a top_p as small as SamplingParams takes stays above 0
-    floats = to_device([[p.temperature if h else 1.0, p.top_p if h else 1.0] for p, h in zip(params, hot)], dev,
-                       torch.float64)
+    floats = to_device([[p.temperature if h else 1.0, p.top_p if h else 1.0, p.min_p if h else 0.0]
+                        for p, h in zip(params, hot)], dev, torch.float64)
     ints = to_device([[k, h, _draw_seed(s, pos)] for k, h, s, pos in zip(ks, hot, seeds, positions)], dev)
     drawn = []
     for r0 in range(0, len(params), ROWS_PER_PASS):
         r1 = r0 + ROWS_PER_PASS
+        any_min_p = any(p.min_p > 0 and h for p, h in zip(params[r0:r1], hot[r0:r1]))
         rows = _Rows(k=ints[r0:r1, 0], top_p=floats[r0:r1, 1], draw_seeds=ints[r0:r1, 2], kmax=max(ks[r0:r1]),
-                     any_top_k=any(ks[r0:r1]), any_top_p=any(p.top_p < 1.0 for p in params[r0:r1]))
+                     any_top_k=any(ks[r0:r1]), any_top_p=any(p.top_p < 1.0 for p in params[r0:r1]),
+                     min_p=floats[r0:r1, 2] if any_min_p else None)
         x = logits[r0:r1].float() / floats[r0:r1, :1].float()
         # every row with a top-k (greedy rows have 1): from each row's kept tokens only, no sort of the vocabulary
         draw = _draw_top_k if all(ks[r0:r1]) else _draw_full
@@ -113,14 +116,15 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
 
 @dataclass
 class _Rows:
-    """Some rows' sampling parameters on the logits' device (k: top-k, 0 off; top_p: 1.0 off), and what the host
-    knows of them."""
+    """Some rows' sampling parameters on the logits' device (k: top-k, 0 off; top_p: 1.0 off; min_p: 0.0 off, None
+    where no row has one), and what the host knows of them."""
     k: torch.Tensor
     top_p: torch.Tensor
     draw_seeds: torch.Tensor
     kmax: int
     any_top_k: bool
     any_top_p: bool
+    min_p: torch.Tensor | None = None
 
 
 def top_k_mask(x: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
@@ -133,6 +137,15 @@ def top_k_mask(x: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
     room = k - above.sum(-1, keepdim=True)                                       # how many tied ones fit
     keep = above | (tied & (tied.cumsum(-1) <= room))
     return keep | (k == 0)
+
+
+def min_p_keep(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[M, n] bool: the tokens whose probability is at least min_p times the row's most likely one's (tempered
+    logits x [M, n] fp32, -inf for dropped ones; min_p [M] fp64, 0.0 keeps all): p / p_max = exp(x - max x), so
+    x - max x >= log(min_p), compared in fp64, where the difference of two fp32 values is exact. Commutes with
+    top-k (both keep a best-first prefix), so it may come before or after that mask."""
+    top = x.max(dim=-1, keepdim=True).values
+    return x.double() - top.double() >= torch.log(min_p)[:, None]
 
 
 def _top_p_drop(sorted_x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -168,6 +181,8 @@ def best_first(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 def _draw_full(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     """Tokens [M] drawn over the whole vocabulary: argmax(x + Gumbel noise) over each row's kept tokens (Gumbel-max
     needs no normalising: log p differs from x by a constant a row)."""
+    if rows.min_p is not None:
+        x = x.masked_fill(~min_p_keep(x, rows.min_p), float("-inf"))
     if rows.any_top_k:
         x = x.masked_fill(~top_k_mask(x, rows.k, rows.kmax), float("-inf"))
     if rows.any_top_p:
@@ -211,9 +226,11 @@ def _triton(name: str):
 
 def _draw_top_k(x: torch.Tensor, rows: _Rows) -> torch.Tensor:
     """_draw_full's tokens for rows that all have a top-k, from the kmax columns that hold each row's kept ones
-    (the rest -inf): the same kept sets, the same order for top-p, the same noise a token id and the same tie-break,
-    so the same draws, without sorting the vocabulary."""
+    (the rest -inf): the same kept sets (min-p's too), the same order for top-p, the same noise a token id and the
+    same tie-break, so the same draws, without sorting the vocabulary."""
     vals, ids = torch.topk(x.masked_fill(~top_k_mask(x, rows.k, rows.kmax), float("-inf")), rows.kmax, dim=-1)
+    if rows.min_p is not None:  # on the kept ones: min-p commutes with top-k (the row's best is among them)
+        vals = vals.masked_fill(~min_p_keep(vals, rows.min_p), float("-inf"))
     if rows.any_top_p:
         vals, ids = best_first(vals, ids)
         vals = vals.masked_fill(_top_p_drop(vals, rows.top_p), float("-inf"))

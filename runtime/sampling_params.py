@@ -33,6 +33,8 @@ class SamplingParams:
             until then their logits are -inf and stop strings are not looked for.
         temperature: 0 = greedy (so is anything under sampler.MIN_TEMPERATURE, 1e-5); above, divides the logits.
         top_p: nucleus mass in (0, 1]; 1 = off.
+        min_p: in [0, 1]; 0 = off. Tokens whose probability (after temperature) is below min_p times the most
+            likely token's are dropped (vLLM's min_p; as in its V1 sampler, before top-k and top-p).
         top_k: keep the k most likely tokens (ties at the k-th broken by lower token id); 0 = off (-1 too, as in vLLM
             and the OpenAI server; stored as 0).
         seed: per-request seed in [0, 2**63); None = a random seed fixed at request creation.
@@ -55,7 +57,7 @@ class SamplingParams:
             prompt or the output, > 0; 1 = off (CTRL's penalty, as transformers and vLLM apply it).
         logit_bias: {token id: bias in [-100, 100]} added to those logits before anything else (a sequence of
             (id, bias) pairs also works); token ids are checked against the vocabulary when the request is added.
-        The four act before temperature, top-k and top-p, on greedy requests too; logprobs stay the model's raw
+        The four act before temperature, min-p, top-k and top-p, on greedy requests too; logprobs stay the model's raw
         ones. See runtime/penalties.py.
     """
 
@@ -64,6 +66,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -87,6 +90,8 @@ class SamplingParams:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: expected a number in [0, 1] (0 = off), got {self.min_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: expected an int >= 0 (0 or -1 = off), got {self.top_k!r}")
         object.__setattr__(self, "top_k", max(self.top_k, 0))
@@ -120,6 +125,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
 
     @property
     def greedy(self) -> bool:

@@ -299,6 +299,8 @@ class Scheduler:
                 raise ValueError(f"sampled[{it.request_id!r}]: expected a token id >= 0, got {token!r}")
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
+            if reason == "stop" and (request.params.ignore_eos or token != request.eos_token_id):
+                request.stop_reason = token  # a stop id (EOS, also one of them, reports None as in vLLM)
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)

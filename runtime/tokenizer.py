@@ -293,6 +293,7 @@ class Detokenizer:
         # completed a stop string, since the text is cut before the stop string
         self.offset = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that cut the text (the earliest; on a tie the first)
 
     def push(self, token_id: int, final: bool = False) -> str:
         """Add one token; return the newly released text (stop strings cut the text and set `stopped`)."""
@@ -300,10 +301,11 @@ class Detokenizer:
         self._tokens += 1
         text = self._text.text  # whole characters only, unless final
         # Stop strings are looked for only where they could end in the new text; the earliest found cuts.
-        found = [at for s in self.stop if (at := text.find(s, max(0, self._searched - len(s) + 1))) >= 0] \
+        found = [(at, s) for s in self.stop if (at := text.find(s, max(0, self._searched - len(s) + 1))) >= 0] \
             if self._tokens > self.min_tokens else []
         if found:
-            text, self.stopped, final = text[:min(found)], True, True
+            at, self.stop_string = min(found, key=lambda f: f[0])
+            text, self.stopped, final = text[:at], True, True
         self._searched = len(text)
         if not final and self._hold:  # hold back any tail that could begin a stop string
             text = text[:max(len(text) - self._hold, self.released)]

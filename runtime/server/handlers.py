@@ -127,6 +127,7 @@ class Handlers:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
+                min_p=body.min_p or 0.0,
                 seed=body.seed, stop=() if body.stop is None else body.stop, ignore_eos=body.ignore_eos,
                 logprobs=body.wanted_logprobs(), stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens,
                 skip_special_tokens=body.skip_special_tokens, **body.penalties())
@@ -223,11 +224,12 @@ class Handlers:
         finally:
             close()
         if echo and echo.only:  # the generated token is left out
-            outs = [("", [], "length", None if o[3] is None else [], [], o[5]) for o in outs]
+            outs = [("", [], "length", None if o[3] is None else [], [], o[5], None) for o in outs]
         n_out = sum(len(o[1]) for o in outs)
         choices = []
-        for i, (text, tids, reason, lps, starts, prompt_lps) in enumerate(outs):
-            c = {"index": i, "finish_reason": reason, "logprobs": self._logprobs(chat, tids, lps, starts)}
+        for i, (text, tids, reason, lps, starts, prompt_lps, why) in enumerate(outs):
+            c = {"index": i, "finish_reason": reason, "stop_reason": why,
+                 "logprobs": self._logprobs(chat, tids, lps, starts)}
             if echo:
                 said, columns, shift = echo(self.token_text, i, prompt_lps)
                 text = said + text
@@ -284,12 +286,13 @@ class Handlers:
                     said, columns, shifts[i] = echo(self.token_text, i, ch.prompt_logprobs)
                     yield event({"index": i, "text": said, "logprobs": columns, "finish_reason": None})
                 if echo and echo.only:
-                    yield event({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
+                    yield event({"index": i, "text": "", "logprobs": None, "finish_reason": "length",
+                                 "stop_reason": None})
                     continue
                 n_out += 1
                 lps = None if ch.logprobs is None else [ch.logprobs]
                 start = offsets[i].push(ch.token_id, ch.text_offset) + shifts[i]
-                c = {"index": i, "finish_reason": ch.finish_reason,
+                c = {"index": i, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                      "logprobs": self._logprobs(chat, [ch.token_id], lps, [start])}
                 if chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
@@ -339,21 +342,22 @@ def _usage(p: int, c: int) -> dict:
 
 
 async def _collect(stream: RequestStream, offsets: ChoiceOffsets
-                   ) -> tuple[str, list[int], str | None, list | None, list[int], tuple | None]:
+                   ) -> tuple[str, list[int], str | None, list | None, list[int], tuple | None, int | str | None]:
     """A request's text, token ids, finish reason, tokens' logprobs (None when it did not ask), where its tokens
-    start in its text, and its prompt's logprobs (None when it did not ask)."""
-    text, tids, reason, lps, starts, prompt = [], [], None, [], [], None
+    start in its text, its prompt's logprobs (None when it did not ask), and its stop reason (vLLM's: the stop
+    string or stop token id that ended it)."""
+    text, tids, reason, lps, starts, prompt, why = [], [], None, [], [], None, None
     try:
         async for ch in stream:
             prompt = ch.prompt_logprobs if prompt is None else prompt
             text.append(ch.text)
             tids.append(ch.token_id)
-            reason = ch.finish_reason
+            reason, why = ch.finish_reason, ch.stop_reason
             lps.append(ch.logprobs)
             starts.append(offsets.push(ch.token_id, ch.text_offset))
     except EngineDeadError as e:
         raise APIError(503, str(e), type_="server_error") from None
-    return "".join(text), tids, reason, lps if lps and lps[0] is not None else None, starts, prompt
+    return "".join(text), tids, reason, lps if lps and lps[0] is not None else None, starts, prompt, why
 
 
 async def _until_disconnect(request: Request, aw):

@@ -30,6 +30,8 @@ class _Sampling(_Strict):
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: int | None = Field(None, description="Extension: keep the k most likely tokens; 0 or -1 = off.")
+    min_p: Number | None = Field(None, description="Extension (vLLM's): drop the tokens less likely than min_p times "
+                                                   "the most likely one, in [0, 1]; 0 = off.")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -1,7 +1,7 @@
 """Triton Python-backend model serving a k3build engine (copied as `<repo>/<model>/1/model.py`).
 
 Inputs and outputs follow the TensorRT-LLM backend's spirit: `text_input` (or `input_ids`), `max_tokens`,
-`temperature`, `top_p`, `top_k`, `seed`, `stream`, `stop`, `return_log_probs`, `presence_penalty`,
+`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stream`, `stop`, `return_log_probs`, `presence_penalty`,
 `frequency_penalty`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` in
 (no logit bias: TensorRT-LLM's backend takes bias words instead); `text_output`, `output_ids`, `finish_reason`,
 `output_log_probs` (each output token's log-probability, flat; empty unless asked) out. In decoupled mode each
@@ -336,6 +336,7 @@ class TritonPythonModel:
         stop_ids = tuple(int(x) for x in stop_ids_t.as_numpy().reshape(-1)) if stop_ids_t is not None else ()
         sp = self.SamplingParams(max_tokens=max_tokens, temperature=_scalar(request, "temperature", 1.0, float),
                                  top_p=_scalar(request, "top_p", 1.0, float), top_k=_scalar(request, "top_k", 0, int),
+                                 min_p=_scalar(request, "min_p", 0.0, float),
                                  seed=seed, stop=stop,
                                  logprobs=0 if _scalar(request, "return_log_probs", False, bool) else None,
                                  presence_penalty=_scalar(request, "presence_penalty", 0.0, float),

@@ -20,6 +20,7 @@ _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only wh
     ("temperature", "TYPE_FP32", [1]),
     ("top_p", "TYPE_FP32", [1]),
     ("top_k", "TYPE_INT32", [1]),
+    ("min_p", "TYPE_FP32", [1]),
     ("seed", "TYPE_UINT64", [1]),
     ("stream", "TYPE_BOOL", [1]),
     ("stop", "TYPE_STRING", [-1]),

@@ -287,8 +287,8 @@ def test_skip_special_tokens(llm, k3_tiny_engine):
 def test_sampling_options_do_what_they_say(llm):
     ids = llm.tokenizer.encode(PROMPT)
     g = llm.generate(ids, greedy(8))[0].token_ids
-    # top_k=1 and a tiny top_p leave only the argmax, whatever the temperature and seed.
-    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+    # top_k=1, a tiny top_p and min_p=1 leave only the argmax, whatever the temperature and seed.
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
         for seed in (0, 1, 2):
             p = SamplingParams(max_tokens=8, temperature=1.5, seed=seed, ignore_eos=True, **kw)
             assert llm.generate(ids, p)[0].token_ids == g, kw
@@ -297,6 +297,69 @@ def test_sampling_options_do_what_they_say(llm):
     assert len({tuple(h) for h in hot}) > 1  # a high temperature with different seeds differs
     again = llm.generate(ids, SamplingParams(max_tokens=8, temperature=5.0, seed=1, ignore_eos=True))[0].token_ids
     assert again == hot[1]  # the same seed reproduces
+
+
+def test_generate_cli_takes_min_p(llm, k3_tiny_engine):
+    """`k3runtime generate --min-p`: 1 gives the greedy text at a high temperature, 0.75 the Python API's (the tiny
+    model's distribution is nearly flat), and one outside [0, 1] is refused by its option's name."""
+    from click.testing import CliRunner
+
+    from k3runtime.cli import main
+
+    args = ["generate", str(k3_tiny_engine), "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "1.5",
+            "--seed", "1"]
+    hot = SamplingParams(max_tokens=12, temperature=1.5, seed=1)
+    plain, greedy_text = llm.generate(PROMPT, hot)[0].text, llm.generate(PROMPT, greedy(12))[0].text
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=1.5, seed=1, min_p=0.75))[0].text
+    assert plain != want and plain != greedy_text
+    for min_p, text in (("1", greedy_text), ("0.75", want)):
+        res = CliRunner().invoke(main, [*args, "--min-p", min_p])
+        assert res.exit_code == 0 and res.output.splitlines()[1:] == text.splitlines(), (min_p, res.output)
+    bad = CliRunner().invoke(main, [*args, "--min-p", "1.5"])
+    assert bad.exit_code != 0 and "--min-p: expected a number in [0, 1] (0 = off), got 1.5" in bad.output
+
+
+def test_stop_reason_names_the_stop_string_or_id(llm, k3_tiny_engine):
+    """vLLM's stop_reason: the stop string that cut the text (the earliest, whatever its place in the list), the stop
+    id that ended the output (int), None on length and on EOS (also when EOS is one of the stop ids); the last
+    StreamChunk carries it, with async scheduling too."""
+    full = llm.generate(PROMPT, greedy(16))[0]
+    assert (full.finish_reason, full.stop_reason) == ("length", None)
+    early, late = full.text[4:6], full.text[9:11]
+    assert full.text.find(early) == 4 and full.text.find(late) > 6 and early != late, full.text
+    out = llm.generate(PROMPT, greedy(16, stop=(late, early)))[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", early, full.text[:4])
+    assert list(llm.stream(PROMPT, greedy(16, stop=(late, early))))[-1].stop_reason == early
+    stop_id = full.token_ids[3]
+    want = full.token_ids[:full.token_ids.index(stop_id) + 1]
+    fast = LLM(k3_tiny_engine, async_scheduling=True)
+    for engine in (llm, fast):
+        for ignore_eos in (True, False):
+            p = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_id], ignore_eos=ignore_eos)
+            out = engine.generate(PROMPT, p)[0]
+            assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", stop_id, want)
+            assert isinstance(out.stop_reason, int)
+            chunks = list(engine.stream(PROMPT, p))
+            assert [c.stop_reason for c in chunks] == [None] * (len(want) - 1) + [stop_id]
+    eos = llm.engine.eos_token_id
+    for stop_ids in ((), (eos,)):
+        p = SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100}, stop_token_ids=stop_ids)
+        out = llm.generate(PROMPT, p)[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
+        assert list(llm.stream(PROMPT, p))[-1].stop_reason is None
+
+
+def test_cumulative_logprob_sums_the_tokens_logprobs(llm):
+    """cumulative_logprob: the sum of the output tokens' logprobs (the model's log-softmax, checked against
+    .logits), None when logprobs were not asked."""
+    out = llm.generate(PROMPT, greedy(8, logprobs=0))[0]
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs), abs=1e-9)
+    ids = out.prompt_token_ids + out.token_ids
+    rows = torch.log_softmax(llm.logits(ids[:-1]).double(), -1)[len(out.prompt_token_ids) - 1:]
+    assert out.cumulative_logprob == pytest.approx(rows.gather(1, torch.tensor(out.token_ids)[:, None]).sum().item(),
+                                                   abs=1e-4)
+    assert out.cumulative_logprob < 0
+    assert llm.generate(PROMPT, greedy(8))[0].cumulative_logprob is None
 
 
 def test_sampler_top_k_top_p_support():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3runtime.sampler import (_draw_full, _draw_seed, _draw_top_k, _i64, _Rows, _splitmix64, _uniform,
-                               gumbel_noise, sample, top_p_keep)
+                               gumbel_noise, min_p_keep, sample, top_p_keep)
 from k3runtime.sampling_params import SamplingParams
 
 M64 = (1 << 64) - 1
@@ -92,7 +92,12 @@ def test_draws_stay_inside_the_masks_and_cover_them(row):
 
 @pytest.mark.parametrize("kw,want", [({}, [0.4, 0.3, 0.2, 0.1]), ({"top_k": 3}, [4 / 9, 3 / 9, 2 / 9, 0.0]),
                                      ({"top_p": 0.65}, [4 / 7, 3 / 7, 0.0, 0.0]),
-                                     ({"top_k": 3, "top_p": 0.8}, [4 / 9, 3 / 9, 2 / 9, 0.0])], ids=str)
+                                     ({"top_k": 3, "top_p": 0.8}, [4 / 9, 3 / 9, 2 / 9, 0.0]),
+                                     ({"min_p": 0.3}, [4 / 9, 3 / 9, 2 / 9, 0.0]),
+                                     # min-p before top-p (vLLM's V1 order): top-p's mass is of min-p's kept tokens
+                                     # (7/9 >= 0.75 drops the third; top-p first would keep it: 0.7 < 0.75)
+                                     ({"min_p": 0.3, "top_p": 0.75}, [4 / 7, 3 / 7, 0.0, 0.0]),
+                                     ({"min_p": 0.6, "top_k": 3}, [4 / 7, 3 / 7, 0.0, 0.0])], ids=str)
 def test_draws_follow_the_distribution(kw, want):
     """2000 seeds on a four-token distribution, with the temperature applied and the masks renormalised: each
     frequency within 4 standard errors of its probability (0 exactly where masked)."""
@@ -105,9 +110,10 @@ def test_draws_follow_the_distribution(kw, want):
     assert ((counts / n - want).abs() <= 4 * se).all(), counts / n
 
 
-def _rows(ks, top_p, seeds, kmax=None):
+def _rows(ks, top_p, seeds, kmax=None, min_p=None):
     return _Rows(k=torch.tensor(ks), top_p=torch.tensor(top_p, dtype=torch.float64), draw_seeds=torch.tensor(seeds, dtype=torch.int64),
-                 kmax=kmax or max(ks), any_top_k=any(ks), any_top_p=any(t < 1.0 for t in top_p))
+                 kmax=kmax or max(ks), any_top_k=any(ks), any_top_p=any(t < 1.0 for t in top_p),
+                 min_p=None if min_p is None else torch.tensor(min_p, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["fp32", "bf16_ties"])
@@ -123,12 +129,13 @@ def test_top_k_rows_draw_as_the_full_pass_does(ties):
         if ties:
             x = (x * 4).round() / 4  # a few dozen distinct values a row
         top_p = [1.0, 0.5, 0.9, 0.3, 1.0, 0.95] if trial % 2 else [1.0] * M
+        min_p = [0.0, 0.1, 0.0, 0.05, 0.3, 0.01] if trial % 4 > 1 else None
         seeds = [_draw_seed(trial, m) for m in range(M)]
-        full = _draw_full(x, _rows(ks, top_p, seeds))
-        assert torch.equal(_draw_top_k(x, _rows(ks, top_p, seeds)), full), trial
+        full = _draw_full(x, _rows(ks, top_p, seeds, min_p=min_p))
+        assert torch.equal(_draw_top_k(x, _rows(ks, top_p, seeds, min_p=min_p)), full), trial
         small = [min(k, 20) for k in ks]
-        assert torch.equal(_draw_top_k(x, _rows(small, top_p, seeds, kmax=40)),
-                           _draw_full(x, _rows(small, top_p, seeds))), trial
+        assert torch.equal(_draw_top_k(x, _rows(small, top_p, seeds, kmax=40, min_p=min_p)),
+                           _draw_full(x, _rows(small, top_p, seeds, min_p=min_p))), trial
 
 
 def test_top_k_keeps_exactly_k_with_ties_broken_by_id():
@@ -192,3 +199,47 @@ def test_top_k_minus_one_is_off_as_in_vllm():
     assert {sample(logits, [SamplingParams(top_k=-1)], [s], [0])[0] for s in range(300)} == {0, 1, 2, 3}
     with pytest.raises(ValueError, match=r"top_k: expected an int >= 0 \(0 or -1 = off\), got -2"):
         SamplingParams(top_k=-2)
+
+
+def test_min_p_keeps_exactly_the_tokens_at_or_above_min_p_times_the_best():
+    """vLLM's min-p on the tempered distribution: a token whose probability is min_p times the best's, give or take
+    1e-5 of it, is kept or dropped by that side; the draws cover the kept tokens and nothing else, whichever path."""
+    ratio = torch.tensor([1.0, 0.5, 0.2 * (1 + 1e-5), 0.2 * (1 - 1e-5), 0.15, 0.01, 0.2 * (1 + 1e-5)])
+    logits = torch.log(ratio)[None] * 2.0  # temperature 2 undoes the doubling: min-p acts on the tempered ones
+    assert min_p_keep(logits / 2.0, torch.tensor([0.2], dtype=torch.float64)).tolist() == \
+        [[True, True, True, False, False, False, True]]
+    for extra in ({}, {"top_k": 7}):  # the full pass and the k-best one
+        p = SamplingParams(temperature=2.0, min_p=0.2, **extra)
+        assert {sample(logits, [p], [s], [0])[0] for s in range(400)} == {0, 1, 2, 6}, extra
+    assert {sample(logits, [SamplingParams(temperature=2.0)], [s], [0])[0] for s in range(400)} >= {3, 4}
+    # 1.0 keeps the best alone: the greedy token at any temperature; 0 keeps all
+    assert {sample(logits, [SamplingParams(temperature=5.0, min_p=1.0)], [s], [0])[0] for s in range(100)} == {0}
+    assert min_p_keep(logits, torch.tensor([0.0], dtype=torch.float64)).all()
+
+
+def test_min_p_is_per_request_in_a_batch():
+    """Rows of one batch each keep their own min-p's tokens; a row with min_p 0 (or greedy) beside them draws what
+    it draws in a batch without min-p, for every seed."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 40, generator=g) * 2
+    rows = [SamplingParams(temperature=1.0, min_p=0.5), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.8, min_p=0.05), SamplingParams(temperature=0.0, min_p=0.9)]
+    plain = [SamplingParams(temperature=1.0, min_p=0.5), SamplingParams(temperature=1.0)]
+    for r, mp, t in ((0, 0.5, 1.0), (2, 0.05, 0.8)):
+        x = logits[r] / t
+        kept = set(torch.nonzero(torch.softmax(x, -1) >= mp * torch.softmax(x, -1).max()).flatten().tolist())
+        drawn = {sample(logits, rows, [s, s, s, s], [1] * 4)[r] for s in range(300)}
+        assert drawn == kept and len(kept) > 1, (r, drawn, kept)
+    for s in range(100):
+        got = sample(logits, rows, [s] * 4, [1] * 4)
+        assert got[1] == sample(logits[1:2], [SamplingParams(temperature=1.0)], [s], [1])[0]
+        assert got[1] == sample(logits[:2], plain[1:] + plain[1:], [s, s], [1, 1])[1]
+        assert got[3] == int(logits[3].argmax())
+        assert got[0] == sample(logits[:1], plain[:1], [s], [1])[0]
+
+
+def test_min_p_out_of_range_is_refused():
+    assert SamplingParams(min_p=1).min_p == 1.0 and SamplingParams().min_p == 0.0
+    for bad in (-0.1, 1.5, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match=r"min_p: expected a number in \[0, 1\] \(0 = off\), got"):
+            SamplingParams(min_p=bad)

@@ -50,6 +50,9 @@ CASES = [  # (body, status, words the message must contain)
     (ok(temperature="hot"), 400, "temperature"),
     (ok(top_p=0), 400, "top_p"),
     (ok(top_k=-5), 400, "top_k"),
+    (ok(min_p=1.5), 400, "min_p: expected a number in [0, 1] (0 = off), got 1.5"),
+    (ok(min_p=-0.5), 400, "min_p: expected a number in [0, 1]"),
+    (ok(min_p="x"), 400, "min_p"),
     (ok(seed=-3), 400, "seed"),
     (ok(stop=[""]), 400, "stop"),
     (ok(stop=""), 400, "stop"),  # as the Python API refuses it (it was taken as no stop at all)
@@ -242,8 +245,8 @@ def _until(cond, timeout: float = 20.0):
 
 
 @given(st.dictionaries(
-    st.sampled_from(["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                     "n", "echo", "ignore_eos", "logprobs", "stream_options", "presence_penalty",
+    st.sampled_from(["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                     "stream", "n", "echo", "ignore_eos", "logprobs", "stream_options", "presence_penalty",
                      "repetition_penalty", "logit_bias", "extra"]),
     st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
               st.text(max_size=12), st.lists(st.integers(-3, 600), max_size=6),

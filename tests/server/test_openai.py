@@ -304,6 +304,64 @@ def test_seeded_sampling_is_reproducible(client, llm):
     assert a == b == ref and a != c
 
 
+def test_min_p_extension(client, llm):
+    """vLLM's min_p on completions and chat: 1.0 keeps the most likely token alone (the greedy tokens at a high
+    temperature, whatever the seed), another value reaches the engine as the Python API's; outside [0, 1] a 400
+    naming it."""
+    ref = llm.generate(PROMPTS[2], greedy(12))[0].token_ids
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.8)
+    hot = [client.completions.create(seed=s, **kw, extra_body={"return_token_ids": True}).choices[0]
+           .model_extra["token_ids"] for s in range(3)]
+    assert any(h != ref for h in hot)  # without min_p this temperature strays from the greedy tokens
+    for s in range(3):
+        r = client.completions.create(seed=s, **kw, extra_body={"return_token_ids": True, "min_p": 1.0})
+        assert r.choices[0].model_extra["token_ids"] == ref, s
+    # (the tiny model's distribution is nearly flat: a small min_p drops nothing)
+    want = llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=1.8, min_p=0.75, seed=1))[0].token_ids
+    r = client.completions.create(seed=1, **kw, extra_body={"return_token_ids": True, "min_p": 0.75})
+    assert r.choices[0].model_extra["token_ids"] == want and want != hot[1]
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.8, seed=1,
+                                       extra_body={"min_p": 1.0})
+    assert c.choices[0].message.content == llm.generate(prompt, greedy(8))[0].text
+    for bad in (1.5, -0.1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw, extra_body={"min_p": bad})
+        assert e.value.status_code == 400 and e.value.body["param"] == "min_p"
+        assert f"min_p: expected a number in [0, 1] (0 = off), got {bad}" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError, match="min_p"):
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"min_p": bad})
+
+
+def test_stop_reason_as_vllm_returns_it(client, llm):
+    """Each choice's stop_reason (vLLM's field): the stop string, the stop token id, or null (length, EOS); the last
+    streamed chunk's too."""
+    full = llm.generate(PROMPTS[0], greedy(16))[0]
+    stop = full.text[3:5]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    r = client.completions.create(stop=stop, **kw)
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", stop)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [full.token_ids[2]]})
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", full.token_ids[2])
+    r = client.completions.create(**kw)
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("length", None)
+    eos = llm.engine.eos_token_id
+    r = client.completions.create(logit_bias={str(eos): 100}, **kw)
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", None)
+    chunks = [c for c in client.completions.create(stop=stop, stream=True, **kw) if c.choices]
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop]
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    first = llm.generate(prompt, greedy(8))[0].token_ids[1]
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"stop_token_ids": [first]})
+    assert (c.choices[0].finish_reason, c.choices[0].model_extra["stop_reason"]) == ("stop", first)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, extra_body={"stop_token_ids": [first]}))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == first
+
+
 def test_penalties_and_logit_bias_match_python_api(client, llm):
     """OpenAI's presence / frequency penalties and logit_bias, and the repetition_penalty extension, reach the
     engine as the Python API's SamplingParams do (completions and chat, seeded sampling)."""

@@ -38,7 +38,8 @@ def _ports(n=3):
 
 def test_config_pbtxt_shape(tmp_path):
     txt = config_pbtxt("k3", tmp_path, decoupled=True)
-    for name in ["text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop",
+    for name in ["text_input", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
+                 "stop",
                  "return_log_probs", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "text_output",
                  "output_ids",
                  "finish_reason", "output_log_probs"]:
@@ -198,7 +199,8 @@ def _inputs(mod, batched=False, **values):
     """values as the client's InferInputs; batched: with the unary model's batch dimension (of 1)."""
     kinds = {"text_input": ("BYTES", np.object_), "stop": ("BYTES", np.object_), "input_ids": ("INT32", np.int32),
              "max_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32), "temperature": ("FP32", np.float32),
-             "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "stream": ("BOOL", np.bool_),
+             "top_p": ("FP32", np.float32), "min_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64),
+             "stream": ("BOOL", np.bool_),
              "return_log_probs": ("BOOL", np.bool_), "presence_penalty": ("FP32", np.float32),
              "frequency_penalty": ("FP32", np.float32), "repetition_penalty": ("FP32", np.float32),
              "min_tokens": ("INT32", np.int32), "ignore_eos": ("BOOL", np.bool_), "stop_token_ids": ("INT32", np.int32),
@@ -311,6 +313,15 @@ def test_seed_stop_and_penalties_pass_through(triton, llm):
     stops = dict(min_tokens=2, stop_token_ids=[greedy[1], greedy[4]], ignore_eos=True)
     stop_id_ref = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, **stops))[0]
     assert stop_id_ref.token_ids[1] != greedy[1]  # banned under min_tokens
+    # min_p 1.0 keeps the best token alone: the greedy tokens at a high temperature; 0.75 as the Python API's (it
+    # and the temperature exact in fp32; the tiny model's distribution is nearly flat: a small min_p drops nothing)
+    hot = dict(text_input="seeded", max_tokens=10, temperature=1.5, seed=1)
+    greedy_ref = llm.generate("seeded", SamplingParams(max_tokens=10, temperature=0))[0]
+    min_p_ref = llm.generate("seeded", SamplingParams(max_tokens=10, temperature=1.5, seed=1, min_p=0.75))[0]
+    plain = llm.generate("seeded", SamplingParams(max_tokens=10, temperature=1.5, seed=1))[0]
+    assert plain.token_ids != min_p_ref.token_ids and plain.token_ids != greedy_ref.token_ids
+    e, f = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(hot, min_p=1.0), dict(hot, min_p=0.75)])
+    assert _ids(e[0]) == greedy_ref.token_ids and _ids(f[0]) == min_p_ref.token_ids
     a, b, c, d = _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [
         dict(text_input="seeded", max_tokens=10, temperature=1.0, top_k=40, seed=99),
         dict(text_input="Hello world", max_tokens=16, temperature=0.0, stop=[text[3:5]]),
@@ -360,6 +371,7 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
             (dict(input_ids=[1, 2], temperature=-1.0), "temperature"),
             (dict(input_ids=[1, 2], repetition_penalty=0.0), "repetition_penalty"),
             (dict(input_ids=[1, 2], presence_penalty=3.0), "presence_penalty"),
+            (dict(input_ids=[1, 2], min_p=1.5), r"min_p: expected a number in \[0, 1\]"),
             (dict(max_tokens=3), "exactly one"),
             (dict(input_ids=[1, 10**6]), "vocabulary"),
             (dict(input_ids=[1, 2], stream=True), "decoupled"),
