@@ -126,6 +126,9 @@ class K3Config:
             raise ConfigError(f"topk_method: only 'noaux_tc' is supported, got {self.topk_method!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ConfigError(f"first_k_dense_replace: {self.first_k_dense_replace} not in 0..{self.num_hidden_layers}")
+        if self.routed_scaling_factor <= 0:  # (_check_types refused NaN and Inf) it multiplies every expert's output
+            raise ConfigError(f"routed_scaling_factor: expected a finite number > 0, "
+                              f"got {self.routed_scaling_factor!r}")
         if self.moe_layer_freq < 1:
             raise ConfigError(f"moe_layer_freq: expected >= 1, got {self.moe_layer_freq}")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:

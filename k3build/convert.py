@@ -13,7 +13,8 @@ Converted directory format (read by `k3build build`):
   one run), and `k3_slices` = JSON {name: {"shape": full canonical shape, "dim": int|null, "start": int,
   "stop": int}} so any reader can reassemble or check a tensor.
   Float tensors keep the source dtype (A_log is [H]: K3's zero padding is validated and dropped).
-- Tokenizer and generation files of the source, copied unchanged.
+- Tokenizer and generation files of the source, copied unchanged (generation_config.json checked first:
+  generation_config.py).
 The directory appears atomically: it is written in a hidden staging dir next to OUT (output_dir.staged_output),
 fsynced, renamed.
 """
@@ -42,6 +43,7 @@ from .config import K3Config
 from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, open_source, output_config,
                            plan_jobs)
 from .finite import first_nonfinite
+from .generation_config import read_generation_config
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
 from .output_dir import check_output_dir, exit_on_sigterm, os_error_message, staged_output, write_target
@@ -221,6 +223,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
         src = open_source(ckpt_dir)
         check_tokenizer_files(src.path, ConvertError)
         cfg_out = output_config(src, quantize)
+        read_generation_config(src.path, cfg_out.vocab_size, ConvertError)  # copied below; build reads it
         check_mapping(mapping, cfg_out)
         stage.update()
         jobs = plan_jobs(src, cfg_out)

@@ -122,13 +122,18 @@ class LLM:
                 self.engine.finish(req.request_id, reason)
             self._mail.pop(req.request_id, None)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and stream() use without params (vLLM's name): SamplingParams() with the sampling fields
+        of the model's generation_config.json (temperature, top_p, top_k, repetition_penalty), where it has them."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:
         """Run prompts to completion with continuous batching; outputs in prompt order."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                       and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -166,7 +171,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield tokens of one request as they are produced (other requests of this engine keep running)."""
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         req, = self._add([prompt], [params])
         det = self._detok(params)
         try:

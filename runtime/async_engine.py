@@ -152,6 +152,11 @@ class AsyncLLMEngine:
     def vocab_size(self) -> int:
         return self.engine.facts.vocab_size
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """LLMEngine.sampling_defaults: the model's generation_config.json values a request without its own takes."""
+        return self.engine.sampling_defaults
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: Callback,
                request_id: str | None = None) -> str:
         """Queue a request; returns its id at once. Rejections (bad ids, too long) reach `callback` as an exception."""

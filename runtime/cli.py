@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import sys
 
@@ -20,25 +21,29 @@ def main():
 
 @main.command("generate")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt-file", type=click.File("r", encoding="utf-8"), default=None,
+              help='JSONL file of prompts, one {"prompt": "..."} object a line (after any --prompt); - reads stdin.')
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens to generate a prompt, at most.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="In (0, 1]; 1 = off.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--temperature", type=float, default=None,
+              help="0 = greedy. [default: the model's generation_config.json, else 0]")
+@click.option("--top-p", type=float, default=None, help="In (0, 1]; 1 = off. [default: generation_config.json, else 1]")
+@click.option("--top-k", type=int, default=None, help="0 = off. [default: generation_config.json, else 0]")
 @click.option("--min-p", type=float, default=0.0, show_default=True,
               help="In [0, 1]: drop tokens less likely than this times the most likely one; 0 = off.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling draws (none: a random one).")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
+@click.option("--repetition-penalty", type=float, default=None,
+              help="> 0; 1 = off. [default: generation_config.json, else 1]")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda or cuda:N; cpu unless given, whatever the engine's target (an sm90 engine needs cuda).")
-@click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one --prompt).")
+@click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one prompt).")
 @weight_config_option
 @engine_flags
-def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, min_p, seed, presence_penalty,
+def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, top_k, min_p, seed, presence_penalty,
                  frequency_penalty, repetition_penalty, device, stream, distributed_weight_config, **flags):
-    """Generate completions for PROMPTs."""
+    """Generate completions for the --prompt texts and the --prompt-file's."""
     use_weight_config(distributed_weight_config)
     from .api import LLM
     from .engine_options import EngineOptions, cache_sizes, check_prompt
@@ -46,14 +51,20 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, min_p, 
     from .sampling_params import SamplingParams
     from .tokenizer import load_tokenizer
 
+    prompts = list(prompts) + (_read_prompts(prompt_file) if prompt_file is not None else [])
+    if not prompts:
+        raise click.UsageError("no prompts: give --prompt TEXT (repeatable) or --prompt-file FILE (- for stdin)")
     if stream and len(prompts) > 1:
-        raise click.UsageError(f"--stream prints one completion as it comes; got {len(prompts)} --prompt")
+        raise click.UsageError(f"--stream prints one completion as it comes; got {len(prompts)} prompts")
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                repetition_penalty=repetition_penalty)
         # the tokenizer and the prompts before the engine loads: what it would refuse costs no weight reading
         config = read_engine_config(engine)
+        # a flag left out: the model's generation_config.json value (LLMEngine.sampling_defaults), else greedy
+        chosen = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                                   ("repetition_penalty", repetition_penalty)) if v is not None}
+        sampling = {"temperature": 0.0, **(config.get("generation_config") or {}).get("sampling", {}), **chosen}
+        params = SamplingParams(max_tokens=max_tokens, seed=seed, min_p=min_p, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, **sampling)
         tokenizer = load_tokenizer(engine)
         if tokenizer is None:
             raise click.ClickException(f"{engine}: the engine has no tokenizer.json (its checkpoint had none) and "
@@ -75,6 +86,31 @@ def generate_cmd(engine, prompts, max_tokens, temperature, top_p, top_k, min_p, 
     except (EngineError, ValueError) as e:
         # the API's prompt field is this command's --prompt, as tokens
         raise click.ClickException(re.sub(r"^prompt_token_ids:", "--prompt (as tokens):", as_options(str(e)))) from None
+
+
+def _read_prompts(file) -> list[str]:
+    """--prompt-file's prompts: each non-blank line a JSON object whose "prompt" is the text (JSONL, as batch inference
+    files are: a prompt may hold newlines); UsageError naming the file and line of one that is not."""
+    name = "stdin" if file.name == "<stdin>" else file.name
+    prompts = []
+    try:
+        lines = list(file)
+    except UnicodeDecodeError as e:
+        raise click.UsageError(f"--prompt-file {name}: not UTF-8 text ({e})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise click.UsageError(f"--prompt-file {name}:{n}: not valid JSON ({e})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise click.UsageError(f'--prompt-file {name}:{n}: expected an object with a "prompt" string, '
+                                   f"got {line.strip()[:80]}")
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise click.UsageError(f"--prompt-file {name}: no prompts in it")
+    return prompts
 
 
 # (module, command attribute) of commands living beside their code.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .sampling_params import GENERATION_DEFAULTS, SamplingParams
+
 CONVERTED_FORMAT = "k3-converted/"  # the prefix of `k3build convert`'s config.json "format"
 
 
@@ -85,7 +87,8 @@ def check_engine_fields(cfg: dict, path: Path) -> str | None:
                 return f"{path}: {section}.{key}: {why}, got {value.get(key)!r}; {rebuild}"
     model = cfg["pretrained_config"]
     why = _model_problem(model) or _plugins_problem(cfg["build_config"]["plugins"]) or \
-        _ranks_problem(cfg["ranks"], len(model["layer_types"]))
+        _ranks_problem(cfg["ranks"], len(model["layer_types"])) or \
+        _generation_problem(cfg.get("generation_config"), model["vocab_size"])
     return f"{path}: {why}; {rebuild}" if why else None
 
 
@@ -98,6 +101,28 @@ def _model_problem(model: dict) -> str | None:
         value = model.get(key)
         if value is not None and (_wrong(value, _INT0) or value >= vocab):
             return f"pretrained_config.{key}: expected a token id in 0..{vocab - 1} (vocab_size) or null, got {value!r}"
+    return None
+
+
+def _generation_problem(gen, vocab: int) -> str | None:
+    """The generation_config section (k3build/generation_config.py; engines built before it have none): EOS ids
+    inside the vocabulary, sampling defaults that SamplingParams takes."""
+    if gen is None:
+        return None
+    if not isinstance(gen, dict):
+        return f"generation_config: expected a JSON object, got {gen!r}"
+    ids = gen.get("eos_token_ids", [])
+    if not isinstance(ids, list) or any(_wrong(i, _INT0) or i >= vocab for i in ids):
+        return (f"generation_config.eos_token_ids: expected a list of token ids in 0..{vocab - 1} (vocab_size), "
+                f"got {ids!r}")
+    sampling = gen.get("sampling", {})
+    unknown = set(sampling) - set(GENERATION_DEFAULTS) if isinstance(sampling, dict) else None
+    if unknown is None or unknown:
+        return f"generation_config.sampling: expected an object of {', '.join(GENERATION_DEFAULTS)}, got {sampling!r}"
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        return f"generation_config.sampling.{e}"
     return None
 
 

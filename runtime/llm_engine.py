@@ -208,6 +208,12 @@ class LLMEngine:
         self.comm = comm
         if comm is not None:
             comm.opened = True
+        # generation_config.json's, recorded by k3build build (engine_dir checked them): a request stops on every
+        # EOS id, and takes the sampling fields where it gives none (GENERATION_DEFAULTS)
+        generation = config.get("generation_config") or {}
+        eos = {runner.engine.facts.eos_token_id, *generation.get("eos_token_ids", ())} - {None}
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        self.sampling_defaults: dict = dict(generation.get("sampling", {}))
         # held around every exchange with the workers (step, score, shutdown), and by the keep-alive between them
         self._comm_lock = threading.Lock()
         # before the keep-alive starts: its thread reads _broken (can_send) and sets both (on_error) from its first tick
@@ -261,6 +267,7 @@ class LLMEngine:
 
     @property
     def eos_token_id(self) -> int | None:
+        """config.json's EOS id (vLLM's primary one); eos_token_ids has generation_config.json's too."""
         return self.facts.eos_token_id
 
     def _check_ids(self, token_ids: list[int], field: str) -> None:
@@ -280,7 +287,7 @@ class LLMEngine:
         if request_id is not None and request_id in self._owner:  # live on any attention-DP rank
             raise ValueError(f"request_id: {request_id!r} is already live")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
-                      eos_token_id=None if params.ignore_eos else self.eos_token_id)
+                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids)
         # Least-loaded attention-DP rank (the only one without attention-DP).
         sched = min(self.schedulers, key=lambda s: len(s.requests))
         sched.add(req)

@@ -46,13 +46,14 @@ class Request:
         request_id: unique among live requests.
         prompt_token_ids: the prompt, at least one token id >= 0.
         params: sampling and stopping options.
-        eos_token_id: the model's EOS id (None = no EOS stop); set by the API layer from the tokenizer.
+        eos_token_ids: the model's EOS ids (config.json's and generation_config.json's; none = no EOS stop); set
+            by the engine, () under ignore_eos.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose MLA KV and KDA state are in the cache (advanced when a chunk is scheduled).

@@ -17,6 +17,9 @@ SEED_LIMIT = 1 << 63
 MAX_LOGPROBS = 20  # alternatives a token at most (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+# the fields whose defaults an engine takes from its model's generation_config.json (LLMEngine.sampling_defaults):
+# where a request gives none, the API, the servers and `generate` use those, as vLLM's generation_config="auto"
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
 def _is_int(x) -> bool:

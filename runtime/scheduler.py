@@ -299,7 +299,7 @@ class Scheduler:
                 raise ValueError(f"sampled[{it.request_id!r}]: expected a token id >= 0, got {token!r}")
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
-            if reason == "stop" and (request.params.ignore_eos or token != request.eos_token_id):
+            if reason == "stop" and (request.params.ignore_eos or token not in request.eos_token_ids):
                 request.stop_reason = token  # a stop id (EOS, also one of them, reports None as in vLLM)
             if reason is not None:
                 self._finish(request, reason)
@@ -442,7 +442,7 @@ class Scheduler:
     def _stop_reason(self, request: Request, token: int) -> str | None:
         p = request.params
         stops = request.num_output_tokens > p.min_tokens  # (the token is counted): min_tokens were before it
-        if stops and (token in p.stop_token_ids or (not p.ignore_eos and token == request.eos_token_id)):
+        if stops and (token in p.stop_token_ids or (not p.ignore_eos and token in request.eos_token_ids)):
             return "stop"
         if request.num_output_tokens >= p.max_tokens:
             return "length"
@@ -486,7 +486,7 @@ def _banned(request: Request, index: int) -> tuple[int, ...]:
     p = request.params
     if index >= p.min_tokens:
         return ()
-    eos = () if p.ignore_eos or request.eos_token_id is None else (request.eos_token_id,)
+    eos = () if p.ignore_eos else request.eos_token_ids
     return tuple(sorted({*eos, *p.stop_token_ids}))
 
 

@@ -1,6 +1,8 @@
 """`build`: converted checkpoint -> engine dir (DESIGN.md "Engine dir").
 
-ENGINE/config.json  {version, pretrained_config, mapping, build_config, stamp, ranks, memory_plan}
+ENGINE/config.json  {version, pretrained_config, mapping, build_config, stamp, ranks, memory_plan,
+                    generation_config (EOS ids and sampling defaults of generation_config.json, see
+                    k3build/generation_config.py; {} without one)}
 ENGINE/rank{N}/graph.onnx, ENGINE/rank{N}/weights.safetensors, tokenizer files.
 Written into a hidden sibling directory and renamed into place, so an interrupted build leaves no ENGINE dir
 (output_dir.py: a SIGKILLed build's staging dir is removed by the next build).
@@ -25,6 +27,7 @@ from tqdm import tqdm
 from ..config import K3Config
 from ..mapping import Mapping
 from ..finite import first_nonfinite
+from ..generation_config import read_generation_config
 from ..memory import MAX_GIB, GiB, kda_state_bytes, kv_bytes_per_token, plan_memory, size_text
 from ..mxfp4 import MXFP4Error, check_scale
 from ..output_dir import check_output_dir, staged_output
@@ -56,6 +59,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
     check_output_dir(engine_dir, converted_dir, overwrite=overwrite,
                      ours=lambda cfg: "version" in cfg and "build_config" in cfg, what="an engine", error=BuildError)
     _, cfg, mapping = read_converted(converted_dir)
+    generation = read_generation_config(converted_dir, cfg.vocab_size, BuildError)
     if options.max_seq_len > cfg.max_position_embeddings:
         raise BuildError(f"--max-seq-len: {options.max_seq_len} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings}, {converted_dir}/config.json)")
@@ -117,6 +121,7 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             "stamp": {**stamp_for(options.target), "build_id": build_id},
             "ranks": ranks,
             "memory_plan": memory_plan,
+            "generation_config": generation,
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
     return engine_dir

@@ -26,6 +26,15 @@ WARPS = 8  # two warpgroups, each taking half of every dot's N
 
 
 @gluon.jit
+def _copy_page(lat_desc, pe_desc, pt_entry, pred, bar, kl, kp, PAGE: gl.constexpr):
+    """Start the TMA copy of the page the page-table entry names (if pred) into kl / kp, counted on bar."""
+    page = gl.load(pt_entry, mask=pred, other=0)
+    mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(lat_desc, [page * PAGE, 0], bar, kl, pred=pred)
+    tma.async_copy_global_to_shared(pe_desc, [page * PAGE, 0], bar, kp, pred=pred)
+
+
+@gluon.jit
 def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
                            qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
                            stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
@@ -55,14 +64,10 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(2):
         mbarrier.init(bars.index(j), count=1)
-    nbytes: gl.constexpr = lat_desc.block_type.nbytes + pe_desc.block_type.nbytes
 
     # page 0's copy first, so that it runs while the queries load
-    has_pages = n_pages > 0
-    page = gl.load(pt_row + first, mask=has_pages, other=0)
-    mbarrier.expect(bars.index(0), nbytes, pred=has_pages)
-    tma.async_copy_global_to_shared(lat_desc, [page * PAGE, 0], bars.index(0), kl_smem.index(0), pred=has_pages)
-    tma.async_copy_global_to_shared(pe_desc, [page * PAGE, 0], bars.index(0), kp_smem.index(0), pred=has_pages)
+    _copy_page(lat_desc, pe_desc, pt_row + first, n_pages > 0, bars.index(0), kl_smem.index(0), kp_smem.index(0),
+               PAGE)
 
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
@@ -82,13 +87,8 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
         st = i % 2
         # every warp is past page i-1's dots: its buffer and p_smem may be written again
         gl.thread_barrier()
-        more = i + 1 < n_pages
-        nxt = gl.load(pt_row + first + i + 1, mask=more, other=0)
-        mbarrier.expect(bars.index(1 - st), nbytes, pred=more)
-        tma.async_copy_global_to_shared(lat_desc, [nxt * PAGE, 0], bars.index(1 - st), kl_smem.index(1 - st),
-                                        pred=more)
-        tma.async_copy_global_to_shared(pe_desc, [nxt * PAGE, 0], bars.index(1 - st), kp_smem.index(1 - st),
-                                        pred=more)
+        _copy_page(lat_desc, pe_desc, pt_row + first + i + 1, i + 1 < n_pages, bars.index(1 - st),
+                   kl_smem.index(1 - st), kp_smem.index(1 - st), PAGE)
         mbarrier.wait(bars.index(st), phase=(i // 2) & 1)
         kl = kl_smem.index(st)
         s = warpgroup_mma(q_smem, kl.permute((1, 0)), zero_s, use_acc=False, is_async=True)

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from ..sampling_params import SEED_LIMIT, SamplingParams
+from ..sampling_params import GENERATION_DEFAULTS, SEED_LIMIT, SamplingParams
 from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs, echoed_prompt, joined
 from .metrics import PrometheusMetrics
@@ -123,14 +123,18 @@ class Handlers:
                                 f"asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
                                 f"the output): reduce {field} or the prompt", field,
                            "context_length_exceeded")
+        # a field the request leaves out (or null): the model's generation_config.json value, else OpenAI's default
+        given = {k: getattr(body, k) for k in GENERATION_DEFAULTS if getattr(body, k) is not None}
+        sampling = {**self.engine.sampling_defaults, **given}
         try:
             params = SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
-                min_p=body.min_p or 0.0,
-                seed=body.seed, stop=() if body.stop is None else body.stop, ignore_eos=body.ignore_eos,
+                max_tokens=max_tokens, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
+                top_k=sampling.get("top_k", 0), min_p=body.min_p or 0.0, seed=body.seed,
+                stop=() if body.stop is None else body.stop,
+                ignore_eos=body.ignore_eos,
                 logprobs=body.wanted_logprobs(), stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens,
-                skip_special_tokens=body.skip_special_tokens, **body.penalties())
+                skip_special_tokens=body.skip_special_tokens,
+                **{**body.penalties(), "repetition_penalty": sampling.get("repetition_penalty", 1.0)})
         except ValueError as e:
             msg = re.sub(r"^max_tokens\b", field, str(e))
             raise APIError(400, msg, _param(ValueError(msg))) from None

@@ -334,14 +334,18 @@ class TritonPythonModel:
         seed = _scalar(request, "seed", None, int)
         stop_ids_t = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
         stop_ids = tuple(int(x) for x in stop_ids_t.as_numpy().reshape(-1)) if stop_ids_t is not None else ()
-        sp = self.SamplingParams(max_tokens=max_tokens, temperature=_scalar(request, "temperature", 1.0, float),
-                                 top_p=_scalar(request, "top_p", 1.0, float), top_k=_scalar(request, "top_k", 0, int),
+        model = self.engine.sampling_defaults  # the model's generation_config.json, for inputs a request leaves out
+        sp = self.SamplingParams(max_tokens=max_tokens,
+                                 temperature=_scalar(request, "temperature", model.get("temperature", 1.0), float),
+                                 top_p=_scalar(request, "top_p", model.get("top_p", 1.0), float),
+                                 top_k=_scalar(request, "top_k", model.get("top_k", 0), int),
                                  min_p=_scalar(request, "min_p", 0.0, float),
                                  seed=seed, stop=stop,
                                  logprobs=0 if _scalar(request, "return_log_probs", False, bool) else None,
                                  presence_penalty=_scalar(request, "presence_penalty", 0.0, float),
                                  frequency_penalty=_scalar(request, "frequency_penalty", 0.0, float),
-                                 repetition_penalty=_scalar(request, "repetition_penalty", 1.0, float),
+                                 repetition_penalty=_scalar(request, "repetition_penalty",
+                                                            model.get("repetition_penalty", 1.0), float),
                                  min_tokens=_scalar(request, "min_tokens", 0, int), stop_token_ids=stop_ids,
                                  ignore_eos=_scalar(request, "ignore_eos", False, bool),
                                  skip_special_tokens=_scalar(request, "skip_special_tokens", True, bool))

@@ -61,7 +61,9 @@ def multi_engines(k3_tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
 
 def test_config_fields(k3_tiny_engine):
     cfg = _config(k3_tiny_engine)
-    assert set(cfg) == {"version", "pretrained_config", "mapping", "build_config", "stamp", "ranks", "memory_plan"}
+    assert set(cfg) == {"version", "pretrained_config", "mapping", "build_config", "stamp", "ranks", "memory_plan",
+                        "generation_config"}
+    assert cfg["generation_config"] == {}  # the checkpoint has no generation_config.json
     assert cfg["version"] == 1
     assert cfg["pretrained_config"]["num_hidden_layers"] == CFG.num_hidden_layers
     assert cfg["pretrained_config"]["layer_types"] == list(CFG.layer_types)

@@ -4,6 +4,7 @@ no output directory (nor temp dir) left behind; and a kill -9 mid-run followed b
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -148,6 +149,41 @@ def test_tokenizer_files_the_runtime_could_not_load(tiny, tmp_path, name, text, 
     (ckpt / name).write_text(text)
     msg = _run(ckpt, tmp_path / "out")
     assert expect in msg, msg
+
+
+@pytest.mark.parametrize("fields, expect", [
+    ({"eos_token_id": "2"}, "eos_token_id: expected a token id in 0..511 (vocab_size) or a non-empty list of them, "
+                            "got '2'"),
+    ({"eos_token_id": [2, 512]}, "eos_token_id: expected a token id in 0..511 (vocab_size)"),
+    ({"eos_token_id": []}, "eos_token_id: expected a token id in 0..511 (vocab_size) or a non-empty list"),
+    ({"eos_token_id": [2, True]}, "eos_token_id: expected a token id"),
+    ({"temperature": -0.5}, "temperature: expected a finite number >= 0, got -0.5"),
+    ({"temperature": "0.7"}, "temperature: expected a finite number >= 0, got '0.7'"),
+    ({"top_p": 0}, "top_p: expected a number in (0, 1], got 0"),
+    ({"top_p": 1.5}, "top_p: expected a number in (0, 1], got 1.5"),
+    ({"top_k": 2.5}, "top_k: expected an int >= 0 (0 or -1 = off), got 2.5"),
+    ({"repetition_penalty": 0}, "repetition_penalty: expected a finite number > 0 (1 = off), got 0"),
+    ([{"eos_token_id": 2}], "generation_config.json: expected a JSON object, got list"),
+])
+def test_a_generation_config_the_engine_cannot_use(tiny, tmp_path, fields, expect):
+    """Its EOS ids and sampling defaults go into the engine: a value it cannot use is named with the file."""
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    (ckpt / "generation_config.json").write_text(json.dumps(fields))
+    msg = _run(ckpt, tmp_path / "out")
+    where = "" if isinstance(fields, list) else "generation_config.json: "
+    assert f"{ckpt / 'generation_config.json'}: " in msg and where + expect in " ".join(msg.split()), msg
+
+
+@pytest.mark.parametrize("value", [0, -1.5, float("nan"), float("inf")])
+def test_a_routed_scaling_factor_not_above_zero(tiny, tmp_path, value):
+    """It multiplies every routed expert's output: 0 silences them, a negative one flips them."""
+    ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"]["routed_scaling_factor"] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    msg = " ".join(_run(ckpt, tmp_path / "out").split())
+    want = "expected a finite number > 0" if math.isfinite(value) else "expected a finite number"
+    assert f"config.json: routed_scaling_factor: {want}, got {value!r}" in msg, msg
 
 
 def test_a_converted_checkpoint_is_named_as_such(tiny, tmp_path):

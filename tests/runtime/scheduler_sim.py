@@ -46,7 +46,7 @@ def reference(request: Request, max_model_len: int | None = None) -> tuple[list[
         t = next_token(tokens, state, request.sampling_seed, len(out))
         out.append(t)
         tokens.append(t)
-        if t in p.stop_token_ids or (not p.ignore_eos and t == request.eos_token_id):
+        if t in p.stop_token_ids or (not p.ignore_eos and t in request.eos_token_ids):
             return out, "stop"
         if len(out) >= p.max_tokens or (max_model_len is not None and len(tokens) >= max_model_len):
             return out, "length"

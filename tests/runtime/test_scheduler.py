@@ -21,7 +21,7 @@ def make(num_pages=64, num_slots=8, **cfg):
 def req(rid, n_prompt, max_tokens=8, seed=None, **kw):
     rng = random.Random(rid)
     prompt = [rng.randrange(2, VOCAB) for _ in range(n_prompt)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=seed, **kw), eos_token_id=EOS)
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=seed, **kw), eos_token_ids=(EOS,))
 
 
 def assert_matches_reference(requests, max_model_len=None):
@@ -171,7 +171,7 @@ def test_eos_unless_ignored():
 
     seed = next(s for s in range(1000) if EOS in unstopped(s)[:5])
     a = req("a", 3, max_tokens=6, seed=seed)
-    b = Request("b", a.prompt_token_ids, SamplingParams(max_tokens=6, seed=seed, ignore_eos=True), eos_token_id=EOS)
+    b = Request("b", a.prompt_token_ids, SamplingParams(max_tokens=6, seed=seed, ignore_eos=True), eos_token_ids=(EOS,))
     run(make(), {0: [a, b]})
     cut = unstopped(seed).index(EOS) + 1
     assert (a.output_token_ids, a.finish_reason) == (unstopped(seed)[:cut], "stop")

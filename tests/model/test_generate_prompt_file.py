@@ -1,0 +1,67 @@
+"""`k3runtime generate --prompt-file`: prompts from a JSONL file ({"prompt": ...} a line) or from stdin (-), after
+any --prompt, each generated as a --prompt of it would be; a bad line is named by file and line number."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from k3runtime import LLM, SamplingParams
+from k3runtime.cli import main
+
+PROMPTS = ["Hello world", "two\nlines", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def want(k3_tiny_engine):
+    outs = LLM(k3_tiny_engine).generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
+    return [f"--- {p!r} -> {len(o.token_ids)} tokens ({o.finish_reason})\n{o.text}\n" for p, o in zip(PROMPTS, outs)]
+
+
+def _jsonl(prompts) -> str:
+    return "".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts))
+
+
+def test_a_file_of_prompts(k3_tiny_engine, tmp_path, want):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(_jsonl(PROMPTS[1:]) + "\n")  # a blank line is skipped
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "6", "--prompt", PROMPTS[0],
+                                    "--prompt-file", str(path)])
+    assert res.exit_code == 0, res.output
+    assert res.output == "".join(want)
+
+
+def test_prompts_from_stdin(k3_tiny_engine, want):
+    r = subprocess.run([sys.executable, "-c", "from k3runtime.cli import main; main()", "generate",
+                        str(k3_tiny_engine), "--max-tokens", "6", "--prompt-file", "-"],
+                       input=_jsonl(PROMPTS), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "".join(want)
+
+
+@pytest.mark.parametrize("text, expect", [
+    ('{"prompt": "a"}\n{"prompt": "b"\n', "prompts.jsonl:2: not valid JSON"),
+    ('{"prompt": "a"}\n"just text"\n', 'prompts.jsonl:2: expected an object with a "prompt" string, got "just text"'),
+    ('{"text": "a"}\n', 'prompts.jsonl:1: expected an object with a "prompt" string'),
+    ('{"prompt": 5}\n', 'prompts.jsonl:1: expected an object with a "prompt" string'),
+    ("\n\n", "prompts.jsonl: no prompts in it"),
+])
+def test_a_bad_file_is_named_with_its_line(k3_tiny_engine, tmp_path, text, expect):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--prompt-file", str(path)])
+    assert res.exit_code == 2 and expect in res.output, res.output
+
+
+def test_no_prompt_at_all_and_a_missing_file(k3_tiny_engine, tmp_path):
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine)])
+    assert res.exit_code == 2 and "no prompts: give --prompt TEXT" in res.output, res.output
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--prompt-file", str(tmp_path / "none.jsonl")])
+    assert res.exit_code == 2 and "none.jsonl" in res.output and "No such file" in res.output, res.output
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--stream", "--prompt-file", "-"],
+                             input=_jsonl(PROMPTS[:2]))
+    assert res.exit_code == 2 and "--stream prints one completion as it comes; got 2 prompts" in res.output

@@ -1,0 +1,104 @@
+"""A checkpoint's generation_config.json reaches the engine: every EOS id it lists ends an output (as vLLM adds them
+to the stop ids), and its sampling fields are the defaults of the API, `k3runtime generate` and the server where a
+request gives none (vLLM's generation_config="auto")."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from engines import build_engine
+from k3runtime import LLM, SamplingParams
+
+# the tiny model's greedy tokens (ignore_eos) for these prompts start 299, 460, 392 and 157, 95, 268, ..., 151, 151;
+# with repetition_penalty 1.3 the second's tenth token is another (a penalty the defaults must bring)
+HELLO, FOX = "Hello world", "The quick brown fox"
+SECOND_EOS = 392
+GENERATION = {"eos_token_id": [2, SECOND_EOS], "do_sample": True, "temperature": 0.0, "top_p": 0.9, "top_k": 5,
+              "repetition_penalty": 1.3, "max_new_tokens": 3}
+PENALIZED = {"temperature": 0.0, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.3}
+
+
+@pytest.fixture(scope="module")
+def gen_engine(k3_tiny_ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gencfg")
+    ckpt = shutil.copytree(k3_tiny_ckpt, root / "ckpt")
+    (ckpt / "generation_config.json").write_text(json.dumps(GENERATION))
+    return build_engine(ckpt, root / "engine")
+
+
+@pytest.fixture(scope="module")
+def gen_llm(gen_engine):
+    return LLM(gen_engine)
+
+
+@pytest.fixture(scope="module")
+def plain_llm(k3_tiny_engine):
+    return LLM(k3_tiny_engine)
+
+
+def test_build_records_the_file(gen_engine):
+    config = json.loads((gen_engine / "config.json").read_text())
+    assert config["generation_config"] == {"eos_token_ids": [2, SECOND_EOS], "sampling": PENALIZED}
+    assert json.loads((gen_engine / "generation_config.json").read_text()) == GENERATION  # copied too
+
+
+def test_every_eos_id_ends_the_output(gen_llm, plain_llm):
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    plain = plain_llm.generate(HELLO, greedy)[0]
+    assert plain.token_ids[:3] == [299, 460, SECOND_EOS] and plain.finish_reason == "length"
+    out = gen_llm.generate(HELLO, greedy)[0]
+    assert out.token_ids == [299, 460, SECOND_EOS] and out.finish_reason == "stop"
+    assert gen_llm.engine.eos_token_ids == (2, SECOND_EOS)
+    streamed = list(gen_llm.stream(HELLO, greedy))
+    assert [c.token_id for c in streamed] == out.token_ids and streamed[-1].finish_reason == "stop"
+    # as the config's EOS: ignore_eos runs past it, min_tokens holds it back
+    past = gen_llm.generate(HELLO, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert past.token_ids == plain.token_ids and past.finish_reason == "length"
+    held = gen_llm.generate(HELLO, SamplingParams(max_tokens=16, temperature=0, min_tokens=4))[0]
+    assert SECOND_EOS not in held.token_ids[:4] and held.token_ids[:2] == [299, 460]
+
+
+def test_sampling_fields_are_the_defaults(gen_llm, plain_llm):
+    assert gen_llm.get_default_sampling_params() == SamplingParams(**PENALIZED)
+    assert plain_llm.get_default_sampling_params() == SamplingParams()
+    want = gen_llm.generate(FOX, SamplingParams(**PENALIZED))[0]
+    greedy = gen_llm.generate(FOX, SamplingParams(temperature=0))[0]
+    assert want.token_ids != greedy.token_ids  # the penalty shows
+    assert gen_llm.generate(FOX)[0].token_ids == want.token_ids
+    assert [c.token_id for c in gen_llm.stream(FOX)] == want.token_ids
+    # given params are taken as they are
+    assert gen_llm.generate(FOX, SamplingParams(temperature=0))[0].token_ids == greedy.token_ids
+
+
+def test_generate_cli_takes_the_defaults_and_the_flags_over_them(gen_llm, gen_engine):
+    from k3runtime.cli import main
+
+    args = ["generate", str(gen_engine), "--prompt", FOX, "--max-tokens", "16"]
+    want = gen_llm.generate(FOX, SamplingParams(max_tokens=16, **PENALIZED))[0].text
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
+    greedy = gen_llm.generate(FOX, SamplingParams(max_tokens=16, temperature=0))[0].text
+    assert greedy != want
+    res = CliRunner().invoke(main, [*args, "--repetition-penalty", "1"])
+    assert res.exit_code == 0 and res.output.splitlines()[1:] == greedy.splitlines(), res.output
+
+
+@pytest.mark.parametrize("section, expect", [
+    ({"eos_token_ids": [512]}, "generation_config.eos_token_ids: expected a list of token ids in 0..511"),
+    ({"sampling": {"top_p": 0}}, "generation_config.sampling.top_p: expected a number in (0, 1]"),
+    ({"sampling": {"min_p": 0.1}}, "generation_config.sampling: expected an object of temperature, top_p"),
+])
+def test_an_edited_section_is_refused_by_name(gen_engine, tmp_path, section, expect):
+    from k3runtime.loader import EngineError, read_engine_config
+
+    engine = shutil.copytree(gen_engine, tmp_path / "engine")
+    config = json.loads((engine / "config.json").read_text())
+    config["generation_config"] = section
+    (engine / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineError, match=re.escape(f"config.json: {expect}")):
+        read_engine_config(engine)
