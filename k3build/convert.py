@@ -2,7 +2,8 @@
 
 Converted directory format (read by `k3build build`):
 - `config.json`: `K3Config.to_dict()` of the output (model_type "k3"; `quantization` describes the output:
-  method "mxfp4" = routed experts as `weight_packed`/`weight_scale` U8, "none" = `weight` float), plus
+  method "mxfp4" = routed experts as `weight_packed`/`weight_scale` U8 (a source's F8_E8M0 scales, the same
+  bytes, are written as U8), "none" = `weight` float), plus
   `"mapping"`: `Mapping.to_dict()`, `"source"`: {path, flavour ("k3"|"kimi_linear"), model_type,
   quantization, num_tensors} and `"format"`: "k3-converted/1". `K3Config.from_file` and `Mapping.from_dict`
   read it back.

@@ -13,8 +13,8 @@ from typing import Any
 
 from .config import ConfigError, K3Config, QuantConfig
 from .mapping import Mapping, MappingError
-from .safetensors_io import SafetensorsError, TensorInfo, read_header
-from .schema import (IGNORED, SchemaError, checkpoint_tensors, detect_flavour, dtype_matches, strip_prefix,
+from .safetensors_io import E8M0, SafetensorsError, TensorInfo, read_header
+from .schema import (IGNORED, U8, SchemaError, checkpoint_tensors, detect_flavour, dtype_matches, strip_prefix,
                      to_canonical_name)
 
 INDEX = "model.safetensors.index.json"
@@ -157,8 +157,10 @@ def _compare(path: Path, tensors: dict[str, TensorInfo], expected: dict, flavour
         if info.shape != shape:
             raise ConvertError(f"{info.path}: tensor {info.name}: wrong shape {list(info.shape)}, expected "
                                f"{list(shape)}")
-        if not dtype_matches(dtype, info.dtype):
+        scale = name.endswith(".weight_scale")
+        if not (dtype_matches(dtype, info.dtype) or (scale and info.dtype == E8M0)):
             want = "a float dtype (F32, BF16, F16)" if dtype == "float" else dtype
+            want += f" or {E8M0} (the E8M0 bytes of MXFP4 block scales)" if scale else ""
             raise ConvertError(f"{info.path}: tensor {info.name}: wrong dtype {info.dtype}, expected {want}")
 
 
@@ -188,7 +190,9 @@ def plan_jobs(src: Source, cfg_out: K3Config) -> list[Job]:
         is_expert = ".experts." in cname
         if not is_expert or src_q == out_q:
             shape = canon[cname][0]
-            jobs.append(Job("copy", (info,), (Output(cname, info.dtype, shape),)))
+            # F8_E8M0 scales are the U8 ones' bytes: written as U8, the dtype build and the runtime take
+            dtype = U8 if info.dtype == E8M0 else info.dtype
+            jobs.append(Job("copy", (info,), (Output(cname, dtype, shape),)))
         elif out_q == "mxfp4":
             base = cname[: -len(".weight")]
             outs = tuple(Output(base + s, "U8", canon[base + s][0]) for s in (".weight_packed", ".weight_scale"))

@@ -16,12 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 TORCH_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "F16": torch.float16,
                 "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32, "I64": torch.int64,
                 "F64": torch.float64}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# MXFP4 block scales some checkpoints store as F8_E8M0 (torch.float8_e8m0fnu) rather than U8: the same exponent
+# bytes, read as uint8 because the MXFP4 code works on the bytes (and float8_e8m0fnu has few torch ops)
+E8M0 = "F8_E8M0"
+BYTE_DTYPES = {E8M0: torch.uint8}
 MAX_HEADER = 1 << 30  # safetensors caps headers far below this; a bigger length field means corruption
 
 
@@ -110,9 +114,10 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
                                        f"{info.nbytes} bytes)")
             got += k
     t = torch.from_numpy(buf)
-    if info.dtype not in TORCH_DTYPES:
+    dtype = TORCH_DTYPES.get(info.dtype, BYTE_DTYPES.get(info.dtype))
+    if dtype is None:
         raise SafetensorsError(f"{info.path}: tensor {info.name}: dtype {info.dtype} is not supported here")
-    return t.view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
+    return t.view(dtype).reshape(info.shape)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Flavours:
 - "k3": the published K3 checkpoint (K3_SPEC.md §3) without its `language_model.` prefix. Dtypes fixed: BF16,
-  except conv1d weights, A_log, dt_bias, o_norm and e_score_correction_bias (F32) and MXFP4 experts (U8).
+  except conv1d weights, A_log, dt_bias, o_norm and e_score_correction_bias (F32) and MXFP4 experts (U8; convert
+  also takes F8_E8M0 block scales, the same bytes, and writes them as U8).
   A_log is [P] F32 with P = max(kda_head_dim, kda_num_heads); only the first kda_num_heads are valid.
 - "kimi_linear": what `transformers.KimiLinearForCausalLM.save_pretrained` writes: dense layers under
   `block_sparse_moe.{gate,up,down}_proj`, A_log [1, 1, H, 1], no attn_res or latent tensors; any float dtype.

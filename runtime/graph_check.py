@@ -24,7 +24,8 @@ def graph_problem(model: onnx.ModelProto, cfg: dict, rank: int) -> str | None:
     graph, info = model.graph, cfg["ranks"][str(rank)]
     if graph.name != f"k3_rank{rank}":  # the builder names each rank's graph after its rank
         return f"holds the graph {graph.name!r}, not rank {rank}'s (k3_rank{rank}): rank directories mixed up?"
-    return _inputs_problem(graph, cfg, info) or _nodes_problem(graph, cfg, info) or _outputs_problem(graph, info)
+    return (_inputs_problem(graph, cfg, info) or _nodes_problem(graph, cfg, info) or _outputs_problem(graph, info)
+            or _dtype_problem(graph, cfg, info))
 
 
 def _type_name(elem_type) -> str:
@@ -131,6 +132,26 @@ def _cache_problem(node: onnx.NodeProto, shapes: dict[str, list[int]], cfg: dict
         return (f"caches {have} values a token (its kv_a_norm's rank + qk_rope_head_dim), but the MLA cache "
                 f"config.json sizes holds {width} (pretrained_config.kv_lora_rank + qk_rope_head_dim)")
     return None
+
+
+_BUILD_DTYPES = {"fp32": onnx.TensorProto.FLOAT, "bf16": onnx.TensorProto.BFLOAT16, "fp16": onnx.TensorProto.FLOAT16}
+
+
+def _dtype_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
+    """build_config.dtype against the dtype the graph (and so the weights: loader._weights_problem) was built in:
+    the runtime sizes the KDA conv cache and the stage buffers by it, so an edited one ran the model in another
+    dtype without a word. The first stage's embedding is cast to it by the build; a later stage's hidden_in is
+    declared in it."""
+    want = cfg["build_config"]["dtype"]
+    anchor = "embed" if info["first_stage"] else "hidden_in"
+    vi = next((vi for vi in graph.input if vi.name == anchor), None)
+    if vi is None or vi.type.tensor_type.elem_type == _BUILD_DTYPES[want]:
+        return None  # no embed on a first stage: _nodes_problem names it
+    have = vi.type.tensor_type.elem_type
+    built = next((k for k, v in _BUILD_DTYPES.items() if v == have), _type_name(have))
+    what = "weight" if anchor == "embed" else "stage input"
+    return (f"{what} {anchor!r} is {built} ({_type_name(have)}), but config.json's build_config.dtype, the dtype "
+            f"the runtime runs the model in, is {want}: one of the two was edited after the build")
 
 
 def _outputs_problem(graph: onnx.GraphProto, info: dict) -> str | None:
