@@ -38,11 +38,11 @@ def kda_target(sequences: int):
                                       tactic="fused")
 
 
-def mla_target(heads: int, exchange: bool):
+def mla_target(heads: int, exchange: bool, kernel: str = "triton"):
     import mla
     from k3plugins.mla.triton import mla_decode_attention
     kv, pt, lens, ql, qp = mla.make_case(64, 8192, heads, torch.Generator(device="cuda").manual_seed(1))
-    return lambda: mla_decode_attention(ql, qp, kv, pt, lens, scale=mla.SCALE, exchange=exchange)
+    return lambda: mla_decode_attention(ql, qp, kv, pt, lens, scale=mla.SCALE, exchange=exchange, kernel=kernel)
 
 
 def main() -> None:
@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--kda-sequences", type=int, default=64, help="sequences of the KDA target at 96 heads (0: skip)")
     ap.add_argument("--mla-heads", type=int, default=0, help="heads of the MLA target at 64 x 8K (0: skip it); "
                     "it runs with the scores' exchange off, then on")
+    ap.add_argument("--mla-kernel", choices=("triton", "gluon"), default="triton",
+                    help="gluon: the sm_90 kernel (once; the exchange does not apply)")
     ap.add_argument("--calls", type=int, default=1)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -61,9 +63,9 @@ def main() -> None:
     if args.kda_sequences:
         targets.append((f"kda fused decode, {args.kda_sequences} x 96 heads", kda_target(args.kda_sequences)))
     if args.mla_heads:
-        for exchange in (False, True):
-            targets.append((f"mla decode, 64 x 8K x {args.mla_heads} heads, exchange {exchange}",
-                            mla_target(args.mla_heads, exchange)))
+        for exchange in (False, True) if args.mla_kernel == "triton" else (False,):
+            targets.append((f"mla decode ({args.mla_kernel}), 64 x 8K x {args.mla_heads} heads, exchange {exchange}",
+                            mla_target(args.mla_heads, exchange, args.mla_kernel)))
     for name, fn in targets:
         for _ in range(args.calls):
             fn()

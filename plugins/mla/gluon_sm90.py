@@ -115,8 +115,8 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     ro = hb * BH + gl.arange(0, BH, layout=rows_o)
     co = gl.arange(0, DL, layout=gl.SliceLayout(0, o_layout))
     o = acc / gl.convert_layout(safe_l, rows_o)[:, None]
-    gl.store(o_ptr + b * stride_ob + split * stride_os + ro[:, None] * stride_oh + co[None, :], o,
-             mask=(ro < H)[:, None])
+    gl.store(o_ptr + b * stride_ob + split * stride_os + ro[:, None] * stride_oh + co[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=(ro < H)[:, None])
     rs = hb * BH + gl.arange(0, BH, layout=rows_s)
     lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
     gl.store(lse_ptr + b * stride_lb + split * stride_ls + rs, lse, mask=rs < H)
@@ -150,7 +150,8 @@ def page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor,
 
 def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale: float,
            pages_per_split: int) -> None:
-    """o_part [B, splits, H, dl] fp32 and lse [B, splits, H] (log2) for each 64-head block and split."""
+    """o_part [B, splits, H, dl] (fp32 partials, or the output itself with one split) and lse [B, splits, H]
+    (log2) for each 64-head block and split."""
     B, H, dl = q_lat.shape
     lat, pe = page_descriptors(kv_cache, dl)
     grid = (-(-H // BLOCK_H), o_part.shape[1], B)

@@ -67,7 +67,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         # the sm_90 Gluon kernel (64-head blocks, TMA pages): its split counts
         runs = [(c, "triton") for c in configs]
         if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
-            runs += [((64, ns, 8, 2, False), "gluon") for ns in (None, 2, 4, 8)]
+            runs += [((64, ns, 8, 2, False), "gluon") for ns in (None, 1, 2, 4, 8)]
         best = None
         for (bh, ns, nw, st, xc), kern in runs:
             fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(
