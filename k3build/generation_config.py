@@ -29,6 +29,7 @@ SAMPLING = {
     "temperature": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
     "top_k": (lambda v: _int(v) and v >= -1, "an int >= 0 (0 or -1 = off)"),
+    "min_p": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1] (0 = off)"),
     "repetition_penalty": (lambda v: _number(v) and v > 0, "a finite number > 0 (1 = off)"),
 }
 

@@ -124,7 +124,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and stream() use without params (vLLM's name): SamplingParams() with the sampling fields
-        of the model's generation_config.json (temperature, top_p, top_k, repetition_penalty), where it has them."""
+        of the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), where it has them."""
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,

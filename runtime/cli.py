@@ -29,8 +29,9 @@ def main():
               help="0 = greedy. [default: the model's generation_config.json, else 0]")
 @click.option("--top-p", type=float, default=None, help="In (0, 1]; 1 = off. [default: generation_config.json, else 1]")
 @click.option("--top-k", type=int, default=None, help="0 = off. [default: generation_config.json, else 0]")
-@click.option("--min-p", type=float, default=0.0, show_default=True,
-              help="In [0, 1]: drop tokens less likely than this times the most likely one; 0 = off.")
+@click.option("--min-p", type=float, default=None,
+              help="In [0, 1]: drop tokens less likely than this times the most likely one; 0 = off. "
+                   "[default: generation_config.json, else 0]")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling draws (none: a random one).")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
@@ -61,9 +62,9 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
         config = read_engine_config(engine)
         # a flag left out: the model's generation_config.json value (LLMEngine.sampling_defaults), else greedy
         chosen = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                                   ("repetition_penalty", repetition_penalty)) if v is not None}
+                                   ("min_p", min_p), ("repetition_penalty", repetition_penalty)) if v is not None}
         sampling = {"temperature": 0.0, **(config.get("generation_config") or {}).get("sampling", {}), **chosen}
-        params = SamplingParams(max_tokens=max_tokens, seed=seed, min_p=min_p, presence_penalty=presence_penalty,
+        params = SamplingParams(max_tokens=max_tokens, seed=seed, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, **sampling)
         tokenizer = load_tokenizer(engine)
         if tokenizer is None:
@@ -90,13 +91,16 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
 
 def _read_prompts(file) -> list[str]:
     """--prompt-file's prompts: each non-blank line a JSON object whose "prompt" is the text (JSONL, as batch inference
-    files are: a prompt may hold newlines); UsageError naming the file and line of one that is not."""
+    files are: a prompt may hold newlines; a UTF-8 BOM, as Windows editors write, is skipped); UsageError naming the
+    file and line of one that is not."""
     name = "stdin" if file.name == "<stdin>" else file.name
     prompts = []
     try:
         lines = list(file)
     except UnicodeDecodeError as e:
         raise click.UsageError(f"--prompt-file {name}: not UTF-8 text ({e})") from None
+    if lines and lines[0].startswith("\ufeff"):  # the BOM of a file saved as "UTF-8 with BOM"
+        lines[0] = lines[0][1:]
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

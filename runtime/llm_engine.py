@@ -287,7 +287,8 @@ class LLMEngine:
         if request_id is not None and request_id in self._owner:  # live on any attention-DP rank
             raise ValueError(f"request_id: {request_id!r} is already live")
         req = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
-                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids)
+                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                      eos_token_id=None if params.ignore_eos else self.eos_token_id)
         # Least-loaded attention-DP rank (the only one without attention-DP).
         sched = min(self.schedulers, key=lambda s: len(s.requests))
         sched.add(req)

@@ -48,12 +48,15 @@ class Request:
         params: sampling and stopping options.
         eos_token_ids: the model's EOS ids (config.json's and generation_config.json's; none = no EOS stop); set
             by the engine, () under ignore_eos.
+        eos_token_id: config.json's EOS (vLLM's primary one, None under ignore_eos): the one id whose stop reports
+            no stop_reason; generation_config.json's others report theirs, as vLLM adds them to the stop ids.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose MLA KV and KDA state are in the cache (advanced when a chunk is scheduled).
@@ -69,7 +72,8 @@ class Request:
     host_page_ids: list[int] = field(default_factory=list)
     host_slot_id: int | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    # the stop_token_ids id that ended it (vLLM's stop_reason); None: EOS, length, abort or a stop string (API layer)
+    # the stop_token_ids id (or generation_config.json EOS id past the first) that ended it (vLLM's stop_reason); None:
+    # config.json's EOS, length, abort or a stop string (API layer)
     stop_reason: int | None = None
     arrival: int = -1  # arrival order, set by Scheduler.add; smaller = older = higher priority
     arrival_time: float = field(default_factory=time.monotonic)

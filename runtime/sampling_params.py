@@ -19,7 +19,7 @@ MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's ran
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 # the fields whose defaults an engine takes from its model's generation_config.json (LLMEngine.sampling_defaults):
 # where a request gives none, the API, the servers and `generate` use those, as vLLM's generation_config="auto"
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _is_int(x) -> bool:

@@ -299,8 +299,10 @@ class Scheduler:
                 raise ValueError(f"sampled[{it.request_id!r}]: expected a token id >= 0, got {token!r}")
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
-            if reason == "stop" and (request.params.ignore_eos or token not in request.eos_token_ids):
-                request.stop_reason = token  # a stop id (EOS, also one of them, reports None as in vLLM)
+            if reason == "stop" and token != request.eos_token_id:
+                # a stop id or generation_config.json's other EOS ids (config.json's EOS, also one of the stop ids,
+                # reports None), as vLLM, which adds those to the stop ids
+                request.stop_reason = token
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)

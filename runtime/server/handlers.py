@@ -129,7 +129,7 @@ class Handlers:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
-                top_k=sampling.get("top_k", 0), min_p=body.min_p or 0.0, seed=body.seed,
+                top_k=sampling.get("top_k", 0), min_p=sampling.get("min_p", 0.0), seed=body.seed,
                 stop=() if body.stop is None else body.stop,
                 ignore_eos=body.ignore_eos,
                 logprobs=body.wanted_logprobs(), stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens,

@@ -339,7 +339,7 @@ class TritonPythonModel:
                                  temperature=_scalar(request, "temperature", model.get("temperature", 1.0), float),
                                  top_p=_scalar(request, "top_p", model.get("top_p", 1.0), float),
                                  top_k=_scalar(request, "top_k", model.get("top_k", 0), int),
-                                 min_p=_scalar(request, "min_p", 0.0, float),
+                                 min_p=_scalar(request, "min_p", model.get("min_p", 0.0), float),
                                  seed=seed, stop=stop,
                                  logprobs=0 if _scalar(request, "return_log_probs", False, bool) else None,
                                  presence_penalty=_scalar(request, "presence_penalty", 0.0, float),

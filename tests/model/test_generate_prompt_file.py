@@ -65,3 +65,19 @@ def test_no_prompt_at_all_and_a_missing_file(k3_tiny_engine, tmp_path):
     res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--stream", "--prompt-file", "-"],
                              input=_jsonl(PROMPTS[:2]))
     assert res.exit_code == 2 and "--stream prints one completion as it comes; got 2 prompts" in res.output
+
+
+def test_a_file_with_a_bom_and_crlf(k3_tiny_engine, tmp_path, want):
+    """A JSONL file saved by a Windows editor (UTF-8 with BOM, CRLF line ends) reads as the same prompts, from a file
+    and from stdin."""
+    data = "\ufeff".encode() + _jsonl(PROMPTS).replace("\n", "\r\n").encode()
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(data)
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "6", "--prompt-file", str(path)])
+    assert res.exit_code == 0, res.output
+    assert res.output == "".join(want)
+    r = subprocess.run([sys.executable, "-c", "from k3runtime.cli import main; main()", "generate",
+                        str(k3_tiny_engine), "--max-tokens", "6", "--prompt-file", "-"],
+                       input=data, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == "".join(want)

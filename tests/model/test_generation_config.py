@@ -4,6 +4,7 @@ request gives none (vLLM's generation_config="auto")."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -91,7 +92,7 @@ def test_generate_cli_takes_the_defaults_and_the_flags_over_them(gen_llm, gen_en
 @pytest.mark.parametrize("section, expect", [
     ({"eos_token_ids": [512]}, "generation_config.eos_token_ids: expected a list of token ids in 0..511"),
     ({"sampling": {"top_p": 0}}, "generation_config.sampling.top_p: expected a number in (0, 1]"),
-    ({"sampling": {"min_p": 0.1}}, "generation_config.sampling: expected an object of temperature, top_p"),
+    ({"sampling": {"seed": 1}}, "generation_config.sampling: expected an object of temperature, top_p"),
 ])
 def test_an_edited_section_is_refused_by_name(gen_engine, tmp_path, section, expect):
     from k3runtime.loader import EngineError, read_engine_config
@@ -102,3 +103,44 @@ def test_an_edited_section_is_refused_by_name(gen_engine, tmp_path, section, exp
     (engine / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineError, match=re.escape(f"config.json: {expect}")):
         read_engine_config(engine)
+
+
+def test_min_p_is_a_default_too(k3_tiny_ckpt, tmp_path):
+    """vLLM's generation_config="auto" reads min_p beside temperature, top_p, top_k and repetition_penalty: a model
+    whose file says min_p 1.0 samples its best token alone where a request gives no min_p."""
+    from k3runtime.cli import main
+
+    ckpt = shutil.copytree(k3_tiny_ckpt, tmp_path / "ckpt")
+    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 1.5, "min_p": 1.0}))
+    engine = build_engine(ckpt, tmp_path / "engine")
+    assert json.loads((engine / "config.json").read_text())["generation_config"] == {
+        "sampling": {"temperature": 1.5, "min_p": 1.0}}
+    llm = LLM(engine)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=1.5, min_p=1.0)
+    greedy = llm.generate(FOX, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    hot = SamplingParams(max_tokens=12, temperature=1.5, seed=1, ignore_eos=True)
+    assert llm.generate(FOX, hot)[0].token_ids != greedy  # min_p 0: the draws show
+    defaults = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=12, seed=1, ignore_eos=True)
+    assert llm.generate(FOX, defaults)[0].token_ids == greedy
+    res = CliRunner().invoke(main, ["generate", str(engine), "--prompt", FOX, "--max-tokens", "12", "--seed", "1"])
+    want = llm.generate(FOX, SamplingParams(max_tokens=12, temperature=0))[0].text
+    assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
+    with pytest.raises(ValueError, match="generation_config.json: min_p: expected a number in"):
+        (ckpt / "generation_config.json").write_text(json.dumps({"min_p": 1.5}))
+        build_engine(ckpt, tmp_path / "engine2")
+
+
+def test_stop_reason_of_an_added_eos_id_is_the_id(gen_llm):
+    """vLLM adds generation_config.json's EOS ids other than the config's to the stop ids, so an output they end
+    reports the id as its stop_reason (Llama 3's 128009); the config's EOS reports none, as before."""
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    out = gen_llm.generate(HELLO, greedy)[0]
+    assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (SECOND_EOS, "stop", SECOND_EOS)
+    assert list(gen_llm.stream(HELLO, greedy))[-1].stop_reason == SECOND_EOS
+    eos = gen_llm.engine.eos_token_id
+    assert eos == 2 and eos != SECOND_EOS
+    ban = SamplingParams(max_tokens=16, temperature=0, logit_bias={SECOND_EOS: -100, eos: 100})
+    out = gen_llm.generate(HELLO, ban)[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
+    out = gen_llm.generate(HELLO, dataclasses.replace(ban, stop_token_ids=(eos,)))[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)

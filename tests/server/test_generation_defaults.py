@@ -51,3 +51,32 @@ def test_left_out_fields_take_the_models_defaults(gen_engine, make_server):
         assert hello["token_ids"] == [299, 460, 392] and hello["finish_reason"] == "stop"  # the second EOS id
     finally:
         server.close()
+
+
+def test_a_left_out_min_p_takes_the_models(tmp_path, make_server):
+    """generation_config.json's min_p (vLLM reads it too): 1.0 keeps the best token alone, at any temperature."""
+    from k3build.build import BuildOptions, build
+    from k3build.config import preset
+    from k3build.convert import convert
+    from k3build.mapping import Mapping
+    from k3build.synth import synth
+
+    ckpt = synth(tmp_path / "ckpt", preset("tiny"), seed=0, progress=False)
+    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 1.5, "min_p": 1.0}))
+    convert(ckpt, tmp_path / "conv", Mapping(), progress=False)
+    engine = build(tmp_path / "conv", tmp_path / "engine", BuildOptions(dtype="fp32", kv_dtype="fp32"),
+                   progress=False)
+    greedy = LLM(engine).generate(FOX, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    server = make_server(engine)
+    try:
+        def complete(**fields):
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                           json={"model": "k3-tiny", "prompt": FOX, "max_tokens": 12, "return_token_ids": True,
+                                 "seed": 1, "ignore_eos": True, **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        assert complete() == greedy and complete(min_p=None) == greedy
+        assert complete(min_p=0) != greedy  # given: taken as it is
+    finally:
+        server.close()
