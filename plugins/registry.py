@@ -90,6 +90,9 @@ IMPLS: list[Impl] = [
     Impl("MoEExperts", "triton_ds", 1, "k3plugins.moe.triton:moe_experts_ds", _GPU, "triton", mxfp4_only=True,
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 2, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
+    # the Triton mixer with its decode attention in Gluon (TMA, wgmma: Hopper only) at 64 heads a rank or more
+    Impl("MLA", "gluon", 2, "k3plugins.mla.gluon_sm90:mla_mixer", ("sm90",), "triton.experimental.gluon",
+         dtypes=("bf16", "fp16")),
     Impl("MLA", "triton", 2, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
     # one launch each instead of the references' chains of elementwise kernels
     Impl("RMSNorm", "triton", 1, "k3plugins.norm.triton:rms_norm", _GPU, "triton"),
@@ -105,8 +108,8 @@ IMPLS: list[Impl] = [
 # Preferred tactic per target, best first; the first that `supports` the target wins. triton_l (lane expert bytes)
 # measured fastest on the H200 at decode, ahead of triton_p, triton_s and triton (BENCHMARKS.md); the builder steps
 # down from it where the MoE has no latent projection, or the expert dims or scales do not allow it (tactics.py).
-PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton_l", "triton_p", "triton", "fla", "blas",
-                                                                   _REF),
+PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": (_REF,), "sm90": ("triton_l", "triton_p", "gluon", "triton", "fla",
+                                                                   "blas", _REF),
                                           "gfx942": ("triton", "blas", _REF)}
 
 

@@ -21,6 +21,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import triton as portable
+
 BLOCK_H = 64  # heads a program: one 64-row wgmma tile
 WARPS = 8  # two warpgroups, each taking half of every dot's N
 
@@ -160,3 +162,19 @@ def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, l
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), o_part.stride(0),
         o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split, BH=BLOCK_H,
         PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=WARPS)
+
+
+def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,
+              q_b_weight: torch.Tensor | None, kv_a_norm_weight: torch.Tensor, w_uk: torch.Tensor,
+              w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
+              context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+              qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
+              output_gate: int) -> torch.Tensor:
+    """The engine's "gluon" MLA tactic (sm90): the Triton mixer, its decode attention on this kernel where the rank
+    holds a 64-head block or more (1.6x the Triton kernel at 96 heads, BENCHMARKS.md), else on the Triton kernel's
+    16-head blocks (a 64-row block would compute mostly padding)."""
+    return portable.mla_mixer(
+        x, in_proj_weight, q_a_norm_weight, q_b_weight, kv_a_norm_weight, w_uk, w_uv, o_weight, kv_cache,
+        cu_seqlens=cu_seqlens, context_lens=context_lens, page_table=page_table, num_heads=num_heads,
+        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, scale=scale,
+        latent_eps=latent_eps, output_gate=output_gate, decode_kernel="gluon" if num_heads >= BLOCK_H else "triton")

@@ -310,9 +310,10 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
               w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
               context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
               qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
-              output_gate: int) -> torch.Tensor:
+              output_gate: int, decode_kernel: str = "triton") -> torch.Tensor:
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
-    page tables on the host; here every index is computed on the device)."""
+    page tables on the host; here every index is computed on the device). decode_kernel: mla_decode_attention's
+    kernel (the "gluon" tactic's mixer passes "gluon")."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
@@ -328,7 +329,7 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     # q_lat stays the bmm's head-major output ([H, T, r] seen as [T, H, r]): the attention kernel takes strides
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)
     o_lat = mla_decode_attention(q_lat.to(kv_cache.dtype), q[..., nope:].to(kv_cache.dtype), kv_cache, pages32,
-                                 lens32, scale=scale, query_seq=seq32)
+                                 lens32, scale=scale, query_seq=seq32, kernel=decode_kernel)
     o = torch.bmm(o_lat.transpose(0, 1).to(x.dtype), w_uv.to(x.dtype))                    # [H, T, v]
     return dense(gate_heads(o, gate), o_weight)
 

@@ -22,7 +22,7 @@ from k3build.cli import main
 pytest.importorskip("triton")
 pytest.importorskip("fla.ops.kda")
 
-DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "triton", "Linear": "blas",
+DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "gluon", "Linear": "blas",
                   "LMHead": "blas", "GatedMLP": "blas", "RMSNorm": "triton", "AttnRes": "triton", "MoEOutProj": "triton",
                   "MoEInProj": "triton"}
 

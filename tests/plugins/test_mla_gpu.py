@@ -113,13 +113,19 @@ def test_gate_heads_matches_the_torch_launches(T, gated):
     assert (out != expect).float().mean().item() < 0.01
 
 
-def test_mixer_matches_reference_at_a_ranks_shapes():
-    """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads, the 576-wide
-    cache, a decode batch with one prefill row; both caches end equal but for bf16 rounding."""
-    from k3plugins.mla import reference, triton as mla
+@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
+def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic):
+    """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads (a TP
+    slice), or all 96 with the "gluon" tactic's mixer (attention-DP), the 576-wide cache, a decode batch with one
+    prefill row; both caches end equal but for bf16 rounding."""
+    from k3plugins import registry
+    from k3plugins.mla import reference
+    if tactic == "gluon" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is sm_90 only")
+    mixer = registry.find("MLA", tactic).load()
     g = torch.Generator(device="cuda").manual_seed(3)
     r_ = lambda *sh, sc=1.0: (torch.randn(*sh, device="cuda", generator=g) * sc).to(torch.bfloat16)  # noqa: E731
-    H, nope, rope, r, vd, hid, ql = 6, 128, 64, 512, 128, 512, 256
+    nope, rope, r, vd, hid, ql = 128, 64, 512, 128, 512, 256
     in_proj = torch.cat([r_(ql, hid, sc=hid ** -0.5), r_(r + rope, hid, sc=hid ** -0.5),
                          r_(H * vd, hid, sc=hid ** -0.5)])
     args = (in_proj, 1 + 0.1 * r_(ql), r_(H * (nope + rope), ql, sc=ql ** -0.5), 1 + 0.1 * r_(r),
@@ -131,7 +137,7 @@ def test_mixer_matches_reference_at_a_ranks_shapes():
     x = r_(int(cu[-1]), hid)
     cache = r_(10, 64, r + rope)
     outs = []
-    for fn in (mla.mla_mixer, reference.mla_mixer):
+    for fn in (mixer, reference.mla_mixer):
         c = cache.clone()
         o = fn(x, *args, c, cu_seqlens=cu,
                context_lens=torch.tensor(ctx, device="cuda"), page_table=pt, num_heads=H, qk_nope_head_dim=nope,
