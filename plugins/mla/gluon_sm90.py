@@ -126,13 +126,21 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 
 def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
     """bf16/fp16 on a CUDA sm_90 device; K3's widths (latent 256 or 512, rope 64)."""
-    if not (q_lat.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(q_lat.device)[0] == 9):
+    if q_lat.dtype != kv_cache.dtype:
+        return False, "the Gluon MLA kernel takes queries in the cache's dtype"
+    return runs_on(kv_cache, q_lat.shape[-1])
+
+
+def runs_on(kv_cache: torch.Tensor, dl: int) -> tuple[bool, str]:
+    """Whether the kernel takes this cache (latent width dl) on its device."""
+    cuda = kv_cache.is_cuda and torch.version.hip is None
+    if not (cuda and torch.cuda.get_device_capability(kv_cache.device)[0] == 9):
         return False, "the Gluon MLA kernel runs on CUDA sm_90 only"
-    dl, dr = q_lat.shape[-1], kv_cache.shape[-1] - q_lat.shape[-1]
+    dr = kv_cache.shape[-1] - dl
     if dl not in (256, 512) or dr != 64:
         return False, f"the Gluon MLA kernel takes latent 256 or 512 and rope 64, got {dl} and {dr}"
-    if q_lat.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q_lat.dtype:
-        return False, "the Gluon MLA kernel takes bf16 or fp16 queries and cache"
+    if kv_cache.dtype not in (torch.bfloat16, torch.float16):
+        return False, "the Gluon MLA kernel takes a bf16 or fp16 cache"
     return True, ""
 
 
@@ -171,10 +179,11 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
               qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
               output_gate: int) -> torch.Tensor:
     """The engine's "gluon" MLA tactic (sm90): the Triton mixer, its decode attention on this kernel where the rank
-    holds a 64-head block or more (1.6x the Triton kernel at 96 heads, BENCHMARKS.md), else on the Triton kernel's
-    16-head blocks (a 64-row block would compute mostly padding)."""
+    holds a 64-head block or more (1.6x the Triton kernel at 96 heads, BENCHMARKS.md) and the kernel takes its cache,
+    else on the Triton kernel (its 16-head blocks: a 64-row block would compute mostly padding)."""
+    gluon = num_heads >= BLOCK_H and runs_on(kv_cache, kv_a_norm_weight.shape[0])[0]
     return portable.mla_mixer(
         x, in_proj_weight, q_a_norm_weight, q_b_weight, kv_a_norm_weight, w_uk, w_uv, o_weight, kv_cache,
         cu_seqlens=cu_seqlens, context_lens=context_lens, page_table=page_table, num_heads=num_heads,
         qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, scale=scale,
-        latent_eps=latent_eps, output_gate=output_gate, decode_kernel="gluon" if num_heads >= BLOCK_H else "triton")
+        latent_eps=latent_eps, output_gate=output_gate, decode_kernel="gluon" if gluon else "triton")

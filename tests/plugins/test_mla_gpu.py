@@ -70,7 +70,7 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
 def test_gluon_mla_refuses_what_it_does_not_run():
     kv = torch.zeros(4, 64, 576 - 256, device="cuda", dtype=torch.float32)
     q = torch.zeros(1, 64, 256, device="cuda")
-    with pytest.raises(ValueError, match="bf16 or fp16|sm_90"):
+    with pytest.raises(ValueError, match="bf16 or fp16|sm_90|dtype"):
         mla_decode_attention(q, q[..., :64], kv, torch.zeros(1, 4, dtype=torch.int32, device="cuda"),
                              torch.ones(1, dtype=torch.int32, device="cuda"), scale=1.0, kernel="gluon")
 
