@@ -177,11 +177,13 @@ def mla_gate_kernel(o_ptr, g_ptr, out_ptr, VD, stride_oh, stride_ot, stride_gt, 
 SPLIT_WAVES = 1
 
 
-def num_splits_for(batch: int, num_heads: int, max_pages: int, *, block_h: int = 16, num_sms: int = 132) -> int:
-    """Split count (a power of two) that gives the grid about SPLIT_WAVES waves without slices under 4 pages."""
+def num_splits_for(batch: int, num_heads: int, max_pages: int, *, block_h: int = 16, num_sms: int = 132,
+                   full: float = 1.0) -> int:
+    """Split count (a power of two) that gives the grid about SPLIT_WAVES waves without slices under 4 pages; a
+    wave counts as full at `full` of the SMs."""
     programs = batch * triton.cdiv(num_heads, block_h)
     splits = 1
-    while programs * splits < SPLIT_WAVES * num_sms and max_pages >= 8 * splits:
+    while programs * splits < full * SPLIT_WAVES * num_sms and max_pages >= 8 * splits:
         splits *= 2
     return splits
 
@@ -248,7 +250,9 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     nvidia = q_lat.is_cuda and torch.version.hip is None  # the exchange's barrier as PTX
     if exchange is None:
         exchange = block_h == 64 and num_warps == 8 and nvidia
-    splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h)
+    # the Gluon kernel (one program an SM) takes 128 programs on 132 SMs as a wave: one split, written in place,
+    # at 96 heads x 64 requests rather than two (3 % faster, BENCHMARKS.md)
+    splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h, full=0.9 if kernel == "gluon" else 1.0)
     pps = triton.cdiv(max_pages, splits)
     # the kernel takes row and head strides: a bmm's transposed output or a column slice needs no copy
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
