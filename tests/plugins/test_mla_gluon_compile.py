@@ -20,14 +20,15 @@ from k3plugins.mla import gluon_sm90  # noqa: E402
 H100_SHARED = 232448  # bytes of shared memory a block may have on sm_90
 
 
-@pytest.fixture(scope="module")
-def sass():
+@pytest.fixture(scope="module", params=["*fp32", "*bf16"], ids=["partials", "in_place"])
+def sass(request):
+    """The kernel as launched with fp32 partials (several splits) and writing the bf16 output in place (one)."""
     from triton.backends import backends
     if "nvidia" not in backends:
         pytest.skip("this Triton has no NVIDIA backend")
     fn = gluon_sm90.mla_decode_sm90_kernel
     lat, pe = gluon_sm90.page_descriptors(torch.zeros(4, 64, 576, dtype=torch.bfloat16), 512)
-    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr="*fp32", lse_ptr="*fp32")
+    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr=request.param, lse_ptr="*fp32")
     consts = dict(BH=gluon_sm90.BLOCK_H, PAGE=64, DL=512, DR=64, num_warps=gluon_sm90.WARPS)
     sig = {}
     for name in fn.arg_names:
