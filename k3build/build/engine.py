@@ -37,8 +37,8 @@ from .layout import engine_tensors
 from .options import DTYPES, BuildOptions
 from .source import BuildError, read_converted
 from .st_writer import SafetensorsWriter
-from .tactics import (PLUGIN_OPS, W4_TACTICS, expert_layout, fit_moe_tactic, record_tactic, resolve_plugins,
-                      stamp_for)
+from .tactics import (PLUGIN_OPS, W4_TACTICS, expert_layout, fit_mla_tactic, fit_moe_tactic, record_tactic,
+                      resolve_plugins, stamp_for)
 
 # W4A16 MoE tactics that --tune may replace with triton_f8 -> their prefill kernel tactic
 RELAID_W4 = {"triton_l": "prefill_l", "triton_p": "prefill_p", "triton_s": "prefill_s"}
@@ -95,6 +95,11 @@ def build(converted_dir: str | os.PathLike, engine_dir: str | os.PathLike, optio
             raise BuildError(f"--tactic MoEExperts={forced['MoEExperts']}: cannot read this checkpoint's experts: "
                              + "; ".join(fit))
         notes += fit
+    fit = fit_mla_tactic(plugins, cfg.num_attention_heads // mapping.attn_tp_size, cfg.kv_lora_rank,
+                         cfg.qk_rope_head_dim)
+    if fit and "MLA" in forced:  # as for the MoE: a tactic the user asked for is refused, not replaced
+        raise BuildError(f"--tactic MLA={forced['MLA']}: " + "; ".join(fit))
+    notes += fit
     tuning = {}
     if options.tune and plugins.get("MoEExperts", {}).get("tactic") in RELAID_W4 and "MoEExperts" not in forced:
         note, tuning = _tune_fp8(cfg, mapping, converted_dir, plugins, options.torch_dtype)

@@ -64,6 +64,22 @@ def fit_moe_tactic(table: dict[str, dict], expert_dims: tuple[int, int], max_sca
     return notes
 
 
+def fit_mla_tactic(table: dict[str, dict], heads: int, latent: int, rope: int) -> list[str]:
+    """Step the MLA tactic down from gluon to triton where its kernel never runs (edits `table`; returns the note):
+    a rank's heads under one 64-head block, or cache rows it does not take. Its mixer would fall back to the Triton
+    kernel anyway; the engine then records what runs."""
+    mla = table.get("MLA")
+    if mla is None or mla["tactic"] != "gluon":
+        return []
+    from k3plugins.mla.gluon_sm90 import BLOCK_H, LATENT_WIDTHS, ROPE_WIDTH
+    if heads >= BLOCK_H and latent in LATENT_WIDTHS and rope == ROPE_WIDTH:
+        return []
+    record_tactic(mla, "MLA", "triton")
+    return [f"MLA: using the 'triton' tactic, not 'gluon' (its kernel takes {BLOCK_H} heads a rank or more, latent "
+            f"{' or '.join(map(str, LATENT_WIDTHS))} and rope {ROPE_WIDTH}; this rank has {heads} heads, latent "
+            f"{latent}, rope {rope})"]
+
+
 def record_tactic(entry: dict, op: str, tactic: str) -> None:
     """Point a plugin-table entry at another tactic, with that implementation's version."""
     entry.update(tactic=tactic, version=registry.find(op, tactic).version)

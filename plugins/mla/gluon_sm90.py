@@ -25,6 +25,7 @@ from . import triton as portable
 
 BLOCK_H = 64  # heads a program: one 64-row wgmma tile
 WARPS = 8  # two warpgroups, each taking half of every dot's N
+LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its shared memory is sized for 512 + 64)
 
 
 @gluon.jit
@@ -137,7 +138,7 @@ def runs_on(kv_cache: torch.Tensor, dl: int) -> tuple[bool, str]:
     if not (cuda and torch.cuda.get_device_capability(kv_cache.device)[0] == 9):
         return False, "the Gluon MLA kernel runs on CUDA sm_90 only"
     dr = kv_cache.shape[-1] - dl
-    if dl not in (256, 512) or dr != 64:
+    if dl not in LATENT_WIDTHS or dr != ROPE_WIDTH:
         return False, f"the Gluon MLA kernel takes latent 256 or 512 and rope 64, got {dl} and {dr}"
     if kv_cache.dtype not in (torch.bfloat16, torch.float16):
         return False, "the Gluon MLA kernel takes a bf16 or fp16 cache"

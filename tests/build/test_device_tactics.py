@@ -22,9 +22,14 @@ from k3build.cli import main
 pytest.importorskip("triton")
 pytest.importorskip("fla.ops.kda")
 
-DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "gluon", "Linear": "blas",
+DEVICE_TACTICS = {"Router": "triton", "MoEExperts": "triton", "KDA": "fla", "MLA": "triton", "Linear": "blas",
                   "LMHead": "blas", "GatedMLP": "blas", "RMSNorm": "triton", "AttnRes": "triton", "MoEOutProj": "triton",
                   "MoEInProj": "triton"}
+
+
+def _moe_notes(build: dict) -> list[str]:
+    """The build's notes on the MoE tactic (the tiny models' MLA is stepped down from gluon too)."""
+    return [n for n in build["plugin_notes"] if n.startswith("MoEExperts")]
 
 
 def _build(converted, out, target="sm90", dtype="bf16"):
@@ -43,9 +48,12 @@ def test_sm90_build_records_the_device_kernels(k3_tiny_engine, tmp_path):
     for op, p in plugins.items():
         assert p["tactic"] == DEVICE_TACTICS.get(op, "reference"), (op, p)
         assert "sm90" in registry.find(op, p["tactic"]).targets
-    # the tiny experts (64 wide) are too narrow for the paired layout's K tile: the build says so
+    # the tiny experts (64 wide) are too narrow for the paired layout's K tile, and its 4 heads and latent 32 for
+    # the Gluon MLA kernel: the build says so
     assert build["plugin_notes"] == ["MoEExperts: using the 'triton' tactic, not 'triton_l' (expert dims (64, 64) "
-                                     "are not multiples of its K tile 256)"]
+                                     "are not multiples of its K tile 256)",
+                                     "MLA: using the 'triton' tactic, not 'gluon' (its kernel takes 64 heads a rank or "
+                                     "more, latent 256 or 512 and rope 64; this rank has 4 heads, latent 32, rope 8)"]
     with pytest.raises(EngineError, match=r"built for target 'sm90'"):
         load_rank(tmp_path / "engine", 0, "cpu")
 
@@ -86,7 +94,7 @@ def test_wide_experts_get_the_tactics_layout(k3_wide_experts_ckpt, tmp_path, for
     tactics = (("MoEExperts", forced),) if forced else ()
     gpu = build_engine(k3_wide_experts_ckpt, tmp_path / "sm90", target="sm90", tactics=tactics, **opts)
     build = json.loads((gpu / "config.json").read_text())["build_config"]
-    assert build["plugins"]["MoEExperts"]["tactic"] == (forced or "triton_l") and build["plugin_notes"] == []
+    assert build["plugins"]["MoEExperts"]["tactic"] == (forced or "triton_l") and not _moe_notes(build)
     natural = load_file(cpu / "rank0" / "weights.safetensors")
     relaid = load_file(gpu / "rank0" / "weights.safetensors")
     experts = [n for n in natural if n.endswith((".moe.w13", ".moe.w2"))]
@@ -198,7 +206,7 @@ def test_forced_tactics_are_recorded_or_refused(k3_tiny_engine, tmp_path):
                                "--tactic", "MoEExperts=triton_ds"])
     assert res.exit_code == 0, res.output
     build = json.loads((tmp_path / "ds" / "config.json").read_text())["build_config"]
-    assert build["plugins"]["MoEExperts"]["tactic"] == "triton_ds" and build["plugin_notes"] == []
+    assert build["plugins"]["MoEExperts"]["tactic"] == "triton_ds" and not _moe_notes(build)
     for flag, words in (("MoEExperts=triton_p", ["--tactic MoEExperts=triton_p", "(64, 64)", "256"]),
                         ("Bogus=triton", ["--tactic Bogus=triton", "not a plugin op"]),
                         ("MoEExperts=nope", ["--tactic MoEExperts=nope", "nope"]),
@@ -226,3 +234,25 @@ def test_tune_needs_the_gpu_it_measures_on(k3_tiny_engine, tmp_path):
     assert fp8_within_bar(0.02, 0.9995) and not fp8_within_bar(0.04, 0.9995) and not fp8_within_bar(0.02, 0.998)
     trial = dict(moe_fp8_rel=0.02, moe_fp8_cos=0.9995, moe_fp8_prefill_ms=1.0, moe_w4a16_prefill_ms=1.5)
     assert fp8_wins(trial) and not fp8_wins({**trial, "moe_fp8_prefill_ms": 2.0})  # within the bar but slower
+
+
+@pytest.mark.parametrize("heads,latent,rope,tactic", [(96, 512, 64, "gluon"), (64, 256, 64, "gluon"),
+                                                      (6, 512, 64, "triton"), (96, 128, 64, "triton"),
+                                                      (96, 512, 32, "triton")])
+def test_mla_tactic_fits_the_ranks_heads_and_cache(heads, latent, rope, tactic):
+    """An sm90 bf16 engine records gluon where its kernel runs (K3 under attention-DP: 96 heads, 512 + 64) and
+    triton where it never would (a TP slice of 6 heads, other cache widths), with a note."""
+    from k3build.build.tactics import fit_mla_tactic
+    table, _ = resolve_plugins("sm90")
+    assert table["MLA"]["tactic"] == "gluon"
+    notes = fit_mla_tactic(table, heads, latent, rope)
+    assert table["MLA"] == {"tactic": tactic, "version": registry.find("MLA", tactic).version}
+    assert bool(notes) == (tactic == "triton") and all(f"{heads} heads" in n for n in notes)
+
+
+def test_forced_gluon_mla_that_cannot_run_is_refused(k3_tiny_engine, tmp_path):
+    converted = k3_tiny_engine.with_name(k3_tiny_engine.name + "-converted")
+    res = CliRunner().invoke(main, ["build", str(converted), str(tmp_path / "engine"), "--target", "sm90",
+                                    "--tactic", "MLA=gluon"])
+    assert res.exit_code != 0 and "--tactic MLA=gluon" in res.output and "4 heads" in res.output, res.output
+    assert not (tmp_path / "engine").exists()
