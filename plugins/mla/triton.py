@@ -175,6 +175,7 @@ def mla_gate_kernel(o_ptr, g_ptr, out_ptr, VD, stride_oh, stride_ot, stride_gt, 
 # against two: 0.893 / 0.854 of the KV floor at 64 x 8K (16 heads), 1.022 / 1.013 at 32 x 64K, 0.270 / 0.262 at
 # 96 heads; in a K3 rank 0.12-0.24 ms a step less (BENCHMARKS.md, thirty-fifth session)
 SPLIT_WAVES = 1
+MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second and third dimensions
 
 
 def num_splits_for(batch: int, num_heads: int, max_pages: int, *, block_h: int = 16, num_sms: int = 132,
@@ -265,17 +266,22 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     o_part = out.unsqueeze(1) if splits == 1 else torch.empty(B, splits, H, dl, dtype=torch.float32,
                                                               device=q_lat.device)
     lse = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
-    grid = (triton.cdiv(H, block_h), splits, B)
-    if kernel == "gluon":
-        gluon_sm90.launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale, pps)
-    else:
-        _launch_triton(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale, pps, grid,
-                       block_h, num_warps, num_stages, exchange, nvidia)
-    if splits == 1:
-        return out
-    mla_merge_kernel[(H, B)](o_part, lse, out, H, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                             DL=dl, num_warps=4, **pdl(o_part))
+    # the query rows are the grid's last dimension, which CUDA caps at 65535: a step with more (a prefill chunk past
+    # 64K tokens) is launched over slices of rows
+    for r0 in range(0, B, MAX_GRID_ROWS):
+        rows = slice(r0, r0 + MAX_GRID_ROWS)
+        args = (q_lat[rows], q_pe[rows], kv_cache, page_table, query_seq[rows], context_lens[rows], o_part[rows],
+                lse[rows], scale, pps)
+        if kernel == "gluon":
+            gluon_sm90.launch(*args)
+        else:
+            grid = (triton.cdiv(H, block_h), splits, args[0].shape[0])
+            _launch_triton(*args, grid, block_h, num_warps, num_stages, exchange, nvidia)
+        if splits > 1:
+            part, ls, dst = o_part[rows], lse[rows], out[rows]
+            mla_merge_kernel[(H, dst.shape[0])](part, ls, dst, H, part.stride(0), part.stride(1), part.stride(2),
+                                                ls.stride(0), ls.stride(1), dst.stride(0), dst.stride(1),
+                                                NUM_SPLITS=splits, DL=dl, num_warps=4, **pdl(part))
     return out
 
 

@@ -576,6 +576,12 @@ def _child(part: str) -> None:
     for splits in (1, 2, 4):
         res[f"mla-{splits}"] = _mla_case(mla, splits)
         res[f"mla-{splits}-exchange"] = _mla_case(mla, splits, exchange=True)
+    mla.MAX_GRID_ROWS, launch = 2, mla._launch_triton  # 3 query rows in two launches (CUDA's 65535 in the engine)
+    for splits in (1, 2):
+        rows = []
+        mla._launch_triton = lambda *a, rows=rows: (rows.append(a[0].shape[0]), launch(*a))[1]
+        res[f"mla-row-slices-{splits}"] = {**_mla_case(mla, splits), "launch_rows": rows}
+    mla.MAX_GRID_ROWS, mla._launch_triton = 65535, launch
     res["mla-mixer"] = _mla_mixer_case(mla)
     res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
@@ -689,6 +695,14 @@ def test_mxfp4_dequant_interpreted(results):
 def test_mla_decode_interpreted(results, splits, exchange):
     """exchange: the scores through the per-program scratch, two buffers by page parity (a slice of 1-4 pages)."""
     assert results[f"mla-{splits}" + ("-exchange" if exchange else "")]["rel"] < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_mla_decode_over_row_slices_interpreted(results, splits):
+    """More query rows than a grid dimension takes: launched in slices, each row's output its own (in place with
+    one split, merged per slice with two)."""
+    r = results[f"mla-row-slices-{splits}"]
+    assert r["rel"] < 1e-5 and r["launch_rows"] == [2, 1], r
 
 
 def test_mla_cache_write_interpreted(results):
