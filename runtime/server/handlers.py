@@ -123,18 +123,16 @@ class Handlers:
                                 f"asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
                                 f"the output): reduce {field} or the prompt", field,
                            "context_length_exceeded")
-        # a field the request leaves out (or null): the model's generation_config.json value, else OpenAI's default
+        # a field the request leaves out (or null): the model's generation_config.json value, else SamplingParams'
+        # default (OpenAI's: temperature 1, top_p 1, no top_k, min_p or repetition penalty)
         given = {k: getattr(body, k) for k in GENERATION_DEFAULTS if getattr(body, k) is not None}
         sampling = {**self.engine.sampling_defaults, **given}
         try:
             params = SamplingParams(
-                max_tokens=max_tokens, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
-                top_k=sampling.get("top_k", 0), min_p=sampling.get("min_p", 0.0), seed=body.seed,
-                stop=() if body.stop is None else body.stop,
+                max_tokens=max_tokens, seed=body.seed, stop=() if body.stop is None else body.stop,
                 ignore_eos=body.ignore_eos,
                 logprobs=body.wanted_logprobs(), stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens,
-                skip_special_tokens=body.skip_special_tokens,
-                **{**body.penalties(), "repetition_penalty": sampling.get("repetition_penalty", 1.0)})
+                skip_special_tokens=body.skip_special_tokens, **{**body.penalties(), **sampling})
         except ValueError as e:
             msg = re.sub(r"^max_tokens\b", field, str(e))
             raise APIError(400, msg, _param(ValueError(msg))) from None
