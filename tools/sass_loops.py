@@ -20,9 +20,7 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "plugins"))
 
@@ -85,12 +83,7 @@ def main() -> None:
         source.attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=args.warps, num_stages=args.stages, maxnreg=args.maxnreg))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    sass, usage = specs.sm90_sass(compiled.asm["cubin"])
     regs = re.search(r"REG:(\d+)", usage)
     smem = re.search(r"SHARED:(\d+)", usage)
     if args.dump:

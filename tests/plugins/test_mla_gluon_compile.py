@@ -1,10 +1,7 @@
 """The sm_90 Gluon MLA decode kernel compiled on the CPU (Triton ships ptxas and cuobjdump): what its design rests on,
 read from its SASS. Not compiled for gfx942: it is Hopper-only by design (TMA, wgmma); ROCm runs the Triton kernel
 (test_rocm_compile)."""
-import os
 import re
-import subprocess
-import tempfile
 from collections import Counter
 
 import pytest
@@ -16,6 +13,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from k3plugins.mla import gluon_sm90  # noqa: E402
+from test_rocm_compile import sm90_sass  # noqa: E402
 
 H100_SHARED = 232448  # bytes of shared memory a block may have on sm_90
 
@@ -37,13 +35,7 @@ def sass(request):
                      "fp32" if name == "qk_scale" else "i32")
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, {})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=gluon_sm90.WARPS))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        code = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return code, usage, compiled.metadata.shared
+    return (*sm90_sass(compiled.asm["cubin"]), compiled.metadata.shared)
 
 
 def test_fits_one_program_an_sm_without_spills(sass):

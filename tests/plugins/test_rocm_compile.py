@@ -203,6 +203,20 @@ def _source(name, target="sm90"):
     return ASTSource(fn, sig, consts, attrs)
 
 
+def sm90_sass(cubin: bytes) -> tuple[str, str]:
+    """(SASS, resource usage) of an sm_90 cubin, by the cuobjdump Triton ships (tools/sass_loops.py, and the
+    compile tests that read a kernel's SASS)."""
+    import os
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return tuple(subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                     for flag in ("-sass", "-res-usage"))
+
+
 def _has_backend(kind):
     from triton.backends import backends
     return {"hip": "amd", "cuda": "nvidia"}[kind] in backends
