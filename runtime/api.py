@@ -157,7 +157,7 @@ class LLM:
                 if ev.finish_reason is not None:
                     out.stop_reason = by_id[ev.request_id].stop_reason
                 if det is not None:
-                    det.push(ev.token_id, final=ev.finish_reason is not None)
+                    det.push(ev.token_id, final=ev.finish_reason is not None, stop_token=ev.finish_reason == "stop")
                     if det.stopped:  # also on the last token max_tokens allows: its stop string ends the text
                         if ev.finish_reason is None:
                             self._end(by_id[ev.request_id], reason="stop")
@@ -177,7 +177,7 @@ class LLM:
         try:
             for ev in self._events([req]):
                 reason, why = ev.finish_reason, req.stop_reason
-                text = det.push(ev.token_id, final=reason is not None) if det else ""
+                text = det.push(ev.token_id, final=reason is not None, stop_token=reason == "stop") if det else ""
                 if det and det.stopped:
                     if reason is None:
                         self._end(req, reason="stop")

@@ -303,7 +303,7 @@ class AsyncLLMEngine:
             reason, why = ev.finish_reason, live.request.stop_reason
             text = ""
             if live.detok is not None:
-                text = live.detok.push(ev.token_id, final=reason is not None)
+                text = live.detok.push(ev.token_id, final=reason is not None, stop_token=reason == "stop")
                 if live.detok.stopped:  # also on the last token max_tokens allows: its stop string ends the text
                     if reason is None:
                         self.engine.finish(ev.request_id, "stop")

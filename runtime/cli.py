@@ -52,7 +52,9 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
     from .sampling_params import SamplingParams
     from .tokenizer import load_tokenizer
 
-    prompts = list(prompts) + (_read_prompts(prompt_file) if prompt_file is not None else [])
+    # (where each prompt came from, as its errors name it; the prompt)
+    sources = [("--prompt", p) for p in prompts] + (_read_prompts(prompt_file) if prompt_file is not None else [])
+    prompts = [p for _, p in sources]
     if not prompts:
         raise click.UsageError("no prompts: give --prompt TEXT (repeatable) or --prompt-file FILE (- for stdin)")
     if stream and len(prompts) > 1:
@@ -73,8 +75,11 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
                                        "token ids through the Python API (LLM.generate) or the server")
         prompt_ids = [tokenizer.encode(p) for p in prompts]
         num_pages = cache_sizes(config, EngineOptions(device=device, **given(flags)))[0]
-        for ids in prompt_ids:
-            check_prompt(config, ids, max_tokens=max_tokens, num_pages=num_pages)
+        for (where, _), ids in zip(sources, prompt_ids):
+            try:
+                check_prompt(config, ids, max_tokens=max_tokens, num_pages=num_pages)
+            except ValueError as e:
+                raise click.ClickException(_prompt_error(str(e), where)) from None
         llm = LLM(engine, device=device, tokenizer=tokenizer, **given(flags))
         if stream:
             for chunk in llm.stream(prompt_ids[0], params):
@@ -85,14 +90,21 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
             click.echo(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})")
             click.echo(out.text if out.text is not None else out.token_ids)
     except (EngineError, ValueError) as e:
-        # the API's prompt field is this command's --prompt, as tokens
-        raise click.ClickException(re.sub(r"^prompt_token_ids:", "--prompt (as tokens):", as_options(str(e)))) from None
+        raise click.ClickException(_prompt_error(str(e), "--prompt")) from None
 
 
-def _read_prompts(file) -> list[str]:
-    """--prompt-file's prompts: each non-blank line a JSON object whose "prompt" is the text (JSONL, as batch inference
-    files are: a prompt may hold newlines; a UTF-8 BOM, as Windows editors write, is skipped); UsageError naming the
-    file and line of one that is not."""
+def _prompt_error(message: str, where: str) -> str:
+    """An API error as this command's user reads it: options by their flags, and the API's prompt field by where the
+    prompt came from (--prompt, or --prompt-file FILE:LINE), as tokens."""
+    # (a function as the replacement: a file name's backslashes stay as they are)
+    return re.sub(r"^prompt_token_ids:", lambda _: f"{where} (as tokens):", as_options(message))
+
+
+def _read_prompts(file) -> list[tuple[str, str]]:
+    """--prompt-file's prompts, each with where it is ("--prompt-file FILE:LINE", how its errors name it): each
+    non-blank line a JSON object whose "prompt" is the text (JSONL, as batch inference files are: a prompt may hold
+    newlines; a UTF-8 BOM, as Windows editors write, is skipped); UsageError naming the file and line of one that is
+    not."""
     name = "stdin" if file.name == "<stdin>" else file.name
     prompts = []
     try:
@@ -111,7 +123,7 @@ def _read_prompts(file) -> list[str]:
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise click.UsageError(f'--prompt-file {name}:{n}: expected an object with a "prompt" string, '
                                    f"got {line.strip()[:80]}")
-        prompts.append(row["prompt"])
+        prompts.append((f"--prompt-file {name}:{n}", row["prompt"]))
     if not prompts:
         raise click.UsageError(f"--prompt-file {name}: no prompts in it")
     return prompts

@@ -43,7 +43,9 @@ class SamplingParams:
         seed: per-request seed in [0, 2**63); None = a random seed fixed at request creation.
         stop: strings that end generation (matched on detokenized text by the API layer, which needs a
             tokenizer); the text is cut before the first one. With skip_special_tokens a stop string that spells
-            a special token never matches (the text leaves it out): give its id in stop_token_ids.
+            a special token never matches (the text leaves it out): give its id in stop_token_ids. A token that ends
+            the output itself (EOS, a stop id) ends it by its id, as in vLLM, even where its text completes a stop
+            string.
         stop_token_ids: token ids that end generation (applied by the scheduler, even with ignore_eos); the
             token and its text stay in the output (vLLM leaves the text out).
         ignore_eos: keep generating past the model's EOS token.

@@ -295,14 +295,18 @@ class Detokenizer:
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that cut the text (the earliest; on a tie the first)
 
-    def push(self, token_id: int, final: bool = False) -> str:
-        """Add one token; return the newly released text (stop strings cut the text and set `stopped`)."""
+    def push(self, token_id: int, final: bool = False, stop_token: bool = False) -> str:
+        """Add one token; return the newly released text (stop strings cut the text and set `stopped`).
+        stop_token: the token ended the output itself (EOS, a stop id; final): as in vLLM, no stop string is looked
+        for in its text, so the output ends by the id even where that text completes one (the text before it was
+        searched already); its text stays, as any stop id's does."""
+        final = final or stop_token
         self.offset = self._text.push(token_id, final)
         self._tokens += 1
         text = self._text.text  # whole characters only, unless final
         # Stop strings are looked for only where they could end in the new text; the earliest found cuts.
         found = [(at, s) for s in self.stop if (at := text.find(s, max(0, self._searched - len(s) + 1))) >= 0] \
-            if self._tokens > self.min_tokens else []
+            if self._tokens > self.min_tokens and not stop_token else []
         if found:
             at, self.stop_string = min(found, key=lambda f: f[0])
             text, self.stopped, final = text[:at], True, True

@@ -349,6 +349,43 @@ def test_stop_reason_names_the_stop_string_or_id(llm, k3_tiny_engine):
         assert list(llm.stream(PROMPT, p))[-1].stop_reason is None
 
 
+def test_a_stop_id_whose_text_completes_a_stop_string_ends_by_the_id(llm, k3_tiny_engine):
+    """vLLM's precedence: a token that ends the output itself (a stop id, EOS) reports its id (None for EOS) as the
+    stop_reason even where its text completes a stop string, and the text is the stop id's own (not cut by the stop
+    string); with the stop string alone, the same token is cut by it. Generated and streamed, async scheduling too."""
+    full = llm.generate(PROMPT, greedy(16))[0]
+    k = 2
+    stop_id, upto = full.token_ids[k], llm.tokenizer.decode(full.token_ids[:k + 1])
+    stop = upto[-3:]  # begins in an earlier token's text and ends with the stop id's
+    assert full.token_ids.index(stop_id) == k and full.text.find(stop) == len(upto) - 3
+    assert llm.tokenizer.decode([stop_id]) and not llm.tokenizer.decode([stop_id]).startswith(stop), stop
+    by_string = llm.generate(PROMPT, greedy(16, stop=(stop,)))[0]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop)
+    assert by_string.token_ids == full.token_ids[:k + 1]
+    by_id = llm.generate(PROMPT, greedy(16, stop_token_ids=[stop_id]))[0]
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", stop_id) and by_id.text != by_string.text
+    fast = LLM(k3_tiny_engine, async_scheduling=True)
+    for engine in (llm, fast):
+        p = greedy(16, stop=(stop,), stop_token_ids=[stop_id])
+        out = engine.generate(PROMPT, p)[0]
+        assert (out.finish_reason, out.stop_reason, out.token_ids, out.text) == \
+            ("stop", stop_id, by_id.token_ids, by_id.text)
+        chunks = list(engine.stream(PROMPT, p))
+        assert [(c.finish_reason, c.stop_reason) for c in chunks[-1:]] == [("stop", stop_id)]
+        assert "".join(c.text for c in chunks) == by_id.text
+    # config.json's EOS spelled by the text (special tokens kept): it ends the output with no stop_reason
+    eos = llm.engine.eos_token_id
+    plain = SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100}, skip_special_tokens=False)
+    ended = llm.generate(PROMPT, plain)[0]
+    assert ended.token_ids == [eos] and ended.text
+    p = SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100}, skip_special_tokens=False,
+                       stop=(ended.text,))
+    out = llm.generate(PROMPT, p)[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == ([eos], "stop", None, ended.text)
+    last = list(llm.stream(PROMPT, p))[-1]
+    assert (last.finish_reason, last.stop_reason, last.text) == ("stop", None, ended.text)
+
+
 def test_cumulative_logprob_sums_the_tokens_logprobs(llm):
     """cumulative_logprob: the sum of the output tokens' logprobs (the model's log-softmax, checked against
     .logits), None when logprobs were not asked."""

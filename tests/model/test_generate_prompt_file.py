@@ -57,6 +57,22 @@ def test_a_bad_file_is_named_with_its_line(k3_tiny_engine, tmp_path, text, expec
     assert res.exit_code == 2 and expect in res.output, res.output
 
 
+def test_a_prompt_the_engine_refuses_is_named_by_its_file_and_line(k3_tiny_engine, tmp_path):
+    """A prompt of the file that the engine's prompt checks refuse (too long, empty) is named by the file and line it
+    is on, a --prompt one by --prompt, before the engine loads."""
+    max_len = json.loads((k3_tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
+    path = tmp_path / "prompts.jsonl"
+    for bad, why in (("a " * max_len, f"tokens leave no room to generate under the engine's max_seq_len ({max_len})"),
+                     ("", "empty (at least one token is needed)")):
+        path.write_text(_jsonl(PROMPTS[:1]) + "\n" + _jsonl([bad]))  # line 3, after a blank one
+        res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--prompt", PROMPTS[1],
+                                        "--prompt-file", str(path)])
+        assert res.exit_code == 1 and f"Error: --prompt-file {path}:3 (as tokens): " in res.output, res.output
+        assert why in res.output and "--prompt (as tokens)" not in res.output, res.output
+        res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--prompt", bad, "--prompt-file", str(path)])
+        assert res.exit_code == 1 and "Error: --prompt (as tokens): " in res.output and why in res.output, res.output
+
+
 def test_no_prompt_at_all_and_a_missing_file(k3_tiny_engine, tmp_path):
     res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine)])
     assert res.exit_code == 2 and "no prompts: give --prompt TEXT" in res.output, res.output

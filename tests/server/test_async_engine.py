@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -94,6 +95,36 @@ def test_rejections_raise_value_error(aengine):
         asyncio.run(first([1], SamplingParams(max_tokens=2, stop_token_ids=[10**6], min_tokens=1)))
     assert aengine.is_alive
     assert asyncio.run(first([1], SamplingParams(max_tokens=1, temperature=0))).finish_reason == "length"
+
+
+def test_a_stop_id_whose_text_completes_a_stop_string_ends_by_the_id(aengine, llm):
+    """As LLM (vLLM's precedence): a stop id, or config.json's EOS, whose text completes a stop string ends the
+    request by the id (stop_reason the id; None for EOS) with the id's own text, not cut by the stop string."""
+    ids = [1, 2, 3]
+    full = llm.generate(ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    k = next(i for i in range(1, 16) if len(llm.tokenizer.decode(full.token_ids[:i + 1])) >= 3
+             and full.token_ids.index(full.token_ids[i]) == i)
+    stop_id, upto = full.token_ids[k], llm.tokenizer.decode(full.token_ids[:k + 1])
+    stop = upto[-3:]
+    assert full.text.find(stop) == len(upto) - 3, (full.text, stop)
+    eos = aengine.engine.eos_token_id
+    spelled = llm.tokenizer.decode([eos], skip_special_tokens=False)
+    cases = [  # (params, a stop string that their last token completes, the stop_reason)
+        (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]), stop, stop_id),
+        (SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100}, skip_special_tokens=False), spelled, None)]
+
+    async def chunks(sp):
+        return [c async for c in aengine.generate(ids, sp)]
+
+    for plain, stop_string, why in cases:
+        want = asyncio.run(chunks(plain))
+        assert (want[-1].finish_reason, want[-1].stop_reason) == ("stop", why) and stop_string in "".join(
+            c.text for c in want)
+        got = asyncio.run(chunks(dataclasses.replace(plain, stop=(stop_string,))))
+        # (the stop string holds back text, so the chunks' texts are compared joined)
+        assert [c.token_id for c in got] == [c.token_id for c in want], stop_string
+        assert (got[-1].finish_reason, got[-1].stop_reason) == ("stop", why), stop_string
+        assert "".join(c.text for c in got) == "".join(c.text for c in want), stop_string
 
 
 def test_engine_given_opened_keeps_its_tokenizer(tiny_engine):
