@@ -83,6 +83,17 @@ def hbm_read_tbps() -> float:
     return 8 * 2**30 / (ms * 1e-3) / 1e12
 
 
+def mma_tflops() -> float:
+    """Dense bf16 tensor-core rate (TFLOP/s) cuBLAS reaches on this card now: an 8192³ matmul. The math floor of a
+    kernel whose FLOPs come close to its bytes' (MLA decode at 96 heads) is its FLOPs at this rate."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda: a @ b, rep=10, flush=False)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common import emit, rel_l2, time_ms
+from common import emit, mma_tflops, rel_l2, time_ms
 from k3plugins.mla.triton import PAGE, mla_decode_attention
 
 SCALE = 192 ** -0.5
@@ -44,9 +44,16 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         refs.append(torch.softmax(s, -1) @ toks[:, :512])
     emit(bench="mla_check", rel_l2=rel_l2(out.float(), torch.stack(refs)))
     del kv
+    # the math floor beside the bytes': absorbed MLA does 2·(576 + 512) FLOPs a head and cached token against 1152
+    # bytes, so at 96 heads its FLOPs at the dense bf16 rate take most of its bytes' time at the HBM rate (on an
+    # H200 about 0.8-0.9 of it): what a kernel can reach of the KV floor is capped by its tensor-core efficiency
+    tflops = mma_tflops()
+    emit(bench="mla_mma_rate", mma_tflops=round(tflops, 1), flop_per_kv_byte=round(2 * (576 + 512) / 1152, 3),
+         ridge_flop_per_byte=round(tflops / bw_tbps, 1))
     for B, L, H in ((64, 8192, 16), (32, 65536, 16), (64, 8192, 96), (32, 65536, 96)):
         kv, pt, lens, ql, qp = make_case(B, L, H, gen)
         floor_ms = B * L * 576 * 2 / (bw_tbps * 1e12) * 1e3
+        math_ms = B * L * H * 2 * (576 + 512) / (tflops * 1e12) * 1e3  # exact heads; a 64-head block pads 96 to 128
         base, cache = bmm_baseline(kv, pt, ql, qp)
         t_base = time_ms(base, rep=10)
         ref = base().float()
@@ -88,6 +95,8 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         emit(bench="mla", B=B, L=L, H=H, kv_bytes=B * L * 1152, floor_ms=round(floor_ms, 4),
              bmm_ms=round(t_base, 4), bmm_x_floor=round(t_base / floor_ms, 2), best_config=list(best[0]),
              best_ms=round(best[1], 4), frac_of_floor=round(floor_ms / best[1], 3),
-             speedup_vs_bmm=round(t_base / best[1], 2))
+             speedup_vs_bmm=round(t_base / best[1], 2), math_floor_ms=round(math_ms, 4),
+             math_x_kv_floor=round(math_ms / floor_ms, 3), tflops=round(B * L * H * 2 * 1088 / best[1] / 1e9, 1),
+             frac_of_roofline=round(max(floor_ms, math_ms) / best[1], 3))
         del kv
         torch.cuda.empty_cache()

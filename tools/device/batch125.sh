@@ -10,7 +10,7 @@ python3 - <<'PY'
 import json, os
 for line in open(os.path.join(os.environ["OUT"], "bench.jsonl")):
     d = json.loads(line)
-    if d.get("bench") in ("mla", "hbm", "mla_config_failed") or (d.get("bench") == "mla_config" and d.get("H") == 96):
+    if d.get("bench") in ("mla", "env", "mla_mma_rate", "mla_config_failed") or (d.get("bench") == "mla_config" and d.get("H") == 96):
         print(json.dumps({k: v for k, v in d.items() if k not in ("kv_bytes", "rel_l2_vs_bmm", "num_stages")}))
 PY
 timeout 120 python3 -m pytest -q -m gpu tests/plugins/test_mla_gpu.py 2>&1 | tail -2
