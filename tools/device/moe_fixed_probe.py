@@ -1,7 +1,8 @@
 """Where the lane MoE decode's fixed cost goes (device probe, JSON lines): `touched` experts with `tpe` tokens each
 on the rank's grid of 56, each launch's start and end (µs from the call's first kernel) inside CUDA-graph replays,
-medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes. Three
-variants: decode_l; decode_l_gc (the gathering combine); decode_l with the sort's flat scan (SORT_COLS 1)."""
+medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes. Variants
+(--variants, default all): decode_l; decode_l_gc (the gathering combine); decode_l_ac (the combine awaiting each
+token's experts beside the down kernel); decode_l with the sort's flat scan (decode_l:1, SORT_COLS 1)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def graph_timeline(fn, replays: int = 15) -> list:
 
 
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--variants", default="decode_l,decode_l_gc,decode_l_ac,decode_l:1",
+                    help="tactics, each with :COLS for the sort's tile width (default SORT_COLS)")
+    args = ap.parse_args()
     bw = hbm_read_tbps()
     gen = torch.Generator(device="cuda").manual_seed(0)
     laid, one_expert = laid_out_experts(gen, mt.TACTICS["decode_l"])  # decode_l_gc reads the same layout
@@ -58,7 +64,9 @@ def main() -> None:
             if touched == 0:  # one token, no local expert
                 ids = ids.clone()
                 ids[:, 0] = 0
-            for tactic, sort_cols in (("decode_l", cols), ("decode_l_gc", cols), ("decode_l", 1)):
+            for variant in args.variants.split(","):
+                tactic, _, sort_cols = variant.partition(":")
+                sort_cols = int(sort_cols or cols)
                 mt.SORT_COLS = sort_cols  # read by sort_pairs at each call
                 t = mt.TACTICS[tactic]
                 zt = mt.lay_out_input(t, z)
