@@ -125,6 +125,164 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     gl.store(lse_ptr + b * stride_lb + split * stride_ls + rs, lse, mask=rs < H)
 
 
+# The warp-specialized form (mla_decode_sm90_ws_kernel): one warpgroup computes each page's scores whole and its
+# softmax, and the values for the first half of the columns; a second warpgroup the values for the other half; one
+# warp issues the pages' copies. The second warpgroup's values of page i run while the first computes page i+1's
+# scores, so the tensor cores see no gap between a page's scores and its values; no row statistic crosses the
+# warpgroups (the first passes the rescale factors with the scores, and the row sums once at the end).
+WS_MAXNREG = 168  # 12 warps' registers at launch (3 warpgroups of 168 fill the SM's 64K); redistributed below
+WS_VALUES_REGS, WS_LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup: the rest
+
+
+@gluon.jit
+def _ws_scores(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
+               n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
+               DL: gl.constexpr):
+    """The default partition (4 warps): scores, softmax, values of columns [0, DL/2); the row sums to l_smem."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, PAGE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DL // 2, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rt = gl.arange(0, PAGE, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([BH], gl.float32, layout=rows_s)
+    acc = gl.zeros([BH, DL // 2], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([BH, PAGE], gl.float32, layout=s_layout)
+    for i in range(n_pages):
+        st = i % 2
+        mbarrier.wait(kv_ready.index(st), phase=(i // 2) & 1)
+        kl = kl_smem.index(st)
+        s = warpgroup_mma(q_smem, kl.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(qp_smem, kp_smem.index(st).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        t_ok = (first + i) * PAGE + rt < ctx
+        s = gl.where(t_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        mbarrier.wait(p_free, phase=(i & 1) ^ 1)  # the values warpgroup is past the previous page's P and alpha
+        p_smem.store(p.to(p_smem.dtype))
+        a_smem.store(alpha)
+        fence_async_shared()  # P's generic-proxy stores before either warpgroup's wgmma reads it
+        mbarrier.arrive(p_ready, count=1)
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        acc = warpgroup_mma(p_smem, kl.slice(0, DL // 2, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_free.index(st), count=1)
+    l_smem.store(l_i)
+    mbarrier.arrive(l_ready, count=1)
+    # an empty slice (past the context) leaves l_i = 0: weight 0 in the merge, never a NaN
+    safe_l = gl.where(l_i > 0, l_i, 1.0)
+    _store_half(acc / gl.convert_layout(safe_l, rows_o)[:, None], o_row, stride_oh, hb, H, 0, BH, DL // 2, o_layout)
+    rs = hb * BH + gl.arange(0, BH, layout=rows_s)
+    gl.store(lse_row + rs, gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf")), mask=rs < H)
+
+
+@gluon.jit
+def _store_half(o, o_row, stride_oh, hb, H, col0, BH: gl.constexpr, DH: gl.constexpr, layout: gl.constexpr):
+    """Rows hb·BH.. (those < H) of o_row's [H, DL] block, columns col0..col0+DH."""
+    ro = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, layout))
+    co = col0 + gl.arange(0, DH, layout=gl.SliceLayout(0, layout))
+    gl.store(o_row + ro[:, None] * stride_oh + co[None, :], o.to(o_row.dtype.element_ty), mask=(ro < H)[:, None])
+
+
+@gluon.jit
+def _ws_values(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
+               l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
+               DL: gl.constexpr):
+    """A worker (4 warps): the values of columns [DL/2, DL) from each page's P and rescale factors."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DL // 2, 16])
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([BH, DL // 2], gl.float32, layout=o_layout)
+    for i in range(n_pages):
+        st = i % 2
+        mbarrier.wait(kv_ready.index(st), phase=(i // 2) & 1)
+        mbarrier.wait(p_ready, phase=i & 1)
+        acc = acc * a_smem.load(rows_o)[:, None]
+        acc = warpgroup_mma(p_smem, kl_smem.index(st).slice(DL // 2, DL // 2, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_free.index(st), count=1)
+    mbarrier.wait(l_ready, phase=0)
+    l_i = l_smem.load(rows_o)
+    _store_half(acc / gl.where(l_i > 0, l_i, 1.0)[:, None], o_row, stride_oh, hb, H, DL // 2, BH, DL // 2, o_layout)
+
+
+@gluon.jit
+def _ws_loader(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
+               l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
+               DL: gl.constexpr):
+    """A worker (1 warp): page i's copy into buffer i % 2 once both warpgroups are done with page i - 2."""
+    for i in range(n_pages):
+        st = i % 2
+        mbarrier.wait(kv_free.index(st), phase=((i // 2) & 1) ^ 1)
+        _copy_page(lat_desc, pe_desc, pt_row + first + i, True, kv_ready.index(st), kl_smem.index(st),
+                   kp_smem.index(st), PAGE)
+
+
+@gluon.jit
+def mla_decode_sm90_ws_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
+                              qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob,
+                              stride_os, stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr,
+                              PAGE: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
+    """mla_decode_sm90_kernel's work and arguments, warp-specialized (num_warps 4: the scores warpgroup; the values
+    warpgroup and the loader warp come with it)."""
+    hb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    ctx = gl.load(lens_ptr + b)
+    pt_row = pt_ptr + gl.load(qseq_ptr + b).to(gl.int64) * stride_pb
+    first = split * PAGES_PER_SPLIT
+    n_pages = gl.minimum(gl.cdiv(ctx, PAGE) - first, PAGES_PER_SPLIT)
+    dt: gl.constexpr = lat_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dt, [BH, DL], lat_desc.layout)
+    qp_smem = gl.allocate_shared_memory(dt, [BH, DR], pe_desc.layout)
+    kl_smem = gl.allocate_shared_memory(dt, [2, PAGE, DL], lat_desc.layout)
+    kp_smem = gl.allocate_shared_memory(dt, [2, PAGE, DR], pe_desc.layout)
+    p_smem = gl.allocate_shared_memory(dt, [BH, PAGE], pe_desc.layout)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    a_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
+    l_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    flags = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # p_ready, p_free, l_ready
+    for j in gl.static_range(2):
+        mbarrier.init(kv_ready.index(j), count=1)
+        mbarrier.init(kv_free.index(j), count=2)  # both warpgroups release a page
+    for j in gl.static_range(3):
+        mbarrier.init(flags.index(j), count=1)
+
+    # the queries into shared memory a quarter of the columns at a time (fewer registers than all at once)
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+    h_ok = (rh < H)[:, None]
+    q_row = q_lat_ptr + b * stride_qb + rh[:, None] * stride_qh
+    for c in gl.static_range(4):
+        rl = c * (DL // 4) + gl.arange(0, DL // 4, layout=gl.SliceLayout(0, ld))
+        q_smem.slice(c * (DL // 4), DL // 4, dim=1).store(gl.load(q_row + rl[None, :], mask=h_ok, other=0.0))
+    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
+    qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
+    fence_async_shared()  # the queries' generic-proxy stores before wgmma's async-proxy reads
+
+    o_row = o_ptr + b * stride_ob + split * stride_os
+    lse_row = lse_ptr + b * stride_lb + split * stride_ls
+    p_ready, p_free, l_ready = flags.index(0), flags.index(1), flags.index(2)
+    gl.warp_specialize([
+        (_ws_scores, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
+                      l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH, PAGE, DL)),
+        (_ws_values, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
+                      p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
+        (_ws_loader, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
+                      p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
+    ], [4, 1], [WS_VALUES_REGS, WS_LOADER_REGS])
+
+
 def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
     """bf16/fp16 on a CUDA sm_90 device; K3's widths (latent 256 or 512, rope 64)."""
     if q_lat.dtype != kv_cache.dtype:
@@ -160,17 +318,19 @@ def page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor,
 
 
 def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale: float,
-           pages_per_split: int) -> None:
+           pages_per_split: int, warp_specialized: bool = False) -> None:
     """o_part [B, splits, H, dl] (fp32 partials, or the output itself with one split) and lse [B, splits, H]
-    (log2) for each 64-head block and split."""
+    (log2) for each 64-head block and split; by mla_decode_sm90_ws_kernel if warp_specialized."""
     B, H, dl = q_lat.shape
     lat, pe = page_descriptors(kv_cache, dl)
     grid = (-(-H // BLOCK_H), o_part.shape[1], B)
-    mla_decode_sm90_kernel[grid](
+    kernel, shape = ((mla_decode_sm90_ws_kernel, dict(num_warps=4, maxnreg=WS_MAXNREG)) if warp_specialized else
+                     (mla_decode_sm90_kernel, dict(num_warps=WARPS)))
+    kernel[grid](
         q_lat, q_pe, lat, pe, page_table, query_seq, context_lens, o_part, lse, float(scale) * 1.4426950408889634, H,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), o_part.stride(0),
         o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split, BH=BLOCK_H,
-        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=WARPS)
+        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, **shape)
 
 
 def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,

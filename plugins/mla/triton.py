@@ -223,8 +223,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         exchange: the scores reach the values' dot through an L2 scratch, so that each warpgroup computes its
             share of them rather than all of them (Triton's chained dots put both warpgroups on the same 64 rows).
             None: on for 64-head blocks of 8 warps on CUDA (2-3 % faster at 96 heads on an H100).
-        kernel: "triton" (portable) or "gluon" (gluon_sm90: CUDA sm_90, bf16/fp16, 64-head blocks; block_h,
-            num_warps, num_stages and exchange do not apply).
+        kernel: "triton" (portable), "gluon" (gluon_sm90: CUDA sm_90, bf16/fp16, 64-head blocks; block_h,
+            num_warps, num_stages and exchange do not apply) or "gluon_ws" (its warp-specialized form).
 
     Returns:
         o_lat [B, H, 512] in q_lat.dtype.
@@ -237,9 +237,10 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     if q_pe.shape != (B, H, dr):
         raise ValueError(f"mla_decode_attention: q_pe must be [{B}, {H}, {dr}], got {tuple(q_pe.shape)}")
     max_pages = page_table.shape[1]
-    if kernel not in ("triton", "gluon"):
-        raise ValueError(f"mla_decode_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
-    if kernel == "gluon":
+    if kernel not in ("triton", "gluon", "gluon_ws"):
+        raise ValueError(f"mla_decode_attention: kernel must be 'triton', 'gluon' or 'gluon_ws', got {kernel!r}")
+    gluon = kernel != "triton"
+    if gluon:
         from . import gluon_sm90  # Hopper-only module: imported where used
         ok, why = gluon_sm90.supports(q_lat, kv_cache)
         if not ok:
@@ -253,7 +254,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         exchange = block_h == 64 and num_warps == 8 and nvidia
     # the Gluon kernel (one program an SM) takes 128 programs on 132 SMs as a wave: one split, written in place,
     # at 96 heads x 64 requests rather than two (3 % faster, BENCHMARKS.md)
-    splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h, full=0.9 if kernel == "gluon" else 1.0)
+    splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h, full=0.9 if gluon else 1.0)
     pps = triton.cdiv(max_pages, splits)
     # the kernel takes row and head strides: a bmm's transposed output or a column slice needs no copy
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
@@ -272,8 +273,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         rows = slice(r0, r0 + MAX_GRID_ROWS)
         args = (q_lat[rows], q_pe[rows], kv_cache, page_table, query_seq[rows], context_lens[rows], o_part[rows],
                 lse[rows], scale, pps)
-        if kernel == "gluon":
-            gluon_sm90.launch(*args)
+        if gluon:
+            gluon_sm90.launch(*args, warp_specialized=kernel == "gluon_ws")
         else:
             grid = (triton.cdiv(H, block_h), splits, args[0].shape[0])
             _launch_triton(*args, grid, block_h, num_warps, num_stages, exchange, nvidia)

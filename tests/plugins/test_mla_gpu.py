@@ -47,9 +47,11 @@ def test_mla_decode_matches_definition(H, lens, splits, block_h, num_warps, exch
 @pytest.mark.parametrize("lens", [[1], [64], [65, 1, 300], [4096, 17, 2000, 128], [8192] * 3], ids=str)
 @pytest.mark.parametrize("splits", [None, 4, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
-    """The sm_90 Gluon kernel (TMA pages, two page buffers): ragged contexts, one token, a last page of one token,
-    more splits than pages (empty slices), a head count that is not a multiple of its 64-head block."""
+@pytest.mark.parametrize("kernel", ["gluon", "gluon_ws"])
+def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype, kernel):
+    """The sm_90 Gluon kernels (TMA pages, two page buffers; plain and warp-specialized): ragged contexts, one
+    token, a last page of one token, more splits than pages (empty slices), a head count that is not a multiple of
+    their 64-head block."""
     g = torch.Generator(device="cuda").manual_seed(len(lens) * 100 + H)
     B = len(lens)
     max_pages = (max(lens) + 63) // 64
@@ -59,7 +61,7 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
     qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
-    out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, kernel="gluon")
+    out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, kernel=kernel)
     ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
     assert out.shape == (B, H, 512) and out.dtype == dtype and torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2

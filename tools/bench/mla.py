@@ -75,6 +75,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         runs = [(c, "triton") for c in configs]
         if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
             runs += [((64, ns, 8, 2, False), "gluon") for ns in (None, 1, 2, 4, 8)]
+            runs += [((64, ns, 4, 2, False), "gluon_ws") for ns in (None, 1, 2, 4)]
         best = None
         for (bh, ns, nw, st, xc), kern in runs:
             fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(
