@@ -91,7 +91,7 @@ IMPLS: list[Impl] = [
          dtypes=("bf16", "fp16")),
     Impl("KDA", "fla", 2, "k3plugins.kda.fla:kda_mixer", ("sm90",), "fla.ops.kda"),
     # the Triton mixer with its decode attention in Gluon (TMA, wgmma: Hopper only) at 64 heads a rank or more
-    Impl("MLA", "gluon", 2, "k3plugins.mla.gluon_sm90:mla_mixer", ("sm90",), "triton.experimental.gluon",
+    Impl("MLA", "gluon", 2, "k3plugins.mla.triton:mla_mixer_gluon", ("sm90",), "triton.experimental.gluon",
          dtypes=("bf16", "fp16")),
     Impl("MLA", "triton", 2, "k3plugins.mla.triton:mla_mixer", _GPU, "triton"),
     # one launch each instead of the references' chains of elementwise kernels

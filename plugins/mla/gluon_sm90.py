@@ -21,8 +21,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import triton as portable
-
 BLOCK_H = 64  # heads a program: one 64-row wgmma tile
 WARPS = 8  # two warpgroups, each taking half of every dot's N
 LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its shared memory is sized for 512 + 64)
@@ -331,20 +329,3 @@ def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, l
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), o_part.stride(0),
         o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split, BH=BLOCK_H,
         PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, **shape)
-
-
-def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,
-              q_b_weight: torch.Tensor | None, kv_a_norm_weight: torch.Tensor, w_uk: torch.Tensor,
-              w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
-              context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
-              qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
-              output_gate: int) -> torch.Tensor:
-    """The engine's "gluon" MLA tactic (sm90): the Triton mixer, its decode attention on this kernel where the rank
-    holds a 64-head block or more (1.6x the Triton kernel at 96 heads, BENCHMARKS.md) and the kernel takes its cache,
-    else on the Triton kernel (its 16-head blocks: a 64-row block would compute mostly padding)."""
-    gluon = num_heads >= BLOCK_H and runs_on(kv_cache, kv_a_norm_weight.shape[0])[0]
-    return portable.mla_mixer(
-        x, in_proj_weight, q_a_norm_weight, q_b_weight, kv_a_norm_weight, w_uk, w_uv, o_weight, kv_cache,
-        cu_seqlens=cu_seqlens, context_lens=context_lens, page_table=page_table, num_heads=num_heads,
-        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, scale=scale,
-        latent_eps=latent_eps, output_gate=output_gate, decode_kernel="gluon" if gluon else "triton")

@@ -324,7 +324,7 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
               output_gate: int, decode_kernel: str = "triton") -> torch.Tensor:
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
     page tables on the host; here every index is computed on the device). decode_kernel: mla_decode_attention's
-    kernel (the "gluon" tactic's mixer passes "gluon")."""
+    kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes GLUON_DECODE)."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
@@ -375,3 +375,26 @@ def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# the Gluon kernel the "gluon" tactic's decode runs ("gluon" or its warp-specialized form "gluon_ws")
+GLUON_DECODE = "gluon"
+
+
+def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,
+                    q_b_weight: torch.Tensor | None, kv_a_norm_weight: torch.Tensor, w_uk: torch.Tensor,
+                    w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
+                    context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+                    qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
+                    output_gate: int) -> torch.Tensor:
+    """The engine's "gluon" MLA tactic (sm90): this mixer, its decode attention on the Gluon kernel (gluon_sm90)
+    where the rank holds a 64-head block or more (1.6x the Triton kernel at 96 heads, BENCHMARKS.md) and the kernel
+    takes its cache, else on the Triton kernel (its 16-head blocks: a 64-row block would compute mostly padding)."""
+    from . import gluon_sm90  # Hopper-only module: imported where used
+    gluon = num_heads >= gluon_sm90.BLOCK_H and gluon_sm90.runs_on(kv_cache, kv_a_norm_weight.shape[0])[0]
+    return mla_mixer(x, in_proj_weight, q_a_norm_weight, q_b_weight, kv_a_norm_weight, w_uk, w_uv, o_weight, kv_cache,
+                     cu_seqlens=cu_seqlens, context_lens=context_lens, page_table=page_table, num_heads=num_heads,
+                     qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+                     scale=scale, latent_eps=latent_eps, output_gate=output_gate,
+                     decode_kernel=GLUON_DECODE if gluon else "triton")
+

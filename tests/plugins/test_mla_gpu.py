@@ -115,15 +115,19 @@ def test_gate_heads_matches_the_torch_launches(T, gated):
     assert (out != expect).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
-def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic):
+@pytest.mark.parametrize("H,tactic,gluon_decode", [(6, "triton", None), (96, "gluon", "gluon"),
+                                                    (96, "gluon", "gluon_ws")])
+def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic, gluon_decode, monkeypatch):
     """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads (a TP
-    slice), or all 96 with the "gluon" tactic's mixer (attention-DP), the 576-wide cache, a decode batch with one
-    prefill row; both caches end equal but for bf16 rounding."""
+    slice), or all 96 with the "gluon" tactic's mixer (attention-DP) on either Gluon kernel, the 576-wide cache, a
+    decode batch with one prefill row; both caches end equal but for bf16 rounding."""
     from k3plugins import registry
     from k3plugins.mla import reference
+    from k3plugins.mla import triton as mla_triton
     if tactic == "gluon" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is sm_90 only")
+    if gluon_decode:
+        monkeypatch.setattr(mla_triton, "GLUON_DECODE", gluon_decode)
     mixer = registry.find("MLA", tactic).load()
     g = torch.Generator(device="cuda").manual_seed(3)
     r_ = lambda *sh, sc=1.0: (torch.randn(*sh, device="cuda", generator=g) * sc).to(torch.bfloat16)  # noqa: E731
