@@ -207,8 +207,8 @@ SORT_COLS = 4
 def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 8192,
                done: torch.Tensor | None = None, cols: int | None = None):
     """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
-    [num_local] or [rows, num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert counts of finished
-    programs: MoETactic.overlap's, await_combine's).
+    [num_local] or [rows, num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert counts of
+    finished programs: MoETactic.overlap's, await_combine's).
     cols: the kernel's tile width (None: SORT_COLS; a power of two), at most the block.
 
     Returns:
@@ -226,8 +226,9 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
     cols = min(SORT_COLS if cols is None else cols, block)
+    rows = 0 if done is None else done.numel() // num_local
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
-                                        COLS=cols, done_ptr=done, ZERO_DONE=0 if done is None else done.numel() // num_local,
+                                        COLS=cols, done_ptr=done, ZERO_DONE=rows,
                                         num_warps=4 if block <= 2048 else 8, **pdl(flat))
     return order, offsets, inv
 
