@@ -34,13 +34,6 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def pdl_release():
-    """Let this grid's dependents launch (once every program has released or ended) without waiting for the grid
-    before: for a kernel that awaits what it needs through counters instead (the MoE decode's down kernel)."""
-    gdc_launch_dependents()
-
-
 @functools.cache
 def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9

@@ -56,10 +56,6 @@ class MoETactic:
     # the combine gathers a token's local rows of y at once (moe_combine_kernel's GATHER), not one position and
     # row after another
     gather_combine: bool = False
-    # the combine launched while the down kernel runs (PDL, sm_90), each token's programs awaiting the down programs
-    # of its own local experts (a count an expert) instead of the whole grid, so that it runs beside the down
-    # kernel's last wave: it took 5.0-5.5 µs after that kernel at 8 tokens an expert (BENCHMARKS.md, moe_fixed_probe)
-    await_combine: bool = False
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -104,9 +100,6 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # (BENCHMARKS.md, fortieth session)
     "decode_l_gc": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                              overlap=True, gather_combine=True),
-    # decode_l with the combine awaiting each token's experts (await_combine): not yet timed on a GPU
-    "decode_l_ac": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
-                             overlap=True, await_combine=True),
     # prefill on the lane layout: in prefill_p's blocks (BM 128, 2 stages) 297 TFLOP/s with the packed multiply,
     # 306 without (registers: 10 spill instructions); BM 64 with 3 stages and the packed multiply 315 against
     # prefill_p's 307, side by side (BENCHMARKS.md, twenty-third session)
@@ -207,8 +200,7 @@ SORT_COLS = 4
 def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 8192,
                done: torch.Tensor | None = None, cols: int | None = None):
     """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
-    [num_local] or [rows, num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert counts of
-    finished programs: MoETactic.overlap's, await_combine's).
+    [num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert count, MoETactic.overlap).
     cols: the kernel's tile width (None: SORT_COLS; a power of two), at most the block.
 
     Returns:
@@ -218,17 +210,14 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
         each pair, -1 if the expert is not local).
     """
     flat = topk_ids.reshape(-1).contiguous()
-    if done is not None and (done.numel() % num_local or not done.is_contiguous()):
-        raise ValueError(f"sort_pairs: done must be contiguous rows of {num_local} counts, got {tuple(done.shape)}")
     P = flat.numel()
     order = torch.empty(P, dtype=torch.int32, device=flat.device)
     inv = torch.empty(P, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=flat.device)
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
     cols = min(SORT_COLS if cols is None else cols, block)
-    rows = 0 if done is None else done.numel() // num_local
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
-                                        COLS=cols, done_ptr=done, ZERO_DONE=rows,
+                                        COLS=cols, done_ptr=done, ZERO_DONE=done is not None,
                                         num_warps=4 if block <= 2048 else 8, **pdl(flat))
     return order, offsets, inv
 
@@ -271,13 +260,9 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         z = z if t.strided else swap01(z)
     if z.stride(-1) != 1:  # rows may be strided (z is a column slice of the MoE input's fused GEMM): the kernels
         z = z.contiguous()  # take z.stride(0)
-    # counts of finished programs an expert, zeroed by the sort: the gate/up kernel's (overlap), the down kernel's
-    # (await_combine)
-    counts = int(t.overlap) + int(t.await_combine)
-    done = torch.empty(counts, E, dtype=torch.int32, device=z.device) if counts else None
+    done = torch.empty(E, dtype=torch.int32, device=z.device) if t.overlap else None
     order, offsets, inv = sort_pairs(topk_ids, expert_start, E, done=done)
     early = t.overlap and pdl_capable(z)  # the down kernel launched before the gate/up kernel ends
-    early_combine = t.await_combine and pdl_capable(z)  # the combine launched before the down kernel ends
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
     y = torch.empty(P, Dl, dtype=z.dtype if t.y_half else torch.float32, device=z.device)
@@ -296,22 +281,17 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         z, zs, w13, w13_scale, h, order, offsets, Dl, inter, z.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
-        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first,
-        done_ptr=done[0] if t.overlap else None,
+        STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
         SIGNAL=t.overlap, EARLY=early, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,
-        W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done[0] if t.overlap else None,
-        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, signal_ptr=done[-1] if t.await_combine else None,
-        SIGNAL=t.await_combine, EARLY=early_combine, num_warps=d.num_warps, num_stages=d.num_stages,
+        W4=t.w4, STRIDED=layout, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
+        AWAIT=inter // t.block_n if t.overlap else 0, ASM=asm, num_warps=d.num_warps, num_stages=d.num_stages,
         **(dict(PDL=False, launch_pdl=True) if early else pdl(h)))
     bd = 512
-    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](
-        y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd, GATHER=t.gather_combine,
-        ids_ptr=topk_ids.reshape(-1).contiguous() if t.await_combine else None, expert_start=expert_start, E=E,
-        done_ptr=done[-1] if t.await_combine else None, AWAIT=Dl // d.block_n if t.await_combine else 0,
-        **(dict(PDL=False, launch_pdl=True) if early_combine else pdl(y)))
+    moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
+                                                 GATHER=t.gather_combine, **pdl(y))
     return out
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from k3plugins.mlp.triton import glu_act
 from k3plugins.moe import mxfp4
-from k3plugins.pdl import pdl_prologue, pdl_release
+from k3plugins.pdl import pdl_prologue
 
 
 @triton.jit
@@ -361,17 +361,12 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
                     stride_wn, stride_se, stride_sn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, W4: tl.constexpr, STRIDED: tl.constexpr, TILED: tl.constexpr = False,
                     ROWS_FIRST: tl.constexpr = False, done_ptr=None, AWAIT: tl.constexpr = 0,
-                    PDL: tl.constexpr = False, ASM: tl.constexpr = False, signal_ptr=None,
-                    SIGNAL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                    PDL: tl.constexpr = False, ASM: tl.constexpr = False):
     """y[pos, n] = w_pair · (W2 h[pos])[n], fp32, for the pairs of one expert (TILED, ROWS_FIRST: as the gate/up
     kernel's). AWAIT > 0 (with the gate/up kernel's SIGNAL, paired layout): no wait for the whole previous grid;
     a program waits for the AWAIT gate/up programs of its own expert instead and reads h past L1, so that the
-    gate/up kernel's last programs and this kernel's first ones run together. SIGNAL: each program with pairs counts
-    itself in signal[e] once its rows of y are stored (moe_combine_kernel's AWAIT); EARLY (sm_90): the combine,
-    launched with PDL, may start as soon as every program of this kernel has."""
+    gate/up kernel's last programs and this kernel's first ones run together."""
     pdl_prologue(PDL and AWAIT == 0)
-    if EARLY and not (PDL and AWAIT == 0):
-        pdl_release()
     e, offs_n = _program(BN, ROWS_FIRST)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
@@ -407,13 +402,11 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
         acc = acc * tl.load(tw_ptr + pair, mask=p_mask, other=0.0)[None, :]
         tl.store(y_ptr + offs_p[None, :] * stride_ym + offs_n[:, None], acc, mask=p_mask[None, :])
         m0 += BM
-    if SIGNAL and end > start:
-        _signal_rows(signal_ptr, e)
 
 
 @triton.jit
 def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
-                      COLS: tl.constexpr, done_ptr=None, ZERO_DONE: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      COLS: tl.constexpr, done_ptr=None, ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, marked inv -1 and left out of order). Its start is the count of smaller keys,
     so the programs need nothing from each other; within an expert, pairs keep their order (a prefix sum, taken
@@ -422,13 +415,12 @@ def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E,
     COLS 1 is a flat scan (the kernel before took one too, in other code); at COLS 4 the kernel's sm_90 code is
     about a third shorter (static instructions, compiled on a CPU, at BLOCK 8192 in 8 warps and 512 in 4). Not
     timed yet: at 8192 pairs each program issues a long straight run of them on its SM, where that may matter.
-    ZERO_DONE: also zero done[r, e] for the first ZERO_DONE rows r of done [rows, E], the counts of finished
-    programs the MoE kernels signal (the gate/up kernel's, the down kernel's)."""
+    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL)."""
     pdl_prologue(PDL)
     e = tl.program_id(0)
-    if e < E:
-        for r in tl.static_range(ZERO_DONE):
-            tl.store(done_ptr + r * E + e, 0)
+    if ZERO_DONE:
+        if e < E:
+            tl.store(done_ptr + e, 0)
     offs = tl.arange(0, BLOCK // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     if P <= BLOCK:
         key = _local_key(ids_ptr, offs, P, expert_start, E)
@@ -479,38 +471,29 @@ def _place(order_ptr, inv_ptr, p, key, e, E, start):
 
 @triton.jit
 def moe_combine_kernel(y_ptr, inv_ptr, out_ptr, Dl, stride_ym, stride_om, TOP_K: tl.constexpr, BD: tl.constexpr,
-                       GATHER: tl.constexpr = False, PDL: tl.constexpr = False, ids_ptr=None, expert_start=0, E=0,
-                       done_ptr=None, AWAIT: tl.constexpr = 0):
+                       GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t] = Σ_j y[inv[t, j]] over the token's local pairs (inv < 0: not local); fixed order, deterministic.
     GATHER: the token's TOP_K positions are loaded at once and its local rows gathered together, then summed as
     one [TOP_K, BD] tile (another order than the loop's: not the same bits). Without it, the sm_90 code (compiled
     on a CPU) loads each position only after the previous row's add: TOP_K rounds of a position load, then its
-    row's load. AWAIT > 0 (with the down kernel's SIGNAL): no wait for the whole down grid; the program waits for
-    the AWAIT down programs of each of its token's local experts (ids - expert_start, counted in done [E]) and
-    reads y past L1, so that tokens whose experts are done are summed while the down kernel's last programs run."""
-    pdl_prologue(PDL and AWAIT == 0)
+    row's load."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = offs_d < Dl
-    if AWAIT:
-        for j in range(TOP_K):
-            if tl.load(inv_ptr + t * TOP_K + j) >= 0:
-                _await_rows(done_ptr, (tl.load(ids_ptr + t * TOP_K + j) - expert_start).to(tl.int32), AWAIT)
-    CACHE: tl.constexpr = ".cg" if AWAIT else ""
     if GATHER:
         KP: tl.constexpr = triton.next_power_of_2(TOP_K)
         j = tl.arange(0, KP)
         pos = tl.load(inv_ptr + t * TOP_K + j, mask=j < TOP_K, other=-1)
         rows = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * stride_ym + offs_d[None, :],
-                       mask=(pos >= 0)[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE)
+                       mask=(pos >= 0)[:, None] & d_mask[None, :], other=0.0)
         acc = tl.sum(rows.to(tl.float32), axis=0)
     else:
         acc = tl.zeros((BD,), dtype=tl.float32)
         for j in range(TOP_K):
             pos = tl.load(inv_ptr + t * TOP_K + j)
             if pos >= 0:
-                acc += tl.load(y_ptr + pos.to(tl.int64) * stride_ym + offs_d, mask=d_mask, other=0.0,
-                               cache_modifier=CACHE)
+                acc += tl.load(y_ptr + pos.to(tl.int64) * stride_ym + offs_d, mask=d_mask, other=0.0)
     tl.store(out_ptr + t * stride_om + offs_d, acc, mask=d_mask)
 
 

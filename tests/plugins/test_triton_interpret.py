@@ -58,7 +58,7 @@ def _moe_case(moe, dtype, act, entry=None):
     return {"rel": _rel(out, expect), "token0_zero": bool(torch.equal(out[0], torch.zeros(dl)))}
 
 
-def _sort_pairs_case(moe, max_block=256, cols=None, tokens=300, count_rows=1):
+def _sort_pairs_case(moe, max_block=256, cols=None, tokens=300):
     """The counting sort against a stable torch sort: ragged experts, empty ones, pairs of other ranks' experts,
     more pairs than one block (several chunks per program; max_block 2048: all in one, read once); cols: the
     kernel's tile width (None: the host's)."""
@@ -66,9 +66,7 @@ def _sort_pairs_case(moe, max_block=256, cols=None, tokens=300, count_rows=1):
     ids = torch.randint(0, 40, (tokens, 4), generator=g)  # experts 10..29 are local: about half the pairs are not
     ids[:, 0] = 12  # a crowded expert; experts 10 and 11 stay empty when their ids never come up
     ids[ids == 10] = 3
-    # the per-expert counts of the MoE kernels (one row: the overlap's; two: the awaiting combine's as well), zeroed
-    # by the same launch
-    done = torch.full((count_rows, 20) if count_rows > 1 else (20,), 7, dtype=torch.int32)
+    done = torch.full((20,), 7, dtype=torch.int32)  # the overlap's per-expert counts: zeroed by the same launch
     order, offsets, inv = moe.sort_pairs(ids, 10, 20, max_block=max_block, done=done, cols=cols)
     key = ids.reshape(-1) - 10
     key = torch.where((key >= 0) & (key < 20), key, 20)
@@ -104,16 +102,14 @@ def _combine_case(moe, top_k):
 
 
 def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, block_n=None, overlap=False,
-                      down_block_n=None, lane=False, y_half=False, gather_combine=False, await_combine=False):
+                      down_block_n=None, lane=False, y_half=False, gather_combine=False):
     """The strided-nibble tactic on restride_mxfp4 weights (K tiles of 256; paired: the paired tactic on
     pair_mxfp4's; tiled: the paired bytes and the scales in row tiles, two tiles a program along rows and K, or
     block_n rows: half a tile at 32) vs the reference on the originals. rows_first: the grid (row blocks, experts).
     overlap: the down kernel awaits each expert's count of gate/up programs (the counts must add up, or it hangs).
     down_block_n: the down kernel's own rows per program. lane: lane_mxfp4's layout, z given in its K order.
     y_half: the per-pair rows in z's dtype; also returns its distance from the same tactic with fp32 rows.
-    gather_combine: the combine gathering a token's rows at once; also returns its distance from the loop's.
-    await_combine: the combine awaiting each token's experts' down programs (counts zeroed by the sort, signalled by
-    the down kernel: they must add up, or it hangs); also returns its distance from the plain combine's."""
+    gather_combine: the combine gathering a token's rows at once; also returns its distance from the loop's."""
     from k3plugins.moe.reference import moe_experts as ref
     g = torch.Generator().manual_seed(6)
     M, k, E, start, dl, inter = 9, 2, 3, 1, 512 if tiled else 256, 256
@@ -127,18 +123,17 @@ def _moe_strided_case(moe, dtype, paired=False, tiled=False, rows_first=False, b
     tactic = moe.MoETactic(block_m=16, block_n=block_n or (128 if tiled else 32), block_k=256, num_warps=4,
                            num_stages=1, strided=True, paired=paired or tiled, tiled=tiled, rows_first=rows_first,
                            overlap=overlap, down_block_n=down_block_n, lane=lane, y_half=y_half,
-                           gather_combine=gather_combine, await_combine=await_combine)
+                           gather_combine=gather_combine)
     out = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
                           moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
                           expert_start=start, act="situ", tactic=tactic)
     expect = ref(z.float(), ids, w, w13, s13, w2, s2, expert_start=start, act="situ")
-    if not (y_half or gather_combine or await_combine):
+    if not (y_half or gather_combine):
         return {"rel": _rel(out, expect)}
     from dataclasses import replace
     other = moe.moe_experts(moe.lay_out_input(tactic, z), ids, w, moe.lay_out(tactic, w13),
                             moe.lay_out_scale(tactic, s13), moe.lay_out(tactic, w2), moe.lay_out_scale(tactic, s2),
-                            expert_start=start, act="situ",
-                            tactic=replace(tactic, y_half=False, gather_combine=False, await_combine=False))
+                            expert_start=start, act="situ", tactic=replace(tactic, y_half=False, gather_combine=False))
     return {"rel": _rel(out, expect), "rel_fp32_y" if y_half else "rel_loop": _rel(out, other)}
 
 
@@ -565,14 +560,10 @@ def _child(part: str) -> None:
                                                        overlap=True, lane=True, y_half=True)
     res["moe-lane-gather-float32"] = _moe_strided_case(moe, torch.float32, tiled=True, block_n=64, rows_first=True,
                                                        overlap=True, lane=True, gather_combine=True)
-    res["moe-lane-await-float32"] = _moe_strided_case(moe, torch.float32, tiled=True, block_n=64, rows_first=True,
-                                                      overlap=True, lane=True, await_combine=True)
-    res["moe-paired-await-float16"] = _moe_strided_case(moe, torch.float16, paired=True, await_combine=True)
     res["combine-k3"] = _combine_case(moe, 3)
     res["combine-k16"] = _combine_case(moe, 16)
     res["sort-pairs"] = _sort_pairs_case(moe)
     res["sort-pairs-one-block"] = _sort_pairs_case(moe, max_block=2048)
-    res["sort-pairs-two-count-rows"] = _sort_pairs_case(moe, count_rows=2)
     res["sort-pairs-flat"] = _sort_pairs_case(moe, cols=1)
     res["sort-pairs-one-block-flat"] = _sort_pairs_case(moe, max_block=2048, cols=1)
     res["sort-pairs-one-block-cols16"] = _sort_pairs_case(moe, max_block=2048, cols=16)
@@ -680,16 +671,6 @@ def test_moe_gather_combine_interpreted(results):
     assert r["rel"] < 1e-5 and r["rel_loop"] < 1e-6, r
 
 
-@pytest.mark.parametrize("case,tol", [("moe-lane-await-float32", 1e-5), ("moe-paired-await-float16", 3e-3)])
-def test_moe_awaiting_combine_interpreted(results, case, tol):
-    """The combine awaiting each token's local experts (decode_l_ac's; with and without the gate/up counts beside
-    its own) against the reference, and bit for bit the plain combine's output: the same rows summed in the same
-    order (the interpreter runs the kernels one after another, so this checks the counts add up and the indexing;
-    the GPU test runs them together)."""
-    r = results[case]
-    assert r["rel"] < tol and r["rel_loop"] == 0, r
-
-
 @pytest.mark.parametrize("case", ["combine-k3", "combine-k16"])
 def test_moe_combine_interpreted(results, case):
     assert max(results[case].values()) < 1e-6, results[case]
@@ -699,9 +680,8 @@ def test_moe_rows_first_grid_interpreted(results):
     assert results["moe-rows-first-float32"]["rel"] < 1e-5, results["moe-rows-first-float32"]
 
 
-@pytest.mark.parametrize("case", ["sort-pairs", "sort-pairs-one-block", "sort-pairs-two-count-rows", "sort-pairs-flat",
-                                  "sort-pairs-one-block-flat", "sort-pairs-one-block-cols16", "sort-pairs-cols16",
-                                  "sort-pairs-one-row-blocks"])
+@pytest.mark.parametrize("case", ["sort-pairs", "sort-pairs-one-block", "sort-pairs-flat", "sort-pairs-one-block-flat",
+                                  "sort-pairs-one-block-cols16", "sort-pairs-cols16", "sort-pairs-one-row-blocks"])
 def test_sort_pairs_interpreted(results, case):
     assert all(results[case].values()), results[case]
 

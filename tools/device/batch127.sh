@@ -1,7 +1,8 @@
 # Hundred-and-twenty-seventh device batch (forty-fifth session): decode_l_ac, the MoE combine launched beside the
 # down kernel with each token awaiting its own experts (a count an expert): its GPU test (bit for bit decode_l's,
 # eager and over CUDA-graph replays), then the fixed-cost probe's timeline of decode_l and decode_l_ac side by side
-# (at 56 x 8 the combine took 5.0-5.5 us after the down kernel), then bench_plugins' MoE decode figures.
+# (at 56 x 8 the combine took 5.0-5.5 us after the down kernel), then bench_plugins' MoE decode figures. Ran on
+# b830f4f without the last part (the device budget); decode_l_ac was level with decode_l and removed after (BENCHMARKS).
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 120 python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py -k "awaiting or gathering or half" 2>&1 | tail -2

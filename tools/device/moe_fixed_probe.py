@@ -1,8 +1,9 @@
 """Where the lane MoE decode's fixed cost goes (device probe, JSON lines): `touched` experts with `tpe` tokens each
 on the rank's grid of 56, each launch's start and end (µs from the call's first kernel) inside CUDA-graph replays,
 medians over replays; beside it the whole call's graph time and the floor of the touched experts' bytes. Variants
-(--variants, default all): decode_l; decode_l_gc (the gathering combine); decode_l_ac (the combine awaiting each
-token's experts beside the down kernel); decode_l with the sort's flat scan (decode_l:1, SORT_COLS 1)."""
+(--variants, default all): decode_l; decode_l_gc (the gathering combine); decode_l with the sort's flat scan
+(decode_l:1, SORT_COLS 1). batch127 ran decode_l_ac here too (the combine awaiting each token's experts beside the
+down kernel; removed after, BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def graph_timeline(fn, replays: int = 15) -> list:
 def main() -> None:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", default="decode_l,decode_l_gc,decode_l_ac,decode_l:1",
+    ap.add_argument("--variants", default="decode_l,decode_l_gc,decode_l:1",
                     help="tactics, each with :COLS for the sort's tile width (default SORT_COLS)")
     args = ap.parse_args()
     bw = hbm_read_tbps()
