@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--kda-sequences", type=int, default=64, help="sequences of the KDA target at 96 heads (0: skip)")
     ap.add_argument("--mla-heads", type=int, default=0, help="heads of the MLA target at 64 x 8K (0: skip it); "
                     "it runs with the scores' exchange off, then on")
-    ap.add_argument("--mla-kernel", choices=("triton", "gluon", "gluon_ws"), default="triton",
+    ap.add_argument("--mla-kernel", choices=("triton", "gluon"), default="triton",
                     help="gluon: the sm_90 kernel (once; the exchange does not apply)")
     ap.add_argument("--calls", type=int, default=1)
     args = ap.parse_args()

@@ -4,12 +4,18 @@ with the same split-K partials and merge as the portable Triton kernel (triton.p
 Why a second kernel: Triton's kernel issues the next page's copy only after this page's math (two stages hold all
 its 72 KB pages beside 72 KB of queries), so load and math barely overlap, and its chained dots put both
 warpgroups on the same 64 scores unless they go through an L2 scratch (BENCHMARKS.md, forty-third session). Here
-the program places its own shared memory: the queries (72 KB), two page buffers filled by TMA (2 x 72 KB) and the
-scores (8 KB); page i+1's copy is issued before page i's math, tracked by an mbarrier a buffer. Each dot's N is
-split over the two warpgroups (warps [4, 2]): the scores' 64 tokens and the values' 512 columns; the row max and
-sum cross the warpgroups through the compiler's reduction scratch, the scores through `p_smem`.
+the program places its own shared memory and warps. Shared memory: the queries (72 KB), two page buffers filled by
+TMA (2 x 72 KB), the scores P (8 KB) and their rescale factors. Warps, by role (warp specialization):
+- the scores warpgroup (the default partition) computes each page's scores whole [64 heads, 64 tokens], their
+  softmax (its row statistics stay in its registers), passes P and the rescale factors through shared memory, and
+  computes the values of the first 256 columns;
+- the values warpgroup computes the other 256 columns from that P: page i's values run while the scores warpgroup
+  computes page i+1's scores, so the tensor cores see no gap between a page's scores and its values;
+- one loader warp issues each page's TMA copy as soon as both warpgroups are done with the buffer.
+An mbarrier per handoff: pages ready / free (a buffer each), P ready / free, the row sums at the end.
+The form before (8 warps sharing every dot's N, in turn) ran 1.32x slower (BENCHMARKS.md, forty-fifth session).
 
-CUDA sm_90 only (TMA, wgmma); ROCm and the interpreter keep the Triton kernel.
+CUDA sm_90 only (TMA, wgmma, setmaxnreg); ROCm and the interpreter keep the Triton kernel.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_H = 64  # heads a program: one 64-row wgmma tile
-WARPS = 8  # two warpgroups, each taking half of every dot's N
 LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its shared memory is sized for 512 + 64)
+MAXNREG = 168  # registers a thread at launch: 3 warpgroups (12 warps) of 168 fill the SM's 64K; then moved by role
+VALUES_REGS, LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup takes the rest (256)
 
 
 @gluon.jit
@@ -36,106 +43,9 @@ def _copy_page(lat_desc, pe_desc, pt_entry, pred, bar, kl, kp, PAGE: gl.constexp
 
 
 @gluon.jit
-def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
-                           qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
-                           stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
-                           DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
-    hb = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    ctx = gl.load(lens_ptr + b)
-    pt_row = pt_ptr + gl.load(qseq_ptr + b).to(gl.int64) * stride_pb
-    first = split * PAGES_PER_SPLIT
-    n_pages = gl.minimum(gl.cdiv(ctx, PAGE) - first, PAGES_PER_SPLIT)
-
-    # every dot's N split over the two warpgroups; instr N as wide as that half allows
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, PAGE // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, DL // 2, 16])
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dt: gl.constexpr = lat_desc.dtype
-
-    q_smem = gl.allocate_shared_memory(dt, [BH, DL], lat_desc.layout)
-    qp_smem = gl.allocate_shared_memory(dt, [BH, DR], pe_desc.layout)
-    kl_smem = gl.allocate_shared_memory(dt, [2, PAGE, DL], lat_desc.layout)
-    kp_smem = gl.allocate_shared_memory(dt, [2, PAGE, DR], pe_desc.layout)
-    p_smem = gl.allocate_shared_memory(dt, [BH, PAGE], pe_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(2):
-        mbarrier.init(bars.index(j), count=1)
-
-    # page 0's copy first, so that it runs while the queries load
-    _copy_page(lat_desc, pe_desc, pt_row + first, n_pages > 0, bars.index(0), kl_smem.index(0), kp_smem.index(0),
-               PAGE)
-
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
-    h_ok = (rh < H)[:, None]
-    rl = gl.arange(0, DL, layout=gl.SliceLayout(0, ld))
-    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
-    q_smem.store(gl.load(q_lat_ptr + b * stride_qb + rh[:, None] * stride_qh + rl[None, :], mask=h_ok, other=0.0))
-    qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
-    fence_async_shared()  # the queries' generic-proxy stores before wgmma's async-proxy reads
-
-    rt = gl.arange(0, PAGE, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([BH], gl.float32, layout=rows_s)
-    acc = gl.zeros([BH, DL], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([BH, PAGE], gl.float32, layout=s_layout)
-    for i in range(n_pages):
-        st = i % 2
-        # every warp is past page i-1's dots: its buffer and p_smem may be written again
-        gl.thread_barrier()
-        _copy_page(lat_desc, pe_desc, pt_row + first + i + 1, i + 1 < n_pages, bars.index(1 - st),
-                   kl_smem.index(1 - st), kp_smem.index(1 - st), PAGE)
-        mbarrier.wait(bars.index(st), phase=(i // 2) & 1)
-        kl = kl_smem.index(st)
-        s = warpgroup_mma(q_smem, kl.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(qp_smem, kp_smem.index(st).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        t_ok = (first + i) * PAGE + rt < ctx
-        s = gl.where(t_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        p_smem.store(p.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' scores in p_smem before either's values dot reads all of them
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-        acc = warpgroup_mma(p_smem, kl, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    for j in gl.static_range(2):
-        mbarrier.invalidate(bars.index(j))
-
-    # an empty slice (past the context) leaves l_i = 0: weight 0 in the merge, never a NaN
-    safe_l = gl.where(l_i > 0, l_i, 1.0)
-    ro = hb * BH + gl.arange(0, BH, layout=rows_o)
-    co = gl.arange(0, DL, layout=gl.SliceLayout(0, o_layout))
-    o = acc / gl.convert_layout(safe_l, rows_o)[:, None]
-    gl.store(o_ptr + b * stride_ob + split * stride_os + ro[:, None] * stride_oh + co[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=(ro < H)[:, None])
-    rs = hb * BH + gl.arange(0, BH, layout=rows_s)
-    lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
-    gl.store(lse_ptr + b * stride_lb + split * stride_ls + rs, lse, mask=rs < H)
-
-
-# The warp-specialized form (mla_decode_sm90_ws_kernel): one warpgroup computes each page's scores whole and its
-# softmax, and the values for the first half of the columns; a second warpgroup the values for the other half; one
-# warp issues the pages' copies. The second warpgroup's values of page i run while the first computes page i+1's
-# scores, so the tensor cores see no gap between a page's scores and its values; no row statistic crosses the
-# warpgroups (the first passes the rescale factors with the scores, and the row sums once at the end).
-WS_MAXNREG = 168  # 12 warps' registers at launch (3 warpgroups of 168 fill the SM's 64K); redistributed below
-WS_VALUES_REGS, WS_LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup: the rest
-
-
-@gluon.jit
-def _ws_scores(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
-               n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
-               DL: gl.constexpr):
+def _scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
+                      l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH: gl.constexpr,
+                      PAGE: gl.constexpr, DL: gl.constexpr):
     """The default partition (4 warps): scores, softmax, values of columns [0, DL/2); the row sums to l_smem."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, PAGE, 16])
@@ -189,9 +99,9 @@ def _store_half(o, o_row, stride_oh, hb, H, col0, BH: gl.constexpr, DH: gl.const
 
 
 @gluon.jit
-def _ws_values(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
-               l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
-               DL: gl.constexpr):
+def _values_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
+                      p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
+                      DL: gl.constexpr):
     """A worker (4 warps): the values of columns [DL/2, DL) from each page's P and rescale factors."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, DL // 2, 16])
@@ -212,9 +122,9 @@ def _ws_values(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_sm
 
 
 @gluon.jit
-def _ws_loader(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
-               l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
-               DL: gl.constexpr):
+def _loader_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
+                      p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
+                      DL: gl.constexpr):
     """A worker (1 warp): page i's copy into buffer i % 2 once both warpgroups are done with page i - 2."""
     for i in range(n_pages):
         st = i % 2
@@ -224,12 +134,12 @@ def _ws_loader(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_sm
 
 
 @gluon.jit
-def mla_decode_sm90_ws_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
-                              qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob,
-                              stride_os, stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr,
-                              PAGE: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
-    """mla_decode_sm90_kernel's work and arguments, warp-specialized (num_warps 4: the scores warpgroup; the values
-    warpgroup and the loader warp come with it)."""
+def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
+                           qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
+                           stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
+                           DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
+    """o_part / lse of one 64-head block, split and query row (launch's); num_warps 4 is the scores warpgroup, the
+    values warpgroup and the loader warp come with it."""
     hb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2).to(gl.int64)
@@ -271,14 +181,17 @@ def mla_decode_sm90_ws_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qs
     o_row = o_ptr + b * stride_ob + split * stride_os
     lse_row = lse_ptr + b * stride_lb + split * stride_ls
     p_ready, p_free, l_ready = flags.index(0), flags.index(1), flags.index(2)
+    # the workers' arguments, one list for both (their signatures must match); each tuple is written out in the call
+    # (one tuple built first and passed twice reached the partitions with its constexprs turned into tensors)
     gl.warp_specialize([
-        (_ws_scores, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
-                      l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH, PAGE, DL)),
-        (_ws_values, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
-                      p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
-        (_ws_loader, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
-                      p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
-    ], [4, 1], [WS_VALUES_REGS, WS_LOADER_REGS])
+        (_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
+                             p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH, PAGE,
+                             DL)),
+        (_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
+                             p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
+        (_loader_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
+                             p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
+    ], [4, 1], [VALUES_REGS, LOADER_REGS])
 
 
 def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
@@ -316,16 +229,14 @@ def page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor,
 
 
 def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale: float,
-           pages_per_split: int, warp_specialized: bool = False) -> None:
+           pages_per_split: int) -> None:
     """o_part [B, splits, H, dl] (fp32 partials, or the output itself with one split) and lse [B, splits, H]
-    (log2) for each 64-head block and split; by mla_decode_sm90_ws_kernel if warp_specialized."""
+    (log2) for each 64-head block and split."""
     B, H, dl = q_lat.shape
     lat, pe = page_descriptors(kv_cache, dl)
     grid = (-(-H // BLOCK_H), o_part.shape[1], B)
-    kernel, shape = ((mla_decode_sm90_ws_kernel, dict(num_warps=4, maxnreg=WS_MAXNREG)) if warp_specialized else
-                     (mla_decode_sm90_kernel, dict(num_warps=WARPS)))
-    kernel[grid](
+    mla_decode_sm90_kernel[grid](
         q_lat, q_pe, lat, pe, page_table, query_seq, context_lens, o_part, lse, float(scale) * 1.4426950408889634, H,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), o_part.stride(0),
         o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split, BH=BLOCK_H,
-        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, **shape)
+        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=4, maxnreg=MAXNREG)

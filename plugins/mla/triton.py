@@ -223,8 +223,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         exchange: the scores reach the values' dot through an L2 scratch, so that each warpgroup computes its
             share of them rather than all of them (Triton's chained dots put both warpgroups on the same 64 rows).
             None: on for 64-head blocks of 8 warps on CUDA (2-3 % faster at 96 heads on an H100).
-        kernel: "triton" (portable), "gluon" (gluon_sm90: CUDA sm_90, bf16/fp16, 64-head blocks; block_h,
-            num_warps, num_stages and exchange do not apply) or "gluon_ws" (its warp-specialized form).
+        kernel: "triton" (portable) or "gluon" (gluon_sm90: CUDA sm_90, bf16/fp16, 64-head blocks; block_h,
+            num_warps, num_stages and exchange do not apply).
 
     Returns:
         o_lat [B, H, 512] in q_lat.dtype.
@@ -237,10 +237,9 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     if q_pe.shape != (B, H, dr):
         raise ValueError(f"mla_decode_attention: q_pe must be [{B}, {H}, {dr}], got {tuple(q_pe.shape)}")
     max_pages = page_table.shape[1]
-    if kernel not in ("triton", "gluon", "gluon_ws"):
-        raise ValueError(f"mla_decode_attention: kernel must be 'triton', 'gluon' or 'gluon_ws', got {kernel!r}")
-    gluon = kernel != "triton"
-    if gluon:
+    if kernel not in ("triton", "gluon"):
+        raise ValueError(f"mla_decode_attention: kernel must be 'triton' or 'gluon', got {kernel!r}")
+    if kernel == "gluon":
         from . import gluon_sm90  # Hopper-only module: imported where used
         ok, why = gluon_sm90.supports(q_lat, kv_cache)
         if not ok:
@@ -254,7 +253,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         exchange = block_h == 64 and num_warps == 8 and nvidia
     # the Gluon kernel (one program an SM) takes 128 programs on 132 SMs as a wave: one split, written in place,
     # at 96 heads x 64 requests rather than two (3 % faster, BENCHMARKS.md)
-    splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h, full=0.9 if gluon else 1.0)
+    splits = num_splits or num_splits_for(B, H, max_pages, block_h=block_h, full=0.9 if kernel == "gluon" else 1.0)
     pps = triton.cdiv(max_pages, splits)
     # the kernel takes row and head strides: a bmm's transposed output or a column slice needs no copy
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
@@ -273,8 +272,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
         rows = slice(r0, r0 + MAX_GRID_ROWS)
         args = (q_lat[rows], q_pe[rows], kv_cache, page_table, query_seq[rows], context_lens[rows], o_part[rows],
                 lse[rows], scale, pps)
-        if gluon:
-            gluon_sm90.launch(*args, warp_specialized=kernel == "gluon_ws")
+        if kernel == "gluon":
+            gluon_sm90.launch(*args)
         else:
             grid = (triton.cdiv(H, block_h), splits, args[0].shape[0])
             _launch_triton(*args, grid, block_h, num_warps, num_stages, exchange, nvidia)
@@ -324,7 +323,7 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
               output_gate: int, decode_kernel: str = "triton") -> torch.Tensor:
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
     page tables on the host; here every index is computed on the device). decode_kernel: mla_decode_attention's
-    kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes GLUON_DECODE)."""
+    kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes "gluon")."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
@@ -377,9 +376,6 @@ def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-# the Gluon kernel the "gluon" tactic's decode runs ("gluon" or its warp-specialized form "gluon_ws")
-GLUON_DECODE = "gluon"
-
 
 def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,
                     q_b_weight: torch.Tensor | None, kv_a_norm_weight: torch.Tensor, w_uk: torch.Tensor,
@@ -388,7 +384,7 @@ def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weig
                     qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
                     output_gate: int) -> torch.Tensor:
     """The engine's "gluon" MLA tactic (sm90): this mixer, its decode attention on the Gluon kernel (gluon_sm90)
-    where the rank holds a 64-head block or more (1.6x the Triton kernel at 96 heads, BENCHMARKS.md) and the kernel
+    where the rank holds a 64-head block or more (2x the Triton kernel at 96 heads, BENCHMARKS.md) and the kernel
     takes its cache, else on the Triton kernel (its 16-head blocks: a 64-row block would compute mostly padding)."""
     from . import gluon_sm90  # Hopper-only module: imported where used
     gluon = num_heads >= gluon_sm90.BLOCK_H and gluon_sm90.runs_on(kv_cache, kv_a_norm_weight.shape[0])[0]
@@ -396,5 +392,5 @@ def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weig
                      cu_seqlens=cu_seqlens, context_lens=context_lens, page_table=page_table, num_heads=num_heads,
                      qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
                      scale=scale, latent_eps=latent_eps, output_gate=output_gate,
-                     decode_kernel=GLUON_DECODE if gluon else "triton")
+                     decode_kernel="gluon" if gluon else "triton")
 

@@ -47,11 +47,10 @@ def test_mla_decode_matches_definition(H, lens, splits, block_h, num_warps, exch
 @pytest.mark.parametrize("lens", [[1], [64], [65, 1, 300], [4096, 17, 2000, 128], [8192] * 3], ids=str)
 @pytest.mark.parametrize("splits", [None, 4, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kernel", ["gluon", "gluon_ws"])
-def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype, kernel):
-    """The sm_90 Gluon kernels (TMA pages, two page buffers; plain and warp-specialized): ragged contexts, one
-    token, a last page of one token, more splits than pages (empty slices), a head count that is not a multiple of
-    their 64-head block."""
+def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
+    """The sm_90 Gluon kernel (TMA pages, two page buffers, warp-specialized): ragged contexts, one token, a last
+    page of one token, more splits than pages (empty slices), a head count that is not a multiple of its 64-head
+    block."""
     g = torch.Generator(device="cuda").manual_seed(len(lens) * 100 + H)
     B = len(lens)
     max_pages = (max(lens) + 63) // 64
@@ -61,7 +60,7 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype, kernel):
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
     qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
-    out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, kernel=kernel)
+    out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, kernel="gluon")
     ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
     assert out.shape == (B, H, 512) and out.dtype == dtype and torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -115,19 +114,15 @@ def test_gate_heads_matches_the_torch_launches(T, gated):
     assert (out != expect).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("H,tactic,gluon_decode", [(6, "triton", None), (96, "gluon", "gluon"),
-                                                    (96, "gluon", "gluon_ws")])
-def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic, gluon_decode, monkeypatch):
+@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
+def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic):
     """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads (a TP
-    slice), or all 96 with the "gluon" tactic's mixer (attention-DP) on either Gluon kernel, the 576-wide cache, a
-    decode batch with one prefill row; both caches end equal but for bf16 rounding."""
+    slice), or all 96 with the "gluon" tactic's mixer (attention-DP), the 576-wide cache, a decode batch with one
+    prefill row; both caches end equal but for bf16 rounding."""
     from k3plugins import registry
     from k3plugins.mla import reference
-    from k3plugins.mla import triton as mla_triton
     if tactic == "gluon" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is sm_90 only")
-    if gluon_decode:
-        monkeypatch.setattr(mla_triton, "GLUON_DECODE", gluon_decode)
     mixer = registry.find("MLA", tactic).load()
     g = torch.Generator(device="cuda").manual_seed(3)
     r_ = lambda *sh, sc=1.0: (torch.randn(*sh, device="cuda", generator=g) * sc).to(torch.bfloat16)  # noqa: E731

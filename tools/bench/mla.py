@@ -71,11 +71,10 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
             configs += ([(16, None, 4, 1, False), (16, None, 4, 3, False), (16, None, 8, 2, False)] if H == 16 else
                         [(32, None, 8, 2, False), (32, None, 4, 1, False), (32, None, 4, 3, False),
                          (64, None, 8, 1, False), (16, None, 2, 2, False), (64, 8, 8, 2, True), (64, None, 16, 2, True)])
-        # the sm_90 Gluon kernel (64-head blocks, TMA pages): its split counts
+        # the sm_90 Gluon kernel (64-head blocks, TMA pages, warp-specialized): its split counts
         runs = [(c, "triton") for c in configs]
         if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
-            runs += [((64, ns, 8, 2, False), "gluon") for ns in (None, 1, 2, 4, 8)]
-            runs += [((64, ns, 4, 2, False), "gluon_ws") for ns in (None, 1, 2, 4)]
+            runs += [((64, ns, 4, 2, False), "gluon") for ns in (None, 1, 2, 4)]
         best = None
         for (bh, ns, nw, st, xc), kern in runs:
             fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(
