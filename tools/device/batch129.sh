@@ -4,7 +4,7 @@
 # MLA bench side by side ("gluon" / "gluon_vw2").
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-timeout 200 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "gluon" > $OUT/tests.txt 2>&1
+timeout 150 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "two_value_wgs or mixer" > $OUT/tests.txt 2>&1
 rc=$?
 tail -3 $OUT/tests.txt
 if [ $rc -ne 0 ]; then grep -m3 -B2 -A12 "Error\|assert" $OUT/tests.txt | cut -c1-200; exit 1; fi
