@@ -12,8 +12,6 @@ TMA (2 x 72 KB), the scores P (8 KB) and their rescale factors. Warps, by role (
 - the values warpgroup computes the other 256 columns from that P: page i's values run while the scores warpgroup
   computes page i+1's scores, so the tensor cores see no gap between a page's scores and its values;
 - one loader warp issues each page's TMA copy as soon as both warpgroups are done with the buffer.
-With VALUE_WARPGROUPS 2 the scores warpgroup computes no values: two value warpgroups take a half each, and the
-first of them issues the copies (12 warps: no room for a loader's warpgroup beside three of 168 registers).
 An mbarrier per handoff: pages ready / free (a buffer each), P ready / free, the row sums at the end.
 The form before (8 warps sharing every dot's N, in turn) ran 1.32x slower (BENCHMARKS.md, forty-fifth session).
 
@@ -31,14 +29,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_H = 64  # heads a program: one 64-row wgmma tile
 LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its shared memory is sized for 512 + 64)
-# value warpgroups: 1 (the scores warpgroup computes the first half of the values itself) or 2 (two value warpgroups,
-# a half each, the scores warpgroup on the scores alone); read at launch
-VALUE_WARPGROUPS = 1
-# registers a thread at launch (3 warpgroups of 168 fill the SM's 64K: with two value warpgroups the first issues
-# the copies, no loader warp), then moved by role: the value warpgroups' and the loader's; the scores warpgroup takes
-# the rest (256 with one value warpgroup, 168 with two)
-MAXNREG = {1: 168, 2: 168}
-VALUES_REGS_ONE, VALUES_REGS_TWO, LOADER_REGS = gl.constexpr(192), gl.constexpr(168), gl.constexpr(24)
+MAXNREG = 168  # registers a thread at launch: 3 warpgroups (12 warps) of 168 fill the SM's 64K; then moved by role
+VALUES_REGS, LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup takes the rest (256)
 
 
 @gluon.jit
@@ -53,9 +45,8 @@ def _copy_page(lat_desc, pe_desc, pt_entry, pred, bar, kl, kp, PAGE: gl.constexp
 @gluon.jit
 def _scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
                       l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH: gl.constexpr,
-                      PAGE: gl.constexpr, DL: gl.constexpr, VW: gl.constexpr):
-    """The default partition (4 warps): scores, softmax, and with VW 1 the values of columns [0, DL/2); the row sums
-    to l_smem."""
+                      PAGE: gl.constexpr, DL: gl.constexpr):
+    """The default partition (4 warps): scores, softmax, values of columns [0, DL/2); the row sums to l_smem."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, PAGE, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -65,8 +56,7 @@ def _scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem,
     rt = gl.arange(0, PAGE, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([BH], gl.float32, layout=rows_s)
-    if VW == 1:
-        acc = gl.zeros([BH, DL // 2], gl.float32, layout=o_layout)
+    acc = gl.zeros([BH, DL // 2], gl.float32, layout=o_layout)
     zero_s = gl.zeros([BH, PAGE], gl.float32, layout=s_layout)
     for i in range(n_pages):
         st = i % 2
@@ -75,8 +65,6 @@ def _scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem,
         s = warpgroup_mma(q_smem, kl.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(qp_smem, kp_smem.index(st).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        if VW == 2:  # this warpgroup is done with the page
-            mbarrier.arrive(kv_free.index(st), count=1)
         t_ok = (first + i) * PAGE + rt < ctx
         s = gl.where(t_ok[None, :], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -84,23 +72,20 @@ def _scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem,
         p = gl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        mbarrier.wait(p_free, phase=(i & 1) ^ 1)  # the value warpgroups are past the previous page's P and alpha
+        mbarrier.wait(p_free, phase=(i & 1) ^ 1)  # the values warpgroup is past the previous page's P and alpha
         p_smem.store(p.to(p_smem.dtype))
         a_smem.store(alpha)
-        fence_async_shared()  # P's generic-proxy stores before any warpgroup's wgmma reads it
+        fence_async_shared()  # P's generic-proxy stores before either warpgroup's wgmma reads it
         mbarrier.arrive(p_ready, count=1)
-        if VW == 1:
-            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-            acc = warpgroup_mma(p_smem, kl.slice(0, DL // 2, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(kv_free.index(st), count=1)
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        acc = warpgroup_mma(p_smem, kl.slice(0, DL // 2, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_free.index(st), count=1)
     l_smem.store(l_i)
     mbarrier.arrive(l_ready, count=1)
     # an empty slice (past the context) leaves l_i = 0: weight 0 in the merge, never a NaN
     safe_l = gl.where(l_i > 0, l_i, 1.0)
-    if VW == 1:
-        _store_half(acc / gl.convert_layout(safe_l, rows_o)[:, None], o_row, stride_oh, hb, H, 0, BH, DL // 2,
-                    o_layout)
+    _store_half(acc / gl.convert_layout(safe_l, rows_o)[:, None], o_row, stride_oh, hb, H, 0, BH, DL // 2, o_layout)
     rs = hb * BH + gl.arange(0, BH, layout=rows_s)
     gl.store(lse_row + rs, gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf")), mask=rs < H)
 
@@ -116,10 +101,8 @@ def _store_half(o, o_row, stride_oh, hb, H, col0, BH: gl.constexpr, DH: gl.const
 @gluon.jit
 def _values_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
                       p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
-                      DL: gl.constexpr, HALF: gl.constexpr, VW: gl.constexpr):
-    """A worker (4 warps): the values of columns HALF·DL/2 .. (HALF+1)·DL/2 from each page's P and rescale
-    factors. With two value warpgroups (VW 2, no loader warp) the first also issues the pages' copies: page i + 2's
-    into page i's buffer once every warpgroup has released it."""
+                      DL: gl.constexpr):
+    """A worker (4 warps): the values of columns [DL/2, DL) from each page's P and rescale factors."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, DL // 2, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -129,25 +112,20 @@ def _values_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_sme
         mbarrier.wait(kv_ready.index(st), phase=(i // 2) & 1)
         mbarrier.wait(p_ready, phase=i & 1)
         acc = acc * a_smem.load(rows_o)[:, None]
-        acc = warpgroup_mma(p_smem, kl_smem.index(st).slice(HALF * (DL // 2), DL // 2, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(p_smem, kl_smem.index(st).slice(DL // 2, DL // 2, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(kv_free.index(st), count=1)
-        if VW == 2 and HALF == 0:
-            mbarrier.wait(kv_free.index(st), phase=(i // 2) & 1)
-            _copy_page(lat_desc, pe_desc, pt_row + first + i + 2, i + 2 < n_pages, kv_ready.index(st),
-                       kl_smem.index(st), kp_smem.index(st), PAGE)
     mbarrier.wait(l_ready, phase=0)
     l_i = l_smem.load(rows_o)
-    _store_half(acc / gl.where(l_i > 0, l_i, 1.0)[:, None], o_row, stride_oh, hb, H, HALF * (DL // 2), BH, DL // 2,
-                o_layout)
+    _store_half(acc / gl.where(l_i > 0, l_i, 1.0)[:, None], o_row, stride_oh, hb, H, DL // 2, BH, DL // 2, o_layout)
 
 
 @gluon.jit
 def _loader_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
                       p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr, PAGE: gl.constexpr,
-                      DL: gl.constexpr, HALF: gl.constexpr, VW: gl.constexpr):
-    """A worker (1 warp): page i's copy into buffer i % 2 once every warpgroup is done with page i - 2."""
+                      DL: gl.constexpr):
+    """A worker (1 warp): page i's copy into buffer i % 2 once both warpgroups are done with page i - 2."""
     for i in range(n_pages):
         st = i % 2
         mbarrier.wait(kv_free.index(st), phase=((i // 2) & 1) ^ 1)
@@ -159,7 +137,7 @@ def _loader_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_sme
 def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
                            qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
                            stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
-                           DL: gl.constexpr, DR: gl.constexpr, VW: gl.constexpr, num_warps: gl.constexpr):
+                           DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
     """o_part / lse of one 64-head block, split and query row (launch's); num_warps 4 is the scores warpgroup, the
     values warpgroup and the loader warp come with it."""
     hb = gl.program_id(0)
@@ -184,10 +162,9 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     flags = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # p_ready, p_free, l_ready
     for j in gl.static_range(2):
         mbarrier.init(kv_ready.index(j), count=1)
-        mbarrier.init(kv_free.index(j), count=1 + VW)  # every warpgroup releases a page
-    mbarrier.init(flags.index(0), count=1)
-    mbarrier.init(flags.index(1), count=VW)  # every value warpgroup is past P
-    mbarrier.init(flags.index(2), count=1)
+        mbarrier.init(kv_free.index(j), count=2)  # both warpgroups release a page
+    for j in gl.static_range(3):
+        mbarrier.init(flags.index(j), count=1)
 
     # the queries into shared memory a quarter of the columns at a time (fewer registers than all at once)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -201,40 +178,20 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
     fence_async_shared()  # the queries' generic-proxy stores before wgmma's async-proxy reads
 
-    if VW == 2:  # no loader warp: pages 0 and 1 here, then the first value warpgroup's copies
-        for j in gl.static_range(2):
-            _copy_page(lat_desc, pe_desc, pt_row + first + j, j < n_pages, kv_ready.index(j), kl_smem.index(j),
-                       kp_smem.index(j), PAGE)
-
     o_row = o_ptr + b * stride_ob + split * stride_os
     lse_row = lse_ptr + b * stride_lb + split * stride_ls
     p_ready, p_free, l_ready = flags.index(0), flags.index(1), flags.index(2)
-    # each partition's arguments written out in the call (one tuple built first and passed to two workers reached
-    # them with its constexprs turned into tensors); the workers' signatures must match
-    if VW == 1:
-        gl.warp_specialize([
-            (_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
-                                 p_ready, p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb,
-                                 H, BH, PAGE, DL, VW)),
-            (_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready,
-                                 kv_free, p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE,
-                                 DL, 1, VW)),
-            (_loader_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready,
-                                 kv_free, p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE,
-                                 DL, 0, VW)),
-        ], [4, 1], [VALUES_REGS_ONE, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
-                                 p_ready, p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb,
-                                 H, BH, PAGE, DL, VW)),
-            (_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready,
-                                 kv_free, p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE,
-                                 DL, 0, VW)),
-            (_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready,
-                                 kv_free, p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE,
-                                 DL, 1, VW)),
-        ], [4, 4], [VALUES_REGS_TWO, VALUES_REGS_TWO])
+    # the workers' arguments, one list for both (their signatures must match); each tuple is written out in the call
+    # (one tuple built first and passed twice reached the partitions with its constexprs turned into tensors)
+    gl.warp_specialize([
+        (_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
+                             p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH, PAGE,
+                             DL)),
+        (_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
+                             p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
+        (_loader_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
+                             p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
+    ], [4, 1], [VALUES_REGS, LOADER_REGS])
 
 
 def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
@@ -282,5 +239,4 @@ def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, l
         q_lat, q_pe, lat, pe, page_table, query_seq, context_lens, o_part, lse, float(scale) * 1.4426950408889634, H,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), o_part.stride(0),
         o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split, BH=BLOCK_H,
-        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, VW=VALUE_WARPGROUPS, num_warps=4,
-        maxnreg=MAXNREG[VALUE_WARPGROUPS])
+        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=4, maxnreg=MAXNREG)

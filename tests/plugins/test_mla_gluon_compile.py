@@ -18,20 +18,17 @@ from test_rocm_compile import sm90_sass  # noqa: E402
 H100_SHARED = 232448  # bytes of shared memory a block may have on sm_90
 
 
-@pytest.fixture(scope="module", params=[("*fp32", 1), ("*bf16", 1), ("*fp32", 2)],
-                ids=["partials", "in_place", "two_value_warpgroups"])
+@pytest.fixture(scope="module", params=["*fp32", "*bf16"], ids=["partials", "in_place"])
 def sass(request):
-    """The kernel launched with fp32 partials (several splits) and writing the bf16 output in place (one), with one
-    value warpgroup and a loader warp, or two value warpgroups: (SASS, resource usage, shared bytes, value
-    warpgroups)."""
-    o_ptr, vw = request.param
+    """The kernel launched with fp32 partials (several splits) and writing the bf16 output in place (one):
+    (SASS, resource usage, shared bytes)."""
     from triton.backends import backends
     if "nvidia" not in backends:
         pytest.skip("this Triton has no NVIDIA backend")
     fn = gluon_sm90.mla_decode_sm90_kernel
     lat, pe = gluon_sm90.page_descriptors(torch.zeros(4, 64, 576, dtype=torch.bfloat16), 512)
-    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr=o_ptr, lse_ptr="*fp32")
-    consts = dict(BH=gluon_sm90.BLOCK_H, PAGE=64, DL=512, DR=64, VW=vw, num_warps=4)
+    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr=request.param, lse_ptr="*fp32")
+    consts = dict(BH=gluon_sm90.BLOCK_H, PAGE=64, DL=512, DR=64, num_warps=4)
     sig = {}
     for name in fn.arg_names:
         sig[name] = ("constexpr" if name in consts else mangle_type(lat) if name == "lat_desc" else
@@ -39,12 +36,12 @@ def sass(request):
                      "fp32" if name == "qk_scale" else "i32")
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, {})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4, maxnreg=gluon_sm90.MAXNREG[vw]))
-    return (*sm90_sass(compiled.asm["cubin"]), compiled.metadata.shared, vw)
+                              options=dict(num_warps=4, maxnreg=gluon_sm90.MAXNREG))
+    return (*sm90_sass(compiled.asm["cubin"]), compiled.metadata.shared)
 
 
 def test_fits_one_program_an_sm_without_spills(sass):
-    code, usage, shared, _ = sass
+    code, usage, shared = sass
     assert "LOCAL:0" in usage and not re.findall(r"\b(?:STL|LDL)\b", code), "registers spill to local memory"
     # queries 72 KB + two page buffers 144 KB + scores 8 KB + the rescale factors, row sums and barriers
     assert 224 * 1024 <= shared <= H100_SHARED
@@ -59,17 +56,12 @@ def test_the_scores_warpgroup_computes_each_pages_scores_once(sass):
 
 
 def test_registers_go_to_the_warpgroups_that_do_the_math(sass):
-    """setmaxnreg moves registers by role: with one value warpgroup the loader warp's warpgroup down to 24 and the
-    others up, 256 for the scores warpgroup (its scores, P and half the output accumulate in registers) and
-    VALUES_REGS_ONE for the value warpgroup; with two (no loader) VALUES_REGS_TWO for each value warpgroup."""
-    code, vw = sass[0], sass[3]
+    """setmaxnreg moves the loader warp's warpgroup down to 24 registers and the others up: 256 for the scores
+    warpgroup (its scores, P and half the output accumulate in registers), VALUES_REGS for the values one."""
+    code = sass[0]
     regs = {int(r, 16) for r in re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP0, (0x[0-9a-f]+)", code)}
-    if vw == 1:
-        assert {256, gluon_sm90.VALUES_REGS_ONE.value} <= regs, regs
-        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x18\b", code)  # the loader's 24
-    else:
-        assert gluon_sm90.VALUES_REGS_TWO.value in regs, regs
-        assert not re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x18\b", code)  # no loader warp
+    assert {256, gluon_sm90.VALUES_REGS.value} <= regs, regs
+    assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x18\b", code)  # the loader's 24
 
 
 def test_pages_arrive_by_tma(sass):

@@ -47,13 +47,10 @@ def test_mla_decode_matches_definition(H, lens, splits, block_h, num_warps, exch
 @pytest.mark.parametrize("lens", [[1], [64], [65, 1, 300], [4096, 17, 2000, 128], [8192] * 3], ids=str)
 @pytest.mark.parametrize("splits", [None, 4, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("value_warpgroups", [1, 2], ids=["one_value_wg", "two_value_wgs"])
-def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype, value_warpgroups, monkeypatch):
-    """The sm_90 Gluon kernel (TMA pages, two page buffers, warp-specialized; one value warpgroup beside the scores
-    warpgroup, or two): ragged contexts, one token, a last page of one token, more splits than pages (empty
-    slices), a head count that is not a multiple of its 64-head block."""
-    from k3plugins.mla import gluon_sm90
-    monkeypatch.setattr(gluon_sm90, "VALUE_WARPGROUPS", value_warpgroups)
+def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
+    """The sm_90 Gluon kernel (TMA pages, two page buffers, warp-specialized): ragged contexts, one token, a last
+    page of one token, more splits than pages (empty slices), a head count that is not a multiple of its 64-head
+    block."""
     g = torch.Generator(device="cuda").manual_seed(len(lens) * 100 + H)
     B = len(lens)
     max_pages = (max(lens) + 63) // 64

@@ -31,19 +31,6 @@ def bmm_baseline(kv, pt, ql, qp):
     return run, cache
 
 
-def _value_warpgroups(n: int, fn):
-    """fn run with the Gluon kernel's value warpgroups set to n (its launches are captured in the CUDA graph)."""
-    from k3plugins.mla import gluon_sm90
-
-    def run():
-        before, gluon_sm90.VALUE_WARPGROUPS = gluon_sm90.VALUE_WARPGROUPS, n
-        try:
-            return fn()
-        finally:
-            gluon_sm90.VALUE_WARPGROUPS = before
-    return run
-
-
 def bench_mla(bw_tbps: float, sweep: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     # ragged check: lengths 1..L, one sequence of a single token
@@ -88,14 +75,11 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         runs = [(c, "triton") for c in configs]
         if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
             runs += [((64, ns, 4, 2, False), "gluon") for ns in (None, 1, 2, 4)]
-            runs += [((64, ns, 4, 2, False), "gluon_vw2") for ns in (None, 2)]
         best = None
         for (bh, ns, nw, st, xc), kern in runs:
             fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(
                 ql, qp, kv, pt, lens, scale=SCALE, num_splits=ns, block_h=bh, num_warps=nw, num_stages=st,
-                exchange=xc, kernel=kern.split("_")[0])
-            if kern == "gluon_vw2":  # the Gluon kernel with two value warpgroups (gluon_sm90.VALUE_WARPGROUPS)
-                fn = _value_warpgroups(2, fn)
+                exchange=xc, kernel=kern)
             try:
                 t = time_ms(fn, rep=10)
                 err = rel_l2(fn().float(), ref)

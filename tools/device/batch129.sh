@@ -1,7 +1,8 @@
 # Hundred-and-twenty-ninth device batch (forty-fifth session): the warp-specialized Gluon MLA decode with one value
 # warpgroup beside the scores warpgroup (the engine's, as batch128 measured it, now the only Gluon kernel) and with
 # two (gluon_sm90.VALUE_WARPGROUPS = 2: the scores warpgroup on the scores alone). GPU tests of both first, then the
-# MLA bench side by side ("gluon" / "gluon_vw2").
+# MLA bench side by side ("gluon" / "gluon_vw2"). Ran on 5be7bbf; two value warpgroups were 3-4 % slower and
+# removed after (BENCHMARKS.md).
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 150 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "two_value_wgs or mixer" > $OUT/tests.txt 2>&1
