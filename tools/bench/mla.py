@@ -100,3 +100,37 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
              frac_of_roofline=round(max(floor_ms, math_ms) / best[1], 3))
         del kv
         torch.cuda.empty_cache()
+    bench_mla_prefill(tflops, gen)
+
+
+def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, chunk: int = 2048,
+                      H: int = 96) -> None:
+    """A prefill chunk against its cached pages, as the mixer runs one: `chunk` new tokens of one sequence after
+    `cached`, each a query row of the decode kernel over the sequence's page-table row up to its own position. The
+    work is math (each page serves every later token: the bytes stay in L2), so the floor is the exact heads' FLOPs
+    at the run's dense bf16 rate; the baseline is the portable Triton kernel on the same rows."""
+    total = cached + chunk
+    pages = total // PAGE
+    kv = torch.randn(pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    pt = torch.randperm(pages, device="cuda", generator=gen).view(1, pages).to(torch.int32)
+    ql = torch.randn(chunk, H, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    qp = torch.randn(chunk, H, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    lens = torch.arange(cached + 1, total + 1, dtype=torch.int32, device="cuda")  # causal: up to its own position
+    rows = torch.zeros(chunk, dtype=torch.int32, device="cuda")  # every row reads the sequence's page-table row
+    flops = 2 * (576 + 512) * H * lens.sum().item()
+    math_ms = flops / (tflops * 1e12) * 1e3
+    kernels = ["triton"] + (["gluon"] if torch.cuda.get_device_capability()[0] == 9 else [])
+    times, outs = {}, {}
+    for kern in kernels:
+        fn = lambda kern=kern: mla_decode_attention(ql, qp, kv, pt, lens, scale=SCALE, query_seq=rows, kernel=kern)
+        times[kern] = time_ms(fn, rep=5)
+        outs[kern] = fn().float()
+    best = min(times, key=times.get)
+    emit(bench="mla_prefill", H=H, cached=cached, chunk=chunk, math_floor_ms=round(math_ms, 4),
+         **{f"{k}_ms": round(t, 4) for k, t in times.items()}, best=best,
+         frac_of_math_floor=round(math_ms / times[best], 3), tflops=round(flops / times[best] / 1e9, 1),
+         speedup_vs_triton=round(times["triton"] / times[best], 2),
+         rel_l2_vs_triton=rel_l2(outs[best], outs["triton"]))
+    del kv
+    torch.cuda.empty_cache()
+
