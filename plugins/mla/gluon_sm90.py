@@ -194,6 +194,150 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     ], [4, 1], [VALUES_REGS, LOADER_REGS])
 
 
+# The last head block of a head count with 32 left over (96 = 64 + 32; NARROW_REMAINDER): a 64-row MMA tile would
+# hold 32 padding heads, a quarter of 96 heads' math. This form puts the heads on the MMA's N instead ("swap AB"):
+# the scores transposed, S^T [64 tokens, 32 heads] = K · Q^T, the softmax down the tokens, the values transposed,
+# O^T [512, 32] = V^T · P^T (each warpgroup 256 of the rows); the same roles, barriers and loader as above.
+NARROW = 32
+HEAD_BLOCK = gl.constexpr(BLOCK_H)  # BLOCK_H inside the kernels
+NARROW_REMAINDER = False  # not yet run on a GPU: off until its tests and bench have (tools/device/batch130.sh)
+
+
+@gluon.jit
+def _narrow_scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
+                             p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H,
+                             BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr):
+    """The default partition: S^T, its softmax down the tokens, the values' rows [0, DL/2) of O^T."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    rt = gl.arange(0, PAGE, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=cols_s)
+    l_i = gl.zeros([BH], gl.float32, layout=cols_s)
+    acc = gl.zeros([DL // 2, BH], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([PAGE, BH], gl.float32, layout=s_layout)
+    for i in range(n_pages):
+        st = i % 2
+        mbarrier.wait(kv_ready.index(st), phase=(i // 2) & 1)
+        kl = kl_smem.index(st)
+        s = warpgroup_mma(kl, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(kp_smem.index(st), qp_smem.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        t_ok = (first + i) * PAGE + rt < ctx
+        s = gl.where(t_ok[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        mbarrier.wait(p_free, phase=(i & 1) ^ 1)
+        p_smem.store(p.to(p_smem.dtype))
+        a_smem.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        acc = acc * gl.convert_layout(alpha, cols_o)[None, :]
+        acc = warpgroup_mma(kl.slice(0, DL // 2, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_free.index(st), count=1)
+    l_smem.store(l_i)
+    mbarrier.arrive(l_ready, count=1)
+    safe_l = gl.where(l_i > 0, l_i, 1.0)
+    _store_transposed(acc / gl.convert_layout(safe_l, cols_o)[None, :], o_row, stride_oh, hb, H, 0, BH, DL // 2,
+                      o_layout)
+    rs = hb * HEAD_BLOCK + gl.arange(0, BH, layout=cols_s)
+    gl.store(lse_row + rs, gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf")), mask=rs < H)
+
+
+@gluon.jit
+def _store_transposed(o_t, o_row, stride_oh, hb, H, col0, BH: gl.constexpr, DH: gl.constexpr, layout: gl.constexpr):
+    """o_t [DH columns, BH heads] into o_row's [H, DL] block: heads hb·64.. (those < H), columns col0..col0+DH."""
+    co = col0 + gl.arange(0, DH, layout=gl.SliceLayout(1, layout))
+    ro = hb * HEAD_BLOCK + gl.arange(0, BH, layout=gl.SliceLayout(0, layout))
+    gl.store(o_row + ro[None, :] * stride_oh + co[:, None], o_t.to(o_row.dtype.element_ty), mask=(ro < H)[None, :])
+
+
+@gluon.jit
+def _narrow_values_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
+                             p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH: gl.constexpr,
+                             PAGE: gl.constexpr, DL: gl.constexpr):
+    """A worker (4 warps): the rows [DL/2, DL) of O^T from each page's P^T and rescale factors."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    acc = gl.zeros([DL // 2, BH], gl.float32, layout=o_layout)
+    for i in range(n_pages):
+        st = i % 2
+        mbarrier.wait(kv_ready.index(st), phase=(i // 2) & 1)
+        mbarrier.wait(p_ready, phase=i & 1)
+        acc = acc * a_smem.load(cols_o)[None, :]
+        acc = warpgroup_mma(kl_smem.index(st).slice(DL // 2, DL // 2, dim=1).permute((1, 0)), p_smem, acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_free.index(st), count=1)
+    mbarrier.wait(l_ready, phase=0)
+    l_i = l_smem.load(cols_o)
+    _store_transposed(acc / gl.where(l_i > 0, l_i, 1.0)[None, :], o_row, stride_oh, hb, H, DL // 2, BH, DL // 2,
+                      o_layout)
+
+
+@gluon.jit
+def mla_decode_sm90_narrow_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
+                                  qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob,
+                                  stride_os, stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, HB0,
+                                  BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr,
+                                  num_warps: gl.constexpr):
+    """mla_decode_sm90_kernel's work for heads HB0·64 .. HB0·64 + BH (BH = NARROW), heads on the MMA's N."""
+    hb = HB0 + gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    ctx = gl.load(lens_ptr + b)
+    pt_row = pt_ptr + gl.load(qseq_ptr + b).to(gl.int64) * stride_pb
+    first = split * PAGES_PER_SPLIT
+    n_pages = gl.minimum(gl.cdiv(ctx, PAGE) - first, PAGES_PER_SPLIT)
+    dt: gl.constexpr = lat_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dt, [BH, DL], gl.NVMMASharedLayout.get_default_for([BH, DL], dt))
+    qp_smem = gl.allocate_shared_memory(dt, [BH, DR], gl.NVMMASharedLayout.get_default_for([BH, DR], dt))
+    kl_smem = gl.allocate_shared_memory(dt, [2, PAGE, DL], lat_desc.layout)
+    kp_smem = gl.allocate_shared_memory(dt, [2, PAGE, DR], pe_desc.layout)
+    p_smem = gl.allocate_shared_memory(dt, [PAGE, BH], gl.NVMMASharedLayout.get_default_for([PAGE, BH], dt))
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    a_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
+    l_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    flags = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # p_ready, p_free, l_ready
+    for j in gl.static_range(2):
+        mbarrier.init(kv_ready.index(j), count=1)
+        mbarrier.init(kv_free.index(j), count=2)
+    for j in gl.static_range(3):
+        mbarrier.init(flags.index(j), count=1)
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rh = hb * HEAD_BLOCK + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+    h_ok = (rh < H)[:, None]
+    rl = gl.arange(0, DL, layout=gl.SliceLayout(0, ld))
+    q_smem.store(gl.load(q_lat_ptr + b * stride_qb + rh[:, None] * stride_qh + rl[None, :], mask=h_ok, other=0.0))
+    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
+    qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
+    fence_async_shared()
+
+    o_row = o_ptr + b * stride_ob + split * stride_os
+    lse_row = lse_ptr + b * stride_lb + split * stride_ls
+    p_ready, p_free, l_ready = flags.index(0), flags.index(1), flags.index(2)
+    gl.warp_specialize([
+        (_narrow_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
+                                    p_ready, p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row,
+                                    stride_oh, hb, H, BH, PAGE, DL)),
+        (_narrow_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready,
+                                    kv_free, p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH,
+                                    PAGE, DL)),
+        (_loader_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
+                             p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
+    ], [4, 1], [VALUES_REGS, LOADER_REGS])
+
+
 def supports(q_lat: torch.Tensor, kv_cache: torch.Tensor) -> tuple[bool, str]:
     """bf16/fp16 on a CUDA sm_90 device; K3's widths (latent 256 or 512, rope 64)."""
     if q_lat.dtype != kv_cache.dtype:
@@ -231,12 +375,18 @@ def page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor,
 def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale: float,
            pages_per_split: int) -> None:
     """o_part [B, splits, H, dl] (fp32 partials, or the output itself with one split) and lse [B, splits, H]
-    (log2) for each 64-head block and split."""
+    (log2) for each 64-head block and split (with NARROW_REMAINDER, a last block of at most 32 heads by the narrow
+    kernel, a second launch)."""
     B, H, dl = q_lat.shape
     lat, pe = page_descriptors(kv_cache, dl)
-    grid = (-(-H // BLOCK_H), o_part.shape[1], B)
-    mla_decode_sm90_kernel[grid](
-        q_lat, q_pe, lat, pe, page_table, query_seq, context_lens, o_part, lse, float(scale) * 1.4426950408889634, H,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0), o_part.stride(0),
-        o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split, BH=BLOCK_H,
-        PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=4, maxnreg=MAXNREG)
+    full, rest = divmod(H, BLOCK_H)
+    narrow = NARROW_REMAINDER and 0 < rest <= NARROW  # the last block's heads on the MMA's N
+    args = (q_lat, q_pe, lat, pe, page_table, query_seq, context_lens, o_part, lse, float(scale) * 1.4426950408889634,
+            H, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split)
+    shape = dict(PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=4, maxnreg=MAXNREG)
+    blocks = full if narrow else -(-H // BLOCK_H)
+    if blocks:
+        mla_decode_sm90_kernel[(blocks, o_part.shape[1], B)](*args, BH=BLOCK_H, **shape)
+    if narrow:
+        mla_decode_sm90_narrow_kernel[(1, o_part.shape[1], B)](*args, full, BH=NARROW, **shape)

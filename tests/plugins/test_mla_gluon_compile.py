@@ -18,17 +18,14 @@ from test_rocm_compile import sm90_sass  # noqa: E402
 H100_SHARED = 232448  # bytes of shared memory a block may have on sm_90
 
 
-@pytest.fixture(scope="module", params=["*fp32", "*bf16"], ids=["partials", "in_place"])
-def sass(request):
-    """The kernel launched with fp32 partials (several splits) and writing the bf16 output in place (one):
-    (SASS, resource usage, shared bytes)."""
+def _compile(fn, heads: int, o_ptr: str):
+    """(SASS, resource usage, shared bytes) of a kernel of `heads` heads a program for sm_90."""
     from triton.backends import backends
     if "nvidia" not in backends:
         pytest.skip("this Triton has no NVIDIA backend")
-    fn = gluon_sm90.mla_decode_sm90_kernel
     lat, pe = gluon_sm90.page_descriptors(torch.zeros(4, 64, 576, dtype=torch.bfloat16), 512)
-    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr=request.param, lse_ptr="*fp32")
-    consts = dict(BH=gluon_sm90.BLOCK_H, PAGE=64, DL=512, DR=64, num_warps=4)
+    ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr=o_ptr, lse_ptr="*fp32")
+    consts = dict(BH=heads, PAGE=64, DL=512, DR=64, num_warps=4)
     sig = {}
     for name in fn.arg_names:
         sig[name] = ("constexpr" if name in consts else mangle_type(lat) if name == "lat_desc" else
@@ -38,6 +35,12 @@ def sass(request):
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4, maxnreg=gluon_sm90.MAXNREG))
     return (*sm90_sass(compiled.asm["cubin"]), compiled.metadata.shared)
+
+
+@pytest.fixture(scope="module", params=["*fp32", "*bf16"], ids=["partials", "in_place"])
+def sass(request):
+    """The kernel launched with fp32 partials (several splits) and writing the bf16 output in place (one)."""
+    return _compile(gluon_sm90.mla_decode_sm90_kernel, gluon_sm90.BLOCK_H, request.param)
 
 
 def test_fits_one_program_an_sm_without_spills(sass):
@@ -68,3 +71,16 @@ def test_pages_arrive_by_tma(sass):
     code = sass[0]
     assert re.findall(r"\bUTMALDG\b", code)  # the loader's copies: latent (in 64-column boxes) and rope
     assert "SYNCS.PHASECHK.TRANS64" in code  # the mbarrier waits (a page's bytes, P ready / free)
+
+
+def test_narrow_remainder_kernel_puts_the_heads_on_n():
+    """The last head block's 32 heads (NARROW_REMAINDER) on the MMA's N: 36 score MMAs of 64 tokens x 32 heads x 16
+    and 2 x 16 value MMAs of 64 columns x 32 heads x 16 (V^T and P^T read transposed from shared memory, no copy
+    through registers), against 36 + 8 MMAs of twice the work for a padded 64-row block; no spills."""
+    code, usage, shared = _compile(gluon_sm90.mla_decode_sm90_narrow_kernel, gluon_sm90.NARROW, "*bf16")
+    assert "LOCAL:0" in usage and not re.findall(r"\b(?:STL|LDL)\b", code), "registers spill to local memory"
+    assert shared <= H100_SHARED
+    assert Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", code)) == {"64x32x16": 68}
+    assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", code)) == 32
+    assert not re.findall(r"\bLDSM\b", code)
+

@@ -68,6 +68,35 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
     assert ((out.double() - same.double()).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
+@pytest.mark.parametrize("H", [32, 96, 112])
+@pytest.mark.parametrize("lens", [[1], [65, 1, 300], [4096, 17, 2000, 128]], ids=str)
+@pytest.mark.parametrize("splits", [None, 4, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_mla_narrow_remainder_matches_definition(H, lens, splits, dtype, monkeypatch):
+    """NARROW_REMAINDER: the last head block's 32 heads (or fewer: 112 = 64 + 48 keeps the 64-row block) on the
+    MMA's N (the scores and values transposed), against the fp64 definition and the 64-row form."""
+    from k3plugins.mla import gluon_sm90
+    g = torch.Generator(device="cuda").manual_seed(len(lens) * 10 + H)
+    B = len(lens)
+    max_pages = (max(lens) + 63) // 64
+    num_pages = B * max_pages + 3
+    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(dtype)
+    pt = torch.randperm(num_pages, device="cuda", generator=g)[: B * max_pages].view(B, max_pages).int()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
+    qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
+    run = lambda: mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits,  # noqa: E731
+                                       kernel="gluon")
+    wide = run()
+    monkeypatch.setattr(gluon_sm90, "NARROW_REMAINDER", True)
+    out = run()
+    ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
+    assert out.shape == (B, H, 512) and out.dtype == dtype and torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert ((out.double() - wide.double()).norm() / ref.norm()).item() < 1e-2
+
+
 def test_gluon_mla_refuses_what_it_does_not_run():
     kv = torch.zeros(4, 64, 576 - 256, device="cuda", dtype=torch.float32)
     q = torch.zeros(1, 64, 256, device="cuda")
