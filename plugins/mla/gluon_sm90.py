@@ -134,6 +134,32 @@ def _loader_partition(lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_sme
 
 
 @gluon.jit
+def _program_slice(pt_ptr, qseq_ptr, lens_ptr, stride_pb, PAGES_PER_SPLIT, PAGE: gl.constexpr):
+    """This program's split, query row b, its context length, its page-table row, first page and page count."""
+    split = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    ctx = gl.load(lens_ptr + b)
+    pt_row = pt_ptr + gl.load(qseq_ptr + b).to(gl.int64) * stride_pb
+    first = split * PAGES_PER_SPLIT
+    return split, b, ctx, pt_row, first, gl.minimum(gl.cdiv(ctx, PAGE) - first, PAGES_PER_SPLIT)
+
+
+@gluon.jit
+def _handoff_barriers():
+    """The mbarriers of the handoffs: kv_ready / kv_free a page buffer each (both warpgroups release a page), and
+    p_ready, p_free, l_ready."""
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    flags = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(kv_ready.index(j), count=1)
+        mbarrier.init(kv_free.index(j), count=2)
+    for j in gl.static_range(3):
+        mbarrier.init(flags.index(j), count=1)
+    return kv_ready, kv_free, flags.index(0), flags.index(1), flags.index(2)
+
+
+@gluon.jit
 def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
                            qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
                            stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
@@ -141,12 +167,7 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     """o_part / lse of one 64-head block, split and query row (launch's); num_warps 4 is the scores warpgroup, the
     values warpgroup and the loader warp come with it."""
     hb = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    ctx = gl.load(lens_ptr + b)
-    pt_row = pt_ptr + gl.load(qseq_ptr + b).to(gl.int64) * stride_pb
-    first = split * PAGES_PER_SPLIT
-    n_pages = gl.minimum(gl.cdiv(ctx, PAGE) - first, PAGES_PER_SPLIT)
+    split, b, ctx, pt_row, first, n_pages = _program_slice(pt_ptr, qseq_ptr, lens_ptr, stride_pb, PAGES_PER_SPLIT, PAGE)
     dt: gl.constexpr = lat_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dt, [BH, DL], lat_desc.layout)
@@ -157,14 +178,7 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     a_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
     l_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    flags = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # p_ready, p_free, l_ready
-    for j in gl.static_range(2):
-        mbarrier.init(kv_ready.index(j), count=1)
-        mbarrier.init(kv_free.index(j), count=2)  # both warpgroups release a page
-    for j in gl.static_range(3):
-        mbarrier.init(flags.index(j), count=1)
+    kv_ready, kv_free, p_ready, p_free, l_ready = _handoff_barriers()
 
     # the queries into shared memory a quarter of the columns at a time (fewer registers than all at once)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -180,7 +194,6 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 
     o_row = o_ptr + b * stride_ob + split * stride_os
     lse_row = lse_ptr + b * stride_lb + split * stride_ls
-    p_ready, p_free, l_ready = flags.index(0), flags.index(1), flags.index(2)
     # the workers' arguments, one list for both (their signatures must match); each tuple is written out in the call
     # (one tuple built first and passed twice reached the partitions with its constexprs turned into tensors)
     gl.warp_specialize([
@@ -289,12 +302,7 @@ def mla_decode_sm90_narrow_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr
                                   num_warps: gl.constexpr):
     """mla_decode_sm90_kernel's work for heads HB0·64 .. HB0·64 + BH (BH = NARROW), heads on the MMA's N."""
     hb = HB0 + gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    ctx = gl.load(lens_ptr + b)
-    pt_row = pt_ptr + gl.load(qseq_ptr + b).to(gl.int64) * stride_pb
-    first = split * PAGES_PER_SPLIT
-    n_pages = gl.minimum(gl.cdiv(ctx, PAGE) - first, PAGES_PER_SPLIT)
+    split, b, ctx, pt_row, first, n_pages = _program_slice(pt_ptr, qseq_ptr, lens_ptr, stride_pb, PAGES_PER_SPLIT, PAGE)
     dt: gl.constexpr = lat_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dt, [BH, DL], gl.NVMMASharedLayout.get_default_for([BH, DL], dt))
@@ -305,14 +313,7 @@ def mla_decode_sm90_narrow_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     a_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
     l_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    flags = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # p_ready, p_free, l_ready
-    for j in gl.static_range(2):
-        mbarrier.init(kv_ready.index(j), count=1)
-        mbarrier.init(kv_free.index(j), count=2)
-    for j in gl.static_range(3):
-        mbarrier.init(flags.index(j), count=1)
+    kv_ready, kv_free, p_ready, p_free, l_ready = _handoff_barriers()
 
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rh = hb * HEAD_BLOCK + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
@@ -325,7 +326,6 @@ def mla_decode_sm90_narrow_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr
 
     o_row = o_ptr + b * stride_ob + split * stride_os
     lse_row = lse_ptr + b * stride_lb + split * stride_ls
-    p_ready, p_free, l_ready = flags.index(0), flags.index(1), flags.index(2)
     gl.warp_specialize([
         (_narrow_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
                                     p_ready, p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row,

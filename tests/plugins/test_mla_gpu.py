@@ -18,6 +18,20 @@ def _ref(ql, qp, kv, pt, lens, scale):
     return torch.stack(out)
 
 
+def _paged_case(H: int, lens: list, dtype: torch.dtype, seed: int):
+    """Queries (latent, rope), a shuffled paged cache with spare pages, its page table and lengths."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B = len(lens)
+    max_pages = (max(lens) + 63) // 64
+    num_pages = B * max_pages + 3
+    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(dtype)
+    pt = torch.randperm(num_pages, device="cuda", generator=g)[: B * max_pages].view(B, max_pages).int()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
+    qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
+    return ql, qp, kv, pt, lens_t
+
+
 @pytest.mark.parametrize("H", [1, 16, 96])
 @pytest.mark.parametrize("lens", [[1], [64], [65, 1, 300], [4096, 17, 2000, 128]], ids=str)
 @pytest.mark.parametrize("splits", [None, 4])
@@ -26,15 +40,8 @@ def _ref(ql, qp, kv, pt, lens, scale):
 def test_mla_decode_matches_definition(H, lens, splits, block_h, num_warps, exchange):
     if block_h == 64 and H != 96:
         pytest.skip("block_h=64 is the 96-head config")
-    g = torch.Generator(device="cuda").manual_seed(len(lens) * 100 + H)
+    ql, qp, kv, pt, lens_t = _paged_case(H, lens, torch.bfloat16, seed=len(lens) * 100 + H)
     B = len(lens)
-    max_pages = (max(lens) + 63) // 64
-    num_pages = B * max_pages + 3
-    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
-    pt = torch.randperm(num_pages, device="cuda", generator=g)[: B * max_pages].view(B, max_pages).int()
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ql = torch.randn(B, H, 512, device="cuda", generator=g).to(torch.bfloat16)
-    qp = torch.randn(B, H, 64, device="cuda", generator=g).to(torch.bfloat16)
     out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, block_h=block_h,
                                num_warps=num_warps, exchange=exchange)
     ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
@@ -51,15 +58,8 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
     """The sm_90 Gluon kernel (TMA pages, two page buffers, warp-specialized): ragged contexts, one token, a last
     page of one token, more splits than pages (empty slices), a head count that is not a multiple of its 64-head
     block."""
-    g = torch.Generator(device="cuda").manual_seed(len(lens) * 100 + H)
+    ql, qp, kv, pt, lens_t = _paged_case(H, lens, dtype, seed=len(lens) * 100 + H)
     B = len(lens)
-    max_pages = (max(lens) + 63) // 64
-    num_pages = B * max_pages + 3
-    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(dtype)
-    pt = torch.randperm(num_pages, device="cuda", generator=g)[: B * max_pages].view(B, max_pages).int()
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
-    qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
     out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, kernel="gluon")
     ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
     assert out.shape == (B, H, 512) and out.dtype == dtype and torch.isfinite(out).all()
@@ -77,15 +77,8 @@ def test_gluon_mla_narrow_remainder_matches_definition(H, lens, splits, dtype, m
     """NARROW_REMAINDER: the last head block's 32 heads (or fewer: 112 = 64 + 48 keeps the 64-row block) on the
     MMA's N (the scores and values transposed), against the fp64 definition and the 64-row form."""
     from k3plugins.mla import gluon_sm90
-    g = torch.Generator(device="cuda").manual_seed(len(lens) * 10 + H)
+    ql, qp, kv, pt, lens_t = _paged_case(H, lens, dtype, seed=len(lens) * 10 + H)
     B = len(lens)
-    max_pages = (max(lens) + 63) // 64
-    num_pages = B * max_pages + 3
-    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(dtype)
-    pt = torch.randperm(num_pages, device="cuda", generator=g)[: B * max_pages].view(B, max_pages).int()
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
-    qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
     run = lambda: mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits,  # noqa: E731
                                        kernel="gluon")
     wide = run()
