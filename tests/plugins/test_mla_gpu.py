@@ -11,23 +11,24 @@ from k3plugins.mla.triton import mla_decode_attention  # noqa: E402
 
 def _ref(ql, qp, kv, pt, lens, scale):
     out = []
+    dl = ql.shape[-1]
     for b in range(ql.shape[0]):
-        toks = kv[pt[b].long()].reshape(-1, 576)[: int(lens[b])].double()
-        s = (ql[b].double() @ toks[:, :512].T + qp[b].double() @ toks[:, 512:].T) * scale
-        out.append(torch.softmax(s, -1) @ toks[:, :512])
+        toks = kv[pt[b].long()].reshape(-1, kv.shape[-1])[: int(lens[b])].double()
+        s = (ql[b].double() @ toks[:, :dl].T + qp[b].double() @ toks[:, dl:].T) * scale
+        out.append(torch.softmax(s, -1) @ toks[:, :dl])
     return torch.stack(out)
 
 
-def _paged_case(H: int, lens: list, dtype: torch.dtype, seed: int):
-    """Queries (latent, rope), a shuffled paged cache with spare pages, its page table and lengths."""
+def _paged_case(H: int, lens: list, dtype: torch.dtype, seed: int, dl: int = 512):
+    """Queries (latent dl, rope 64), a shuffled paged cache with spare pages, its page table and lengths."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     B = len(lens)
     max_pages = (max(lens) + 63) // 64
     num_pages = B * max_pages + 3
-    kv = torch.randn(num_pages, 64, 576, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(num_pages, 64, dl + 64, device="cuda", generator=g).to(dtype)
     pt = torch.randperm(num_pages, device="cuda", generator=g)[: B * max_pages].view(B, max_pages).int()
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ql = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype)
+    ql = torch.randn(B, H, dl, device="cuda", generator=g).to(dtype)
     qp = torch.randn(B, H, 64, device="cuda", generator=g).to(dtype)
     return ql, qp, kv, pt, lens_t
 
@@ -88,6 +89,23 @@ def test_gluon_mla_narrow_remainder_matches_definition(H, lens, splits, dtype, m
     assert out.shape == (B, H, 512) and out.dtype == dtype and torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     assert ((out.double() - wide.double()).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
+@pytest.mark.parametrize("H", [64, 96])
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
+def test_gluon_mla_takes_a_256_wide_latent(H, narrow, monkeypatch):
+    """The Gluon kernels on a 256 + 64 cache (gluon_sm90.LATENT_WIDTHS), ragged contexts and more splits than pages,
+    against the fp64 definition."""
+    from k3plugins.mla import gluon_sm90
+    monkeypatch.setattr(gluon_sm90, "NARROW_REMAINDER", narrow)
+    lens = [4096, 17, 2000, 1]
+    ql, qp, kv, pt, lens_t = _paged_case(H, lens, torch.bfloat16, seed=H, dl=256)
+    for splits in (None, 64):
+        out = mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits, kernel="gluon")
+        ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
+        assert out.shape == (len(lens), H, 256) and torch.isfinite(out).all()
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def test_gluon_mla_refuses_what_it_does_not_run():
