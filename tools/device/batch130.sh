@@ -1,7 +1,8 @@
 # Hundred-and-thirtieth device batch (forty-fifth session; not yet run): the Gluon MLA decode's last head block on
 # the MMA's N (gluon_sm90.NARROW_REMAINDER: 96 heads = a 64-row block + 32 heads transposed, no padding heads). Its
-# GPU tests (against the fp64 definition and the 64-row form; both kernels on a 256-wide latent too), then the MLA bench with "gluon" and "gluon_narrow"
-# side by side. If it is faster, set NARROW_REMAINDER = True (the engine's "gluon" tactic then takes it).
+# GPU tests (against the fp64 definition and the 64-row form; both kernels on a 256-wide latent too), then the
+# MLA bench with "gluon" and "gluon_narrow" side by side. If it is faster, set NARROW_REMAINDER = True (the
+# engine's "gluon" tactic then takes it).
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 150 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "narrow or mixer or 256_wide" > $OUT/tests.txt 2>&1
