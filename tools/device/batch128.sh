@@ -2,7 +2,8 @@
 # a scores warpgroup, a values warpgroup, a loader warp). Its GPU tests first (against the fp64 definition and the
 # Triton kernel; a hang in its barriers would show as the timeout), then the MLA bench (gluon and gluon_ws side by
 # side at 96 heads, with the run's MMA rate and each case's math floor), then Nsight Compute on the warp-specialized
-# kernel at 64 x 8K if time is left.
+# kernel at 64 x 8K if time is left. Ran on c6aeffc; since 000801a that kernel is "gluon", the only Gluon kernel
+# (to run this again, read gluon for gluon_ws).
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 150 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "gluon" > $OUT/tests.txt 2>&1
