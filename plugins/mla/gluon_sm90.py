@@ -208,7 +208,7 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 
 
 # The last head block of a head count with 32 left over (96 = 64 + 32; NARROW_REMAINDER): a 64-row MMA tile would
-# hold 32 padding heads, a quarter of 96 heads' math. This form puts the heads on the MMA's N instead ("swap AB"):
+# hold 32 padding heads, a quarter of the math the two 64-row blocks do. This form puts the heads on the MMA's N instead ("swap AB"):
 # the scores transposed, S^T [64 tokens, 32 heads] = K · Q^T, the softmax down the tokens, the values transposed,
 # O^T [512, 32] = V^T · P^T (each warpgroup 256 of the rows); the same roles, barriers and loader as above.
 NARROW = 32
@@ -221,15 +221,14 @@ def _narrow_scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, 
                              p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H,
                              BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr):
     """The default partition: S^T, its softmax down the tokens, the values' rows [0, DL/2) of O^T."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    rt = gl.arange(0, PAGE, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=cols_s)
-    l_i = gl.zeros([BH], gl.float32, layout=cols_s)
-    acc = gl.zeros([DL // 2, BH], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([PAGE, BH], gl.float32, layout=s_layout)
+    # S^T and O^T both put the heads on N: one layout, so the per-head vectors need no conversion between them
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    cols: gl.constexpr = gl.SliceLayout(0, layout)
+    rt = gl.arange(0, PAGE, layout=gl.SliceLayout(1, layout))
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=cols)
+    l_i = gl.zeros([BH], gl.float32, layout=cols)
+    acc = gl.zeros([DL // 2, BH], gl.float32, layout=layout)
+    zero_s = gl.zeros([PAGE, BH], gl.float32, layout=layout)
     for i in range(n_pages):
         st = i % 2
         mbarrier.wait(kv_ready.index(st), phase=(i // 2) & 1)
@@ -249,16 +248,15 @@ def _narrow_scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, 
         a_smem.store(alpha)
         fence_async_shared()
         mbarrier.arrive(p_ready, count=1)
-        acc = acc * gl.convert_layout(alpha, cols_o)[None, :]
+        acc = acc * alpha[None, :]
         acc = warpgroup_mma(kl.slice(0, DL // 2, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_free.index(st), count=1)
     l_smem.store(l_i)
     mbarrier.arrive(l_ready, count=1)
     safe_l = gl.where(l_i > 0, l_i, 1.0)
-    _store_transposed(acc / gl.convert_layout(safe_l, cols_o)[None, :], o_row, stride_oh, hb, H, 0, BH, DL // 2,
-                      o_layout)
-    rs = hb * HEAD_BLOCK + gl.arange(0, BH, layout=cols_s)
+    _store_transposed(acc / safe_l[None, :], o_row, stride_oh, hb, H, 0, BH, DL // 2, layout)
+    rs = hb * HEAD_BLOCK + gl.arange(0, BH, layout=cols)
     gl.store(lse_row + rs, gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf")), mask=rs < H)
 
 

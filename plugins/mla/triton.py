@@ -376,7 +376,6 @@ def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-
 def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: torch.Tensor | None,
                     q_b_weight: torch.Tensor | None, kv_a_norm_weight: torch.Tensor, w_uk: torch.Tensor,
                     w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
@@ -393,4 +392,3 @@ def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weig
                      qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
                      scale=scale, latent_eps=latent_eps, output_gate=output_gate,
                      decode_kernel="gluon" if gluon else "triton")
-

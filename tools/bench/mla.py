@@ -8,6 +8,8 @@ from common import emit, mma_tflops, rel_l2, time_ms
 from k3plugins.mla.triton import PAGE, mla_decode_attention
 
 SCALE = 192 ** -0.5
+# absorbed MLA's FLOPs a head and cached token: scores over the 576-wide row, values over its 512 latent columns
+FLOPS_PER_HEAD_TOKEN = 2 * (576 + 512)
 
 
 def make_case(B: int, L: int, H: int, gen: torch.Generator):
@@ -61,12 +63,13 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
     # bytes, so at 96 heads its FLOPs at the dense bf16 rate take most of its bytes' time at the HBM rate (on an
     # H200 about 0.8-0.9 of it): what a kernel can reach of the KV floor is capped by its tensor-core efficiency
     tflops = mma_tflops()
-    emit(bench="mla_mma_rate", mma_tflops=round(tflops, 1), flop_per_kv_byte=round(2 * (576 + 512) / 1152, 3),
+    emit(bench="mla_mma_rate", mma_tflops=round(tflops, 1), flop_per_kv_byte=round(FLOPS_PER_HEAD_TOKEN / 1152, 3),
          ridge_flop_per_byte=round(tflops / bw_tbps, 1))
     for B, L, H in ((64, 8192, 16), (32, 65536, 16), (64, 8192, 96), (32, 65536, 96)):
         kv, pt, lens, ql, qp = make_case(B, L, H, gen)
         floor_ms = B * L * 576 * 2 / (bw_tbps * 1e12) * 1e3
-        math_ms = B * L * H * 2 * (576 + 512) / (tflops * 1e12) * 1e3  # exact heads; a 64-head block pads 96 to 128
+        flops = B * L * H * FLOPS_PER_HEAD_TOKEN  # exact heads; a 64-head block pads 96 to 128
+        math_ms = flops / (tflops * 1e12) * 1e3
         base, cache = bmm_baseline(kv, pt, ql, qp)
         t_base = time_ms(base, rep=10)
         ref = base().float()
@@ -113,7 +116,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
              bmm_ms=round(t_base, 4), bmm_x_floor=round(t_base / floor_ms, 2), best_config=list(best[0]),
              best_ms=round(best[1], 4), frac_of_floor=round(floor_ms / best[1], 3),
              speedup_vs_bmm=round(t_base / best[1], 2), math_floor_ms=round(math_ms, 4),
-             math_x_kv_floor=round(math_ms / floor_ms, 3), tflops=round(B * L * H * 2 * 1088 / best[1] / 1e9, 1),
+             math_x_kv_floor=round(math_ms / floor_ms, 3), tflops=round(flops / best[1] / 1e9, 1),
              frac_of_roofline=round(max(floor_ms, math_ms) / best[1], 3))
         del kv
         torch.cuda.empty_cache()
@@ -134,7 +137,7 @@ def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, c
     qp = torch.randn(chunk, H, 64, device="cuda", generator=gen).to(torch.bfloat16)
     lens = torch.arange(cached + 1, total + 1, dtype=torch.int32, device="cuda")  # causal: up to its own position
     rows = torch.zeros(chunk, dtype=torch.int32, device="cuda")  # every row reads the sequence's page-table row
-    flops = 2 * (576 + 512) * H * lens.sum().item()
+    flops = FLOPS_PER_HEAD_TOKEN * H * lens.sum().item()
     math_ms = flops / (tflops * 1e12) * 1e3
     kernels = ["triton"] + (["gluon"] if torch.cuda.get_device_capability()[0] == 9 else [])
     times, outs = {}, {}
@@ -150,4 +153,3 @@ def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, c
          rel_l2_vs_triton=rel_l2(outs[best], outs["triton"]))
     del kv
     torch.cuda.empty_cache()
-
