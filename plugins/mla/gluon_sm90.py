@@ -31,6 +31,9 @@ BLOCK_H = 64  # heads a program: one 64-row wgmma tile
 LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its shared memory is sized for 512 + 64)
 MAXNREG = 168  # registers a thread at launch: 3 warpgroups (12 warps) of 168 fill the SM's 64K; then moved by role
 VALUES_REGS, LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup takes the rest (256)
+# the softmax without the mask on pages inside the context and with the scale folded into the exponent's FFMA (64
+# fewer instructions a page on the scores warpgroup's path); not yet run on a GPU: tools/device/batch131.sh
+LEAN_SOFTMAX = True
 
 
 @gluon.jit
@@ -45,7 +48,7 @@ def _copy_page(lat_desc, pe_desc, pt_entry, pred, bar, kl, kp, PAGE: gl.constexp
 @gluon.jit
 def _scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready, p_free,
                       l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH: gl.constexpr,
-                      PAGE: gl.constexpr, DL: gl.constexpr):
+                      PAGE: gl.constexpr, DL: gl.constexpr, LEAN: gl.constexpr):
     """The default partition (4 warps): scores, softmax, values of columns [0, DL/2); the row sums to l_smem."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, PAGE, 16])
@@ -65,11 +68,17 @@ def _scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem,
         s = warpgroup_mma(q_smem, kl.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(qp_smem, kp_smem.index(st).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        t_ok = (first + i) * PAGE + rt < ctx
-        s = gl.where(t_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if LEAN:
+            if (first + i + 1) * PAGE > ctx:  # the context's last page: its rows past the end weigh nothing
+                s = gl.where(((first + i) * PAGE + rt < ctx)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # the scale folded into the exponent's FFMA
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+        else:
+            t_ok = (first + i) * PAGE + rt < ctx
+            s = gl.where(t_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            p = gl.exp2(s - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         mbarrier.wait(p_free, phase=(i & 1) ^ 1)  # the values warpgroup is past the previous page's P and alpha
@@ -163,7 +172,7 @@ def _handoff_barriers():
 def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
                            qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
                            stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
-                           DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
+                           DL: gl.constexpr, DR: gl.constexpr, LEAN: gl.constexpr, num_warps: gl.constexpr):
     """o_part / lse of one 64-head block, split and query row (launch's); num_warps 4 is the scores warpgroup, the
     values warpgroup and the loader warp come with it."""
     hb = gl.program_id(0)
@@ -199,7 +208,7 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     gl.warp_specialize([
         (_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
                              p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H, BH, PAGE,
-                             DL)),
+                             DL, LEAN)),
         (_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
                              p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH, PAGE, DL)),
         (_loader_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
@@ -219,7 +228,7 @@ NARROW_REMAINDER = False  # not yet run on a GPU: off until its tests and bench 
 @gluon.jit
 def _narrow_scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free, p_ready,
                              p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row, stride_oh, hb, H,
-                             BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr):
+                             BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr, LEAN: gl.constexpr):
     """The default partition: S^T, its softmax down the tokens, the values' rows [0, DL/2) of O^T."""
     # S^T and O^T both put the heads on N: one layout, so the per-head vectors need no conversion between them
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
@@ -236,11 +245,17 @@ def _narrow_scores_partition(q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, 
         s = warpgroup_mma(kl, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma(kp_smem.index(st), qp_smem.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        t_ok = (first + i) * PAGE + rt < ctx
-        s = gl.where(t_ok[:, None], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
+        if LEAN:
+            if (first + i + 1) * PAGE > ctx:
+                s = gl.where(((first + i) * PAGE + rt < ctx)[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[None, :])
+        else:
+            t_ok = (first + i) * PAGE + rt < ctx
+            s = gl.where(t_ok[:, None], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            p = gl.exp2(s - m_new[None, :])
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
         l_i = l_i * alpha + gl.sum(p, 0)
         m_i = m_new
         mbarrier.wait(p_free, phase=(i & 1) ^ 1)
@@ -297,7 +312,7 @@ def mla_decode_sm90_narrow_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr
                                   qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob,
                                   stride_os, stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, HB0,
                                   BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr,
-                                  num_warps: gl.constexpr):
+                                  LEAN: gl.constexpr, num_warps: gl.constexpr):
     """mla_decode_sm90_kernel's work for heads HB0·64 .. HB0·64 + BH (BH = NARROW), heads on the MMA's N."""
     hb = HB0 + gl.program_id(0)
     split, b, ctx, pt_row, first, n_pages = _program_slice(pt_ptr, qseq_ptr, lens_ptr, stride_pb, PAGES_PER_SPLIT, PAGE)
@@ -327,7 +342,7 @@ def mla_decode_sm90_narrow_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr
     gl.warp_specialize([
         (_narrow_scores_partition, (q_smem, qp_smem, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready, kv_free,
                                     p_ready, p_free, l_ready, n_pages, first, ctx, qk_scale, o_row, lse_row,
-                                    stride_oh, hb, H, BH, PAGE, DL)),
+                                    stride_oh, hb, H, BH, PAGE, DL, LEAN)),
         (_narrow_values_partition, (lat_desc, pe_desc, pt_row, kl_smem, kp_smem, p_smem, a_smem, l_smem, kv_ready,
                                     kv_free, p_ready, p_free, l_ready, n_pages, first, o_row, stride_oh, hb, H, BH,
                                     PAGE, DL)),
@@ -382,7 +397,8 @@ def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, l
     args = (q_lat, q_pe, lat, pe, page_table, query_seq, context_lens, o_part, lse, float(scale) * 1.4426950408889634,
             H, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split)
-    shape = dict(PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, num_warps=4, maxnreg=MAXNREG)
+    shape = dict(PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, LEAN=LEAN_SOFTMAX, num_warps=4,
+                 maxnreg=MAXNREG)
     blocks = full if narrow else -(-H // BLOCK_H)
     if blocks:
         mla_decode_sm90_kernel[(blocks, o_part.shape[1], B)](*args, BH=BLOCK_H, **shape)

@@ -18,14 +18,14 @@ from test_rocm_compile import sm90_sass  # noqa: E402
 H100_SHARED = 232448  # bytes of shared memory a block may have on sm_90
 
 
-def _compile(fn, heads: int, o_ptr: str):
+def _compile(fn, heads: int, o_ptr: str, lean: bool = gluon_sm90.LEAN_SOFTMAX):
     """(SASS, resource usage, shared bytes) of a kernel of `heads` heads a program for sm_90."""
     from triton.backends import backends
     if "nvidia" not in backends:
         pytest.skip("this Triton has no NVIDIA backend")
     lat, pe = gluon_sm90.page_descriptors(torch.zeros(4, 64, 576, dtype=torch.bfloat16), 512)
     ptrs = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", o_ptr=o_ptr, lse_ptr="*fp32")
-    consts = dict(BH=heads, PAGE=64, DL=512, DR=64, num_warps=4)
+    consts = dict(BH=heads, PAGE=64, DL=512, DR=64, LEAN=lean, num_warps=4)
     sig = {}
     for name in fn.arg_names:
         sig[name] = ("constexpr" if name in consts else mangle_type(lat) if name == "lat_desc" else

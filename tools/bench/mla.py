@@ -33,17 +33,25 @@ def bmm_baseline(kv, pt, ql, qp):
     return run, cache
 
 
-def _narrow_remainder(fn):
-    """fn run with the Gluon kernel's last head block on the MMA's N (its launches are captured in the CUDA graph)."""
+def _with_knobs(fn, **knobs):
+    """fn run with gluon_sm90's module knobs set (NARROW_REMAINDER, LEAN_SOFTMAX: read at launch, so the CUDA graph
+    captures the variant's kernels)."""
     from k3plugins.mla import gluon_sm90
 
     def run():
-        before, gluon_sm90.NARROW_REMAINDER = gluon_sm90.NARROW_REMAINDER, True
+        before = {k: getattr(gluon_sm90, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(gluon_sm90, k, v)
         try:
             return fn()
         finally:
-            gluon_sm90.NARROW_REMAINDER = before
+            for k, v in before.items():
+                setattr(gluon_sm90, k, v)
     return run
+
+
+# the Gluon kernel's variants the bench sets side by side with its default ("gluon"): name -> knobs
+GLUON_VARIANTS = {"gluon_narrow": dict(NARROW_REMAINDER=True), "gluon_full": dict(LEAN_SOFTMAX=False)}
 
 
 def bench_mla(bw_tbps: float, sweep: bool) -> None:
@@ -91,6 +99,8 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         runs = [(c, "triton") for c in configs]
         if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
             runs += [((64, ns, 4, 2, False), "gluon") for ns in (None, 1, 2, 4)]
+            # the softmax as before LEAN_SOFTMAX (the mask on every page, the scale a multiply of its own)
+            runs += [((64, ns, 4, 2, False), "gluon_full") for ns in (None, 2)]
             if H % 64:  # the last head block on the MMA's N (gluon_sm90.NARROW_REMAINDER)
                 runs += [((64, ns, 4, 2, False), "gluon_narrow") for ns in (None, 2)]
         best = None
@@ -98,8 +108,8 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
             fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(
                 ql, qp, kv, pt, lens, scale=SCALE, num_splits=ns, block_h=bh, num_warps=nw, num_stages=st,
                 exchange=xc, kernel=kern.split("_")[0])
-            if kern == "gluon_narrow":
-                fn = _narrow_remainder(fn)
+            if kern in GLUON_VARIANTS:
+                fn = _with_knobs(fn, **GLUON_VARIANTS[kern])
             try:
                 t = time_ms(fn, rep=10)
                 err = rel_l2(fn().float(), ref)

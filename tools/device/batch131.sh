@@ -1,0 +1,21 @@
+# Hundred-and-thirty-first device batch (forty-sixth session): the Gluon MLA decode's lean softmax
+# (gluon_sm90.LEAN_SOFTMAX: no mask on the pages inside the context, the scale folded into the exponent's FFMA) and
+# batch130's narrow last head block (NARROW_REMAINDER). Every Gluon GPU test (the lean softmax is the default now),
+# then the MLA bench with "gluon", "gluon_full" (the softmax before) and "gluon_narrow" side by side, and its
+# prefill case.
+source tools/device/env.sh
+echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+timeout 240 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "gluon or mixer" > $OUT/tests.txt 2>&1
+rc=$?
+tail -3 $OUT/tests.txt
+if [ $rc -ne 0 ]; then grep -m3 -B2 -A12 "Error\|assert" $OUT/tests.txt | cut -c1-200; exit 1; fi
+timeout 300 python3 tools/bench_plugins.py --only mla > $OUT/bench.jsonl 2> $OUT/bench.err
+tail -2 $OUT/bench.err
+python3 - <<'PY'
+import json, os
+for line in open(os.path.join(os.environ["OUT"], "bench.jsonl")):
+    d = json.loads(line)
+    if d.get("bench") in ("mla", "env", "mla_mma_rate", "mla_config_failed", "mla_check", "mla_prefill") or (
+            d.get("bench") == "mla_config" and d.get("H") == 96 and d.get("kernel") != "triton"):
+        print(json.dumps({k: v for k, v in d.items() if k not in ("kv_bytes", "rel_l2_vs_bmm", "num_stages")}))
+PY
