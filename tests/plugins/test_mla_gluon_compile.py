@@ -84,3 +84,13 @@ def test_narrow_remainder_kernel_puts_the_heads_on_n():
     assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", code)) == 32
     assert not re.findall(r"\bLDSM\b", code)
 
+
+
+def test_lean_softmax_keeps_the_mmas_and_drops_the_scale_multiplies(sass):
+    """LEAN_SOFTMAX: the same MMAs, no spills, and the scores' scale inside the exponent's FFMA (fewer FMULs: 32 a
+    page of 64 x 64 scores a thread's 32) with the mask's selects behind a branch taken on the last page only."""
+    code, usage, _ = _compile(gluon_sm90.mla_decode_sm90_kernel, gluon_sm90.BLOCK_H, "*bf16", lean=True)
+    assert "LOCAL:0" in usage and not re.findall(r"\b(?:STL|LDL)\b", code), "registers spill to local memory"
+    assert Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", code)) == Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass[0]))
+    fmul = lambda c: len(re.findall(r"\bFMUL\b", c))  # noqa: E731
+    assert fmul(code) <= fmul(sass[0]) - 30

@@ -70,6 +70,29 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
+@pytest.mark.parametrize("H", [64, 96])
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
+@pytest.mark.parametrize("lens", [[1], [64], [65, 1, 300], [4096, 17, 2000, 128], [8192] * 3], ids=str)
+@pytest.mark.parametrize("splits", [None, 4, 64])
+def test_gluon_mla_lean_softmax_matches_definition(H, narrow, lens, splits, monkeypatch):
+    """LEAN_SOFTMAX: the mask only on the context's last page (a full last page, a last page of one token, a split
+    whose pages are all inside the context), the scale in the exponent; against the fp64 definition and the softmax
+    before."""
+    from k3plugins.mla import gluon_sm90
+    monkeypatch.setattr(gluon_sm90, "NARROW_REMAINDER", narrow)
+    ql, qp, kv, pt, lens_t = _paged_case(H, lens, torch.bfloat16, seed=len(lens) * 7 + H)
+    run = lambda: mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits,  # noqa: E731
+                                       kernel="gluon")
+    before = run()
+    monkeypatch.setattr(gluon_sm90, "LEAN_SOFTMAX", True)
+    out = run()
+    ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert ((out.double() - before.double()).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
 @pytest.mark.parametrize("H", [32, 96, 112])
 @pytest.mark.parametrize("lens", [[1], [65, 1, 300], [4096, 17, 2000, 128]], ids=str)
 @pytest.mark.parametrize("splits", [None, 4, 64])

@@ -1,7 +1,7 @@
 # Hundred-and-thirty-first device batch (forty-sixth session): the Gluon MLA decode's lean softmax
-# (gluon_sm90.LEAN_SOFTMAX: no mask on the pages inside the context, the scale folded into the exponent's FFMA) and
-# batch130's narrow last head block (NARROW_REMAINDER). Every Gluon GPU test (the lean softmax is the default now),
-# then the MLA bench with "gluon", "gluon_full" (the softmax before) and "gluon_narrow" side by side, and its
+# (gluon_sm90.LEAN_SOFTMAX, off: no mask on the pages inside the context, the scale folded into the exponent's FFMA) and
+# batch130's narrow last head block (NARROW_REMAINDER). Every Gluon GPU test (the lean one against the softmax before),
+# then the MLA bench with "gluon", "gluon_lean" and "gluon_narrow" side by side, and its
 # prefill case.
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
