@@ -218,12 +218,14 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 
 
 # The last head block of a head count with 32 left over (96 = 64 + 32; NARROW_REMAINDER): a 64-row MMA tile would
-# hold 32 padding heads, a quarter of the math the two 64-row blocks do. This form puts the heads on the MMA's N instead ("swap AB"):
-# the scores transposed, S^T [64 tokens, 32 heads] = K · Q^T, the softmax down the tokens, the values transposed,
-# O^T [512, 32] = V^T · P^T (each warpgroup 256 of the rows); the same roles, barriers and loader as above.
+# hold 32 padding heads, a quarter of the math the two 64-row blocks do. This form puts the heads on the MMA's N
+# instead ("swap AB"): the scores transposed, S^T [64 tokens, 32 heads] = K · Q^T, the softmax down the tokens, the
+# values transposed, O^T [512, 32] = V^T · P^T (each warpgroup 256 of the rows); the same roles, barriers and loader
+# as above. Its programs take less time than the 64-row blocks' beside them: a gain where the grid has more programs
+# than SMs (splits), so that the SMs they free take the next ones.
 NARROW = 32
 HEAD_BLOCK = gl.constexpr(BLOCK_H)  # BLOCK_H inside the kernels
-NARROW_REMAINDER = False  # not yet run on a GPU: off until its tests and bench have (tools/device/batch130.sh)
+NARROW_REMAINDER = False  # not yet run on a GPU: off until its tests and bench have (tools/device/batch131.sh)
 
 
 @gluon.jit
@@ -314,8 +316,28 @@ def mla_decode_sm90_narrow_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr
                                   stride_os, stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, HB0,
                                   BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr,
                                   LEAN: gl.constexpr, num_warps: gl.constexpr):
-    """mla_decode_sm90_kernel's work for heads HB0·64 .. HB0·64 + BH (BH = NARROW), heads on the MMA's N."""
-    hb = HB0 + gl.program_id(0)
+    """mla_decode_sm90_kernel with a narrow last head block: programs 0 .. HB0-1 (grid dimension 0) the 64-row
+    blocks, program HB0 heads HB0·64 .. HB0·64 + BH (BH = NARROW) on the MMA's N. One launch, so that a query's
+    blocks run side by side and read its pages from HBM once (two launches would run one after the other, each
+    reading them); the two bodies' shared memory is placed once (the larger)."""
+    if gl.program_id(0) < HB0:
+        mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
+                               qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
+                               stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, HEAD_BLOCK, PAGE, DL, DR, LEAN,
+                               num_warps)
+    else:
+        _narrow_program(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr, qk_scale,
+                        H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os, stride_oh,
+                        stride_lb, stride_ls, PAGES_PER_SPLIT, BH, PAGE, DL, DR, LEAN, num_warps)
+
+
+@gluon.jit
+def _narrow_program(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr, qk_scale, H,
+                    stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os, stride_oh, stride_lb,
+                    stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr, DL: gl.constexpr,
+                    DR: gl.constexpr, LEAN: gl.constexpr, num_warps: gl.constexpr):
+    """The narrow block's program: heads hb·64 .. hb·64 + BH, hb its grid index."""
+    hb = gl.program_id(0)
     split, b, ctx, pt_row, first, n_pages = _program_slice(pt_ptr, qseq_ptr, lens_ptr, stride_pb, PAGES_PER_SPLIT, PAGE)
     dt: gl.constexpr = lat_desc.dtype
 
@@ -389,8 +411,8 @@ def page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor,
 def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, lse, scale: float,
            pages_per_split: int) -> None:
     """o_part [B, splits, H, dl] (fp32 partials, or the output itself with one split) and lse [B, splits, H]
-    (log2) for each 64-head block and split (with NARROW_REMAINDER, a last block of at most 32 heads by the narrow
-    kernel, a second launch)."""
+    (log2) for each 64-head block and split (with NARROW_REMAINDER, a last block of at most 32 heads on the MMA's N,
+    in the same launch)."""
     B, H, dl = q_lat.shape
     lat, pe = page_descriptors(kv_cache, dl)
     full, rest = divmod(H, BLOCK_H)
@@ -400,8 +422,7 @@ def launch(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o_part, l
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), pages_per_split)
     shape = dict(PAGE=kv_cache.shape[1], DL=dl, DR=kv_cache.shape[2] - dl, LEAN=LEAN_SOFTMAX, num_warps=4,
                  maxnreg=MAXNREG)
-    blocks = full if narrow else -(-H // BLOCK_H)
-    if blocks:
-        mla_decode_sm90_kernel[(blocks, o_part.shape[1], B)](*args, BH=BLOCK_H, **shape)
     if narrow:
-        mla_decode_sm90_narrow_kernel[(1, o_part.shape[1], B)](*args, full, BH=NARROW, **shape)
+        mla_decode_sm90_narrow_kernel[(full + 1, o_part.shape[1], B)](*args, full, BH=NARROW, **shape)
+    else:
+        mla_decode_sm90_kernel[(-(-H // BLOCK_H), o_part.shape[1], B)](*args, BH=BLOCK_H, **shape)

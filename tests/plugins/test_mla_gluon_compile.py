@@ -76,11 +76,12 @@ def test_pages_arrive_by_tma(sass):
 def test_narrow_remainder_kernel_puts_the_heads_on_n():
     """The last head block's 32 heads (NARROW_REMAINDER) on the MMA's N: 36 score MMAs of 64 tokens x 32 heads x 16
     and 2 x 16 value MMAs of 64 columns x 32 heads x 16 (V^T and P^T read transposed from shared memory, no copy
-    through registers), against 36 + 8 MMAs of twice the work for a padded 64-row block; no spills."""
+    through registers), against 36 + 8 MMAs of twice the work for a padded 64-row block; no spills. The same kernel
+    holds the 64-row blocks' body (one launch), its shared memory placed once: the larger body's, not the sum."""
     code, usage, shared = _compile(gluon_sm90.mla_decode_sm90_narrow_kernel, gluon_sm90.NARROW, "*bf16")
     assert "LOCAL:0" in usage and not re.findall(r"\b(?:STL|LDL)\b", code), "registers spill to local memory"
     assert shared <= H100_SHARED
-    assert Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", code)) == {"64x32x16": 68}
+    assert Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", code)) == {"64x32x16": 68, "64x64x16": 36, "64x256x16": 8}
     assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", code)) == 32
     assert not re.findall(r"\bLDSM\b", code)
 

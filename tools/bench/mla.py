@@ -102,7 +102,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
             # the softmax with LEAN_SOFTMAX (the mask on the context's last page only, the scale in the exponent's FFMA)
             runs += [((64, ns, 4, 2, False), "gluon_lean") for ns in (None, 1, 2)]
             if H % 64:  # the last head block on the MMA's N (gluon_sm90.NARROW_REMAINDER)
-                runs += [((64, ns, 4, 2, False), "gluon_narrow") for ns in (None, 2)]
+                runs += [((64, ns, 4, 2, False), "gluon_narrow") for ns in (None, 2, 4)]
         best = None
         for (bh, ns, nw, st, xc), kern in runs:
             fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(

@@ -1,6 +1,6 @@
 # Hundred-and-thirty-first device batch (forty-sixth session): the Gluon MLA decode's lean softmax
 # (gluon_sm90.LEAN_SOFTMAX, off: no mask on the pages inside the context, the scale folded into the exponent's FFMA) and
-# batch130's narrow last head block (NARROW_REMAINDER). Every Gluon GPU test (the lean one against the softmax before),
+# batch130's narrow last head block (NARROW_REMAINDER; now one launch with the 64-row blocks). Every Gluon GPU test (the lean one against the softmax before),
 # then the MLA bench with "gluon", "gluon_lean" and "gluon_narrow" side by side, and its
 # prefill case.
 source tools/device/env.sh
