@@ -1,8 +1,7 @@
-# Hundred-and-thirty-first device batch (forty-sixth session): the Gluon MLA decode's lean softmax
-# (gluon_sm90.LEAN_SOFTMAX, off: no mask on the pages inside the context, the scale folded into the exponent's FFMA) and
-# batch130's narrow last head block (NARROW_REMAINDER; now one launch with the 64-row blocks). Every Gluon GPU test (the lean one against the softmax before),
-# then the MLA bench with "gluon", "gluon_lean" and "gluon_narrow" side by side, and its
-# prefill case.
+# Hundred-and-thirty-first device batch (forty-sixth session), two variants of the Gluon MLA decode, both off:
+# LEAN_SOFTMAX (no mask on the pages inside the context, the scale folded into the exponent's FFMA) and
+# batch130's NARROW_REMAINDER (96 heads' last 32 on the MMA's N; now one launch with the 64-row blocks). Every Gluon
+# GPU test, then the MLA bench with "gluon", "gluon_lean" and "gluon_narrow" side by side, and its prefill case.
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 240 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "gluon or mixer" > $OUT/tests.txt 2>&1
