@@ -18,6 +18,7 @@ __all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "dequantize_mxfp4", "e2m1_table", "unpa
 
 E2M1_EMAX = 2
 E2M1_MAX = 6.0
+PLAUSIBLE_EXPONENT = 64  # |median block-scale exponent| a checkpoint's scales may have (check_scale)
 
 
 class MXFP4Error(ValueError):
@@ -88,8 +89,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_scale(scale: torch.Tensor, name: str) -> None:
-    """Refuse E8M0 scale bytes of 0xFF (NaN) and those above E8M0_MAX_FINITE (decoded weights overflow to Inf);
-    `name` goes into the message."""
+    """Refuse E8M0 scale bytes of 0xFF (NaN) and those above E8M0_MAX_FINITE (decoded weights overflow to Inf), and
+    scales whose median is implausible for weights (PLAUSIBLE_EXPONENT); `name` goes into the message."""
     if scale.dtype != torch.uint8:
         raise MXFP4Error(f"{name}: expected uint8 E8M0 scales, got {scale.dtype}")
     bad = scale > E8M0_MAX_FINITE
@@ -99,6 +100,16 @@ def check_scale(scale: torch.Tensor, name: str) -> None:
         what = "NaN in E8M0" if byte == E8M0_NAN else f"2^{byte - E8M0_BIAS}: its weights decode to Inf in BF16"
         raise MXFP4Error(f"{name}: scale byte 0x{byte:02X} ({what}) at index {list(idx)}; "
                          f"expected bytes 0..{E8M0_MAX_FINITE} ({int(bad.sum())} bad bytes)")
+    # bytes that all decode finite can still be the wrong encoding: exponents stored unbiased (two's complement, a
+    # weight of 2^-7 as 0xF9) read as E8M0 scale every weight by 2^122 or so. Real weights' block scales lie far
+    # inside 2^±64, so a median outside it (over the non-zero bytes: an all-zero block's byte is 0) is refused.
+    used = scale[scale != 0]
+    if used.numel():
+        median = int(used.flatten().kthvalue((used.numel() + 1) // 2).values) - E8M0_BIAS
+        if abs(median) > PLAUSIBLE_EXPONENT:
+            raise MXFP4Error(f"{name}: the median block scale is 2^{median}; expected E8M0 bytes (exponent + "
+                             f"{E8M0_BIAS}) of weights within 2^±{PLAUSIBLE_EXPONENT}: are the exponents stored "
+                             f"unbiased (signed)?")
 
 
 def check_packed_pair(packed_shape: tuple[int, ...], scale_shape: tuple[int, ...], name: str) -> None:

@@ -102,7 +102,10 @@ def _as_e8m0(name: str, byte: int | None = None):
     (SCALE, lambda d: {**d, SCALE: d[SCALE].view(torch.int8)},
      [f"{SCALE}: wrong dtype I8, expected U8 or F8_E8M0 (the E8M0 bytes of MXFP4 block scales)"]),
     (SCALE, _as_e8m0(SCALE, 0xFF), [SCALE, "scale byte 0xFF (NaN in E8M0) at index [4, 1]", "expected bytes 0..252"]),
-], ids=["packed-e8m0", "scale-i8", "e8m0-nan"])
+    # the exponents stored unbiased in the U8 bytes (2^-7 as 0xF9): every byte decodes finite, to weights near 2^120
+    (SCALE, lambda d: {**d, SCALE: ((d[SCALE].to(torch.int16) - 127) & 0xFF).to(torch.uint8)},
+     [SCALE, "the median block scale is 2^1", "are the exponents stored unbiased (signed)?"]),
+], ids=["packed-e8m0", "scale-i8", "e8m0-nan", "signed-exponents"])
 def test_other_dtypes_and_bad_e8m0_bytes_are_refused(tiny, tmp_path, target, edit, words):
     ckpt = copy_ckpt(tiny, tmp_path / "ckpt")
     shard = rewrite_shard(ckpt, edit, target)

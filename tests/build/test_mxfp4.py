@@ -108,3 +108,19 @@ def test_bad_inputs():
     s[2, 1] = 0xFF
     with pytest.raises(MXFP4Error, match=r"experts\.3\.w1\.weight_scale: scale byte 0xFF .*\[2, 1\]"):
         check_scale(s, "experts.3.w1.weight_scale")
+
+
+
+def test_scales_of_implausible_size_are_refused():
+    """Exponents stored unbiased decode finite but scale every weight by about 2^120: refused by their median; an
+    all-zero tensor (scale byte 0 a block) and real weights' scales pass."""
+    w = torch.randn(64, 256) * 0.02
+    w[:8] = 0.0  # some all-zero blocks: byte 0, left out of the median
+    _, scale = quantize_mxfp4(w)
+    check_scale(scale, "x")
+    check_scale(torch.zeros(4, 2, dtype=torch.uint8), "x")
+    signed = ((scale.to(torch.int16) - 127) & 0xFF).to(torch.uint8)
+    with pytest.raises(MXFP4Error, match=r"w2\.weight_scale: the median block scale is 2\^1\d\d; .*unbiased"):
+        check_scale(signed, "w2.weight_scale")
+    with pytest.raises(MXFP4Error, match=r"median block scale is 2\^-80"):
+        check_scale(torch.full((4, 2), 127 - 80, dtype=torch.uint8), "x")
