@@ -16,7 +16,8 @@ from k3plugins import registry
 from k3plugins.step_scope import step_scope
 from onnx import helper
 
-from .loader import _ONNX_TO_TORCH, EngineError, RankEngine
+from .graph_ops import COMM_OPS, STRUCTURE_OPS, ONNX_OPS, op_problem
+from .loader import EngineError, RankEngine
 
 
 @dataclass(frozen=True)
@@ -113,19 +114,17 @@ class Executor:
         self.nodes = [self._bind(n, plugins) for n in engine.graph.node]
 
     def _bind(self, node: onnx.NodeProto, plugins: dict) -> _Bound:
-        from .graph_check import op_problem  # load checked the whole graph; a RankEngine made otherwise is not
-
-        why = op_problem(node, plugins)
+        why = op_problem(node, plugins)  # load checked the whole graph; a RankEngine made otherwise is not
         if why:  # an op of a newer k3build, or a graph edited by hand
             raise EngineError(f"graph node {node.name!r}: {why}; rebuild the engine with this k3build")
         attrs = _attrs(node)
         ins, outs = list(node.input), list(node.output)
         if node.domain == "":
-            return _Bound(node.name, _ONNX_OPS[node.op_type](attrs), ins, outs, {}, "plain")
-        if node.op_type in _K3_STRUCTURE_OPS:
-            return _Bound(node.name, _K3_STRUCTURE_OPS[node.op_type](attrs), ins, outs, {}, "plain")
-        if node.op_type in _COMM_OPS:
-            return _Bound(node.name, getattr(self.comm, _COMM_OPS[node.op_type]), ins, outs, attrs, "comm")
+            return _Bound(node.name, ONNX_OPS[node.op_type](attrs), ins, outs, {}, "plain")
+        if node.op_type in STRUCTURE_OPS:
+            return _Bound(node.name, STRUCTURE_OPS[node.op_type](attrs), ins, outs, {}, "plain")
+        if node.op_type in COMM_OPS:
+            return _Bound(node.name, getattr(self.comm, COMM_OPS[node.op_type]), ins, outs, attrs, "comm")
         fn = registry.find(node.op_type, plugins[node.op_type]["tactic"]).load()
         kind = {"KDA": "kda", "MLA": "mla", "AttnRes": "attn_res"}.get(node.op_type, "plain")
         if kind == "attn_res":
@@ -168,23 +167,3 @@ class Executor:
             else:
                 env.update(zip(b.outputs, out))
         return {name: env[name] for name in self.outputs}
-
-
-# k3 ops that only rearrange values (no kernel, no tactic): views, not copies
-_K3_STRUCTURE_OPS: dict[str, Callable[[dict], Callable]] = {
-    "SplitColumns": lambda attrs: (lambda x: x.split(list(attrs["sizes"]), dim=-1)),
-    "SliceColumns": lambda attrs: (lambda x: x.narrow(-1, attrs["start"], attrs["size"])),
-}
-_COMM_OPS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "EPGather": "ep_gather", "EPScatter": "ep_scatter"}
-
-
-def _cast(attrs: dict):
-    dtype = _ONNX_TO_TORCH[attrs["to"]]
-    return lambda x: x.to(dtype)
-
-
-_ONNX_OPS: dict[str, Callable[[dict], Callable]] = {
-    "Add": lambda attrs: (lambda a, b: a + b),
-    "Identity": lambda attrs: (lambda x: x),
-    "Cast": _cast,
-}

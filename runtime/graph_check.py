@@ -7,11 +7,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from .executor import _COMM_OPS, _K3_STRUCTURE_OPS, _ONNX_OPS
-from .loader import _ONNX_TO_TORCH, KDA, MLA, ModelFacts, dense_tp
-
-K3_DOMAIN = "k3"
-_CACHED = {"KDA": KDA, "MLA": MLA}  # ops that take their layer's cache, found by their cache_index attribute
+from .graph_ops import CACHED_OPS, K3_DOMAIN, ONNX_TO_TORCH, op_problem, type_name
+from .model_facts import KDA, MLA, ModelFacts, dense_tp
 
 
 def graph_problem(model: onnx.ModelProto, cfg: dict, rank: int) -> str | None:
@@ -26,13 +23,6 @@ def graph_problem(model: onnx.ModelProto, cfg: dict, rank: int) -> str | None:
         return f"holds the graph {graph.name!r}, not rank {rank}'s (k3_rank{rank}): rank directories mixed up?"
     return (_inputs_problem(graph, cfg, info) or _nodes_problem(graph, cfg, info) or _outputs_problem(graph, info)
             or _dtype_problem(graph, cfg, info))
-
-
-def _type_name(elem_type) -> str:
-    try:
-        return onnx.TensorProto.DataType.Name(elem_type)
-    except (ValueError, TypeError):
-        return repr(elem_type)
 
 
 def _is_data(vi: onnx.ValueInfoProto) -> bool:
@@ -54,9 +44,9 @@ def _inputs_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None
         if _is_data(vi):
             if vi.name not in fed:
                 return f"graph input {vi.name!r}: not one the runtime feeds this rank ({', '.join(sorted(fed))})"
-        elif t.elem_type not in _ONNX_TO_TORCH:
-            return (f"graph input {vi.name!r}: element type {_type_name(t.elem_type)} is not one the runtime reads "
-                    f"({', '.join(map(_type_name, _ONNX_TO_TORCH))})")
+        elif t.elem_type not in ONNX_TO_TORCH:
+            return (f"graph input {vi.name!r}: element type {type_name(t.elem_type)} is not one the runtime reads "
+                    f"({', '.join(map(type_name, ONNX_TO_TORCH))})")
         elif vi.name in ("embed", "lm_head") and (rows := _rows(t)) * tp != vocab:
             return (f"graph input {vi.name!r}: {rows} vocabulary rows on each of {tp} rank(s), but "
                     f"pretrained_config.vocab_size is {vocab}")
@@ -87,30 +77,10 @@ def _nodes_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
     return None
 
 
-def op_problem(node: onnx.NodeProto, plugins: dict, caches: dict[str, int] | None = None) -> str | None:
-    """What keeps the executor from binding `node` with the engine's plugin table (None: nothing); with `caches`
-    (layers of each kind on the rank), also a KDA or MLA node's cache_index past them."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if node.domain == "":
-        if node.op_type not in _ONNX_OPS:
-            return f"op {node.op_type} is not an ONNX op the runtime runs ({', '.join(sorted(_ONNX_OPS))})"
-        if node.op_type == "Cast" and attrs.get("to") not in _ONNX_TO_TORCH:
-            return f"Cast to element type {_type_name(attrs.get('to'))}, not one the runtime reads"
-        return None
-    if node.domain != K3_DOMAIN or not (node.op_type in _K3_STRUCTURE_OPS or node.op_type in _COMM_OPS
-                                        or node.op_type in plugins):
-        return f"op {node.domain}::{node.op_type} is neither a structure op nor in the engine's plugin table"
-    if caches is not None and (kind := _CACHED.get(node.op_type)):
-        index = attrs.get("cache_index")
-        if not (isinstance(index, int) and 0 <= index < caches[kind]):
-            return f"cache_index {index!r}: this rank holds {caches[kind]} {kind.upper()} layer cache(s)"
-    return None
-
-
 def _cache_problem(node: onnx.NodeProto, shapes: dict[str, list[int]], cfg: dict) -> str | None:
     """A KDA or MLA node whose layer does not fit the cache the runtime sizes from config.json's pretrained_config
     (rank_runner.cache_config): the plugin would refuse its cache at the first step, after the engine had started."""
-    if node.domain != K3_DOMAIN or node.op_type not in _CACHED:
+    if node.domain != K3_DOMAIN or node.op_type not in CACHED_OPS:
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     model, facts = cfg["pretrained_config"], ModelFacts.from_pretrained_config(cfg["pretrained_config"])
@@ -148,9 +118,9 @@ def _dtype_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
     if vi is None or vi.type.tensor_type.elem_type == _BUILD_DTYPES[want]:
         return None  # no embed on a first stage: _nodes_problem names it
     have = vi.type.tensor_type.elem_type
-    built = next((k for k, v in _BUILD_DTYPES.items() if v == have), _type_name(have))
+    built = next((k for k, v in _BUILD_DTYPES.items() if v == have), type_name(have))
     what = "weight" if anchor == "embed" else "stage input"
-    return (f"{what} {anchor!r} is {built} ({_type_name(have)}), but config.json's build_config.dtype, the dtype "
+    return (f"{what} {anchor!r} is {built} ({type_name(have)}), but config.json's build_config.dtype, the dtype "
             f"the runtime runs the model in, is {want}: one of the two was edited after the build")
 
 

@@ -15,43 +15,16 @@ from k3plugins.moe.mxfp4 import E8M0_MAX_FINITE, W4_MAX_SCALE_BYTE, W4_TACTICS
 
 from .dist import weight_store
 from .engine_dir import check_engine_fields, no_config, not_an_engine
+from .graph_check import graph_problem
+from .graph_ops import ONNX_TO_TORCH
+from .model_facts import ModelFacts
 from .weight_reader import WeightFileError, read_header, read_weights
 
 ENGINE_FORMAT_VERSION = 1
-KDA, MLA = "kda", "mla"
 
 
 class EngineError(RuntimeError):
     """The engine cannot be loaded here; the message says what to rebuild or fix."""
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the runtime needs to know of the model (read from the engine's pretrained_config)."""
-
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]
-    kda_num_heads: int
-    kda_head_dim: int
-    kda_conv_size: int
-    mla_cache_width: int
-    eos_token_id: int | None
-    bos_token_id: int | None
-    max_position_embeddings: int
-
-    @classmethod
-    def from_pretrained_config(cls, d: dict) -> "ModelFacts":
-        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], layer_types=tuple(d["layer_types"]),
-                   kda_num_heads=d["kda_num_heads"], kda_head_dim=d["kda_head_dim"], kda_conv_size=d["kda_conv_size"],
-                   mla_cache_width=d["kv_lora_rank"] + d["qk_rope_head_dim"], eos_token_id=d.get("eos_token_id"),
-                   bos_token_id=d.get("bos_token_id"), max_position_embeddings=d["max_position_embeddings"])
-
-
-def dense_tp(mapping: dict) -> int:
-    """Ranks a layer's attention heads (and the vocabulary rows) are split over: tp_size, or 1 under attention-DP,
-    whose ranks each hold them whole."""
-    return 1 if mapping["attention_dp"] else mapping["tp_size"]
 
 
 @dataclass
@@ -163,9 +136,6 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     check_stamp(cfg, engine_dir / "config.json", device)
     if str(rank) not in cfg["ranks"]:
         raise EngineError(f"{engine_dir}: no rank {rank} (world size {cfg['mapping']['world_size']})")
-    # imported here: graph_check imports the executor (whose bindings it checks), which imports this module
-    from .graph_check import graph_problem
-
     rank_dir = engine_dir / f"rank{rank}"
     for name in ("graph.onnx", "weights.safetensors"):
         _check_readable(rank_dir / name)
@@ -266,11 +236,6 @@ def _read_weights(path: Path, rank: int, info: dict, build_id: str | None, devic
     raise EngineError(f"{path}: corrupt ({why}){sizes}; rebuild the engine")
 
 
-_ONNX_TO_TORCH = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.BFLOAT16: torch.bfloat16,
-                  onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.UINT8: torch.uint8,
-                  onnx.TensorProto.INT64: torch.int64}
-
-
 def _nonfinite_problem(weights: dict[str, torch.Tensor]) -> str | None:
     """Float weights holding NaN or Inf: convert refuses them in a checkpoint, so here they are a file damaged
     since (bytes overwritten in place keep its size), which would otherwise sample from NaN logits without a word.
@@ -316,6 +281,6 @@ def _weights_problem(graph: onnx.GraphProto, weights: dict[str, torch.Tensor]) -
             return f"tensor {vi.name!r} declared by graph.onnx is missing"
         shape = tuple(d.dim_value for d in t.shape.dim)
         w = weights[vi.name]
-        if tuple(w.shape) != shape or w.dtype != _ONNX_TO_TORCH[t.elem_type]:
-            return f"{vi.name!r} is {tuple(w.shape)} {w.dtype}, graph expects {shape} {_ONNX_TO_TORCH[t.elem_type]}"
+        if tuple(w.shape) != shape or w.dtype != ONNX_TO_TORCH[t.elem_type]:
+            return f"{vi.name!r} is {tuple(w.shape)} {w.dtype}, graph expects {shape} {ONNX_TO_TORCH[t.elem_type]}"
     return None

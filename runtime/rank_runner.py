@@ -19,7 +19,8 @@ from .cuda_graph import DecodeGraphs, bucket_for
 from .executor import FED, Communicator, Executor, StepBatch, feed_tokens
 from .kv_cache import CacheTensors, HostStore
 from .kv_cache.cache_tensors import CacheConfig
-from .loader import KDA, MLA, EngineError, RankEngine, dense_tp
+from .loader import EngineError, RankEngine
+from .model_facts import KDA, MLA, dense_tp
 from .micro_batch import split
 from .request import PLACEHOLDER
 from .scheduler import ScheduledItem, StepPlan, SwapEntry
