@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from common import emit, mma_tflops, rel_l2, time_ms
@@ -73,7 +75,10 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
     tflops = mma_tflops()
     emit(bench="mla_mma_rate", mma_tflops=round(tflops, 1), flop_per_kv_byte=round(FLOPS_PER_HEAD_TOKEN / 1152, 3),
          ridge_flop_per_byte=round(tflops / bw_tbps, 1))
-    for B, L, H in ((64, 8192, 16), (32, 65536, 16), (64, 8192, 96), (32, 65536, 96)):
+    quick = os.environ.get("K3_BENCH_MLA_QUICK") == "1"  # the 96-head cases' Gluon kernels alone (device time short)
+    cases = ((64, 8192, 96), (32, 65536, 96)) if quick else ((64, 8192, 16), (32, 65536, 16), (64, 8192, 96),
+                                                              (32, 65536, 96))
+    for B, L, H in cases:
         kv, pt, lens, ql, qp = make_case(B, L, H, gen)
         floor_ms = B * L * 576 * 2 / (bw_tbps * 1e12) * 1e3
         flops = B * L * H * FLOPS_PER_HEAD_TOKEN  # exact heads; a 64-head block pads 96 to 128
@@ -96,7 +101,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
                         [(32, None, 8, 2, False), (32, None, 4, 1, False), (32, None, 4, 3, False),
                          (64, None, 8, 1, False), (16, None, 2, 2, False), (64, 8, 8, 2, True), (64, None, 16, 2, True)])
         # the sm_90 Gluon kernel (64-head blocks, TMA pages, warp-specialized): its split counts
-        runs = [(c, "triton") for c in configs]
+        runs = [(c, "triton") for c in configs[:1 if quick else None]]
         if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
             runs += [((64, ns, 4, 2, False), "gluon") for ns in (None, 1, 2, 4)]
             # the softmax with LEAN_SOFTMAX (the mask on the context's last page only, the scale in the exponent's FFMA)
@@ -130,7 +135,8 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
              frac_of_roofline=round(max(floor_ms, math_ms) / best[1], 3))
         del kv
         torch.cuda.empty_cache()
-    bench_mla_prefill(tflops, gen)
+    if not quick:
+        bench_mla_prefill(tflops, gen)
 
 
 def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, chunk: int = 2048,

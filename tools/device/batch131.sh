@@ -5,7 +5,8 @@
 # "gluon_lean" and "gluon_narrow" side by side, and its prefill case.
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-# QUICK=1 (little device time left): the bench alone, whose rows carry each variant's error against bmm
+# QUICK=1 (little device time left): the bench alone, its 96-head cases (whose rows carry each variant's error
+# against bmm), the Triton kernel's host config as the baseline
 if [ -z "$QUICK" ]; then
   timeout 200 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "lean or narrow or 256_wide or mixer" \
     > $OUT/tests.txt 2>&1
@@ -13,7 +14,7 @@ if [ -z "$QUICK" ]; then
   tail -3 $OUT/tests.txt
   if [ $rc -ne 0 ]; then grep -m3 -B2 -A12 "Error\|assert" $OUT/tests.txt | cut -c1-200; exit 1; fi
 fi
-timeout 300 python3 tools/bench_plugins.py --only mla > $OUT/bench.jsonl 2> $OUT/bench.err
+K3_BENCH_MLA_QUICK=$QUICK timeout 300 python3 tools/bench_plugins.py --only mla > $OUT/bench.jsonl 2> $OUT/bench.err
 tail -2 $OUT/bench.err
 python3 - <<'PY'
 import json, os
