@@ -56,9 +56,8 @@ def _with_knobs(fn, **knobs):
 GLUON_VARIANTS = {"gluon_narrow": dict(NARROW_REMAINDER=True), "gluon_lean": dict(LEAN_SOFTMAX=True)}
 
 
-def bench_mla(bw_tbps: float, sweep: bool) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    # ragged check: lengths 1..L, one sequence of a single token
+def _ragged_check(gen: torch.Generator) -> None:
+    """The host's kernel on ragged lengths 1..4096 (one sequence of a single token) against the fp32 definition."""
     kv, pt, _, ql, qp = make_case(4, 4096, 96, gen)
     lens = torch.tensor([1, 63, 1000, 4096], dtype=torch.int32, device="cuda")
     out = mla_decode_attention(ql, qp, kv, pt, lens, scale=SCALE)
@@ -69,13 +68,20 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         refs.append(torch.softmax(s, -1) @ toks[:, :512])
     emit(bench="mla_check", rel_l2=rel_l2(out.float(), torch.stack(refs)))
     del kv
+
+
+def bench_mla(bw_tbps: float, sweep: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    # K3_BENCH_MLA_QUICK=1: the 96-head cases' Gluon kernels alone, beside the floors and bmm (device time short)
+    quick = os.environ.get("K3_BENCH_MLA_QUICK") == "1"
+    if not quick:
+        _ragged_check(gen)
     # the math floor beside the bytes': absorbed MLA does 2·(576 + 512) FLOPs a head and cached token against 1152
     # bytes, so at 96 heads its FLOPs at the dense bf16 rate take most of its bytes' time at the HBM rate (on an
     # H200 about 0.8-0.9 of it): what a kernel can reach of the KV floor is capped by its tensor-core efficiency
     tflops = mma_tflops()
     emit(bench="mla_mma_rate", mma_tflops=round(tflops, 1), flop_per_kv_byte=round(FLOPS_PER_HEAD_TOKEN / 1152, 3),
          ridge_flop_per_byte=round(tflops / bw_tbps, 1))
-    quick = os.environ.get("K3_BENCH_MLA_QUICK") == "1"  # the 96-head cases' Gluon kernels alone (device time short)
     cases = ((64, 8192, 96), (32, 65536, 96)) if quick else ((64, 8192, 16), (32, 65536, 16), (64, 8192, 96),
                                                               (32, 65536, 96))
     for B, L, H in cases:
@@ -101,7 +107,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
                         [(32, None, 8, 2, False), (32, None, 4, 1, False), (32, None, 4, 3, False),
                          (64, None, 8, 1, False), (16, None, 2, 2, False), (64, 8, 8, 2, True), (64, None, 16, 2, True)])
         # the sm_90 Gluon kernel (64-head blocks, TMA pages, warp-specialized): its split counts
-        runs = [(c, "triton") for c in configs[:1 if quick else None]]
+        runs = [] if quick else [(c, "triton") for c in configs]
         if H >= 64 and torch.cuda.get_device_capability()[0] == 9:
             runs += [((64, ns, 4, 2, False), "gluon") for ns in (None, 1, 2, 4)]
             # the softmax with LEAN_SOFTMAX (the mask on the context's last page only, the scale in the exponent's FFMA)

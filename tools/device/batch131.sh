@@ -5,8 +5,8 @@
 # "gluon_lean" and "gluon_narrow" side by side, and its prefill case.
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-# QUICK=1 (little device time left): the bench alone, its 96-head cases (whose rows carry each variant's error
-# against bmm), the Triton kernel's host config as the baseline
+# QUICK=1 (little device time left): the bench alone, its 96-head cases' Gluon rows (each with its error against
+# bmm) beside the floors and bmm
 if [ -z "$QUICK" ]; then
   timeout 200 python3 -m pytest -q -x -m gpu tests/plugins/test_mla_gpu.py -k "lean or narrow or 256_wide or mixer" \
     > $OUT/tests.txt 2>&1
