@@ -15,6 +15,14 @@ TMA (2 x 72 KB), the scores P (8 KB) and their rescale factors. Warps, by role (
 An mbarrier per handoff: pages ready / free (a buffer each), P ready / free, the row sums at the end.
 The form before (8 warps sharing every dot's N, in turn) ran 1.32x slower (BENCHMARKS.md, forty-fifth session).
 
+Where its time goes: while the scores warpgroup runs a page's softmax the tensor cores idle (the values warpgroup
+finished the page before by then). Flash-attention 3 hides that softmax under the next page's scores MMAs, but that
+holds three pages at once (the page whose values run, the page softmaxed, the next one's scores): 3 x 72 KB beside
+the 72 KB of queries is more shared memory than an SM has, and with two buffers the next page's copy could only start
+as its scores are due. So the softmax is kept short instead (LEAN_SOFTMAX). An estimate, not measured: every
+64x64x16 MMA reads its two operands from shared memory, 4 KB for 32 cycles of tensor work, all of the 128 bytes a
+cycle shared memory serves, so narrower MMAs (heads or tokens on an N of 32) should fall short of the tensor rate.
+
 CUDA sm_90 only (TMA, wgmma, setmaxnreg); ROCm and the interpreter keep the Triton kernel.
 """
 
