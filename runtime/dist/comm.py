@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..executor import Communicator
+from . import heartbeat
 
 TIMEOUT_ENV = "K3_DIST_TIMEOUT_S"
 LOAD_TIMEOUT_ENV = "K3_DIST_LOAD_TIMEOUT_S"
@@ -47,9 +48,9 @@ def gather_cat(x: torch.Tensor, group, axis: int = 0) -> torch.Tensor:
     return torch.cat(parts, dim=axis)
 
 
-def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
-    """Process groups this rank belongs to, by graph group name ("tp", "moe")."""
-    mine = {}
+def build_groups(ranks_table: dict[str, dict], rank: int) -> tuple[dict[str, object], dict[str, str]]:
+    """Process groups this rank belongs to, by graph group name ("tp", "moe"), and their keys in the heartbeats."""
+    mine, keys = {}, {}
     for key in ("tp_group", "moe_group"):
         seen = []
         for info in (ranks_table[str(r)] for r in sorted(map(int, ranks_table))):
@@ -59,8 +60,9 @@ def build_groups(ranks_table: dict[str, dict], rank: int) -> dict[str, object]:
             seen.append(members)
             group = dist.new_group(list(members), timeout=collective_timeout()) if len(members) > 1 else None
             if rank in members:
-                mine[key.removesuffix("_group")] = group
-    return mine
+                name = key.removesuffix("_group")
+                mine[name], keys[name] = group, heartbeat.group_key(name, members)
+    return mine, keys
 
 
 _RESULT_DTYPES = (torch.int64, torch.float32, torch.float64)  # what send_result carries, by header code
@@ -74,10 +76,12 @@ class ControlPlane:
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo", timeout=collective_timeout())
+        self.key = heartbeat.group_key("control", range(dist.get_world_size()))
 
     def broadcast(self, obj=None):
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        with heartbeat.collective(self.key):
+            dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def send_result(self, t: torch.Tensor, dst: int = 0) -> None:
@@ -107,7 +111,8 @@ class ControlPlane:
 class DistCommunicator(Communicator):
     def __init__(self, ranks_table: dict[str, dict], rank: int, tp_size: int, device: torch.device):
         self.rank, self.tp_size, self.device = rank, tp_size, device
-        self.groups = build_groups(ranks_table, rank)
+        self.groups, self.group_keys = build_groups(ranks_table, rank)
+        self.world_key = heartbeat.group_key("world", range(dist.get_world_size()))
         self.control = ControlPlane()
         self._loaded = dist.new_group(backend="gloo", timeout=load_timeout())
         # gloo has no bf16/fp16 reductions on every build: reduce those in fp32 (also more accurate).
@@ -120,11 +125,13 @@ class DistCommunicator(Communicator):
 
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         y = x.float() if self.upcast and x.dtype != torch.float32 else x.contiguous()
-        dist.all_reduce(y, group=self.groups[group])
+        with heartbeat.collective(self.group_keys[group]):
+            dist.all_reduce(y, group=self.groups[group])
         return y.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor, group: str, axis: int) -> torch.Tensor:
-        return gather_cat(x, self.groups[group], axis)
+        with heartbeat.collective(self.group_keys[group]):
+            return gather_cat(x, self.groups[group], axis)
 
     def wait_loaded(self) -> None:
         """Every rank has read its weights (a barrier under load_timeout): the collectives after it, from the first
@@ -149,7 +156,8 @@ class DistCommunicator(Communicator):
         """Async scheduling: the sampled ids [M] int64 of rank `src` (the driver; with pipeline stages the last
         stage's first rank) broadcast into `tokens` on every rank, on the device (NCCL: queued on the stream, no
         host sync), for the next step to feed; or their logprobs' rows [R, W] float64, for the driver."""
-        dist.broadcast(tokens, src=src)
+        with heartbeat.collective(self.world_key):
+            dist.broadcast(tokens, src=src)
         return tokens
 
     def send_stage(self, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:

@@ -11,15 +11,23 @@ need not be this rank's own agent): a rank whose beats fail ORPHAN_BEATS times i
 gone with its node, or ended with a failure of its own ranks, and no one is left to stop it; it stops itself (SIGTERM,
 so that a server shuts down; a hard exit if that does not end it), rather than serving on as an orphan that holds the
 accelerator and the server's port.
+
+A rank that hangs while its process lives on (a blocking call, a deadlock on the host) keeps beating. So each beat
+also carries how many collectives the rank has entered on each of its groups and the one it waits in (collective):
+the members of a group enter its collectives in one order, so a live rank that entered fewer of a group's than
+another member did, and waits in none, is the one the others wait for (stuck_ranks).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -39,6 +47,27 @@ def _store():
 
 LEFT = "left"  # the beat of a rank that stopped beating on purpose (stop): never named as silent
 _beating: list[tuple[threading.Thread, threading.Event, object, int]] = []
+_entered: dict[str, int] = {}  # collectives this rank entered, by group key (group_key)
+_waiting: list[str | None] = [None]  # the group key of the collective it waits in (or failed in), else None
+
+
+def group_key(name: str, members: Iterable[int]) -> str:
+    """A group's key in the beats: its name and its ranks (two TP groups are two groups)."""
+    return f"{name}:{','.join(map(str, sorted(members)))}"
+
+
+@contextmanager
+def collective(key: str):
+    """Around a collective on the group `key`: counted when entered; while it blocks, and after it failed, the
+    rank's beat says it waits there."""
+    _entered[key] = _entered.get(key, 0) + 1
+    _waiting[0] = key
+    yield
+    _waiting[0] = None  # (left set when the collective raised: the rank was waiting for a peer)
+
+
+def _beat() -> str:
+    return json.dumps({"t": time.time(), "n": dict(_entered), "in": _waiting[0]})
 
 
 def start() -> None:
@@ -52,7 +81,7 @@ def start() -> None:
         failed = 0
         while not done.is_set():
             try:
-                store.set(_KEY.format(rank), repr(time.time()))
+                store.set(_KEY.format(rank), _beat())
                 failed = 0
             except Exception as e:  # noqa: BLE001 - the store went away with the job, or a hiccup
                 failed += 1
@@ -117,19 +146,49 @@ def silent_ranks(watch_s: float) -> list[int]:
 
 
 def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
-    """A message naming the silent ranks when `exc` is a collective timeout, else None (after watching the beats
-    for up to 5 s)."""
+    """A message naming the silent ranks when `exc` is a collective timeout, or else the stuck ones (stuck_ranks);
+    None otherwise (after watching the beats for up to 5 s)."""
     message = str(exc).lower()
     # gloo says either, as its side of a pair or the peer's gives up first
     if "timed out" not in message and "timeout caused pair closure" not in message:
         return None
     watch_s = max(3 * PERIOD_S, min(5.0, timeout_s / 2))
     silent = silent_ranks(watch_s)
-    if not silent:
-        return None
-    names = ", ".join(f"rank {r}" for r in silent)
-    return (f"a collective timed out after {timeout_s:.0f} s (K3_DIST_TIMEOUT_S): {names} stopped responding (no "
-            f"heartbeat in {watch_s:.0f} s); the others were alive and waiting for it")
+    head = f"a collective timed out after {timeout_s:.0f} s (K3_DIST_TIMEOUT_S): "
+    if silent:
+        names = ", ".join(f"rank {r}" for r in silent)
+        return (head + f"{names} stopped responding (no heartbeat in {watch_s:.0f} s); the others were alive and "
+                "waiting for it")
+    if stuck := stuck_ranks():
+        names = "; ".join(f"rank {r} (group {key.split(':')[0]} [{key.split(':')[1]}]: it entered {n} of its "
+                          f"collectives, another member {top})" for r, (key, n, top) in stuck)
+        return (head + f"{names} {'is' if len(stuck) == 1 else 'are'} alive but waits in no collective: stuck in "
+                "its own work (a blocking call, a kernel, a deadlock); the others were waiting for it")
+    return None
+
+
+def stuck_ranks() -> list[tuple[int, tuple[str, int, int]]]:
+    """The live ranks (this one included) that entered fewer of a group's collectives than another member and wait
+    in none: [(rank, (group key, its count, the most a member entered))]. A rank waiting for another, even behind
+    on some group, waits inside a collective, so only the rank the wait started from is named."""
+    beats = {}
+    for r, beat in _stamps().items():
+        try:
+            beat = json.loads(beat)
+        except ValueError:  # left
+            continue
+        if isinstance(beat, dict):
+            beats[r] = beat
+    beats[dist.get_rank()] = {"n": dict(_entered), "in": _waiting[0]}
+    found = {}
+    for key in sorted(set().union(*(b.get("n", {}) for b in beats.values()))):
+        counts = {r: beats[r].get("n", {}).get(key, 0) for r in map(int, key.rsplit(":", 1)[1].split(","))
+                  if r in beats}
+        top = max(counts.values(), default=0)
+        for r, n in counts.items():
+            if n < top and beats[r].get("in") is None and r not in found:
+                found[r] = (key, n, top)
+    return sorted(found.items())
 
 
 def explain_lost_peer(exc: BaseException) -> str | None:

@@ -1,5 +1,5 @@
-"""Heartbeats name a hung rank after a collective timeout, also one that stopped just before it, and not a live one
-(real gloo ranks under torchrun)."""
+"""Heartbeats name a hung rank after a collective timeout, also one that stopped just before it, and not a live one;
+a live rank stuck in its own work by the collectives it has not entered (real gloo ranks under torchrun)."""
 
 import json
 import os
@@ -79,6 +79,72 @@ def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
     assert "rank 1 stopped responding (no heartbeat in 5 s)" in got["why"] and got["other"] is None
     assert "rank 1 stopped responding" in got["pair"]
     assert got["still"]
+
+
+STUCK_JOB = textwrap.dedent('''
+    import json, os, sys, time
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    from k3runtime.dist import heartbeat
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+    heartbeat.start()
+    rank, t = dist.get_rank(), torch.zeros(1)
+    a = dist.new_group([0, 2], timeout=timedelta(seconds=3))
+    b = dist.new_group([1, 2], timeout=timedelta(seconds=60))
+    ka, kb = heartbeat.group_key("a", [0, 2]), heartbeat.group_key("b", [2, 1])
+    if rank in (0, 2):  # a round on each group: every member entered one
+        with heartbeat.collective(ka):
+            dist.all_reduce(t, group=a)
+    if rank in (1, 2):
+        with heartbeat.collective(kb):
+            dist.all_reduce(t, group=b)
+    if rank == 1:
+        time.sleep(25)  # alive, beating, in no collective: the rank the others wait for
+        os._exit(0)
+    if rank == 2:  # waits for rank 1 inside b; behind on a, where rank 0 waits for it
+        try:
+            with heartbeat.collective(kb):
+                dist.all_reduce(t, group=b)
+        finally:
+            os._exit(0)
+    time.sleep(1.5)
+    try:
+        with heartbeat.collective(ka):
+            dist.all_reduce(t, group=a)
+        err = None
+    except RuntimeError as e:
+        err = e
+    got = {"err": str(err), "why": heartbeat.explain_timeout(err, 3) if err else None,
+           "stuck": heartbeat.stuck_ranks(), "silent": heartbeat.silent_ranks(3.0)}
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        json.dump(got, f)
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    os._exit(0)
+''')
+
+
+def test_a_live_rank_stuck_outside_the_collectives_is_named(tmp_path):
+    """Rank 1 lives (its beat moves) but waits in no collective; rank 2 waits for it inside group b, so it never
+    joins rank 0's collective on group a, which times out. Rank 2 is behind on a too, but waiting: only rank 1, the
+    rank the waits start from, is named, by the group it is behind on."""
+    job, out = tmp_path / "job.py", tmp_path / "out.json"
+    job.write_text(STUCK_JOB)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+                             str(job), str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert out.exists(), log[-3000:]
+    got = json.loads(out.read_text())
+    assert "timed out" in got["err"].lower(), got
+    assert got["silent"] == [] and got["stuck"] == [[1, ["b:1,2", 1, 2]]], got
+    assert ("rank 1 (group b [1,2]: it entered 1 of its collectives, another member 2) is alive but waits in no "
+            "collective: stuck in its own work") in got["why"], got["why"]
 
 
 def test_an_orphaned_rank_names_the_store_it_lost(monkeypatch, capsys):
