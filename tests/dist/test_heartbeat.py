@@ -50,12 +50,19 @@ JOB = textwrap.dedent('''
 ''')
 
 
-def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
+def _torchrun(tmp_path, code: str, nproc: int):
+    """(the job's process, the path its rank 0 writes its findings to): `code` as a script under torchrun."""
     job, out = tmp_path / "job.py", tmp_path / "out.json"
-    job.write_text(JOB)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(job), str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job.write_text(code)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={nproc}", str(job), str(out)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
+    proc, out = _torchrun(tmp_path, JOB, 2)
     t0 = time.monotonic()
     try:
         while not out.exists() and proc.poll() is None:  # rank 0 writes it, then rank 1 is killed here
@@ -129,11 +136,7 @@ def test_a_live_rank_stuck_outside_the_collectives_is_named(tmp_path):
     """Rank 1 lives (its beat moves) but waits in no collective; rank 2 waits for it inside group b, so it never
     joins rank 0's collective on group a, which times out. Rank 2 is behind on a too, but waiting: only rank 1, the
     rank the waits start from, is named, by the group it is behind on."""
-    job, out = tmp_path / "job.py", tmp_path / "out.json"
-    job.write_text(STUCK_JOB)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                             str(job), str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, out = _torchrun(tmp_path, STUCK_JOB, 3)
     try:
         log = proc.communicate(timeout=120)[0]
     except subprocess.TimeoutExpired:

@@ -69,6 +69,17 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
     assert ((out.double() - same.double()).norm() / ref.norm()).item() < 1e-2
 
 
+def _knob_on_and_off(monkeypatch, knob: str, H: int, lens: list[int], dtype, splits, seed: int):
+    """(output with gluon_sm90.<knob> set, output before, the fp64 definition) of the Gluon kernel on a paged case."""
+    from k3plugins.mla import gluon_sm90
+    ql, qp, kv, pt, lens_t = _paged_case(H, lens, dtype, seed=seed)
+    run = lambda: mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits,  # noqa: E731
+                                       kernel="gluon")
+    before = run()
+    monkeypatch.setattr(gluon_sm90, knob, True)
+    return run(), before, _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
+
+
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel is sm_90 only")
 @pytest.mark.parametrize("H", [64, 96])
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
@@ -80,13 +91,8 @@ def test_gluon_mla_lean_softmax_matches_definition(H, narrow, lens, splits, monk
     before."""
     from k3plugins.mla import gluon_sm90
     monkeypatch.setattr(gluon_sm90, "NARROW_REMAINDER", narrow)
-    ql, qp, kv, pt, lens_t = _paged_case(H, lens, torch.bfloat16, seed=len(lens) * 7 + H)
-    run = lambda: mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits,  # noqa: E731
-                                       kernel="gluon")
-    before = run()
-    monkeypatch.setattr(gluon_sm90, "LEAN_SOFTMAX", True)
-    out = run()
-    ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
+    out, before, ref = _knob_on_and_off(monkeypatch, "LEAN_SOFTMAX", H, lens, torch.bfloat16, splits,
+                                        seed=len(lens) * 7 + H)
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     assert ((out.double() - before.double()).norm() / ref.norm()).item() < 1e-2
@@ -100,15 +106,9 @@ def test_gluon_mla_lean_softmax_matches_definition(H, narrow, lens, splits, monk
 def test_gluon_mla_narrow_remainder_matches_definition(H, lens, splits, dtype, monkeypatch):
     """NARROW_REMAINDER: the last head block's 32 heads (or fewer: 112 = 64 + 48 keeps the 64-row block) on the
     MMA's N (the scores and values transposed), against the fp64 definition and the 64-row form."""
-    from k3plugins.mla import gluon_sm90
-    ql, qp, kv, pt, lens_t = _paged_case(H, lens, dtype, seed=len(lens) * 10 + H)
+    out, wide, ref = _knob_on_and_off(monkeypatch, "NARROW_REMAINDER", H, lens, dtype, splits,
+                                      seed=len(lens) * 10 + H)
     B = len(lens)
-    run = lambda: mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits,  # noqa: E731
-                                       kernel="gluon")
-    wide = run()
-    monkeypatch.setattr(gluon_sm90, "NARROW_REMAINDER", True)
-    out = run()
-    ref = _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
     assert out.shape == (B, H, 512) and out.dtype == dtype and torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     assert ((out.double() - wide.double()).norm() / ref.norm()).item() < 1e-2
