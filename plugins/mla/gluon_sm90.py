@@ -39,9 +39,9 @@ BLOCK_H = 64  # heads a program: one 64-row wgmma tile
 LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its shared memory is sized for 512 + 64)
 MAXNREG = 168  # registers a thread at launch: 3 warpgroups (12 warps) of 168 fill the SM's 64K; then moved by role
 VALUES_REGS, LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup takes the rest (256)
-# the softmax without the mask on pages inside the context and with the scale folded into the exponent's FFMA (64
-# fewer instructions a page on the scores warpgroup's path); off until its GPU tests and bench have run
-# (tools/device/batch131.sh)
+# the softmax without the mask on pages inside the context and with the scale folded into the exponent's FFMA
+# (about 90 fewer instructions run a page on the scores warpgroup's path); off until its GPU tests and bench have
+# run (tools/device/batch131.sh)
 LEAN_SOFTMAX = False
 
 
