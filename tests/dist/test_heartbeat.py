@@ -108,7 +108,7 @@ STUCK_JOB = textwrap.dedent('''
         with heartbeat.collective(kb):
             dist.all_reduce(t, group=b)
     if rank == 1:
-        time.sleep(25)  # alive, beating, in no collective: the rank the others wait for
+        time.sleep(14)  # alive, beating, in no collective: the rank the others wait for (rank 0 is done by 10 s)
         os._exit(0)
     if rank == 2:  # waits for rank 1 inside b; behind on a, where rank 0 waits for it
         try:
@@ -123,8 +123,7 @@ STUCK_JOB = textwrap.dedent('''
         err = None
     except RuntimeError as e:
         err = e
-    got = {"err": str(err), "why": heartbeat.explain_timeout(err, 3) if err else None,
-           "stuck": heartbeat.stuck_ranks(), "silent": heartbeat.silent_ranks(3.0)}
+    got = {"err": str(err), "why": heartbeat.explain_timeout(err, 3) if err else None, "stuck": heartbeat.stuck_ranks()}
     with open(sys.argv[1] + ".tmp", "w") as f:
         json.dump(got, f)
     os.replace(sys.argv[1] + ".tmp", sys.argv[1])
@@ -145,7 +144,7 @@ def test_a_live_rank_stuck_outside_the_collectives_is_named(tmp_path):
     assert out.exists(), log[-3000:]
     got = json.loads(out.read_text())
     assert "timed out" in got["err"].lower(), got
-    assert got["silent"] == [] and got["stuck"] == [[1, ["b:1,2", 1, 2]]], got
+    assert got["stuck"] == [[1, ["b:1,2", 1, 2]]], got  # and "why" names it as stuck, not as silent:
     assert ("rank 1 (group b [1,2]: it entered 1 of its collectives, another member 2) is alive but waits in no "
             "collective: stuck in its own work") in got["why"], got["why"]
 
