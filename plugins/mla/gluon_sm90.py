@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_H = 64  # heads a program: one 64-row wgmma tile
+HEAD_BLOCK = gl.constexpr(BLOCK_H)  # BLOCK_H inside the kernels
 LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its shared memory is sized for 512 + 64)
 MAXNREG = 168  # registers a thread at launch: 3 warpgroups (12 warps) of 168 fill the SM's 64K; then moved by role
 VALUES_REGS, LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup takes the rest (256)
@@ -178,6 +179,23 @@ def _handoff_barriers():
 
 
 @gluon.jit
+def _load_queries(q_smem, qp_smem, q_lat_ptr, q_pe_ptr, b, hb, H, stride_qb, stride_qh, stride_rb, stride_rh,
+                  BH: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, num_warps: gl.constexpr):
+    """Query row b's heads hb·64 .. hb·64 + BH (zeros past H) into shared memory, a quarter of the latent columns at a
+    time (fewer registers than all at once), fenced for the MMAs that read them."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rh = hb * HEAD_BLOCK + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+    h_ok = (rh < H)[:, None]
+    q_row = q_lat_ptr + b * stride_qb + rh[:, None] * stride_qh
+    for c in gl.static_range(4):
+        rl = c * (DL // 4) + gl.arange(0, DL // 4, layout=gl.SliceLayout(0, ld))
+        q_smem.slice(c * (DL // 4), DL // 4, dim=1).store(gl.load(q_row + rl[None, :], mask=h_ok, other=0.0))
+    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
+    qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
+    fence_async_shared()  # the queries' generic-proxy stores before wgmma's async-proxy reads
+
+
+@gluon.jit
 def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, lens_ptr, o_ptr, lse_ptr,
                            qk_scale, H, stride_qb, stride_qh, stride_rb, stride_rh, stride_pb, stride_ob, stride_os,
                            stride_oh, stride_lb, stride_ls, PAGES_PER_SPLIT, BH: gl.constexpr, PAGE: gl.constexpr,
@@ -198,17 +216,8 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
     l_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
     kv_ready, kv_free, p_ready, p_free, l_ready = _handoff_barriers()
 
-    # the queries into shared memory a quarter of the columns at a time (fewer registers than all at once)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
-    h_ok = (rh < H)[:, None]
-    q_row = q_lat_ptr + b * stride_qb + rh[:, None] * stride_qh
-    for c in gl.static_range(4):
-        rl = c * (DL // 4) + gl.arange(0, DL // 4, layout=gl.SliceLayout(0, ld))
-        q_smem.slice(c * (DL // 4), DL // 4, dim=1).store(gl.load(q_row + rl[None, :], mask=h_ok, other=0.0))
-    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
-    qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
-    fence_async_shared()  # the queries' generic-proxy stores before wgmma's async-proxy reads
+    _load_queries(q_smem, qp_smem, q_lat_ptr, q_pe_ptr, b, hb, H, stride_qb, stride_qh, stride_rb, stride_rh, BH, DL,
+                  DR, num_warps)
 
     o_row = o_ptr + b * stride_ob + split * stride_os
     lse_row = lse_ptr + b * stride_lb + split * stride_ls
@@ -232,7 +241,6 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 # as above. Its programs take less time than the 64-row blocks' beside them: a gain where the grid has more programs
 # than SMs (splits), so that the SMs they free take the next ones.
 NARROW = 32
-HEAD_BLOCK = gl.constexpr(BLOCK_H)  # BLOCK_H inside the kernels
 NARROW_REMAINDER = False  # not yet run on a GPU: off until its tests and bench have (tools/device/batch131.sh)
 
 
@@ -359,14 +367,8 @@ def _narrow_program(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_ptr, le
     l_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
     kv_ready, kv_free, p_ready, p_free, l_ready = _handoff_barriers()
 
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rh = hb * HEAD_BLOCK + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
-    h_ok = (rh < H)[:, None]
-    rl = gl.arange(0, DL, layout=gl.SliceLayout(0, ld))
-    q_smem.store(gl.load(q_lat_ptr + b * stride_qb + rh[:, None] * stride_qh + rl[None, :], mask=h_ok, other=0.0))
-    rr = gl.arange(0, DR, layout=gl.SliceLayout(0, ld))
-    qp_smem.store(gl.load(q_pe_ptr + b * stride_rb + rh[:, None] * stride_rh + rr[None, :], mask=h_ok, other=0.0))
-    fence_async_shared()
+    _load_queries(q_smem, qp_smem, q_lat_ptr, q_pe_ptr, b, hb, H, stride_qb, stride_qh, stride_rb, stride_rh, BH, DL,
+                  DR, num_warps)
 
     o_row = o_ptr + b * stride_ob + split * stride_os
     lse_row = lse_ptr + b * stride_lb + split * stride_ls
