@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import torch
 
@@ -41,14 +42,8 @@ def _with_knobs(fn, **knobs):
     from k3plugins.mla import gluon_sm90
 
     def run():
-        before = {k: getattr(gluon_sm90, k) for k in knobs}
-        for k, v in knobs.items():
-            setattr(gluon_sm90, k, v)
-        try:
+        with mock.patch.multiple(gluon_sm90, **knobs):
             return fn()
-        finally:
-            for k, v in before.items():
-                setattr(gluon_sm90, k, v)
     return run
 
 
@@ -118,7 +113,7 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         for (bh, ns, nw, st, xc), kern in runs:
             fn = lambda bh=bh, ns=ns, nw=nw, st=st, xc=xc, kern=kern: mla_decode_attention(
                 ql, qp, kv, pt, lens, scale=SCALE, num_splits=ns, block_h=bh, num_warps=nw, num_stages=st,
-                exchange=xc, kernel=kern.split("_")[0])
+                exchange=xc, kernel="gluon" if kern in GLUON_VARIANTS else kern)
             if kern in GLUON_VARIANTS:
                 fn = _with_knobs(fn, **GLUON_VARIANTS[kern])
             try:
