@@ -66,8 +66,9 @@ def collective(key: str):
     _waiting[0] = None  # (left set when the collective raised: the rank was waiting for a peer)
 
 
-def _beat() -> str:
-    return json.dumps({"t": time.time(), "n": dict(_entered), "in": _waiting[0]})
+def _state() -> dict:
+    """What a beat says: its time, the collectives entered by group, the one waited in."""
+    return {"t": time.time(), "n": dict(_entered), "in": _waiting[0]}
 
 
 def start() -> None:
@@ -81,7 +82,7 @@ def start() -> None:
         failed = 0
         while not done.is_set():
             try:
-                store.set(_KEY.format(rank), _beat())
+                store.set(_KEY.format(rank), json.dumps(_state()))
                 failed = 0
             except Exception as e:  # noqa: BLE001 - the store went away with the job, or a hiccup
                 failed += 1
@@ -179,7 +180,7 @@ def stuck_ranks() -> list[tuple[int, tuple[str, int, int]]]:
             continue
         if isinstance(beat, dict):
             beats[r] = beat
-    beats[dist.get_rank()] = {"n": dict(_entered), "in": _waiting[0]}
+    beats[dist.get_rank()] = _state()
     found = {}
     for key in sorted(set().union(*(b.get("n", {}) for b in beats.values()))):
         counts = {r: beats[r].get("n", {}).get(key, 0) for r in map(int, key.rsplit(":", 1)[1].split(","))
