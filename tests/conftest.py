@@ -37,3 +37,14 @@ def k3_wide_experts_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def k3_tiny_engine(k3_tiny_ckpt, tmp_path_factory) -> Path:
     return build_engine(k3_tiny_ckpt, tmp_path_factory.mktemp("k3tiny_engine") / "engine")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist (`-n 2 --dist loadgroup`, tools/test.sh): one group a module, so that a module's
+    fixtures (a tritonserver, the interpreter's children) start once, and one group for all of tests/dist, so that
+    the multi-rank jobs (two to four ranks each, on two cores) run one at a time while the other worker runs the
+    rest."""
+    for item in items:
+        group = "multirank" if item.path.parent.name == "dist" else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

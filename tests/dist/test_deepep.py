@@ -12,11 +12,11 @@ from k3runtime.loader import EngineError
 K3 = {"num_experts_per_token": 16, "routed_expert_hidden_size": 3584, "hidden_size": 7168}
 
 
-def test_missing_deep_ep_is_a_clear_startup_error(k3_tiny_engine):
+def test_missing_deep_ep_is_a_clear_startup_error(k3_short_engine):
     pytest.importorskip("torch")
     code = ("import sys; sys.modules['deep_ep'] = None\n"
             "from k3runtime import LLM\n"
-            f"LLM({str(k3_tiny_engine)!r}, enable_deepep=True)\n")
+            f"LLM({str(k3_short_engine)!r}, enable_deepep=True)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--enable-deepep: the 'deep_ep' package does not import" in proc.stderr

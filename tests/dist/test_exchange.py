@@ -62,24 +62,24 @@ def test_exchange_equals_all_experts_on_one_rank(backend, tmp_path):
         assert ((got.float() - want).norm() / want.norm()).item() < tol
 
 
-def _config(k3_tiny_engine, **changes) -> dict:
-    cfg = json.loads((k3_tiny_engine / "config.json").read_text())
+def _config(k3_short_engine, **changes) -> dict:
+    cfg = json.loads((k3_short_engine / "config.json").read_text())
     for key, value in changes.items():
         section, field = key.split("__")
         cfg[section][field] = value
     return cfg
 
 
-def test_backend_chosen_at_startup(k3_tiny_engine, tmp_path, monkeypatch):
-    assert choose_backend(_config(k3_tiny_engine)) == "nccl"  # what the build records by default
-    assert choose_backend(_config(k3_tiny_engine, build_config__expert_backend="local")) == "local"
+def test_backend_chosen_at_startup(k3_short_engine, tmp_path, monkeypatch):
+    assert choose_backend(_config(k3_short_engine)) == "nccl"  # what the build records by default
+    assert choose_backend(_config(k3_short_engine, build_config__expert_backend="local")) == "local"
     with pytest.raises(EngineError, match="'local' cannot serve an engine with moe_ep_size=2"):
-        choose_backend(_config(k3_tiny_engine, build_config__expert_backend="local", mapping__moe_ep_size=2))
+        choose_backend(_config(k3_short_engine, build_config__expert_backend="local", mapping__moe_ep_size=2))
     caps = tmp_path / "caps.json"
     caps.write_text(json.dumps({"max_topk": 64, "hidden_sizes": list(range(16, 8193, 16))}))
     monkeypatch.setenv("K3_DEEPEP_CAPS", str(caps))
-    assert choose_backend(_config(k3_tiny_engine, build_config__dtype="bf16"), enable_deepep=True) == "deepep"
+    assert choose_backend(_config(k3_short_engine, build_config__dtype="bf16"), enable_deepep=True) == "deepep"
     with pytest.raises(EngineError, match="carries bf16 tokens; this engine's activations are fp32"):
-        choose_backend(_config(k3_tiny_engine), enable_deepep=True)
+        choose_backend(_config(k3_short_engine), enable_deepep=True)
     with pytest.raises(EngineError, match="expert_backend is 'mpi'"):
-        choose_backend(_config(k3_tiny_engine, build_config__expert_backend="mpi"))
+        choose_backend(_config(k3_short_engine, build_config__expert_backend="mpi"))

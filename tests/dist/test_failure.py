@@ -70,8 +70,8 @@ def _log_killing(proc: subprocess.Popen, victim: int, pattern: str) -> str:
     return "".join(lines)
 
 
-def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
-    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_tiny_ckpt, signal.SIGKILL, 30)
+def test_killed_rank_ends_the_job_naming_it(k3_short_ckpt, tmp_path):
+    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_short_ckpt, signal.SIGKILL, 30)
     assert rc != 0
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
     # torchrun stops the survivors and names the rank that died first.
@@ -81,13 +81,13 @@ def test_killed_rank_ends_the_job_naming_it(k3_tiny_ckpt, tmp_path):
 @pytest.mark.parametrize("mapping, options",
                          [(Mapping(tp_size=2), {}), (Mapping(pp_size=2), {"async_scheduling": True})],
                          ids=["tp2", "pp2-async"])
-def test_hung_rank_trips_the_collective_timeout(mapping, options, k3_tiny_ckpt, tmp_path):
+def test_hung_rank_trips_the_collective_timeout(mapping, options, k3_short_ckpt, tmp_path):
     # SIGSTOP: the rank's sockets stay open, so only the timeout can end the job. Every process group
     # (TP/MoE groups, control plane) must carry K3_DIST_TIMEOUT_S, not torch's 30-minute default. With pipeline
     # stages and async scheduling the driver waits for the last stage's ids in their broadcast.
     # Once the driver's error names it, the test ends the stopped rank itself: what torchrun does 30 s later (its
     # grace for a rank that does not exit), which would only add those 30 s to the suite
-    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_tiny_ckpt, signal.SIGSTOP, 5, mapping, options,
+    rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_short_ckpt, signal.SIGSTOP, 5, mapping, options,
                                                    kill_on=r"rank 1 stopped responding")
     assert rc != 0
     # timeout in the step (5 s) + 5 s watching the heartbeats (heartbeat.explain_timeout) + timeout releasing the
@@ -98,10 +98,10 @@ def test_hung_rank_trips_the_collective_timeout(mapping, options, k3_tiny_ckpt, 
     assert re.search(r"rank 1 stopped responding \(no heartbeat in \d+ s\)", log), log[-3000:]
 
 
-def test_ranks_of_different_builds_are_refused(k3_tiny_ckpt, tmp_path):
+def test_ranks_of_different_builds_are_refused(k3_short_ckpt, tmp_path):
     """Rank 1 opens another build of the same model and mapping (a stale copy on its node): its files look alike,
     so it would run and generate nonsense; every rank refuses at start-up instead, naming the odd rank."""
-    engines = [build_engine(k3_tiny_ckpt, tmp_path / name, mapping=Mapping(tp_size=2)) for name in ("a", "b")]
+    engines = [build_engine(k3_short_ckpt, tmp_path / name, mapping=Mapping(tp_size=2)) for name in ("a", "b")]
     job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 2, "options": {},
                       "engine_by_rank": {"1": str(engines[1])}})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -125,13 +125,13 @@ def _children(pid: int) -> dict[int, int]:
     return ranks
 
 
-def test_hung_rank_ends_a_multirank_server(k3_tiny_ckpt, tmp_path):
+def test_hung_rank_ends_a_multirank_server(k3_short_ckpt, tmp_path):
     """`serve` under torchrun with a rank stopped: the request fails, and the server does not stay up; the job
     ends with rank 0's error naming the silent rank (before, the server answered 503 forever)."""
     import urllib.error
     import urllib.request
 
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     proc, url = _serve(engine, 5)
     workers = {}
     try:
@@ -206,11 +206,11 @@ def _serve(engine: Path, timeout_s: int) -> tuple[subprocess.Popen, str]:
             time.sleep(0.5)
 
 
-def test_hung_rank_ends_an_idle_multirank_server(k3_tiny_ckpt, tmp_path):
+def test_hung_rank_ends_an_idle_multirank_server(k3_short_ckpt, tmp_path):
     """A worker that hangs while the server has no request: the keep-alive that finds it stops the engine, and the
     job ends naming the rank (before, the keep-alive gave up silently: /health answered 200 until the next request,
     a dead worker on another node was never noticed)."""
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     proc, url = _serve(engine, 5)
     workers = _children(proc.pid)
     victim = workers[1]
@@ -236,13 +236,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_ranks_stop_when_their_launcher_is_killed(k3_tiny_ckpt, tmp_path):
+def test_ranks_stop_when_their_launcher_is_killed(k3_short_ckpt, tmp_path):
     """torchrun's agent SIGKILLed (the OOM killer, `kill -9`, a crashed supervisor) cannot stop its ranks: they find
     the job's store gone from their heartbeats and stop themselves (before, both ranks served on as orphans,
     holding the port and, on a GPU node, the accelerators)."""
     import urllib.request
 
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     proc, url = _serve(engine, 10)
     workers = _children(proc.pid)
     try:
@@ -261,12 +261,12 @@ def test_ranks_stop_when_their_launcher_is_killed(k3_tiny_ckpt, tmp_path):
             _kill(pid)
 
 
-def test_driver_that_fails_to_load_ends_the_job_at_once(k3_tiny_ckpt, tmp_path):
+def test_driver_that_fails_to_load_ends_the_job_at_once(k3_short_ckpt, tmp_path):
     """Rank 0's own weights damaged: its error and the workers' naming it come at once, not after the collective
     timeout (before, the driver's release of its workers waited K3_DIST_TIMEOUT_S for them in the load barrier)."""
     import shutil
 
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     cut = Path(shutil.copytree(engine, tmp_path / "cut"))
     weights = cut / "rank0" / "weights.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4096])
@@ -281,11 +281,11 @@ def test_driver_that_fails_to_load_ends_the_job_at_once(k3_tiny_ckpt, tmp_path):
     assert elapsed < 40, f"the job took {elapsed:.0f} s to end (K3_DIST_TIMEOUT_S is 60)"
 
 
-def test_ranks_of_other_mappings_are_refused_at_once(k3_tiny_ckpt, tmp_path):
+def test_ranks_of_other_mappings_are_refused_at_once(k3_short_ckpt, tmp_path):
     """Rank 1 opens an engine of the same model and rank count but another mapping (pp2 beside tp2): refused at
     start-up like any other build, naming the odd rank (before, the ranks made different process groups from their
     configs and waited in them for each other until the timeout: a store 'wait timeout' and a C++ trace)."""
-    engines = [build_engine(k3_tiny_ckpt, tmp_path / name, mapping=m)
+    engines = [build_engine(k3_short_ckpt, tmp_path / name, mapping=m)
                for name, m in (("tp2", Mapping(tp_size=2)), ("pp2", Mapping(pp_size=2)))]
     job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 2, "options": {}, "engine_by_rank": {"1": str(engines[1])}})
     started = time.monotonic()
@@ -298,11 +298,11 @@ def test_ranks_of_other_mappings_are_refused_at_once(k3_tiny_ckpt, tmp_path):
         proc.stderr[-3000:]
 
 
-def test_a_node_without_the_engine_is_named_at_once(k3_tiny_ckpt, tmp_path):
+def test_a_node_without_the_engine_is_named_at_once(k3_short_ckpt, tmp_path):
     """Two nodes (two torchrun agents here), the second without the engine dir: node 0's rank names rank 1 and its
     error at start-up (before, it waited K3_DIST_TIMEOUT_S in its groups' creation and failed with the store's
     'wait timeout' and a C++ trace, naming no one)."""
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"}
     started = time.monotonic()
     nodes = _two_nodes([["-m", "k3runtime.dist.launch", str(where), "generate", "--prompt", "Hello"]
@@ -314,11 +314,11 @@ def test_a_node_without_the_engine_is_named_at_once(k3_tiny_ckpt, tmp_path):
         errs[0][-3000:]
 
 
-def test_a_rank_killed_on_another_node_is_named(k3_tiny_ckpt, tmp_path):
+def test_a_rank_killed_on_another_node_is_named(k3_short_ckpt, tmp_path):
     """Two nodes (two torchrun agents here), node 1's rank SIGKILLed mid-generation: node 0's torchrun cannot name
     it (its own rank is the one that fails), so rank 0's error does, as dead rather than as a rank that left with an
     error of its own (before: 'another rank left the job (its own error says why)', naming no one)."""
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
                           max_num_tokens=512)
     out = tmp_path / "progress"
     job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 4000, "options": {}, "mode": "stream"})
@@ -343,11 +343,11 @@ def test_a_rank_killed_on_another_node_is_named(k3_tiny_ckpt, tmp_path):
             _kill(victim)
 
 
-def test_a_failed_score_over_ranks_marks_the_engine_failed(k3_tiny_ckpt, tmp_path):
+def test_a_failed_score_over_ranks_marks_the_engine_failed(k3_short_ckpt, tmp_path):
     """Rank 0's share of a score fails while the workers are inside its step (synchronous scheduling): the engine is
     marked failed, and the next call says so at once (before, it stayed usable, and the next step's broadcast met
     the workers' pending collectives and hung for K3_DIST_TIMEOUT_S)."""
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     out = tmp_path / "out.json"
     job = json.dumps({"prompts": [[1, 2, 3]], "max_tokens": 2, "options": {}, "mode": "score_fails"})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -359,11 +359,11 @@ def test_a_failed_score_over_ranks_marks_the_engine_failed(k3_tiny_ckpt, tmp_pat
     assert got["seconds"] < 5
 
 
-def test_a_command_that_opens_no_engine_lets_the_workers_go(k3_tiny_ckpt, tmp_path):
+def test_a_command_that_opens_no_engine_lets_the_workers_go(k3_short_ckpt, tmp_path):
     """Rank 0's command ends before it opens the engine: `--help` ends the job at once with status 0, and a refused
     flag on a two-node job reaches the other node's rank with rank 0's message (before, the workers waited for the
     groups' creation for K3_DIST_TIMEOUT_S and failed with the store's 'wait timeout', naming no one)."""
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"}
     started = time.monotonic()
     helped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -380,11 +380,11 @@ def test_a_command_that_opens_no_engine_lets_the_workers_go(k3_tiny_ckpt, tmp_pa
         errs[1][-3000:]
 
 
-def test_a_gpu_index_is_refused_under_torchrun(k3_tiny_ckpt, tmp_path):
+def test_a_gpu_index_is_refused_under_torchrun(k3_short_ckpt, tmp_path):
     """`--device cuda:1` under torchrun: rank 0's options reach every rank, which would all read their weights onto
     GPU 1 while their NCCL collectives run on their LOCAL_RANK's GPU; every rank refuses it at once, saying what to
     give (checked before any GPU is touched, so this runs on the CPU)."""
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            "-m", "k3runtime.dist.launch", str(engine), "generate", "--prompt", "Hi", "--device",
                            "cuda:1"], env={**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "60"},

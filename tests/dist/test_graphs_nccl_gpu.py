@@ -37,8 +37,8 @@ def nccl_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_group):
-    engine_dir = build_engine(k3_tiny_ckpt, tmp_path / "tp2", mapping=Mapping(tp_size=2), target="sm90",
+def test_tp2_rank_replays_its_nccl_collectives(k3_short_ckpt, tmp_path, nccl_group):
+    engine_dir = build_engine(k3_short_ckpt, tmp_path / "tp2", mapping=Mapping(tp_size=2), target="sm90",
                               dtype="bf16", kv_dtype="bf16")
     engine = load_rank(engine_dir, 0, "cuda")
     assert engine.world_size == 2 and any(n.op_type == "AllReduce" for n in engine.graph.node)
@@ -99,7 +99,7 @@ def test_tp2_rank_replays_its_nccl_collectives(k3_tiny_ckpt, tmp_path, nccl_grou
     assert tokens.tolist() == replayed.argmax(-1).tolist()  # the same inputs and state as the replay above
 
 
-def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_tiny_ckpt, tmp_path, nccl_group):
+def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_short_ckpt, tmp_path, nccl_group):
     """Rank 0 of an attention-DP engine (TP2 attention as two DP ranks, experts over EP2) on the one-process NCCL
     group, its expert exchange (fixed-capacity all-gather / reduce-scatter) real NCCL calls inside the graphs. It
     replays only when the step carries the driver's bucket (Step.graph_bucket): in a larger bucket than its own
@@ -110,7 +110,7 @@ def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_tiny_ckpt, tmp
     from k3runtime.engine_options import EngineOptions
     from k3runtime.llm_engine import dummy_step
 
-    engine_dir = build_engine(k3_tiny_ckpt, tmp_path / "dp2", mapping=Mapping(tp_size=2, moe_ep_size=2,
+    engine_dir = build_engine(k3_short_ckpt, tmp_path / "dp2", mapping=Mapping(tp_size=2, moe_ep_size=2,
                                                                              attention_dp=True),
                               target="sm90", dtype="bf16", kv_dtype="bf16")
     engine = load_rank(engine_dir, 0, "cuda")

@@ -38,8 +38,8 @@ MAPPINGS = {
 
 
 @pytest.fixture(scope="module")
-def reference(k3_tiny_engine):
-    llm = LLM(k3_tiny_engine, **OPTIONS)
+def reference(k3_short_engine):
+    llm = LLM(k3_short_engine, **OPTIONS)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outs = llm.generate(PROMPTS[:3], logprob_asks())
     return {"logits": llm.logits(PROMPTS[0]), "tokens": [o.token_ids for o in llm.generate(PROMPTS, greedy)],
@@ -80,9 +80,9 @@ def run_ranks(engine: Path, world: int, out: Path, options: dict, env: dict | No
 
 
 @pytest.mark.parametrize("name", sorted(MAPPINGS))
-def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
+def test_ranks_match_single_rank(name, k3_short_ckpt, reference, tmp_path):
     mapping = MAPPINGS[name]
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=mapping)
     # Attention-DP spreads the prompts over two schedulers: fewer pages each to still force preemption.
     options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
     got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", {**options, **CUT.get(name, {})})
@@ -95,15 +95,15 @@ def test_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
     assert got.get("twice") == "request_id: 'twice' is already live" and got["twice_live"] == 0
 
 
-def test_long_prefill_is_cut_by_the_estimate(k3_tiny_ckpt, tmp_path):
+def test_long_prefill_is_cut_by_the_estimate(k3_short_ckpt, tmp_path):
     """Two stages left to the engine's estimate (micro_batch.py): the step prefilling two prompts of 900 tokens is
     cut in two micro-batches (the tiny model's arithmetic outweighs its weights there), its decode steps are not;
     the tokens and logits are one rank's."""
     prompts = [[1] + [(7 * i) % 500 + 3 for i in range(899)], [1] + [(11 * i) % 500 + 3 for i in range(899)]]
     limits = dict(max_seq_len=2048, max_num_tokens=2048)
-    llm = LLM(build_engine(k3_tiny_ckpt, tmp_path / "one", **limits))
+    llm = LLM(build_engine(k3_short_ckpt, tmp_path / "one", **limits))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(pp_size=2), **limits)
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(pp_size=2), **limits)
     got = run_ranks(engine, 2, tmp_path / "out.json", {}, prompts=prompts)
     assert got["micro_batches"] == [1, 2]
     assert got["tokens"] == [o.token_ids for o in llm.generate(prompts, greedy)]
@@ -126,15 +126,16 @@ def test_deepep_adapter_matches_the_nccl_exchange(k3_tiny_ckpt, tmp_path):
     a, b = torch.tensor(deepep["logits"]), torch.tensor(nccl["logits"])
     assert ((a - b).norm() / b.norm()).item() < 3e-2  # the spec's parity bar
     assert [len(t) for t in deepep["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
-    # that rounding moves no token of the tiny model's generations (ragged batches, preemption under 2 pages)
+    # that rounding moves no token of the nine-layer tiny model's generations (ragged batches, preemption under 2
+    # pages; the six-layer one of conftest.py has a near tie it flips)
     assert deepep["tokens"] == nccl["tokens"]
 
 
-def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine, tmp_path):
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+def test_torchrun_generate_cli_matches_single_rank(k3_short_ckpt, k3_short_engine, tmp_path):
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     args = ["generate", "--prompt", "Hello there", "--max-tokens", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, "-m", "k3runtime.cli", args[0], str(k3_tiny_engine), *args[1:]],
+    single = subprocess.run([sys.executable, "-m", "k3runtime.cli", args[0], str(k3_short_engine), *args[1:]],
                             env=env, capture_output=True, text=True, timeout=300)
     multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                             "-m", "k3runtime.dist.launch", str(engine), *args], env=env, capture_output=True,
@@ -160,14 +161,16 @@ def test_torchrun_generate_cli_matches_single_rank(k3_tiny_ckpt, k3_tiny_engine,
         assert "[rank0]: Traceback" not in bad.stderr and "[rank1]: Traceback" not in bad.stderr, bad.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2xep2", "pp2xtp2", "dp2xep2"])
-def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
+# tp2xep2 is left to the synchronous test: its MoE groups do not touch the ids' route (the driver broadcasts them to
+# every rank, as with tp2)
+@pytest.mark.parametrize("name", ["tp2", "pp2xtp2", "dp2xep2"])
+def test_async_scheduling_ranks_match_single_rank(name, k3_short_ckpt, reference, tmp_path):
     """Async scheduling over ranks: the rank that samples (the driver; with pipeline stages the last stage's
     first rank) broadcasts each step's sampled ids to the others on the device and every rank feeds them to the
     next step, micro-batch by micro-batch (attention-DP: each DP rank feeds its own, and sends them to the driver
     once it has launched its next step); the same tokens and scores as one synchronous rank, with preemption."""
     mapping = MAPPINGS[name]
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=mapping)
     options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
     got = run_ranks(engine, mapping.world_size, tmp_path / "out.json",
                     {**options, "async_scheduling": True, **CUT.get(name, {})})
@@ -179,12 +182,12 @@ def test_async_scheduling_ranks_match_single_rank(name, k3_tiny_ckpt, reference,
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2xtp2", "dp2xep2"])
-def test_swap_preemption_ranks_match_single_rank(name, k3_tiny_ckpt, reference, tmp_path):
+def test_swap_preemption_ranks_match_single_rank(name, k3_short_ckpt, reference, tmp_path):
     """Preemption by swapping to the host over ranks, with async scheduling: every rank copies its own slice of
     the swapped pages and KDA slots to its host store and back; the same tokens and scores as one synchronous
     rank that recomputes."""
     mapping = MAPPINGS[name]
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=mapping)
     options = {**OPTIONS, "num_pages": 2} if mapping.attention_dp else OPTIONS
     options = {**options, "preemption_mode": "swap", "num_host_pages": 16, "num_host_slots": 8,
                "async_scheduling": True, **CUT.get(name, {})}
@@ -194,14 +197,14 @@ def test_swap_preemption_ranks_match_single_rank(name, k3_tiny_ckpt, reference, 
     assert got["stats"]["swaps_out"] > 0
 
 
-def test_idle_driver_keeps_its_workers(k3_tiny_ckpt, reference, tmp_path):
+def test_idle_driver_keeps_its_workers(k3_short_ckpt, reference, tmp_path):
     """Pauses longer than the collective timeout (3 s here) between generations, and inside a stream whose step
     may be in flight (attention-DP with async scheduling: the other DP rank owes its ids meanwhile): the workers
     wait for the next step all the while (dist/keep_alive.py), and the tokens are the single rank's. Rank 1 also
     reads its weights 5 s after rank 0: the ranks wait for each other's load under its own timeout. Before, either
     took the job down at the collective timeout."""
     mapping = MAPPINGS["dp2xep2"]
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=mapping)
     got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", {"async_scheduling": True},
                     env={"K3_DIST_TIMEOUT_S": "3"}, mode="idle", prompts=PROMPTS[1:3], idle_s=5,
                     load_delay_s={"1": 5})
@@ -210,13 +213,13 @@ def test_idle_driver_keeps_its_workers(k3_tiny_ckpt, reference, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2", "dp2xep2"])
-def test_async_scheduling_scores_between_steps(name, k3_tiny_ckpt, reference, tmp_path):
+def test_async_scheduling_scores_between_steps(name, k3_short_ckpt, reference, tmp_path):
     """A prompt scored while async steps are in flight (attention-DP: the other DP rank's step collected by idle
     steps first) and again after the last: the single rank's logits both times; the steps' tokens its tokens, but
     a prefix for the request aborted with its step in flight; a shutdown with steps in flight lands them and
     releases the workers."""
     mapping = MAPPINGS[name]
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=mapping)
     # pages enough for the score beside the steps (no preemption)
     options = {"max_prefill_chunk": 16, "async_scheduling": True}
     got = run_ranks(engine, mapping.world_size, tmp_path / "out.json", options, mode="score_mid")

@@ -41,8 +41,8 @@ def _check_ranks_map_the_store(shm: Path, engine: Path) -> tuple[set[int], set[i
     return rank0, rank1
 
 
-def test_torchrun_serve_ranks_attach_from_the_store_and_restart(k3_tiny_ckpt, tmp_path):
-    engine = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
+def test_torchrun_serve_ranks_attach_from_the_store_and_restart(k3_short_ckpt, tmp_path):
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2))
     name = f"test-ranks-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     shm = shm_dir_for(name)
     store = subprocess.Popen([sys.executable, "-m", "k3runtime.dist.weight_store", str(engine), "--name", name],
