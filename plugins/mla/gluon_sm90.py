@@ -41,9 +41,9 @@ LATENT_WIDTHS, ROPE_WIDTH = (256, 512), 64  # the cache rows it takes (its share
 MAXNREG = 168  # registers a thread at launch: 3 warpgroups (12 warps) of 168 fill the SM's 64K; then moved by role
 VALUES_REGS, LOADER_REGS = gl.constexpr(192), gl.constexpr(24)  # the scores warpgroup takes the rest (256)
 # the softmax without the mask on pages inside the context and with the scale folded into the exponent's FFMA
-# (about 90 fewer instructions run a page on the scores warpgroup's path); off until its GPU tests and bench have
-# run (tools/device/batch131.sh)
-LEAN_SOFTMAX = False
+# (about 90 fewer instructions run a page on the scores warpgroup's path): 0.8 / 0.9 % faster at 96 heads on an
+# H200 with the host's splits (BENCHMARKS.md, forty-seventh session); False: the softmax before, masked on every page
+LEAN_SOFTMAX = True
 
 
 @gluon.jit
@@ -241,7 +241,9 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 # as above. Its programs take less time than the 64-row blocks' beside them: a gain where the grid has more programs
 # than SMs (splits), so that the SMs they free take the next ones.
 NARROW = 32
-NARROW_REMAINDER = False  # not yet run on a GPU: off until its tests and bench have (tools/device/batch131.sh)
+# off: on an H200 1.8 % faster at 64 x 8K without splits, 11 % slower at 32 x 64K with the two splits the host
+# picks there (BENCHMARKS.md, forty-seventh session); its GPU tests pass
+NARROW_REMAINDER = False
 
 
 @gluon.jit

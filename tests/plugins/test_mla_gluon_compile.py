@@ -87,11 +87,13 @@ def test_narrow_remainder_kernel_puts_the_heads_on_n():
 
 
 
-def test_lean_softmax_keeps_the_mmas_and_drops_the_scale_multiplies(sass):
-    """LEAN_SOFTMAX: the same MMAs, no spills, and the scores' scale inside the exponent's FFMA (fewer FMULs: 32 a
-    page of 64 x 64 scores a thread's 32) with the mask's selects behind a branch taken on the last page only."""
+def test_lean_softmax_keeps_the_mmas_and_drops_the_scale_multiplies():
+    """LEAN_SOFTMAX against the softmax before it (masked on every page, scaled by multiplies of its own): the same
+    MMAs, no spills, and the scores' scale inside the exponent's FFMA (fewer FMULs: 32 a page of 64 x 64 scores a
+    thread's 32) with the mask's selects behind a branch taken on the last page only."""
     code, usage, _ = _compile(gluon_sm90.mla_decode_sm90_kernel, gluon_sm90.BLOCK_H, "*bf16", lean=True)
+    before = _compile(gluon_sm90.mla_decode_sm90_kernel, gluon_sm90.BLOCK_H, "*bf16", lean=False)[0]
     assert "LOCAL:0" in usage and not re.findall(r"\b(?:STL|LDL)\b", code), "registers spill to local memory"
-    assert Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", code)) == Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass[0]))
+    assert Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", code)) == Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", before))
     fmul = lambda c: len(re.findall(r"\bFMUL\b", c))  # noqa: E731
-    assert fmul(code) <= fmul(sass[0]) - 30
+    assert fmul(code) <= fmul(before) - 30

@@ -70,11 +70,13 @@ def test_gluon_mla_decode_matches_definition(H, lens, splits, dtype):
 
 
 def _knob_on_and_off(monkeypatch, knob: str, H: int, lens: list[int], dtype, splits, seed: int):
-    """(output with gluon_sm90.<knob> set, output before, the fp64 definition) of the Gluon kernel on a paged case."""
+    """(output with gluon_sm90.<knob> on, output with it off, the fp64 definition) of the Gluon kernel on a paged
+    case."""
     from k3plugins.mla import gluon_sm90
     ql, qp, kv, pt, lens_t = _paged_case(H, lens, dtype, seed=seed)
     run = lambda: mla_decode_attention(ql, qp, kv, pt, lens_t, scale=192 ** -0.5, num_splits=splits,  # noqa: E731
                                        kernel="gluon")
+    monkeypatch.setattr(gluon_sm90, knob, False)
     before = run()
     monkeypatch.setattr(gluon_sm90, knob, True)
     return run(), before, _ref(ql, qp, kv, pt, lens_t, 192 ** -0.5)
