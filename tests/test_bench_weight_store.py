@@ -23,3 +23,14 @@ def test_bench_weight_store_runs_on_its_synthetic_engine(tmp_path):
     assert by_step["store_stop"] == {"step": "store_stop", "returncode": 0, "shm_dir_left": False}
     assert by_step["summary"]["attach_s"] > 0
     assert not work.exists()  # the synthetic engine goes unless --keep
+
+
+def test_bad_arguments_are_usage_errors(tmp_path):
+    """Before, a negative --gib wrote a small engine anyway and a missing --engine ended in a traceback."""
+    for args, want in ((["--gib", "-2"], "--gib and --ranks: expected a size > 0"),
+                       (["--repeat", "0"], "--repeat: expected a count >= 1, got 0"),
+                       (["--engine", str(tmp_path / "none")], "not an engine dir (no config.json")):
+        run = subprocess.run([sys.executable, str(TOOL), *args, "--work", str(tmp_path / "work")],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and want in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert not (tmp_path / "work").exists()

@@ -125,6 +125,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of cold/warm/attach loads (median reported)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic engine")
     args = ap.parse_args()
+    if args.engine is None and not (args.gib > 0 and args.ranks >= 1):
+        ap.error(f"--gib and --ranks: expected a size > 0 and a count >= 1, got {args.gib} and {args.ranks}")
+    if args.repeat < 1:
+        ap.error(f"--repeat: expected a count >= 1, got {args.repeat}")
+    if args.engine is not None and not (args.engine / "config.json").is_file():
+        ap.error(f"--engine {args.engine}: not an engine dir (no config.json; `k3build build` writes one)")
 
     from k3runtime.dist.weight_store import shm_dir_for
     from k3runtime.dist.weight_store_proto import engine_ranks, weights_path

@@ -242,6 +242,14 @@ def main(argv=None) -> int:
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="require each request's reference tokens [default: yes, but no for a --engine not fp32]")
     a = ap.parse_args(argv)
+    for flag, value, low in (("--clients", a.clients, 1), ("--requests", a.requests, 1),
+                             ("--max-tokens", a.max_tokens, 1), ("--prompts", a.prompts, 1)):
+        if value < low:
+            ap.error(f"{flag}: expected an int >= {low}, got {value}")
+    if not 0 <= a.disconnect_rate <= 1:
+        ap.error(f"--disconnect-rate: expected a fraction in [0, 1], got {a.disconnect_rate}")
+    if a.engine and not (Path(a.engine) / "config.json").is_file():
+        ap.error(f"--engine {a.engine}: not an engine dir (no config.json; `k3build build` writes one)")
     proc = None
     url, model = a.url, a.model
     exact = a.exact

@@ -131,3 +131,15 @@ def test_no_server_is_a_report():
     report = asyncio.run(load_test.run_load(url, "m", requests=3))
     assert not report["ok"] and "ConnectError" in report["reference_error"], report
     assert json.dumps({"itl": load_test._ms(load_test._pct([], 0.5))}) == '{"itl": null}'
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--engine", "/nonexistent"], "--engine /nonexistent: not an engine dir (no config.json"),
+    (["--url", "http://127.0.0.1:1", "--clients", "0"], "--clients: expected an int >= 1, got 0"),
+    (["--url", "http://127.0.0.1:1", "--disconnect-rate", "1.5"], "--disconnect-rate: expected a fraction in [0, 1]"),
+])
+def test_bad_arguments_are_usage_errors(args, want, capsys):
+    """Before, a missing engine dir ended in a FileNotFoundError traceback and counts below 1 were taken."""
+    with pytest.raises(SystemExit) as e:
+        load_test.main(args)
+    assert e.value.code == 2 and want in capsys.readouterr().err
