@@ -80,6 +80,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--engine", help="an engine directory whose tokenizer to use (default: the tiny synthetic one)")
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps: expected a count >= 1, got {args.steps}")
+    if args.engine and not (Path(args.engine) / "tokenizer.json").is_file():
+        ap.error(f"--engine {args.engine}: no tokenizer.json there (the engine dir of a checkpoint with a tokenizer)")
     tok = _tokenizer(args.engine)
     text = tok.encode((ROOT / "README.md").read_text())
     print(json.dumps({"bench": "detok_env", "machine": platform.processor() or platform.machine(),

@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    if min(args.experts, args.rows, args.k, args.reps) < 1:
+        ap.error(f"--experts, --rows, --k and --reps: expected counts >= 1, got {args.experts}, {args.rows}, "
+                 f"{args.k} and {args.reps}")
 
     from k3build.build.layout import EXPERT_LAYOUTS
 

@@ -62,6 +62,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warm", action="store_true", help="read from the page cache (no eviction between rounds)")
     args = ap.parse_args()
+    if args.engine and not (args.engine / "rank0" / "weights.safetensors").is_file():
+        ap.error(f"--engine {args.engine}: no rank0/weights.safetensors there (a `k3build build` output has one)")
+    if not (args.gib > 0 and args.repeat >= 1):
+        ap.error(f"--gib and --repeat: expected a size > 0 and a count >= 1, got {args.gib} and {args.repeat}")
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory(prefix="k3-bench-load-") as tmp:
         if args.engine:

@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
+    if not (args.context >= 1 and args.steps >= 1):
+        ap.error(f"--context and --steps: expected counts >= 1, got {args.context} and {args.steps}")
     print(json.dumps({"bench": "scheduler_env", "torch": torch.__version__, "threads": torch.get_num_threads()}))
     for n in map(int, args.batches.split(",")):
         print(json.dumps(bench(n, args.context, args.steps)), flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import os
 
 # the raw page's units row names each column's unit; these bring durations to µs and throughputs to TB/s
 _SCALE = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
@@ -98,6 +99,11 @@ def main() -> None:
     ap.add_argument("--source", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--top", type=int, default=12, help="instructions and opcodes listed a kernel")
     args = ap.parse_args()
+    for name in filter(None, (args.raw, args.source)):
+        if not os.path.isfile(name):
+            ap.error(f"{name}: no such file")
+    if args.top < 1:
+        ap.error(f"--top: expected a count >= 1, got {args.top}")
     for k in kernels(args.raw):
         print(f"{k['us']:9.2f} us  {k['kernel'][:56]:56s} grid {k['grid']:>8}  DRAM {k['dram_tbps']:5.2f} TB/s  "
               f"{k['cycles_per_issue']:6.2f} cycles/issue  issue {k['issue_pct']:5.1f} %  occupancy "

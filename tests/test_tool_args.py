@@ -1,0 +1,26 @@
+"""The dev tools' bad arguments are usage errors: exit status 2 and a line naming the flag, no traceback (before,
+a missing engine or file ended in a FileNotFoundError traceback, --steps 0 in statistics' own error, and
+bench_layout --reps 0 ran and reported nothing). load_test and bench_weight_store have theirs beside their tests."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+@pytest.mark.parametrize("tool, args, want", [
+    ("bench_load.py", ["--engine", "/nonexistent"], "--engine /nonexistent: no rank0/weights.safetensors there"),
+    ("bench_load.py", ["--repeat", "0"], "expected a size > 0 and a count >= 1, got 2.0 and 0"),
+    ("bench_scheduler.py", ["--steps", "0"], "expected counts >= 1, got 8192 and 0"),
+    ("bench_detok.py", ["--engine", "/nonexistent"], "--engine /nonexistent: no tokenizer.json there"),
+    ("bench_layout.py", ["--reps", "0"], "expected counts >= 1, got 4, 6144, 3584 and 0"),
+    ("ncu_summary.py", ["/nonexistent"], "/nonexistent: no such file"),
+    ("ncu_summary.py", [__file__, "--top", "0"], "--top: expected a count >= 1, got 0"),
+])
+def test_bad_arguments_are_usage_errors(tool, args, want):
+    run = subprocess.run([sys.executable, str(TOOLS / tool), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and want in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stdout == ""  # nothing measured, nothing half-reported
