@@ -24,6 +24,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from arg_types import count
+
 
 def _evict(path: Path) -> None:
     """Drop clean page-cache pages of every file under path (no root needed, unlike drop_caches)."""
@@ -135,9 +137,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="/tmp/k3_bench_convert")
     ap.add_argument("--sizes", default="4x16,4x64", help="LAYERSxEXPERTS per size, comma separated")
-    ap.add_argument("--tp-size", default="2")
-    ap.add_argument("--workers", default="1")
+    ap.add_argument("--tp-size", type=count, default=2)
+    ap.add_argument("--workers", type=count, default=1)
     args = ap.parse_args()
+    try:
+        sizes = [tuple(int(x) for x in spec.split("x")) for spec in args.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(s) != 2 or min(s) < 1 for s in sizes):
+        ap.error(f"--sizes {args.sizes!r}: expected LAYERSxEXPERTS sizes of counts >= 1, comma separated (4x16,4x64)")
     # the run's files go in a fresh directory of its own under --workdir, which may hold anything else
     base = Path(args.workdir)
     made = [] if base.is_dir() else [base, *(p for p in base.parents if not p.exists())]
@@ -147,9 +155,8 @@ def main() -> None:
                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "free_disk_gib": round(shutil.disk_usage(work).free / 2**30, 1)}), flush=True)
     try:
-        for spec in args.sizes.split(","):
-            layers, experts = (int(x) for x in spec.split("x"))
-            row = bench_size(work, layers, experts, ["--tp-size", args.tp_size, "--workers", args.workers])
+        for layers, experts in sizes:
+            row = bench_size(work, layers, experts, ["--tp-size", str(args.tp_size), "--workers", str(args.workers)])
             print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

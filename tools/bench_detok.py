@@ -21,6 +21,8 @@ from pathlib import Path
 
 from k3runtime.tokenizer import Detokenizer, Tokenizer
 
+from arg_types import count, counts
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -75,21 +77,19 @@ def run(tok: Tokenizer, batch: int, output: int, steps: int, text: list[int]) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="32,64,128")
-    ap.add_argument("--outputs", default="256,1024,4096")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batches", type=counts, default="32,64,128")
+    ap.add_argument("--outputs", type=counts, default="256,1024,4096")
+    ap.add_argument("--steps", type=count, default=20)
     ap.add_argument("--engine", help="an engine directory whose tokenizer to use (default: the tiny synthetic one)")
     args = ap.parse_args()
-    if args.steps < 1:
-        ap.error(f"--steps: expected a count >= 1, got {args.steps}")
     if args.engine and not (Path(args.engine) / "tokenizer.json").is_file():
         ap.error(f"--engine {args.engine}: no tokenizer.json there (the engine dir of a checkpoint with a tokenizer)")
     tok = _tokenizer(args.engine)
     text = tok.encode((ROOT / "README.md").read_text())
     print(json.dumps({"bench": "detok_env", "machine": platform.processor() or platform.machine(),
                       "python": platform.python_version(), "vocab": tok.vocab_size, "text_tokens": len(text)}))
-    for batch in map(int, args.batches.split(",")):
-        for output in map(int, args.outputs.split(",")):
+    for batch in args.batches:
+        for output in args.outputs:
             print(json.dumps(run(tok, batch, output, args.steps, text)), flush=True)
 
 

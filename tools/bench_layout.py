@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from arg_types import count
+
 
 def _best_s(fn, reps: int, sync) -> float:
     best = float("inf")
@@ -33,15 +35,12 @@ def _best_s(fn, reps: int, sync) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, default=4, help="experts' w13 to relay at once (K3: 56 a rank a layer)")
-    ap.add_argument("--rows", type=int, default=6144, help="w13 rows (2 x the intermediate width)")
-    ap.add_argument("--k", type=int, default=3584, help="codes a row (the latent width)")
+    ap.add_argument("--experts", type=count, default=4, help="experts' w13 to relay at once (K3: 56 a rank a layer)")
+    ap.add_argument("--rows", type=count, default=6144, help="w13 rows (2 x the intermediate width)")
+    ap.add_argument("--k", type=count, default=3584, help="codes a row (the latent width)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=count, default=3)
     args = ap.parse_args()
-    if min(args.experts, args.rows, args.k, args.reps) < 1:
-        ap.error(f"--experts, --rows, --k and --reps: expected counts >= 1, got {args.experts}, {args.rows}, "
-                 f"{args.k} and {args.reps}")
 
     from k3build.build.layout import EXPERT_LAYOUTS
 

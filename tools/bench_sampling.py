@@ -40,6 +40,8 @@ from k3runtime.request import PLACEHOLDER
 from k3runtime.sampling_params import SamplingParams
 from k3runtime.scheduler import ScheduledItem, SeenTokens
 
+from arg_types import count, counts
+
 PROMPT_IDS = 1024  # distinct prompt ids a repetition penalty counts
 
 
@@ -141,17 +143,17 @@ def run(device: torch.device, rows: int, output: int, vocab: int, steps: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rows", default="32,128")
-    ap.add_argument("--outputs", default="1024,8192")
-    ap.add_argument("--vocab", type=int, default=163840)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", type=counts, default="32,128")
+    ap.add_argument("--outputs", type=counts, default="1024,8192")
+    ap.add_argument("--vocab", type=count, default=163840)
+    ap.add_argument("--steps", type=count, default=20)
     args = ap.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(json.dumps({"bench": "sampling_env", "device": name, "torch": torch.__version__,
                       "date": time.strftime("%Y-%m-%d")}), flush=True)
-    for rows in map(int, args.rows.split(",")):
-        for output in map(int, args.outputs.split(",")):
+    for rows in args.rows:
+        for output in args.outputs:
             print(json.dumps(run(device, rows, output, args.vocab, args.steps)), flush=True)
 
 

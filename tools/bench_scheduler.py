@@ -27,6 +27,8 @@ from k3runtime.sampling_params import SamplingParams
 from k3runtime.scheduler import Scheduler
 from k3runtime.scheduler_config import SchedulerConfig
 
+from arg_types import count, counts
+
 PAGE = 64
 
 
@@ -77,14 +79,12 @@ def bench(n: int, context: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="32,64,128")
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--batches", type=counts, default="32,64,128")
+    ap.add_argument("--context", type=count, default=8192)
+    ap.add_argument("--steps", type=count, default=50)
     args = ap.parse_args()
-    if not (args.context >= 1 and args.steps >= 1):
-        ap.error(f"--context and --steps: expected counts >= 1, got {args.context} and {args.steps}")
     print(json.dumps({"bench": "scheduler_env", "torch": torch.__version__, "threads": torch.get_num_threads()}))
-    for n in map(int, args.batches.split(",")):
+    for n in args.batches:
         print(json.dumps(bench(n, args.context, args.steps)), flush=True)
 
 

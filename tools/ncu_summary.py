@@ -17,6 +17,8 @@ import collections
 import csv
 import os
 
+from arg_types import count
+
 # the raw page's units row names each column's unit; these bring durations to µs and throughputs to TB/s
 _SCALE = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
           "second": 1e6, "Tbyte/s": 1.0, "Gbyte/s": 1e-3, "Mbyte/s": 1e-6, "Kbyte/s": 1e-9, "byte/s": 1e-12}
@@ -97,13 +99,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("raw", help="ncu --page raw --csv output")
     ap.add_argument("--source", help="ncu --page source --csv --print-source sass output")
-    ap.add_argument("--top", type=int, default=12, help="instructions and opcodes listed a kernel")
+    ap.add_argument("--top", type=count, default=12, help="instructions and opcodes listed a kernel")
     args = ap.parse_args()
     for name in filter(None, (args.raw, args.source)):
         if not os.path.isfile(name):
             ap.error(f"{name}: no such file")
-    if args.top < 1:
-        ap.error(f"--top: expected a count >= 1, got {args.top}")
     for k in kernels(args.raw):
         print(f"{k['us']:9.2f} us  {k['kernel'][:56]:56s} grid {k['grid']:>8}  DRAM {k['dram_tbps']:5.2f} TB/s  "
               f"{k['cycles_per_issue']:6.2f} cycles/issue  issue {k['issue_pct']:5.1f} %  occupancy "
