@@ -61,6 +61,15 @@ def _torchrun(tmp_path, code: str, nproc: int):
     return proc, out
 
 
+def _log(proc, timeout: float) -> str:
+    """The job's output once it ends; killed (and the timeout raised) if it runs past `timeout` s."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
 def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
     proc, out = _torchrun(tmp_path, JOB, 2)
     t0 = time.monotonic()
@@ -75,11 +84,7 @@ def test_a_rank_stopped_just_before_the_timeout_is_named(tmp_path):
                 os.kill(int(pid1.read_text()), signal.SIGKILL)  # never leave a stopped rank behind
             except ProcessLookupError:
                 pass
-        try:
-            log = proc.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        log = _log(proc, 60)
     assert out.exists(), log[-3000:]
     got = json.loads(out.read_text())
     assert got["alive"] == [] and got["stopped"] == [1]
@@ -136,11 +141,7 @@ def test_a_live_rank_stuck_outside_the_collectives_is_named(tmp_path):
     joins rank 0's collective on group a, which times out. Rank 2 is behind on a too, but waiting: only rank 1, the
     rank the waits start from, is named, by the group it is behind on."""
     proc, out = _torchrun(tmp_path, STUCK_JOB, 3)
-    try:
-        log = proc.communicate(timeout=120)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    log = _log(proc, 120)
     assert out.exists(), log[-3000:]
     got = json.loads(out.read_text())
     assert "timed out" in got["err"].lower(), got
