@@ -27,8 +27,8 @@ def test_bench_weight_store_runs_on_its_synthetic_engine(tmp_path):
 
 def test_bad_arguments_are_usage_errors(tmp_path):
     """Before, a negative --gib wrote a small engine anyway and a missing --engine ended in a traceback."""
-    for args, want in ((["--gib", "-2"], "--gib and --ranks: expected a size > 0"),
-                       (["--repeat", "0"], "--repeat: expected a count >= 1, got 0"),
+    for args, want in ((["--gib", "-2"], "argument --gib: expected a size > 0, got '-2'"),
+                       (["--repeat", "0"], "argument --repeat: expected a count >= 1, got '0'"),
                        (["--engine", str(tmp_path / "none")], "not an engine dir (no config.json")):
         run = subprocess.run([sys.executable, str(TOOL), *args, "--work", str(tmp_path / "work")],
                              capture_output=True, text=True, timeout=60)

@@ -14,7 +14,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 @pytest.mark.parametrize("tool, args, want", [
     ("bench_load.py", ["--engine", "/nonexistent"], "--engine /nonexistent: no rank0/weights.safetensors there"),
-    ("bench_load.py", ["--repeat", "0"], "expected a size > 0 and a count >= 1, got 2.0 and 0"),
+    ("bench_load.py", ["--repeat", "0"], "argument --repeat: expected a count >= 1, got '0'"),
     ("bench_scheduler.py", ["--steps", "0"], "argument --steps: expected a count >= 1, got '0'"),
     ("bench_scheduler.py", ["--batches", "32,x"], "argument --batches: expected counts >= 1, comma separated"),
     ("bench_sampling.py", ["--rows", "0"], "argument --rows: expected counts >= 1, comma separated"),

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from arg_types import count, gib  # noqa: E402
 from bench_weight_store import drop_from_page_cache, write_synthetic_engine  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -57,15 +58,13 @@ def _baseline(path: Path, device: torch.device) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", type=Path, help="an engine dir: reads its rank0/weights.safetensors")
-    ap.add_argument("--gib", type=float, default=2.0, help="synthetic rank file size")
+    ap.add_argument("--gib", type=gib, default=2.0, help="synthetic rank file size")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=count, default=3)
     ap.add_argument("--warm", action="store_true", help="read from the page cache (no eviction between rounds)")
     args = ap.parse_args()
     if args.engine and not (args.engine / "rank0" / "weights.safetensors").is_file():
         ap.error(f"--engine {args.engine}: no rank0/weights.safetensors there (a `k3build build` output has one)")
-    if not (args.gib > 0 and args.repeat >= 1):
-        ap.error(f"--gib and --repeat: expected a size > 0 and a count >= 1, got {args.gib} and {args.repeat}")
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory(prefix="k3-bench-load-") as tmp:
         if args.engine:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from arg_types import count, engine_dir, gib
+
 TENSOR_SHAPE = (4096, 4096)  # bf16: 32 MiB a tensor
 
 CHILD = r"""
@@ -117,20 +119,14 @@ def wait_ready(proc, socket_path: Path, timeout_s: float = 600) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", type=Path, help="an existing engine dir (default: write a synthetic one)")
-    ap.add_argument("--gib", type=float, default=2.5, help="synthetic engine size, all ranks together")
-    ap.add_argument("--ranks", type=int, default=2, help="synthetic engine rank count")
+    ap.add_argument("--engine", type=engine_dir, help="an existing engine dir (default: write a synthetic one)")
+    ap.add_argument("--gib", type=gib, default=2.5, help="synthetic engine size, all ranks together")
+    ap.add_argument("--ranks", type=count, default=2, help="synthetic engine rank count")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", type=Path, default=Path("/tmp/k3ws-bench"))
-    ap.add_argument("--repeat", type=int, default=1, help="rounds of cold/warm/attach loads (median reported)")
+    ap.add_argument("--repeat", type=count, default=1, help="rounds of cold/warm/attach loads (median reported)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic engine")
     args = ap.parse_args()
-    if args.engine is None and not (args.gib > 0 and args.ranks >= 1):
-        ap.error(f"--gib and --ranks: expected a size > 0 and a count >= 1, got {args.gib} and {args.ranks}")
-    if args.repeat < 1:
-        ap.error(f"--repeat: expected a count >= 1, got {args.repeat}")
-    if args.engine is not None and not (args.engine / "config.json").is_file():
-        ap.error(f"--engine {args.engine}: not an engine dir (no config.json; `k3build build` writes one)")
 
     from k3runtime.dist.weight_store import shm_dir_for
     from k3runtime.dist.weight_store_proto import engine_ranks, weights_path

@@ -34,6 +34,7 @@ import urllib.parse
 from pathlib import Path
 
 import httpx
+from arg_types import count, engine_dir
 
 from k3runtime.server.metrics import parse_metrics
 
@@ -207,7 +208,7 @@ def _free_port() -> int:
 
 
 def _start_server(engine: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "k3runtime.cli", "serve", engine, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "k3runtime.cli", "serve", str(engine), "--host", "127.0.0.1", "--port", str(port),
            "--model-name", "load-test", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -227,13 +228,14 @@ def _start_server(engine: str, port: int, extra: list[str]) -> subprocess.Popen:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--engine", help="start `k3runtime serve ENGINE` on a free loopback port for the run")
+    g.add_argument("--engine", type=engine_dir,
+                   help="start `k3runtime serve ENGINE` on a free loopback port for the run")
     g.add_argument("--url", help="an already running server (loopback only)")
     ap.add_argument("--model", default="load-test")
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--clients", type=count, default=16)
+    ap.add_argument("--requests", type=count, default=1000)
+    ap.add_argument("--max-tokens", type=count, default=4)
+    ap.add_argument("--prompts", type=count, default=32)
     ap.add_argument("--disconnect-rate", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--api-key", default=os.environ.get("K3_API_KEY"))
@@ -242,14 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="require each request's reference tokens [default: yes, but no for a --engine not fp32]")
     a = ap.parse_args(argv)
-    for flag, value, low in (("--clients", a.clients, 1), ("--requests", a.requests, 1),
-                             ("--max-tokens", a.max_tokens, 1), ("--prompts", a.prompts, 1)):
-        if value < low:
-            ap.error(f"{flag}: expected an int >= {low}, got {value}")
     if not 0 <= a.disconnect_rate <= 1:
         ap.error(f"--disconnect-rate: expected a fraction in [0, 1], got {a.disconnect_rate}")
-    if a.engine and not (Path(a.engine) / "config.json").is_file():
-        ap.error(f"--engine {a.engine}: not an engine dir (no config.json; `k3build build` writes one)")
     proc = None
     url, model = a.url, a.model
     exact = a.exact
