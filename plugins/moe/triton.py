@@ -56,6 +56,10 @@ class MoETactic:
     # the combine gathers a token's local rows of y at once (moe_combine_kernel's GATHER), not one position and
     # row after another
     gather_combine: bool = False
+    # W4: each gate/up program asks L2 for its first `prefetch` K steps of weights while the pair sort runs (the
+    # kernel launched with PDL behind the sort, which lets it in at once; CUDA sm_90, else no prefetch). The sort took
+    # 6.4 µs of a 299 µs call at 8 tokens an expert with HBM idle (BENCHMARKS.md, twenty-fourth session)
+    prefetch: int = 0
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -163,6 +167,8 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
     if t.lane and not t.paired:
         return False, "lane tactics read pair_mxfp4's bits (paired)"
+    if t.prefetch < 0 or (t.prefetch and not t.w4):
+        return False, f"prefetch counts K steps of W4 weights (>= 0), got {t.prefetch} with w4={t.w4}"
     if t.overlap and (not t.paired or t.fp8):
         return False, "overlap (the down kernel awaiting each expert's h) is implemented for the paired layout only"
     if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
@@ -198,10 +204,11 @@ SORT_COLS = 4
 
 
 def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_block: int = 8192,
-               done: torch.Tensor | None = None, cols: int | None = None):
+               done: torch.Tensor | None = None, cols: int | None = None, early: bool = False):
     """Pairs (token·k + j) sorted by local expert, with no device->host sync, in one launch; `done` (int32
     [num_local]), if given, is zeroed by the same launch (the MoE kernels' per-expert count, MoETactic.overlap).
-    cols: the kernel's tile width (None: SORT_COLS; a power of two), at most the block.
+    cols: the kernel's tile width (None: SORT_COLS; a power of two), at most the block. early (sm_90): the next
+    kernel, launched with PDL, may take SMs as soon as the sort starts (MoETactic.prefetch).
 
     Returns:
         order int32 [P] (pair ids, local experts' pairs first, grouped by expert, in pair order within one; past
@@ -217,7 +224,7 @@ def sort_pairs(topk_ids: torch.Tensor, expert_start: int, num_local: int, max_bl
     block = min(max(triton.next_power_of_2(P), 16), max_block)  # pairs a program reads per step
     cols = min(SORT_COLS if cols is None else cols, block)
     sort_pairs_kernel[(num_local + 1,)](flat, order, offsets, inv, P, expert_start, num_local, BLOCK=block,
-                                        COLS=cols, done_ptr=done, ZERO_DONE=done is not None,
+                                        COLS=cols, done_ptr=done, ZERO_DONE=done is not None, EARLY=early,
                                         num_warps=4 if block <= 2048 else 8, **pdl(flat))
     return order, offsets, inv
 
@@ -261,7 +268,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if z.stride(-1) != 1:  # rows may be strided (z is a column slice of the MoE input's fused GEMM): the kernels
         z = z.contiguous()  # take z.stride(0)
     done = torch.empty(E, dtype=torch.int32, device=z.device) if t.overlap else None
-    order, offsets, inv = sort_pairs(topk_ids, expert_start, E, done=done)
+    prefetch = t.prefetch if pdl_capable(z) else 0  # PDL lets the gate/up programs in while the sort runs
+    order, offsets, inv = sort_pairs(topk_ids, expert_start, E, done=done, early=prefetch > 0)
     early = t.overlap and pdl_capable(z)  # the down kernel launched before the gate/up kernel ends
     P = order.numel()
     h = torch.empty(P, inter, dtype=z.dtype, device=z.device)
@@ -282,7 +290,8 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        SIGNAL=t.overlap, EARLY=early, ASM=asm, num_warps=t.num_warps, num_stages=t.num_stages, **pdl(z))
+        SIGNAL=t.overlap, EARLY=early, ASM=asm, PREFETCH=prefetch, num_warps=t.num_warps, num_stages=t.num_stages,
+        **(dict(PDL=True, launch_pdl=True) if prefetch else pdl(z)))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), BM=t.block_m, BN=d.block_n, BK=t.block_k,

@@ -18,6 +18,7 @@ Two ways to turn MXFP4 into MMA operands (constexpr W4):
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from k3plugins.mlp.triton import glu_act
 from k3plugins.moe import mxfp4
@@ -253,6 +254,13 @@ def _program(BN: tl.constexpr, ROWS_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ptrs (CUDA's prefetch.global.L2: no register written, nothing waited for)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _signal_rows(done_ptr, e):
     """This program's rows of expert e are stored: count it in done[e] (a release after the whole program's stores,
     so that a program that sees the count also sees the rows)."""
@@ -274,7 +282,8 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
                        ROWS_FIRST: tl.constexpr = False, done_ptr=None, SIGNAL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False,
+                       PREFETCH: tl.constexpr = 0):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -289,21 +298,29 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     (row blocks, experts) instead of (experts, row blocks), so programs that run together share an expert's tokens.
     SIGNAL: each program with pairs counts itself in done[e] once its rows of h are stored, so that the down kernel
     can start on an expert as soon as its h is whole (moe_down_kernel's AWAIT); EARLY (sm_90): the down kernel,
-    launched with PDL, may take SMs as soon as every program of this one has started.
+    launched with PDL, may take SMs as soon as every program of this one has started. PREFETCH (CUDA, launched with
+    PDL behind the sort): ask L2 for the program's first PREFETCH K steps of weights and scales before waiting for the
+    sort, whose pairs nothing here needs to find them, so that HBM is busy while the sort runs (_prefetch_l2).
     """
-    pdl_prologue(PDL or EARLY)
     e, offs_n = _program(BN, ROWS_FIRST)
+    WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
+    KMUL: tl.constexpr = TILE_ROWS if TILED else 1  # a K offset's multiplier (tiled: a K step skips a whole tile)
+    wg_rows = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)  # [BN]: where each row starts
+    sg_rows = s_ptr + e * stride_se + _row_offsets(offs_n, stride_sn, BK // 32, TILED)
+    for i in tl.static_range(PREFETCH):  # one line a row of each K step (WK words: 128 bytes with W4 and BK 256)
+        _prefetch_l2(wg_rows + i * WK * KMUL)
+        _prefetch_l2(wg_rows + I * stride_wn + i * WK * KMUL)
+        _prefetch_l2(sg_rows + i * (BK // 32) * KMUL)
+        _prefetch_l2(sg_rows + I * stride_sn + i * (BK // 32) * KMUL)
+    pdl_prologue(PDL or EARLY)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)
-    WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
     # activation rows a load adds itself
     RK: tl.constexpr = 1 if STRIDED == 2 or STRIDED == 4 else (BK // 8 if STRIDED else BK)
     rk = tl.arange(0, RK)
-    KMUL: tl.constexpr = TILE_ROWS if TILED else 1  # a K offset's multiplier (tiled: a K step skips a whole tile)
-    wg_ptrs = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)[:, None] + tl.arange(0, WK)[None, :]
+    wg_ptrs = wg_rows[:, None] + tl.arange(0, WK)[None, :]
     wu_ptrs = wg_ptrs + I * stride_wn
-    sg_ptrs = (s_ptr + e * stride_se + _row_offsets(offs_n, stride_sn, BK // 32, TILED)[:, None]
-               + tl.arange(0, BK // 32)[None, :])
+    sg_ptrs = sg_rows[:, None] + tl.arange(0, BK // 32)[None, :]
     su_ptrs = sg_ptrs + I * stride_sn
     if STRIDED == 4:
         h_cols = _lane_pos(offs_n)
@@ -406,7 +423,8 @@ def moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, sorted_ptr, offs_ptr, tw_ptr, I,
 
 @triton.jit
 def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E, BLOCK: tl.constexpr,
-                      COLS: tl.constexpr, done_ptr=None, ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False):
+                      COLS: tl.constexpr, done_ptr=None, ZERO_DONE: tl.constexpr = False, PDL: tl.constexpr = False,
+                      EARLY: tl.constexpr = False):
     """Counting sort of the (token, expert) pairs by local expert, program e owning expert e (program E: the
     pairs of other ranks' experts, marked inv -1 and left out of order). Its start is the count of smaller keys,
     so the programs need nothing from each other; within an expert, pairs keep their order (a prefix sum, taken
@@ -415,8 +433,11 @@ def sort_pairs_kernel(ids_ptr, order_ptr, offs_ptr, inv_ptr, P, expert_start, E,
     COLS 1 is a flat scan (the kernel before took one too, in other code); at COLS 4 the kernel's sm_90 code is
     about a third shorter (static instructions, compiled on a CPU, at BLOCK 8192 in 8 warps and 512 in 4). Not
     timed yet: at 8192 pairs each program issues a long straight run of them on its SM, where that may matter.
-    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL)."""
+    ZERO_DONE: also zero done[e], the gate/up kernel's count of finished programs (SIGNAL). EARLY (sm_90, without
+    PDL): let the next kernel, launched with PDL, take SMs at once (its programs wait for this grid: PREFETCH)."""
     pdl_prologue(PDL)
+    if EARLY and not PDL:
+        gdc_launch_dependents()
     e = tl.program_id(0)
     if ZERO_DONE:
         if e < E:

@@ -167,3 +167,28 @@ def test_overlapped_down_equals_plain(case, over_name):
         z.copy_(torch.randn(z.shape, device="cuda", generator=g).to(z.dtype))
         graph.replay()
         assert torch.equal(out, run(plain))
+
+
+@pytest.mark.parametrize("case", ["one_token", "ragged", "k3_dims"])
+def test_prefetch_equals_plain(case):
+    """MoETactic.prefetch (the gate/up kernel launched with PDL while the pair sort runs, asking L2 for its weights
+    before it waits) gives decode_l's bits, replay after replay of one CUDA graph with new routing each time: a
+    program that read the sort's offsets or order before the sort ended would take the last replay's pairs."""
+    from dataclasses import replace
+    args, start, raw = _decode_l_case(case, seed=13, empty=(1,))
+    z, ids, w = (t.clone() for t in args[:3])
+    E_global = CASES[case][3]
+    run = lambda t: mt.moe_experts(z, ids, w, *args[3:], expert_start=start, act="situ", tactic=t)
+    early = replace(mt.TACTICS["decode_l"], prefetch=2)
+    run(early)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(early)
+    g = torch.Generator(device="cuda").manual_seed(14)
+    for _ in range(20):
+        ids.copy_(torch.stack([torch.randperm(E_global, device="cuda", generator=g)[:ids.shape[1]]
+                               for _ in range(ids.shape[0])]))
+        z.copy_(torch.randn(z.shape, device="cuda", generator=g).to(z.dtype))
+        graph.replay()
+        assert torch.equal(out, run("decode_l"))

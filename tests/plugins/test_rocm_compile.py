@@ -58,6 +58,11 @@ SPECS = {
     "moe_gate_up_lane": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
                                                       sorted_ptr="*i32", offs_ptr="*i32", done_ptr="*i32"),
                          dict(_MOE, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, SIGNAL=True, ASM="ASM")),
+    # PREFETCH: the L2 prefetch PTX on sm90 only (the host passes 0 where PDL cannot run)
+    "moe_gate_up_prefetch": (moe.moe_gate_up_kernel, dict(z_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", h_ptr="*bf16",
+                                                          sorted_ptr="*i32", offs_ptr="*i32", done_ptr="*i32"),
+                             dict(_MOE, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, SIGNAL=True,
+                                  ASM="ASM", PREFETCH={"sm90": 2, "gfx942": 0})),
     "moe_down_lane": (moe.moe_down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_ptr="*i32",
                                                 offs_ptr="*i32", done_ptr="*i32"),
                       dict(BM=16, BN=64, BK=256, W4=True, STRIDED=4, TILED=True, ROWS_FIRST=True, AWAIT=48,
@@ -143,6 +148,9 @@ SPECS = {
     "moe_sort_pairs_done": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
                                                         inv_ptr="*i32", done_ptr="*i32"),
                             dict(BLOCK=4096, COLS=4, ZERO_DONE=True)),
+    "moe_sort_pairs_early": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
+                                                         inv_ptr="*i32", done_ptr="*i32"),
+                             dict(BLOCK=8192, COLS=4, ZERO_DONE=True, EARLY={"sm90": True, "gfx942": False})),
     "moe_sort_pairs_flat": (moe.sort_pairs_kernel, dict(ids_ptr="*i64", order_ptr="*i32", offs_ptr="*i32",
                                                         inv_ptr="*i32"), dict(BLOCK=4096, COLS=1)),
     "router_logits": (router.router_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16"), dict(BM=16, BE=32, BK=64)),
@@ -185,7 +193,8 @@ def _source(name, target="sm90"):
     fn, ptrs, consts = SPECS[name]
     f8_name, f8 = NATIVE_F8[target]
     ptrs = {k: v.replace("F8", f8_name) for k, v in ptrs.items()}
-    consts = {k: f8 if v == "F8" else (target == "sm90") if v == "ASM" else v for k, v in consts.items()}
+    consts = {k: f8 if v == "F8" else (target == "sm90") if v == "ASM" else v[target] if isinstance(v, dict) else v
+              for k, v in consts.items()}
     # constexprs the spec leaves out take their defaults (TILED, PDL: off), as at a launch that omits them
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts
                  and p.default is not inspect.Parameter.empty}, **consts}

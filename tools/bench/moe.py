@@ -158,6 +158,10 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
         for bm, bn, nw, st in ((128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3)):
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_fp8"] = mt.MoETactic(bm, bn, 256, nw, st, strided=True,
                                                                                     fp8=True)
+    # the gate/up programs asking L2 for their first K steps of weights (16 KB each) while the pair sort runs
+    # (MoETactic.prefetch); decode_l_yh was the fastest at 2-8 tokens an expert
+    for steps in (2, 4, 8):
+        decode_sweep[f"decode_l_yh_pf{steps}"] = replace(mt.TACTICS["decode_l_yh"], prefetch=steps)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER

@@ -4,7 +4,8 @@ The rank's step touches about 24 of 56 experts at 32 requests (uniform top-16 of
 x row blocks, fixed: no host sync) runs about 1150 live programs instead of bench_moe's 2700. This sweep shows the
 time against the touched experts' bytes as that count varies: a fixed cost of about 23 µs a call (the grid's
 ramp and drain, twice: gate/up, then down) beside 5.6 µs an expert (nineteenth session). The variants: the grid
-rows first, and the down kernel overlapping the gate/up kernel's drain (MoETactic.overlap).
+rows first, the down kernel overlapping the gate/up kernel's drain (MoETactic.overlap), and the L2 prefetch while
+the sort runs (MoETactic.prefetch), which also fetches the untouched experts' first weights.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ _D = mt.TACTICS["decode_p"]
 VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode_p; decode_l on lane_mxfp4's)
     "decode_p": _D,
     "decode_l": mt.TACTICS["decode_l"],
+    # decode_l asking L2 for 4 K steps of each program's weights during the sort: untouched experts' too
+    "decode_l_pf4": replace(mt.TACTICS["decode_l"], prefetch=4),
     "plain": replace(_D, rows_first=False, overlap=False),
     "rows_first": replace(_D, rows_first=True, overlap=False),
     "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
