@@ -33,6 +33,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # the sum of its tokens' logprobs (the model's raw ones, as `logprobs`), when SamplingParams.logprobs asked
     cumulative_logprob: float | None = None
+    index: int = 0  # which of its prompt's SamplingParams.n choices this is
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:
-        """Run prompts to completion with continuous batching; outputs in prompt order."""
+        """Run prompts to completion with continuous batching; outputs in prompt order, a prompt's SamplingParams.n
+        choices one after another (CompletionOutput.index)."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                       and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
@@ -137,11 +139,18 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        bad = next((p for p in plist if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"params: expected SamplingParams, got {type(bad).__name__}")
+        # each choice is a request of its own: the prompt repeated, its params seeded apart (SamplingParams.choices)
+        prompts = [x for x, p in zip(prompts, plist) for _ in range(p.n)]
+        index = [j for p in plist for j in range(p.n)]
+        plist = [c for p in plist for c in p.choices()]
         reqs = self._add(prompts, plist)
         outputs = {r.request_id: CompletionOutput(r.request_id, r.prompt_token_ids, [], None, None,
                                                   [] if p.logprobs is not None else None,
-                                                  cumulative_logprob=0.0 if p.logprobs is not None else None)
-                   for r, p in zip(reqs, plist)}
+                                                  cumulative_logprob=0.0 if p.logprobs is not None else None, index=j)
+                   for r, p, j in zip(reqs, plist, index)}
         detoks = {r.request_id: self._detok(p) for r, p in zip(reqs, plist)}
         by_id = {r.request_id: r for r in reqs}
         try:
@@ -172,6 +181,9 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield tokens of one request as they are produced (other requests of this engine keep running)."""
         params = self.get_default_sampling_params() if params is None else params
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"n: stream() runs one choice, got n={params.n}; use generate(), or stream() once for each "
+                             "of params.choices()")
         req, = self._add([prompt], [params])
         det = self._detok(params)
         try:

@@ -276,6 +276,9 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if params.n != 1:  # one request is one choice; LLM.generate and the servers add each of n
+            raise ValueError(f"n: a request is one choice, got n={params.n}; add params.choices() one by one "
+                             "(LLM.generate does)")
         self._check_ids(prompt_token_ids, "prompt_token_ids")
         vocab = self.facts.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab]

@@ -9,7 +9,7 @@ samples token i again with the same (seed, i), so the output is identical to an 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # One request may not ask for more output tokens than K3's native context (1M tokens).
 MAX_TOKENS_LIMIT = 1 << 20
@@ -17,6 +17,7 @@ SEED_LIMIT = 1 << 63
 MAX_LOGPROBS = 20  # alternatives a token at most (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+MAX_N = 64  # choices a prompt at most (each is a request of its own)
 # the fields whose defaults an engine takes from its model's generation_config.json (LLMEngine.sampling_defaults):
 # where a request gives none, the API, the servers and `generate` use those, as vLLM's generation_config="auto"
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -64,6 +65,8 @@ class SamplingParams:
             (id, bias) pairs also works); token ids are checked against the vocabulary when the request is added.
         The four act before temperature, min-p, top-k and top-p, on greedy requests too; logprobs stay the model's raw
         ones. See runtime/penalties.py.
+        n: choices for the prompt, 1..MAX_N: `LLM.generate` runs that many requests (`choices`), choice j seeded
+            seed + j when a seed is given, else each its own random seed. An engine's request is one choice (n 1).
     """
 
     max_tokens: int = 16
@@ -83,8 +86,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
 
     def __post_init__(self):
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: expected an int in 1..{MAX_N} (choices for the prompt), got {self.n!r}")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise ValueError(f"max_tokens: expected an int in 1..{MAX_TOKENS_LIMIT}, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -131,6 +137,13 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "min_p", float(self.min_p))
+
+    def choices(self, n: int | None = None) -> list["SamplingParams"]:
+        """The params of each of n choices (default self.n), one request each: choice j seeded seed + j when a seed
+        is set (the same outputs as the OpenAI server's n), else each its own random seed."""
+        n = self.n if n is None else n
+        return [replace(self, n=1, seed=self.seed if self.seed is None else (self.seed + j) % SEED_LIMIT)
+                for j in range(n)]
 
     @property
     def greedy(self) -> bool:

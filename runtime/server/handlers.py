@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from ..sampling_params import GENERATION_DEFAULTS, SEED_LIMIT, SamplingParams
+from ..sampling_params import GENERATION_DEFAULTS, SamplingParams
 from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs, echoed_prompt, joined
 from .metrics import PrometheusMetrics
@@ -186,9 +186,8 @@ class Handlers:
         streams = []
         try:
             for x, sp in zip(ids, params):
-                for j in range(n):
-                    seed = sp.seed if sp.seed is None else (sp.seed + j) % SEED_LIMIT
-                    streams.append(await self.engine.add(x, replace(sp, seed=seed)))
+                for choice in sp.choices(n):
+                    streams.append(await self.engine.add(x, choice))
         except BaseException as e:
             for s in streams:
                 s.close()

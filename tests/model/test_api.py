@@ -421,3 +421,36 @@ def test_bf16_state_engine(k3_tiny_ckpt, k3_tiny_engine, tmp_path):
     assert not torch.equal(a, b)  # the state really is stored in bf16 ...
     cos = torch.nn.functional.cosine_similarity(a, b, dim=0)
     assert cos > 0.999 and (a - b).norm() / a.norm() < 3e-2  # ... within the spec's parity bar
+
+
+def test_n_choices_are_seeded_requests_in_prompt_order(llm):
+    """SamplingParams.n: each prompt's n choices come one after another (index 0..n-1), choice j the output of a
+    request seeded seed + j, the same as the OpenAI server's n."""
+    sampled = SamplingParams(max_tokens=8, temperature=1.5, seed=21, ignore_eos=True)
+    outs = llm.generate([PROMPT, [5, 6, 7]], SamplingParams(**{**sampled.__dict__, "n": 3}))
+    assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
+    assert [o.prompt_token_ids for o in outs] == [llm.tokenizer.encode(PROMPT)] * 3 + [[5, 6, 7]] * 3
+    assert len({o.request_id for o in outs}) == 6
+    for k, prompt in enumerate([PROMPT, [5, 6, 7]]):
+        for j in range(3):
+            alone = llm.generate(prompt, SamplingParams(**{**sampled.__dict__, "seed": 21 + j}))[0]
+            assert outs[3 * k + j].token_ids == alone.token_ids and outs[3 * k + j].text == alone.text
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # seeds 21, 22, 23 at temperature 1.5: 8 tokens apart
+    # a list of params: each prompt its own n
+    two = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2)
+    mixed = llm.generate([PROMPT, PROMPT], [two, greedy(4)])
+    assert [o.index for o in mixed] == [0, 1, 0] and len({tuple(o.token_ids) for o in mixed}) == 1
+
+
+@pytest.mark.parametrize("bad", [0, 65, True, 2.0])
+def test_bad_n_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"^n: expected an int in 1\.\.64"):
+        SamplingParams(n=bad)
+
+
+def test_n_above_one_is_refused_where_one_request_runs(llm):
+    with pytest.raises(ValueError, match=r"^n: stream\(\) runs one choice"):
+        next(llm.stream(PROMPT, SamplingParams(max_tokens=4, n=2)))
+    with pytest.raises(ValueError, match=r"^n: a request is one choice"):
+        llm.engine.add_request([5, 6], SamplingParams(max_tokens=4, n=2))
+    assert not llm.engine.has_unfinished()

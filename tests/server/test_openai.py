@@ -476,3 +476,13 @@ def test_non_stream_disconnect_aborts_and_frees(server, caplog):
     assert _aborts(server) == before + 1
     gc.collect()  # a cancelled gather whose outcome nobody read is logged with a traceback when it is collected
     assert "never retrieved" not in caplog.text, caplog.text
+
+
+def test_n_choices_equal_the_python_apis(client, llm):
+    """n seeded choices: the server's choice j and the Python API's SamplingParams.n choice j are the same request
+    (seed + j), so the same tokens."""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.5, seed=77, n=3,
+                                  extra_body={"return_token_ids": True})
+    outs = llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=1.5, seed=77, n=3))
+    assert [c.index for c in r.choices] == [o.index for o in outs] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [o.token_ids for o in outs]
