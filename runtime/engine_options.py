@@ -40,6 +40,9 @@ class EngineOptions:
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
     cuda_graphs: bool = True  # decode steps from CUDA graphs on GPUs (rank_runner.graph_blocker: where not)
     load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
+    # hash every byte of the weights files as they are read, against the sha256 the build recorded (a weight store
+    # has checked its copy already): damage that leaves the values finite and the scales in range is refused too
+    verify_weights: bool = False
     # schedule a step while the previous one runs (module doc); None: on where it can run and pays, see
     # `resolve_async_scheduling`
     async_scheduling: bool | None = None
@@ -49,7 +52,7 @@ class EngineOptions:
 
     def __post_init__(self):
         check_device(self.device)
-        for name in ("enable_deepep", "cuda_graphs", "load_progress", "async_scheduling"):
+        for name in ("enable_deepep", "cuda_graphs", "load_progress", "verify_weights", "async_scheduling"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name == "async_scheduling"):
                 raise ValueError(f"{name}: expected True or False, got {value!r}")

@@ -64,7 +64,7 @@ def dummy_step(config: dict, options: EngineOptions) -> Step:
 
 def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> RankRunner:
     """Load `rank` of the engine with caches sized by `options` (or the engine's memory plan)."""
-    engine = load_rank(engine_dir, rank, options.device, progress=options.load_progress)
+    engine = load_rank(engine_dir, rank, options.device, progress=options.load_progress, verify=options.verify_weights)
     if comm is not None:
         comm.wait_loaded()  # the ranks finish reading minutes apart; what follows runs under the step timeout
     pages, slots = cache_sizes(engine.config, options)

@@ -130,7 +130,8 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
 
 
 def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device = "cpu",
-              progress: bool = False) -> RankEngine:
+              progress: bool = False, verify: bool = False) -> RankEngine:
+    """verify: hash the weights file as it is read against the build's sha256 (EngineOptions.verify_weights)."""
     engine_dir, device = Path(engine_dir), torch.device(device)
     cfg = read_engine_config(engine_dir)
     check_stamp(cfg, engine_dir / "config.json", device)
@@ -167,7 +168,7 @@ def load_rank(engine_dir: str | Path, rank: int = 0, device: str | torch.device 
     # A node's host weight store (k3runtime weight-store) is attached when configured; else read from disk.
     weights = _read_weights(rank_dir / "weights.safetensors", rank, cfg["ranks"][str(rank)],
                             cfg["stamp"].get("build_id"), device, progress,
-                            attach=lambda: weight_store.attach(engine_dir, rank, device=device))
+                            attach=lambda: weight_store.attach(engine_dir, rank, device=device), verify=verify)
     if why := (_weights_problem(graph, weights) or _nonfinite_problem(weights)
                or _scales_problem(graph, weights, cfg["build_config"]["plugins"])):
         # the error's traceback holds this frame: empty the dict it holds, or a failed load keeps the rank's tensors
@@ -206,14 +207,20 @@ def _check_readable(path: Path) -> None:
 
 
 def _read_weights(path: Path, rank: int, info: dict, build_id: str | None, device: torch.device,
-                  progress: bool, attach=lambda: None) -> dict[str, torch.Tensor]:
+                  progress: bool, attach=lambda: None, verify: bool = False) -> dict[str, torch.Tensor]:
     """The rank's weights: from the node's host store when `attach()` gives them, else from disk: on a GPU streamed
     through pinned buffers (weight_reader), on the CPU read straight into the tensors (not mapped: a private mapping
     still reads the file's pages as they are, so a file replaced in place — cp over it, rsync --inplace — would
     change a running engine's weights, and one truncated would kill it with SIGBUS). The header is checked first on
     all three (read_header names the tensor that does not fit), and its record of the rank and build it was written
     for (a file rewritten by another tool may have none): a store copies the file as it is, so it holds another
-    rank's or build's file as faithfully."""
+    rank's or build's file as faithfully. verify: the file's sha256 against the build's record (a store compared its
+    copy with it already)."""
+    built_sha = info.get("weights_sha256")
+    if verify and not isinstance(built_sha, str):
+        raise EngineError(f"{path}: its build recorded no sha256 of it (config.json ranks.{rank}.weights_sha256; "
+                          "engines built before that record have none): nothing to verify it against; rebuild the "
+                          "engine, or load it without verify_weights")
     try:
         _, _, metadata = read_header(path)
         if metadata.get("rank", str(rank)) != str(rank):
@@ -226,7 +233,13 @@ def _read_weights(path: Path, rank: int, info: dict, build_id: str | None, devic
                               "rebuild it")
         if (attached := attach()) is not None:
             return attached
-        return read_weights(path, device, progress=progress)
+        digest = hashlib.sha256() if verify else None
+        weights = read_weights(path, device, progress=progress, digest=digest)
+        if digest is not None and (here := digest.hexdigest()) != built_sha:
+            weights.clear()  # as below: the error must not keep the tensors alive
+            raise EngineError(f"{path}: damaged since its build (sha256 {here[:12]}, config.json records "
+                              f"{built_sha[:12]}); copy the engine whole again, or rebuild it")
+        return weights
     except WeightFileError as e:
         why = str(e).removeprefix(f"{path}: ")
     # raised out of the except block: as its context, the reader's error would keep read_weights' frame, and every

@@ -80,7 +80,7 @@ def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int
 
 def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *, chunk_bytes: int = 64 << 20,
                  staged: bool | None = None, readers: int = 4, min_part: int = 4 << 20,
-                 progress: bool = False) -> dict[str, torch.Tensor]:
+                 progress: bool = False, digest=None) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, on `device`, read sequentially once.
 
     Args:
@@ -89,6 +89,8 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         chunk_bytes: size of each staging buffer.
         readers, min_part: a staged chunk is read by up to `readers` threads, in parts of at least `min_part`
             bytes.
+        digest: a hashlib object to update with every byte of the file, in order, as it is read (the header too):
+            the caller compares it with the build's record (one core hashes at a few GB/s: slower than the reads).
     Raises:
         WeightFileError naming the file (and tensor) when the file is short, or its header wrong.
     """
@@ -100,20 +102,33 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     total = spans[-1][1] if spans else 0
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {path.parent.name}", disable=not progress)
     with open(path, "rb", buffering=0) as f, bar:
+        if digest is not None:
+            digest.update(_read_range(f.fileno(), 0, data_start, path, "the header"))
         if staged:
             readers = max(1, readers)
             with ThreadPoolExecutor(readers, thread_name_prefix="weight-reader") as pool:
                 read = partial(_pread_parts, pool, readers, min_part, f.fileno(), data_start, path)
-                _read_staged(read, spans, tensors, total, chunk_bytes, device, bar)
+                _read_staged(read, spans, tensors, total, chunk_bytes, device, bar, digest)
         else:
+            at = 0  # data bytes hashed so far
             for start, end, name in spans:
-                _pread(f.fileno(), memoryview(_bytes(tensors[name]).numpy()).cast("B"), data_start + start, path,
-                       name)
+                view = memoryview(_bytes(tensors[name]).numpy()).cast("B")
+                _pread(f.fileno(), view, data_start + start, path, name)
+                if digest is not None:  # bytes between tensors (an alignment pad) belong to the file's hash too
+                    digest.update(_read_range(f.fileno(), data_start + at, start - at, path, name))
+                    digest.update(view)
+                    at = end
                 bar.update(end - start)
     return tensors
 
 
-def _read_staged(read, spans, tensors, total: int, chunk: int, device: torch.device, bar) -> None:
+def _read_range(fd: int, offset: int, n: int, path: Path, name: str) -> bytearray:
+    out = bytearray(n)
+    _pread(fd, memoryview(out), offset, path, name)
+    return out
+
+
+def _read_staged(read, spans, tensors, total: int, chunk: int, device: torch.device, bar, digest=None) -> None:
     cuda = device.type == "cuda"
     bufs = [torch.empty(min(chunk, total), dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
     done = [None, None]  # the event after each buffer's last copies: the buffer is free again once it is reached
@@ -132,6 +147,8 @@ def _read_staged(read, spans, tensors, total: int, chunk: int, device: torch.dev
             a, b = max(start, c0), min(end, c1)
             _bytes(tensors[name])[a - start:b - start].copy_(buf[a - c0:b - c0], non_blocking=cuda)
             k += 1
+        if digest is not None:  # the whole chunk (pads between tensors too), while the GPU copies it out
+            digest.update(memoryview(buf[:c1 - c0].numpy()))
         if cuda:
             done[i % 2] = torch.cuda.Event()
             done[i % 2].record(torch.cuda.current_stream(device))

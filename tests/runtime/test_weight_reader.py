@@ -137,3 +137,34 @@ def test_gpu_reads_what_safetensors_reads(st_file, chunk):
     want = load_file(st_file)
     got = read_weights(st_file, "cuda", chunk_bytes=chunk)
     assert all(got[n].is_cuda and torch.equal(got[n].cpu(), want[n]) for n in want)
+
+
+def _with_gap(tmp_path):
+    """A safetensors file whose two tensors have 5 pad bytes between them (another writer's alignment)."""
+    a, b = torch.arange(6, dtype=torch.int32), torch.arange(3, dtype=torch.float32)
+    header = {"a": {"dtype": "I32", "shape": [6], "data_offsets": [0, 24]},
+              "b": {"dtype": "F32", "shape": [3], "data_offsets": [29, 41]}}
+    head = json.dumps(header).encode()
+    path = tmp_path / "gap.safetensors"
+    path.write_bytes(struct.pack("<Q", len(head)) + head + a.numpy().tobytes() + b"\x07" * 5 + b.numpy().tobytes())
+    return path, {"a": a, "b": b}
+
+
+@pytest.mark.parametrize("chunk,staged", [(64 << 20, False), (64 << 20, True), (7, True)])
+def test_digest_is_the_whole_files_sha256(st_file, tmp_path, chunk, staged):
+    """read_weights(digest=...) hashes every byte of the file in order, as it reads: the header and the pad bytes
+    between tensors too, on both paths and across chunk boundaries."""
+    import hashlib
+
+    gap, tensors = _with_gap(tmp_path)
+    for path in (st_file, gap):
+        digest = hashlib.sha256()
+        got = read_weights(path, "cpu", chunk_bytes=chunk, staged=staged, digest=digest)
+        assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest(), path.name
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    data = bytearray(gap.read_bytes())
+    data[-13] ^= 1  # a pad byte: no tensor changes, the hash does
+    gap.write_bytes(bytes(data))
+    digest = hashlib.sha256()
+    read_weights(gap, "cpu", chunk_bytes=chunk, staged=staged, digest=digest)
+    assert digest.hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
