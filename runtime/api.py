@@ -182,8 +182,8 @@ class LLM:
         """Yield tokens of one request as they are produced (other requests of this engine keep running)."""
         params = self.get_default_sampling_params() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError(f"n: stream() runs one choice, got n={params.n}; use generate(), or stream() once for each "
-                             "of params.choices()")
+            raise ValueError(f"n: stream() runs one choice, got n={params.n}; use generate(), or stream() once for "
+                             "each of params.choices()")
         req, = self._add([prompt], [params])
         det = self._detok(params)
         try:
