@@ -161,11 +161,17 @@ def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
         return (head + f"{names} stopped responding (no heartbeat in {watch_s:.0f} s); the others were alive and "
                 "waiting for it")
     if stuck := stuck_ranks():
-        names = "; ".join(f"rank {r} (group {key.split(':')[0]} [{key.split(':')[1]}]: it entered {n} of its "
-                          f"collectives, another member {top})" for r, (key, n, top) in stuck)
+        names = "; ".join(f"rank {r} (group {_group_text(key)}: it entered {n} of its collectives, another member "
+                          f"{top})" for r, (key, n, top) in stuck)
         return (head + f"{names} {'is' if len(stuck) == 1 else 'are'} alive but waits in no collective: stuck in "
                 "its own work (a blocking call, a kernel, a deadlock); the others were waiting for it")
     return None
+
+
+def _group_text(key: str) -> str:
+    """A group key ("name:0,1,2": its name and member ranks) as the messages write it: name [0,1,2]."""
+    name, members = key.rsplit(":", 1)
+    return f"{name} [{members}]"
 
 
 def stuck_ranks() -> list[tuple[int, tuple[str, int, int]]]:
