@@ -142,6 +142,16 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
+def _captured(call):
+    """call() run once (its kernels compiled), then captured: (the CUDA graph, its output tensor)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 @pytest.mark.parametrize("over_name", ["decode_p", "decode_l"])
 @pytest.mark.parametrize("case", ["one_token", "ragged", "k3_dims"])
 def test_overlapped_down_equals_plain(case, over_name):
@@ -157,11 +167,7 @@ def test_overlapped_down_equals_plain(case, over_name):
     sa, sb = mt.lay_out_scale(plain, s13), mt.lay_out_scale(plain, s2)
     z = mt.lay_out_input(over, z)
     run = lambda t: mt.moe_experts(z, ids, w, a, sa, b, sb, expert_start=start, act="situ", tactic=t)
-    run(over)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(over)
+    graph, out = _captured(lambda: run(over))
     g = torch.Generator(device="cuda").manual_seed(12)
     for _ in range(20):
         z.copy_(torch.randn(z.shape, device="cuda", generator=g).to(z.dtype))
@@ -179,12 +185,7 @@ def test_prefetch_equals_plain(case):
     z, ids, w = (t.clone() for t in args[:3])
     E_global = CASES[case][3]
     run = lambda t: mt.moe_experts(z, ids, w, *args[3:], expert_start=start, act="situ", tactic=t)
-    early = replace(mt.TACTICS["decode_l"], prefetch=2)
-    run(early)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(early)
+    graph, out = _captured(lambda: run(replace(mt.TACTICS["decode_l"], prefetch=2)))
     g = torch.Generator(device="cuda").manual_seed(14)
     for _ in range(20):
         ids.copy_(torch.stack([torch.randperm(E_global, device="cuda", generator=g)[:ids.shape[1]]
