@@ -181,7 +181,7 @@ def test_prefetch_equals_plain(case):
     before it waits) gives decode_l's bits, replay after replay of one CUDA graph with new routing each time: a
     program that read the sort's offsets or order before the sort ended would take the last replay's pairs."""
     from dataclasses import replace
-    args, start, raw = _decode_l_case(case, seed=13, empty=(1,))
+    args, start, _ = _decode_l_case(case, seed=13, empty=(1,))
     z, ids, w = (t.clone() for t in args[:3])
     E_global = CASES[case][3]
     run = lambda t: mt.moe_experts(z, ids, w, *args[3:], expert_start=start, act="situ", tactic=t)
