@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -89,8 +89,8 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         chunk_bytes: size of each staging buffer.
         readers, min_part: a staged chunk is read by up to `readers` threads, in parts of at least `min_part`
             bytes.
-        digest: a hashlib object to update with every byte of the file, in order, as it is read (the header too):
-            the caller compares it with the build's record (one core hashes at a few GB/s: slower than the reads).
+        digest: a hashlib object to update with every byte of the file, in order, as it is read (the header too),
+            on a thread of its own beside the reads: the caller compares it with the build's record.
     Raises:
         WeightFileError naming the file (and tensor) when the file is short, or its header wrong.
     """
@@ -101,25 +101,49 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     staged = device.type != "cpu" if staged is None else staged
     total = spans[-1][1] if spans else 0
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {path.parent.name}", disable=not progress)
-    with open(path, "rb", buffering=0) as f, bar:
+    with open(path, "rb", buffering=0) as f, bar, _Hasher(digest) as hasher:
         if digest is not None:
-            digest.update(_read_range(f.fileno(), 0, data_start, path, "the header"))
+            hasher.update(_read_range(f.fileno(), 0, data_start, path, "the header"))
         if staged:
             readers = max(1, readers)
             with ThreadPoolExecutor(readers, thread_name_prefix="weight-reader") as pool:
                 read = partial(_pread_parts, pool, readers, min_part, f.fileno(), data_start, path)
-                _read_staged(read, spans, tensors, total, chunk_bytes, device, bar, digest)
+                _read_staged(read, spans, tensors, total, chunk_bytes, device, bar, hasher if digest else None)
         else:
             at = 0  # data bytes hashed so far
             for start, end, name in spans:
                 view = memoryview(_bytes(tensors[name]).numpy()).cast("B")
                 _pread(f.fileno(), view, data_start + start, path, name)
                 if digest is not None:  # bytes between tensors (an alignment pad) belong to the file's hash too
-                    digest.update(_read_range(f.fileno(), data_start + at, start - at, path, name))
-                    digest.update(view)
+                    hasher.update(_read_range(f.fileno(), data_start + at, start - at, path, name))
+                    hasher.update(view)
                     at = end
                 bar.update(end - start)
     return tensors
+
+
+class _Hasher:
+    """digest.update on a thread of its own, in the order given, so that hashing a part overlaps reading the next
+    (hashlib lets go of the GIL on large buffers); leaving the `with` waits until every part is hashed."""
+
+    def __init__(self, digest):
+        self.digest = digest
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="weight-hash") if digest is not None else None
+        self.last = None
+
+    def update(self, data) -> Future:
+        """Hash data after the parts given before; the caller keeps data unchanged until the future is done."""
+        self.last = self.pool.submit(self.digest.update, data)
+        return self.last
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            if exc[0] is None and self.last is not None:
+                self.last.result()  # a hashing error, raised here
 
 
 def _read_range(fd: int, offset: int, n: int, path: Path, name: str) -> bytearray:
@@ -128,16 +152,19 @@ def _read_range(fd: int, offset: int, n: int, path: Path, name: str) -> bytearra
     return out
 
 
-def _read_staged(read, spans, tensors, total: int, chunk: int, device: torch.device, bar, digest=None) -> None:
+def _read_staged(read, spans, tensors, total: int, chunk: int, device: torch.device, bar, hasher=None) -> None:
     cuda = device.type == "cuda"
     bufs = [torch.empty(min(chunk, total), dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
     done = [None, None]  # the event after each buffer's last copies: the buffer is free again once it is reached
+    hashed = [None, None]  # with a hasher: each buffer's hash, which must end before the buffer is filled again
     j = 0  # first span that may still overlap the chunk
     for i, c0 in enumerate(range(0, total, chunk)):
         c1 = min(c0 + chunk, total)
         buf = bufs[i % 2]
         if done[i % 2] is not None:
             done[i % 2].synchronize()
+        if hashed[i % 2] is not None:
+            hashed[i % 2].result()
         while spans[j][1] <= c0:
             j += 1
         read(buf[:c1 - c0].numpy(), c0, spans[j][2])
@@ -147,8 +174,8 @@ def _read_staged(read, spans, tensors, total: int, chunk: int, device: torch.dev
             a, b = max(start, c0), min(end, c1)
             _bytes(tensors[name])[a - start:b - start].copy_(buf[a - c0:b - c0], non_blocking=cuda)
             k += 1
-        if digest is not None:  # the whole chunk (pads between tensors too), while the GPU copies it out
-            digest.update(memoryview(buf[:c1 - c0].numpy()))
+        if hasher is not None:  # the whole chunk (pads between tensors too), while the GPU copies it out
+            hashed[i % 2] = hasher.update(memoryview(buf[:c1 - c0].numpy()))
         if cuda:
             done[i % 2] = torch.cuda.Event()
             done[i % 2].record(torch.cuda.current_stream(device))

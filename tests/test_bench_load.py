@@ -17,3 +17,4 @@ def test_bench_load_prints_its_ratios():
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["bench"] == "load" and row["cache"] == "cold" and row["bytes"] > 0.06 * 2**30
     assert row["ours_s"] > 0 and row["floor_s"] > 0 and row["ours_x_floor"] > 0 and row["load_file_x_ours"] > 0
+    assert row["ours_verified_s"] > 0 and row["verified_x_ours"] > 0

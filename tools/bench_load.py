@@ -6,7 +6,8 @@ safetensors' load_file, side by side in one run (JSON lines).
 Floor: the file read front to back into one host buffer (the disk, or the page cache with --warm; fresh memory on
 the CPU, where the tensors are fresh memory too); on a GPU, the larger of that (into a pinned buffer) and a pinned
 host->device copy of the same bytes (PCIe), measured in this run.
-Baseline: `safetensors.torch.load_file(path, device)` plus, on the CPU, a copy of every tensor (its load is a lazy
+"ours_verified" is our read hashing every byte as it goes (EngineOptions.verify_weights), to show what the check
+costs. Baseline: `safetensors.torch.load_file(path, device)` plus, on the CPU, a copy of every tensor (its load is a lazy
 mmap; the copy is what reads the file). Cold rounds evict the file from the page cache first (posix_fadvise), as
 bench_weight_store.py does. Without --engine a synthetic rank file of random bf16 tensors is written.
 """
@@ -14,6 +15,7 @@ bench_weight_store.py does. Without --engine a synthetic rank file of random bf1
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -79,6 +81,7 @@ def main() -> None:
         fresh = device.type == "cpu"
         modes = {"floor_read": lambda: _raw_read(path, torch.empty(size, dtype=torch.uint8) if fresh else host),
                  "ours": lambda: read_weights(path, device),
+                 "ours_verified": lambda: read_weights(path, device, digest=hashlib.sha256()),
                  "load_file": lambda: _baseline(path, device)}
         if device.type == "cuda":
             dev = torch.empty(size, dtype=torch.uint8, device=device)
@@ -98,7 +101,8 @@ def main() -> None:
         row = {"bench": "load", "device": str(device), "cache": "warm" if args.warm else "cold", "bytes": size,
                "repeat": args.repeat, **{f"{m}_s": round(t, 4) for m, t in med.items()},
                "floor_s": round(floor, 4), "ours_gbps": round(size / med["ours"] / 1e9, 2),
-               "ours_x_floor": round(med["ours"] / floor, 3), "load_file_x_ours": round(med["load_file"] / med["ours"], 3)}
+               "ours_x_floor": round(med["ours"] / floor, 3), "load_file_x_ours": round(med["load_file"] / med["ours"], 3),
+               "verified_x_ours": round(med["ours_verified"] / med["ours"], 3)}
         print(json.dumps(row), flush=True)
 
 
