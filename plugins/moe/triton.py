@@ -57,8 +57,10 @@ class MoETactic:
     # row after another
     gather_combine: bool = False
     # W4: each gate/up program asks L2 for its first `prefetch` K steps of weights while the pair sort runs (the
-    # kernel launched with PDL behind the sort, which lets it in at once; CUDA sm_90, else no prefetch). The sort took
-    # 6.4 µs of a 299 µs call at 8 tokens an expert with HBM idle (BENCHMARKS.md, twenty-fourth session)
+    # kernel launched with PDL behind the sort, which lets it in at once; CUDA sm_90, else no prefetch). Off in every
+    # tactic: on an H100, 2-4 steps were 0.5-0.8 % faster with all 56 experts touched (1-8 tokens each), and 4 steps
+    # 15-30 % slower with 8-32 of them touched (a rank's decode), as every program prefetches, an empty expert's too
+    # (BENCHMARKS.md, forty-eighth session)
     prefetch: int = 0
 
     def down(self) -> "MoETactic":

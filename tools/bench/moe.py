@@ -159,8 +159,8 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
             prefill_sweep[f"p_bm{bm}_bn{bn}_bk256_w{nw}_s{st}_fp8"] = mt.MoETactic(bm, bn, 256, nw, st, strided=True,
                                                                                     fp8=True)
     # the gate/up programs asking L2 for their first K steps of weights (16 KB each) while the pair sort runs
-    # (MoETactic.prefetch); decode_l_yh was the fastest at 2-8 tokens an expert
-    for steps in (2, 4, 8):
+    # (MoETactic.prefetch); decode_l_yh was the fastest at 2-8 tokens an expert (8 steps: 10 % slower, H100)
+    for steps in (2, 4):
         decode_sweep[f"decode_l_yh_pf{steps}"] = replace(mt.TACTICS["decode_l_yh"], prefetch=steps)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
