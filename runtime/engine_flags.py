@@ -65,8 +65,8 @@ FLAGS = (
                              "at most pp_size, so that the stages overlap (1: never cut) [the count an estimate of "
                              "the step's time favours: runtime/micro_batch.py]."),
     Flag("verify_weights", "Hash every byte of the rank's weights file as it is read, against the sha256 its build "
-                           "recorded: an engine copied from elsewhere is refused if one bit changed (slower load: one "
-                           "core hashes at a few GB/s) [off].", boolean=True),
+                           "recorded: an engine copied from elsewhere is refused if one bit changed (slower load: sha256 "
+                           "runs on one core, about 1 GB/s) [off].", boolean=True),
     Flag("async_scheduling", "Launch each step before the previous step's tokens reach the host, so that the GPU "
                              f"does not wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.",
          boolean=True),
