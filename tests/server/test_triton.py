@@ -68,6 +68,9 @@ def test_parameters_become_engine_options(tmp_path):
     assert (opts.device, opts.num_pages, opts.max_num_seqs, opts.async_scheduling) == ("cuda", 7, 3, False)
     assert (opts.preemption_mode, opts.num_host_pages, opts.num_host_slots) == ("swap", 4, 2)
     assert engine_options({"async_scheduling": "True"}).async_scheduling is True
+    txt = config_pbtxt("k3", tmp_path, decoupled=True, verify_weights=True)
+    params = dict(re.findall(r'key: "(\w+)"\n  value: \{ string_value: "([^"]*)" \}', txt))
+    assert engine_options(params).verify_weights is True and engine_options({}).verify_weights is False
     assert engine_options({}) == engine_options({"num_slots": ""})  # an empty parameter is not set
     assert engine_options({}).async_scheduling is None and engine_options({}).device == "cpu"
     for bad, why in [({"async_scheduling": "yes"}, "parameter async_scheduling must be true or false, got 'yes'"),
