@@ -108,7 +108,8 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
             readers = max(1, readers)
             with ThreadPoolExecutor(readers, thread_name_prefix="weight-reader") as pool:
                 read = partial(_pread_parts, pool, readers, min_part, f.fileno(), data_start, path)
-                _read_staged(read, spans, tensors, total, chunk_bytes, device, bar, hasher if digest else None)
+                _read_staged(read, spans, tensors, total, chunk_bytes, device, bar,
+                             hasher if digest is not None else None)
         else:
             at = 0  # data bytes hashed so far
             for start, end, name in spans:
