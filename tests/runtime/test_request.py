@@ -39,6 +39,17 @@ def test_sequences_are_normalized_to_tuples():
     assert p.stop == ("\n\n",) and p.stop_token_ids == (5, 6) and hash(p) == hash(SamplingParams(stop=["\n\n"], stop_token_ids=(5, 6)))
 
 
+def test_choices_are_seeded_apart_and_wrap():
+    """SamplingParams.choices: n params of n 1, seeds seed + j modulo 2**63 (the last seed's next is 0); unseeded
+    choices stay unseeded (each request draws its own)."""
+    top = (1 << 63) - 1
+    picks = SamplingParams(seed=top, n=3, temperature=0.7).choices()
+    assert [c.seed for c in picks] == [top, 0, 1] and {c.n for c in picks} == {1}
+    assert all(c.temperature == 0.7 for c in picks)
+    assert [c.seed for c in SamplingParams(n=2).choices()] == [None, None]
+    assert len(SamplingParams(seed=5).choices(4)) == 4
+
+
 def test_request_token_views():
     r = Request("a", [5, 6, 7], SamplingParams(seed=9))
     r.output_token_ids += [8, 9]
