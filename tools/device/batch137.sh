@@ -1,6 +1,6 @@
-# Hundred-and-thirty-seventh device batch (forty-eighth session): batch135 and batch133 in one call, most wanted
+# Hundred-and-thirty-seventh device batch (forty-eighth session): the MoE prefetch runs and batch133 in one call, most wanted
 # first, each under its own timeout (few machines came this session): the prefetch's GPU tests, the MoE decode bench,
-# the touched-experts sweep, the MLA prefill case (never run before) (batch136 less its K3_PDL=1 process).
+# the touched-experts sweep, the MLA prefill case (never run before).
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 timeout 80 python3 -m pytest -q -m gpu tests/plugins/test_moe_gpu.py -k "prefetch or overlapped" -p no:cacheprovider 2>&1 | tail -4
