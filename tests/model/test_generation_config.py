@@ -144,3 +144,20 @@ def test_stop_reason_of_an_added_eos_id_is_the_id(gen_llm):
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
     out = gen_llm.generate(HELLO, dataclasses.replace(ban, stop_token_ids=(eos,)))[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
+
+
+
+def test_sampling_fields_are_what_vllm_reads_through_transformers(tmp_path):
+    """vLLM takes the file's fields through transformers' `GenerationConfig.to_diff_dict()`; since transformers 5 the
+    sampling fields default to None there, so a value equal to the old defaults (the `top_k: 50` save_pretrained used
+    to write) is kept, as here. The same fields for files of such values, against the installed transformers."""
+    from transformers import GenerationConfig
+
+    from k3build.generation_config import SAMPLING, read_generation_config
+
+    for fields in ({"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0},
+                   {"temperature": 0.6, "top_k": 50, "min_p": 0.0}, {"do_sample": True}):
+        (tmp_path / "generation_config.json").write_text(json.dumps(fields))
+        diff = GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
+        want = {k: v for k, v in diff.items() if k in SAMPLING and v is not None}
+        assert read_generation_config(tmp_path, 100, ValueError).get("sampling", {}) == want, fields
