@@ -141,6 +141,23 @@ def _pid_line() -> str:
     return f"{pid} {_host()} {_start_time(pid) or '-'}\n"
 
 
+def _owner(tmp: Path, host: str) -> tuple[bool, str] | None:
+    """(whether the run that made staging dir tmp is gone, who it is, for a message); None where tmp is gone."""
+    try:
+        pid_s, pid_host, start = (tmp / PID_FILE).read_text().split()
+    except FileNotFoundError:
+        try:
+            young = time.time() - tmp.stat().st_mtime <= NO_PID_GRACE_S
+        except FileNotFoundError:
+            return None  # removed meanwhile
+        return not young, "a run just starting (no pid file yet)"
+    except (OSError, ValueError):
+        return True, ""  # an unreadable pid file is no live build's
+    if pid_host != host:  # only this host's (and pid namespace's) processes can be checked: another's is left alone
+        return False, f"pid {pid_s} on {pid_host}, which this machine cannot check: if no run is there, remove {tmp}"
+    return not _alive(int(pid_s), None if start == "-" else start), f"pid {pid_s}"
+
+
 def clean_stale(out: Path) -> list[Path]:
     """Remove staging dirs of `out` whose run is no longer running, and what such a run left of the output it was
     replacing (move_into_place); returns what was removed."""
@@ -148,24 +165,17 @@ def clean_stale(out: Path) -> list[Path]:
     host = _host()
     asides = [d for d in out.parent.glob(f".{out.name}.old-*") if (d / PID_FILE).is_file()]  # only ours say whose
     for tmp in [*out.parent.glob(f".{out.name}.tmp-*"), *asides]:
-        if not tmp.is_dir():
-            continue
-        try:
-            pid_s, pid_host, start = (tmp / PID_FILE).read_text().split()
-        except FileNotFoundError:
-            try:
-                stale = time.time() - tmp.stat().st_mtime > NO_PID_GRACE_S
-            except FileNotFoundError:
-                continue  # removed meanwhile
-        except (OSError, ValueError):
-            stale = True  # an unreadable pid file is no live build's
-        else:
-            # Only this host's (and pid namespace's) processes can be checked; another's run is left alone.
-            stale = pid_host == host and not _alive(int(pid_s), None if start == "-" else start)
-        if stale:
+        if tmp.is_dir() and (owner := _owner(tmp, host)) is not None and owner[0]:
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp)
     return removed
+
+
+def other_runs(out: Path, own: Path | None = None) -> list[str]:
+    """Who else is writing `out` now (clean_stale first): the live runs of its staging dirs other than `own`."""
+    host = _host()
+    return [who for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")) if tmp != own and tmp.is_dir()
+            and (owner := _owner(tmp, host)) is not None and not owner[0] for who in [owner[1]]]
 
 
 def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
@@ -241,17 +251,24 @@ def _hold_signals() -> Callable[[], None]:
 def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
     """`with staged_output(OUT, error) as tmp:` write OUT's content into tmp; when the block ends it moves into place
     whole, and when it raises (Ctrl-C and SIGTERM through exit_on_sigterm included) tmp goes with what it held.
-    OUT's parent is made first and dead runs' staging dirs for OUT removed; `error` for what cannot be written.
+    OUT's parent is made first and dead runs' staging dirs for OUT removed; `error` for what cannot be written, and
+    while another live run writes OUT (its staging dir's pid file says so).
     OUT a symlink: the output goes where it points (on that filesystem), and the link stays."""
     out = write_target(out)
     made = make_parent(out, error)
     clean_stale(out)
-    tmp = make_staging_dir(out, error)
+    busy = other_runs(out)
+    tmp = None if busy else make_staging_dir(out, error)
     try:
+        # looked at again with our own dir made: of two runs that start together, neither goes on unseen
+        if busy or (busy := other_runs(out, own=tmp)):
+            raise error(f"{out}: another k3build run is writing it ({'; '.join(busy)}); wait for it to end, or write "
+                        "elsewhere (the last to finish would replace the other's output)")
         yield tmp
         move_into_place(tmp, out, error)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         for d in made:  # the directories this run made for OUT, where nothing else went meanwhile
             try:
                 d.rmdir()

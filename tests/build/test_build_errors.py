@@ -354,13 +354,49 @@ def test_sigkill_mid_build_leaves_no_engine_and_next_build_cleans(converted, tmp
     assert not out.exists()
     stale = [d for d in tmp_path.iterdir() if d.name.startswith(".engine.tmp-")]
     assert len(stale) == 1 and (stale[0] / PID_FILE).exists()
-    # a live build's staging dir (ours) must survive the clean-up
+    # a live build's staging dir (this process's) survives the clean-up, and the build refuses to write its OUT
+    # meanwhile: the last to finish would replace the other's engine
     live = tmp_path / ".engine.tmp-live"
     live.mkdir()
     (live / PID_FILE).write_text(f"{os.getpid()} {_host()} {_start_time(os.getpid())}\n")
     res = _build(converted["tp1"], out)
+    assert res.exit_code == 1 and f"engine: another k3build run is writing it (pid {os.getpid()})" in res.output
+    assert sorted(d.name for d in tmp_path.iterdir()) == [".engine.tmp-live"]  # the dead run's dir went
+    shutil.rmtree(live)  # that run ended
+    res = _build(converted["tp1"], out)
     assert res.exit_code == 0, res.output
-    assert sorted(d.name for d in tmp_path.iterdir()) == [".engine.tmp-live", "engine"]
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["engine"]
+
+
+def test_a_second_build_into_a_busy_out_is_refused(converted, tmp_path):
+    """Two real builds into one OUT: the one started while the other writes is refused, naming the other's pid, and
+    leaves nothing; the first ends with its engine in place."""
+    out = tmp_path / "engine"
+    first = _cli("build", str(converted["tp1"]), str(out), *FAST, slow=0.05)
+    _wait_for(tmp_path, ".engine.tmp-*/rank0/weights.safetensors.data", first)
+    res = _build(converted["tp2"], out, "--overwrite")
+    assert res.exit_code == 1 and f"engine: another k3build run is writing it (pid {first.pid})" in res.output
+    assert len(list(tmp_path.glob(".engine.tmp-*"))) == 1 and not out.exists()  # the first's staging dir alone
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert json.loads((out / "config.json").read_text())["mapping"]["tp_size"] == 1
+
+
+def test_other_runs_names_who_writes(tmp_path):
+    """other_runs: a live pid here, a run on another host (not checkable: named with the dir to remove), a run just
+    starting (no pid file yet); not a dead run's dir nor the caller's own."""
+    from k3build.output_dir import other_runs
+
+    me = os.getpid()
+    for name, line in {"live": f"{me} {_host()} {_start_time(me)}", "far": "7 elsewhere 1", "young": None,
+                       "dead": f"{me} {_host()} 1", "own": f"{me} {_host()} {_start_time(me)}"}.items():
+        d = tmp_path / f".engine.tmp-{name}"
+        d.mkdir()
+        if line is not None:
+            (d / PID_FILE).write_text(line)
+    found = other_runs(tmp_path / "engine", own=tmp_path / ".engine.tmp-own")
+    assert found == [f"pid 7 on elsewhere, which this machine cannot check: if no run is there, remove "
+                     f"{tmp_path / '.engine.tmp-far'}", f"pid {me}", "a run just starting (no pid file yet)"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
