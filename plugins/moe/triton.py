@@ -11,6 +11,7 @@ layout, "*_ds" with tl.dot_scaled.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -62,6 +63,10 @@ class MoETactic:
     # 15-30 % slower with 8-32 of them touched (a rank's decode), as every program prefetches, an empty expert's too
     # (BENCHMARKS.md, forty-eighth session)
     prefetch: int = 0
+    # with prefetch: only the grid's first programs prefetch, this many an SM (about the wave that runs beside the
+    # sort; the later ones start once it has ended, their loads no later for it); 0: every program. Not yet timed;
+    # its branch adds 10 sm_90 instructions to the gate/up loop's 682 (tools/sass_loops.py, a compiler choice)
+    prefetch_per_sm: int = 0
 
     def down(self) -> "MoETactic":
         """The blocks the down kernel takes."""
@@ -169,8 +174,9 @@ def supports(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         return False, "tl.dot_scaled takes bf16/fp16 activations; use a W4 tactic for fp32"
     if t.lane and not t.paired:
         return False, "lane tactics read pair_mxfp4's bits (paired)"
-    if t.prefetch < 0 or (t.prefetch and not t.w4):
-        return False, f"prefetch counts K steps of W4 weights (>= 0), got {t.prefetch} with w4={t.w4}"
+    if t.prefetch < 0 or t.prefetch_per_sm < 0 or (t.prefetch and not t.w4):
+        return False, (f"prefetch counts K steps of W4 weights, prefetch_per_sm programs (both >= 0), got "
+                       f"{t.prefetch} / {t.prefetch_per_sm} with w4={t.w4}")
     if t.overlap and (not t.paired or t.fp8):
         return False, "overlap (the down kernel awaiting each expert's h) is implemented for the paired layout only"
     if t.fp8 and (not z.is_cuda or not t.strided or z.dtype not in (torch.bfloat16, torch.float16)):
@@ -292,7 +298,9 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), float(beta), float(linear_beta),
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
-        SIGNAL=t.overlap, EARLY=early, ASM=asm, PREFETCH=prefetch, num_warps=t.num_warps, num_stages=t.num_stages,
+        SIGNAL=t.overlap, EARLY=early, ASM=asm, PREFETCH=prefetch,
+        PREFETCH_PROGRAMS=_sm_count(z.device) * t.prefetch_per_sm if prefetch else 0, num_warps=t.num_warps,
+        num_stages=t.num_stages,
         **(dict(PDL=True, launch_pdl=True) if prefetch else pdl(z)))
     moe_down_kernel[grid(Dl, d.block_n)](
         h, w2, w2_scale, y, order, offsets, tw, inter, h.stride(0), w2.stride(0), w2.stride(1),
@@ -304,6 +312,11 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
                                                  GATHER=t.gather_combine, **pdl(y))
     return out
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _by_step(decode: str, prefill: str, name: str, doc: str):

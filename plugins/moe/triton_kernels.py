@@ -283,7 +283,7 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
                        W4: tl.constexpr, STRIDED: tl.constexpr, F8: tl.constexpr, TILED: tl.constexpr = False,
                        ROWS_FIRST: tl.constexpr = False, done_ptr=None, SIGNAL: tl.constexpr = False,
                        EARLY: tl.constexpr = False, PDL: tl.constexpr = False, ASM: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = 0):
+                       PREFETCH: tl.constexpr = 0, PREFETCH_PROGRAMS: tl.constexpr = 0):
     """h[pos, n] = act(W1 z, W3 z) for the sorted (token, expert) pairs of one expert (_program).
 
     W4: z is in swap01 order along Dl and h is written in swap01 order along I (what the down kernel reads).
@@ -300,18 +300,20 @@ def moe_gate_up_kernel(z_ptr, zs_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, offs_ptr,
     can start on an expert as soon as its h is whole (moe_down_kernel's AWAIT); EARLY (sm_90): the down kernel,
     launched with PDL, may take SMs as soon as every program of this one has started. PREFETCH (CUDA, launched with
     PDL behind the sort): ask L2 for the program's first PREFETCH K steps of weights and scales before waiting for the
-    sort, whose pairs nothing here needs to find them, so that HBM is busy while the sort runs (_prefetch_l2).
+    sort, whose pairs nothing here needs to find them, so that HBM is busy while the sort runs (_prefetch_l2); with
+    PREFETCH_PROGRAMS > 0 only the grid's first that many programs (in launch order) do.
     """
     e, offs_n = _program(BN, ROWS_FIRST)
     WK: tl.constexpr = BK // 8 if W4 else BK // 2  # weight elements (words or bytes) per K step
     KMUL: tl.constexpr = TILE_ROWS if TILED else 1  # a K offset's multiplier (tiled: a K step skips a whole tile)
     wg_rows = w_ptr + e * stride_we + _row_offsets(offs_n, stride_wn, WK, TILED)  # [BN]: where each row starts
     sg_rows = s_ptr + e * stride_se + _row_offsets(offs_n, stride_sn, BK // 32, TILED)
-    for i in tl.static_range(PREFETCH):  # one line a row of each K step (WK words: 128 bytes with W4 and BK 256)
-        _prefetch_l2(wg_rows + i * WK * KMUL)
-        _prefetch_l2(wg_rows + I * stride_wn + i * WK * KMUL)
-        _prefetch_l2(sg_rows + i * (BK // 32) * KMUL)
-        _prefetch_l2(sg_rows + I * stride_sn + i * (BK // 32) * KMUL)
+    if PREFETCH_PROGRAMS == 0 or tl.program_id(0) + tl.program_id(1) * tl.num_programs(0) < PREFETCH_PROGRAMS:
+        for i in tl.static_range(PREFETCH):  # one line a row of each K step (WK words: 128 bytes with W4 and BK 256)
+            _prefetch_l2(wg_rows + i * WK * KMUL)
+            _prefetch_l2(wg_rows + I * stride_wn + i * WK * KMUL)
+            _prefetch_l2(sg_rows + i * (BK // 32) * KMUL)
+            _prefetch_l2(sg_rows + I * stride_sn + i * (BK // 32) * KMUL)
     pdl_prologue(PDL or EARLY)
     start = tl.load(offs_ptr + e)
     end = tl.load(offs_ptr + e + 1)

@@ -175,8 +175,9 @@ def test_overlapped_down_equals_plain(case, over_name):
         assert torch.equal(out, run(plain))
 
 
+@pytest.mark.parametrize("per_sm", [0, 1], ids=["all_programs", "first_wave"])
 @pytest.mark.parametrize("case", ["one_token", "ragged", "k3_dims"])
-def test_prefetch_equals_plain(case):
+def test_prefetch_equals_plain(case, per_sm):
     """MoETactic.prefetch (the gate/up kernel launched with PDL while the pair sort runs, asking L2 for its weights
     before it waits) gives decode_l's bits, replay after replay of one CUDA graph with new routing each time: a
     program that read the sort's offsets or order before the sort ended would take the last replay's pairs."""
@@ -185,7 +186,7 @@ def test_prefetch_equals_plain(case):
     z, ids, w = (t.clone() for t in args[:3])
     E_global = CASES[case][3]
     run = lambda t: mt.moe_experts(z, ids, w, *args[3:], expert_start=start, act="situ", tactic=t)
-    graph, out = _captured(lambda: run(replace(mt.TACTICS["decode_l"], prefetch=2)))
+    graph, out = _captured(lambda: run(replace(mt.TACTICS["decode_l"], prefetch=2, prefetch_per_sm=per_sm)))
     g = torch.Generator(device="cuda").manual_seed(14)
     for _ in range(20):
         ids.copy_(torch.stack([torch.randperm(E_global, device="cuda", generator=g)[:ids.shape[1]]

@@ -68,12 +68,13 @@ def test_prefetching_gate_up_asks_l2_before_waiting_for_the_sort():
     """MoETactic.prefetch: the gate/up kernel, launched with PDL behind the sort, prefetches its first K steps of
     weights and scales (2 steps x gate, up x words, scales) before griddepcontrol.wait and touches nothing else
     before it; the sort lets it in at its start (launch_dependents before its first memory op), without waiting."""
-    ptx = _ptx("moe_gate_up_prefetch", PDL=True)
-    wait = ptx.find("griddepcontrol.wait")
-    prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2", ptx)]
-    first_memory_op = MEMORY_OP.search(ptx)
-    assert wait > 0 and len(prefetches) >= 8 and max(prefetches) < wait
-    assert first_memory_op is None or wait < first_memory_op.start(), first_memory_op.group(0)
+    for first_programs in (0, 264):  # every program, or the grid's first 264 only (MoETactic.prefetch_per_sm)
+        ptx = _ptx("moe_gate_up_prefetch", PDL=True, PREFETCH_PROGRAMS=first_programs)
+        wait = ptx.find("griddepcontrol.wait")
+        prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2", ptx)]
+        first_memory_op = MEMORY_OP.search(ptx)
+        assert wait > 0 and len(prefetches) >= 8 and max(prefetches) < wait
+        assert first_memory_op is None or wait < first_memory_op.start(), first_memory_op.group(0)
     plain = _ptx("moe_gate_up_prefetch", PDL=True, PREFETCH=0)
     assert "prefetch.global" not in plain
     sort = _ptx("moe_sort_pairs_early")

@@ -162,6 +162,9 @@ def bench_moe(bw_tbps: float, sweep: bool) -> None:
     # (MoETactic.prefetch); decode_l_yh was the fastest at 2-8 tokens an expert (8 steps: 10 % slower, H100)
     for steps in (2, 4):
         decode_sweep[f"decode_l_yh_pf{steps}"] = replace(mt.TACTICS["decode_l_yh"], prefetch=steps)
+    for per_sm in (2, 4):  # the first programs only (MoETactic.prefetch_per_sm)
+        decode_sweep[f"decode_l_yh_pf2_w{per_sm}"] = replace(mt.TACTICS["decode_l_yh"], prefetch=2,
+                                                             prefetch_per_sm=per_sm)
     for tpe in (1, 2, 4, 8, 128):
         z, ids, tw = make_tokens(tpe, gen)
         flops = 2 * z.shape[0] * 3 * DL * INTER
