@@ -33,6 +33,8 @@ def main():
               help="In [0, 1]: drop tokens less likely than this times the most likely one; 0 = off. "
                    "[default: generation_config.json, else 0]")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling draws (none: a random one).")
+@click.option("--n", "n", type=int, default=1, show_default=True,
+              help="Completions of each prompt, one after another (choice j seeded --seed + j when given).")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--repetition-penalty", type=float, default=None,
@@ -42,7 +44,7 @@ def main():
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one prompt).")
 @weight_config_option
 @engine_flags
-def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, top_k, min_p, seed, presence_penalty,
+def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, top_k, min_p, seed, n, presence_penalty,
                  frequency_penalty, repetition_penalty, device, stream, distributed_weight_config, **flags):
     """Generate completions for the --prompt texts and the --prompt-file's."""
     use_weight_config(distributed_weight_config)
@@ -57,8 +59,8 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
     prompts = [p for _, p in sources]
     if not prompts:
         raise click.UsageError("no prompts: give --prompt TEXT (repeatable) or --prompt-file FILE (- for stdin)")
-    if stream and len(prompts) > 1:
-        raise click.UsageError(f"--stream prints one completion as it comes; got {len(prompts)} prompts")
+    if stream and (len(prompts) > 1 or n > 1):
+        raise click.UsageError(f"--stream prints one completion as it comes; got {len(prompts)} prompts and --n {n}")
     try:
         # the tokenizer and the prompts before the engine loads: what it would refuse costs no weight reading
         config = read_engine_config(engine)
@@ -67,7 +69,7 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
                                    ("min_p", min_p), ("repetition_penalty", repetition_penalty)) if v is not None}
         sampling = {"temperature": 0.0, **(config.get("generation_config") or {}).get("sampling", {}), **chosen}
         params = SamplingParams(max_tokens=max_tokens, seed=seed, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, **sampling)
+                                frequency_penalty=frequency_penalty, n=n, **sampling)
         tokenizer = load_tokenizer(engine)
         if tokenizer is None:
             raise click.ClickException(f"{engine}: the engine has no tokenizer.json (its checkpoint had none) and "
@@ -86,8 +88,9 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
                 click.echo(chunk.text, nl=False)
             click.echo()
             return
-        for prompt, out in zip(prompts, llm.generate(prompt_ids, params)):
-            click.echo(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})")
+        for prompt, out in zip([p for p in prompts for _ in range(n)], llm.generate(prompt_ids, params)):
+            choice = f" [choice {out.index}]" if n > 1 else ""
+            click.echo(f"--- {prompt!r}{choice} -> {len(out.token_ids)} tokens ({out.finish_reason})")
             click.echo(out.text if out.text is not None else out.token_ids)
     except (EngineError, ValueError) as e:
         raise click.ClickException(_prompt_error(str(e), "--prompt")) from None

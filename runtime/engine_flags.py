@@ -65,8 +65,8 @@ FLAGS = (
                              "at most pp_size, so that the stages overlap (1: never cut) [the count an estimate of "
                              "the step's time favours: runtime/micro_batch.py]."),
     Flag("verify_weights", "Hash every byte of the rank's weights file as it is read, against the sha256 its build "
-                           "recorded: an engine copied from elsewhere is refused if one bit changed (slower load: sha256 "
-                           "runs on one core, about 1 GB/s) [off].", boolean=True),
+                           "recorded: an engine copied from elsewhere is refused if one bit changed (slower load: "
+                           "sha256 runs on one core, about 1 GB/s) [off].", boolean=True),
     Flag("async_scheduling", "Launch each step before the previous step's tokens reach the host, so that the GPU "
                              f"does not wait for it between decode steps. Default: {ASYNC_SCHEDULING_DEFAULT}.",
          boolean=True),
@@ -93,7 +93,7 @@ def given(values: dict) -> dict:
 # fields the commands take as options of the same name besides the engine flags (sampling, the device): named
 # by their option only where an error starts with them ("top_p: expected ..."), as several are plain words too
 COMMAND_FIELDS = ("device", "model_name", "max_prompt_tokens", "max_tokens_limit", "max_tokens", "temperature",
-                  "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+                  "top_p", "top_k", "min_p", "seed", "n", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def as_options(message: str) -> str:

@@ -97,3 +97,18 @@ def test_a_file_with_a_bom_and_crlf(k3_tiny_engine, tmp_path, want):
                        input=data, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode() == "".join(want)
+
+
+def test_n_completions_a_prompt(k3_tiny_engine):
+    """`generate --n 2 --seed 5`: each prompt's two choices one after another, choice j the API's seed + j; a bad
+    --n is refused by its flag."""
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "5", "--temperature", "1.5",
+                                    "--seed", "5", "--n", "2", "--prompt", PROMPTS[0], "--prompt", PROMPTS[2]])
+    assert res.exit_code == 0, res.output
+    llm = LLM(k3_tiny_engine)
+    want = "".join(f"--- {p!r} [choice {j}] -> {len(o.token_ids)} tokens ({o.finish_reason})\n{o.text}\n"
+                   for p in (PROMPTS[0], PROMPTS[2]) for j in range(2)
+                   for o in llm.generate(p, SamplingParams(max_tokens=5, temperature=1.5, seed=5 + j)))
+    assert res.output == want
+    bad = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--n", "0", "--prompt", "hi"])
+    assert bad.exit_code != 0 and "--n: expected an int in 1..64" in bad.output, bad.output
