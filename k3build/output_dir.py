@@ -173,9 +173,11 @@ def clean_stale(out: Path) -> list[Path]:
 
 def other_runs(out: Path, own: Path | None = None) -> list[str]:
     """Who else is writing `out` now (clean_stale first): the live runs of its staging dirs other than `own`."""
-    host = _host()
-    return [who for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")) if tmp != own and tmp.is_dir()
-            and (owner := _owner(tmp, host)) is not None and not owner[0] for who in [owner[1]]]
+    host, found = _host(), []
+    for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        if tmp != own and tmp.is_dir() and (owner := _owner(tmp, host)) is not None and not owner[0]:
+            found.append(owner[1])
+    return found
 
 
 def move_into_place(staging: Path, out: Path, error: type[Exception]) -> None:
@@ -257,18 +259,16 @@ def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
     out = write_target(out)
     made = make_parent(out, error)
     clean_stale(out)
-    busy = other_runs(out)
-    tmp = None if busy else make_staging_dir(out, error)
+    tmp = make_staging_dir(out, error)
     try:
-        # looked at again with our own dir made: of two runs that start together, neither goes on unseen
-        if busy or (busy := other_runs(out, own=tmp)):
+        # looked at with our own dir made: of two runs that start together, neither goes on unseen
+        if busy := other_runs(out, own=tmp):
             raise error(f"{out}: another k3build run is writing it ({'; '.join(busy)}); wait for it to end, or write "
                         "elsewhere (the last to finish would replace the other's output)")
         yield tmp
         move_into_place(tmp, out, error)
     except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         for d in made:  # the directories this run made for OUT, where nothing else went meanwhile
             try:
                 d.rmdir()
