@@ -30,6 +30,9 @@ class StepBatch:
     context_lens: torch.Tensor  # [N] int64, tokens cached per sequence after this step
     page_table: torch.Tensor  # [N, max_pages] int64, -1 where unused
     logits_indices: torch.Tensor  # [M] int64, token rows whose logits are wanted
+    # (new tokens, context length) of each sequence as the host scheduled them: an eager step's, so that the MLA
+    # plugins pick each sequence's prefill form without reading the device; None in a CUDA graph (decode)
+    host_seqs: tuple[tuple[int, int], ...] | None = None
 
 
 # async scheduling: an input id FED - i (i >= 0) stands for the previous step's i-th sampled token, which is still
@@ -154,6 +157,8 @@ class Executor:
             elif b.kind == "mla":
                 ci = b.attrs["cache_index"]
                 kw = {k: v for k, v in b.attrs.items() if k != "cache_index"}
+                if batch.host_seqs is not None:
+                    kw["host_seqs"] = batch.host_seqs
                 out = b.fn(*args, self.caches.mla_kv[ci], cu_seqlens=batch.cu_seqlens,
                            context_lens=batch.context_lens, page_table=batch.page_table, **kw)
             elif b.kind == "attn_res":

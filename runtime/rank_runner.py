@@ -202,7 +202,8 @@ class RankRunner:
 
         return StepBatch(input_ids=tensor(ids), cu_seqlens=tensor(cu), slot_ids=tensor([it.slot_id for it in items]),
                          context_lens=tensor([it.start_pos + it.num_tokens for it in items]),
-                         page_table=tensor(table), logits_indices=tensor(rows))
+                         page_table=tensor(table), logits_indices=tensor(rows),
+                         host_seqs=tuple((it.num_tokens, it.start_pos + it.num_tokens) for it in items))
 
 
 def _allocate(make, nbytes: int, device: torch.device, what: str):

@@ -45,7 +45,7 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
               w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
               context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
               qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
-              output_gate: int) -> torch.Tensor:
+              output_gate: int, host_seqs: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
     """One MLA layer over N packed sequences: append their latents to the paged cache, attend causally.
 
     Args:
@@ -64,6 +64,9 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
         page_table: [N, max_pages] int32/int64 page ids, -1 unused.
         scale: softmax scale (K3: (nope+rope)^-0.5). latent_eps: eps of the q_a / kv_a norms.
         output_gate: 1 if in_proj ends with the sigmoid output gate's rows (K3: g_proj).
+        host_seqs: (new tokens, context length) of each sequence as the host knows them, or None: the device
+            tactics pick each sequence's prefill form by them; here they are checked against cu_seqlens and
+            context_lens.
 
     Returns:
         [T, hidden] in x.dtype (this rank's partial of o_proj).
@@ -91,6 +94,9 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
                          f"must match the {N} sequences of cu_seqlens")
     if any(lens[n] < cu[n + 1] - cu[n] for n in range(N)):
         raise ValueError(f"mla_mixer: context_lens {lens} must be >= each sequence's new tokens {cu}")
+    seqs = [(cu[n + 1] - cu[n], lens[n]) for n in range(N)]
+    if host_seqs is not None and [tuple(s) for s in host_seqs] != seqs:
+        raise ValueError(f"mla_mixer: host_seqs {list(host_seqs)} differ from the step's (new tokens, context) {seqs}")
 
     q_src, ckv, gate = split_in_proj(x.float() @ in_proj_weight.float().T, rows)
     if q_b_weight is not None:

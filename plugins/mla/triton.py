@@ -20,6 +20,7 @@ from k3plugins.norm.triton import rms_norm, rms_norm_row, row_warps  # the q lat
 from k3plugins.pdl import pdl, pdl_prologue
 from k3plugins.step_scope import per_step
 
+from . import prefill
 from .reference import in_proj_rows, split_in_proj
 
 PAGE = 64
@@ -320,10 +321,13 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
               w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
               context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
               qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
-              output_gate: int, decode_kernel: str = "triton") -> torch.Tensor:
+              output_gate: int, decode_kernel: str = "triton",
+              host_seqs: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
     page tables on the host; here every index is computed on the device). decode_kernel: mla_decode_attention's
-    kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes "gluon")."""
+    kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes "gluon"). host_seqs: each sequence's (new tokens,
+    context length) as the host knows them (an eager step's; None in a CUDA graph): a sequence with
+    prefill.MIN_NEW_TOKENS new tokens or more is attended in the un-absorbed form (prefill.py), the others absorbed."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
@@ -336,12 +340,33 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     page, row, pages32, lens32, seq32 = per_step("mla_index", (cu_seqlens, context_lens, page_table),
                                                  lambda *src: _token_index(*src, T))
     write_cache(ckv, kv_a_norm_weight, kv_cache, page, row, eps=latent_eps)
+    unabsorbed = prefill.sequences(host_seqs, cu_seqlens, T)
+    absorbed = (lambda rows=None: _absorbed(q, rows, w_uk, w_uv, kv_cache, pages32, lens32, seq32, nope=nope,
+                                            scale=scale, kernel=decode_kernel))
+    if not unabsorbed:
+        return dense(gate_heads(absorbed(), gate), o_weight)
+    o = torch.empty(T, H, vd, dtype=x.dtype, device=x.device)
+    rest = prefill.other_rows(unabsorbed, T)
+    if rest:
+        idx = torch.tensor(rest, dtype=torch.int64, device=x.device)
+        o.index_copy_(0, idx, absorbed(idx).transpose(0, 1))
+    for n, start, end, context in unabsorbed:
+        prefill.mha_prefill(q[start:end].to(kv_cache.dtype), kv_cache, page_table[n], context, w_uk, w_uv,
+                            scale=scale, out=o[start:end])
+    return dense(gate_heads(o.transpose(0, 1), gate), o_weight)
+
+
+def _absorbed(q: torch.Tensor, rows: torch.Tensor | None, w_uk: torch.Tensor, w_uv: torch.Tensor,
+              kv_cache: torch.Tensor, pages32: torch.Tensor, lens32: torch.Tensor, seq32: torch.Tensor, *, nope: int,
+              scale: float, kernel: str) -> torch.Tensor:
+    """The absorbed attention of the step's query rows (`rows`: int64 indices, None for all): o [H, rows, v]."""
+    if rows is not None:
+        q, lens32, seq32 = q.index_select(0, rows), lens32.index_select(0, rows), seq32.index_select(0, rows)
     # q_lat stays the bmm's head-major output ([H, T, r] seen as [T, H, r]): the attention kernel takes strides
     q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)
     o_lat = mla_decode_attention(q_lat.to(kv_cache.dtype), q[..., nope:].to(kv_cache.dtype), kv_cache, pages32,
-                                 lens32, scale=scale, query_seq=seq32, kernel=decode_kernel)
-    o = torch.bmm(o_lat.transpose(0, 1).to(x.dtype), w_uv.to(x.dtype))                    # [H, T, v]
-    return dense(gate_heads(o, gate), o_weight)
+                                 lens32, scale=scale, query_seq=seq32, kernel=kernel)
+    return torch.bmm(o_lat.transpose(0, 1).to(q.dtype), w_uv.to(q.dtype))                # [H, T, v]
 
 
 def write_cache(ckv: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Tensor, page: torch.Tensor,
@@ -381,7 +406,7 @@ def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weig
                     w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
                     context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
                     qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
-                    output_gate: int) -> torch.Tensor:
+                    output_gate: int, host_seqs: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
     """The engine's "gluon" MLA tactic (sm90): this mixer, its decode attention on the Gluon kernel (gluon_sm90)
     where the rank holds a 64-head block or more (2x the Triton kernel at 96 heads, BENCHMARKS.md) and the kernel
     takes its cache, else on the Triton kernel (its 16-head blocks: a 64-row block would compute mostly padding)."""
@@ -391,4 +416,4 @@ def mla_mixer_gluon(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weig
                      cu_seqlens=cu_seqlens, context_lens=context_lens, page_table=page_table, num_heads=num_heads,
                      qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
                      scale=scale, latent_eps=latent_eps, output_gate=output_gate,
-                     decode_kernel="gluon" if gluon else "triton")
+                     decode_kernel="gluon" if gluon else "triton", host_seqs=host_seqs)

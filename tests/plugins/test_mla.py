@@ -58,14 +58,14 @@ def _in_proj(w):
     return torch.cat([q, w["kv_a"]] + ([w["g"]] if w["g"] is not None else []))
 
 
-def _run(x, w, cache, cu, ctx, table):
+def _run(x, w, cache, cu, ctx, table, **kw):
     w_uk, w_uv = _absorb(w["kv_b"])
     lora = w["q_a"] is not None
     return mla_mixer(x, _in_proj(w), w["q_a_norm"], w["q_b"] if lora else None, w["kv_a_norm"], w_uk, w_uv, w["o"],
                      cache, cu_seqlens=torch.tensor(cu), context_lens=torch.tensor(ctx),
                      page_table=torch.tensor(table, dtype=torch.int32), **DIMS,
                      scale=(DIMS["qk_nope_head_dim"] + DIMS["qk_rope_head_dim"]) ** -0.5, latent_eps=1e-6,
-                     output_gate=int(w["g"] is not None))
+                     output_gate=int(w["g"] is not None), **kw)
 
 
 def _table(pages, width):
@@ -171,3 +171,33 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="both be given"):
         mla_mixer(x, _in_proj(w), w["q_a_norm"], None, w["kv_a_norm"], w_uk, w_uv, w["o"], _cache(4, 4),
                   output_gate=1, **kw)
+
+
+def test_host_seqs_are_checked_against_the_step():
+    """The host's (new tokens, context) of each sequence, which the device tactics trust to pick the prefill form,
+    must be the step's: equal ones change nothing, others are refused naming both."""
+    w = _weights(0, True, True)
+    x = torch.randn(7, HIDDEN)
+    args = ([0, 6, 7], [6, 1], [[0, 1], [2, -1]])
+    want = _run(x, w, _cache(4, 4), *args)
+    assert torch.equal(_run(x, w, _cache(4, 4), *args, host_seqs=((6, 6), (1, 1))), want)
+    for bad in (((6, 6), (1, 2)), ((6, 6),), ((7, 6), (0, 1))):
+        with pytest.raises(ValueError, match=r"host_seqs .* differ from the step's \(new tokens, context\)"):
+            _run(x, w, _cache(4, 4), *args, host_seqs=bad)
+
+
+def test_unabsorbed_sequences_picked_by_host_lengths(monkeypatch):
+    """prefill.sequences: the sequences with MIN_NEW_TOKENS new tokens or more, with their rows and context; none
+    without the host's lengths; lengths that do not fit the step refused; other_rows: the rest, in order."""
+    pytest.importorskip("triton")
+    from k3plugins.mla import prefill
+    monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 3)
+    cu = torch.tensor([0, 1, 5, 7, 10])
+    picked = prefill.sequences(((1, 9), (4, 4), (2, 30), (3, 8)), cu, 10)
+    assert picked == [(1, 1, 5, 4), (3, 7, 10, 8)]
+    assert prefill.other_rows(picked, 10) == [0, 5, 6]
+    assert prefill.sequences(None, cu, 10) == []
+    with pytest.raises(ValueError, match="host_seqs gives 3 sequences of 7 new tokens; the step has 4 of 10"):
+        prefill.sequences(((1, 9), (4, 4), (2, 30)), cu, 10)
+    with pytest.raises(ValueError, match=r"host_seqs\[1\] has 4 new tokens in a context of 3"):
+        prefill.sequences(((1, 9), (4, 3), (2, 30), (3, 8)), cu, 10)

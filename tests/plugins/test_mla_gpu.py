@@ -179,11 +179,8 @@ def test_gate_heads_matches_the_torch_launches(T, gated):
     assert (out != expect).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
-def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic):
-    """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads (a TP
-    slice), or all 96 with the "gluon" tactic's mixer (attention-DP), the 576-wide cache, a decode batch with one
-    prefill row; both caches end equal but for bf16 rounding."""
+def _mixer_step(H, tactic, new, ctx, pages, num_pages, host_seqs=False):
+    """The tactic's mixer and the fp32 reference on one step at a rank's MLA shapes: (output, cache) of each."""
     from k3plugins import registry
     from k3plugins.mla import reference
     if tactic == "gluon" and torch.cuda.get_device_capability()[0] != 9:
@@ -196,19 +193,50 @@ def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic):
                          r_(H * vd, hid, sc=hid ** -0.5)])
     args = (in_proj, 1 + 0.1 * r_(ql), r_(H * (nope + rope), ql, sc=ql ** -0.5), 1 + 0.1 * r_(r),
             r_(H, nope, r, sc=nope ** -0.5), r_(H, r, vd, sc=r ** -0.5), r_(hid, H * vd, sc=(H * vd) ** -0.5))
-    new, ctx = [1, 1, 5, 1], [300, 1, 70, 64]
     cu = torch.tensor([0] + new, device="cuda").cumsum(0)
-    pt = torch.tensor([[0, 1, 2, 3, 4], [5, -1, -1, -1, -1], [6, 7, -1, -1, -1], [8, -1, -1, -1, -1]],
-                      dtype=torch.int32, device="cuda")
+    pt = torch.tensor(pages, dtype=torch.int32, device="cuda")
     x = r_(int(cu[-1]), hid)
-    cache = r_(10, 64, r + rope)
+    cache = r_(num_pages, 64, r + rope)
     outs = []
     for fn in (mixer, reference.mla_mixer):
         c = cache.clone()
         o = fn(x, *args, c, cu_seqlens=cu,
                context_lens=torch.tensor(ctx, device="cuda"), page_table=pt, num_heads=H, qk_nope_head_dim=nope,
-               qk_rope_head_dim=rope, v_head_dim=vd, scale=(nope + rope) ** -0.5, latent_eps=1e-6, output_gate=1)
+               qk_rope_head_dim=rope, v_head_dim=vd, scale=(nope + rope) ** -0.5, latent_eps=1e-6, output_gate=1,
+               host_seqs=tuple(zip(new, ctx)) if host_seqs else None)
         outs.append((o.float(), c.float()))
-    (o1, c1), (o2, c2) = outs
-    assert ((o1 - o2).norm() / o2.norm()).item() < 2e-2
-    assert ((c1 - c2).norm() / c2.norm()).item() < 1e-2
+    return outs
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
+def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic):
+    """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads (a TP
+    slice), or all 96 with the "gluon" tactic's mixer (attention-DP), the 576-wide cache, a decode batch with one
+    prefill row; both caches end equal but for bf16 rounding."""
+    pages = [[0, 1, 2, 3, 4], [5, -1, -1, -1, -1], [6, 7, -1, -1, -1], [8, -1, -1, -1, -1]]
+    (o1, c1), (o2, c2) = _mixer_step(H, tactic, [1, 1, 5, 1], [300, 1, 70, 64], pages, 10)
+    assert _rel(o1, o2) < 2e-2
+    assert _rel(c1, c2) < 1e-2
+
+
+@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
+@pytest.mark.parametrize("pieces", [False, True], ids=["one_piece", "pieces"])
+def test_mixer_unabsorbed_prefill_matches_reference(H, tactic, pieces, monkeypatch):
+    """With the host's lengths, a 300-token chunk after 400 cached (over MIN_NEW_TOKENS) in the un-absorbed form
+    beside decode tokens and a short prefill (absorbed), bf16, against the fp32 reference; pieces: the context in
+    pieces of one page, merged in the kernel."""
+    from k3plugins.mla import prefill
+    if pieces:
+        monkeypatch.setattr(prefill, "KEY_PIECE_BYTES", 1)
+    calls, run = [], prefill.mha_prefill
+    monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
+    pages = [[0, 1, 2, 3, 4, -1, -1, -1, -1, -1, -1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+             [16, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1], [17, 18, -1, -1, -1, -1, -1, -1, -1, -1, -1]]
+    (o1, c1), (o2, c2) = _mixer_step(H, tactic, [1, 300, 1, 40], [300, 700, 1, 70], pages, 20, host_seqs=True)
+    assert calls == [300]
+    assert _rel(o1, o2) < 2e-2
+    assert _rel(c1, c2) < 1e-2

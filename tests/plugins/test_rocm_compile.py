@@ -14,6 +14,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from k3plugins.attn_res import triton as attn_res  # noqa: E402
 from k3plugins.kda import triton_decode as kd  # noqa: E402
+from k3plugins.mla import prefill as mla_prefill  # noqa: E402
 from k3plugins.mla import triton as mla  # noqa: E402
 from k3plugins.mlp import triton as mlp  # noqa: E402
 from k3plugins.moe import triton_kernels as moe  # noqa: E402
@@ -94,6 +95,13 @@ SPECS = {
     "mla_cache_write": (mla.mla_cache_write_kernel, dict(ckv_ptr="*bf16", w_ptr="*bf16", kv_ptr="*bf16",
                                                          page_ptr="*i64", row_ptr="*i64"),
                         dict(BR=512, BDR=64, NORM_DTYPE=tl.bfloat16)),
+    # the un-absorbed prefill at K3's dims (a later piece: the merge on), and a small model's rope under 16
+    "mla_mha_prefill": (mla_prefill.mha_prefill_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", kpe_ptr="*bf16",
+                                                             v_ptr="*bf16"),
+                        dict(DN=128, DR=64, DV=128, BDN=128, BDR=64, BDV=128, BM=128, BN=64, HAS_PREV=True)),
+    "mla_mha_prefill_small_rope": (mla_prefill.mha_prefill_kernel, dict(q_ptr="*bf16", k_ptr="*bf16",
+                                                                        kpe_ptr="*bf16", v_ptr="*bf16"),
+                                   dict(DN=16, DR=8, DV=24, BDN=16, BDR=8, BDV=32, BM=64, BN=64, HAS_PREV=False)),
     "mla_gate": (mla.mla_gate_kernel, dict(o_ptr="*bf16", g_ptr="*bf16", out_ptr="*bf16"), dict(BV=128, HAS_GATE=True)),
     "kda_decode_fused": (kd.kda_decode_fused_kernel, dict(qkv_ptr="*bf16", conv_pool_ptr="*bf16", slot_ptr="*i32",
                                                           out_ptr="*bf16"),

@@ -153,21 +153,22 @@ def _mla_case(mla, splits, exchange=False):
     return {"rel": max(rels)}
 
 
-def _mla_mixer_case(mla):
-    """The Triton mixer vs the reference on one packed step: a prefill chunk continuing 70 cached tokens, a
-    first decode token, a fresh 3-token prefill; the caches must end equal too."""
+def _mla_mixer_case(mla, dims=(16, 8, 16), new=(5, 1, 3), ctx=(75, 1, 3), pages=((3, 6, -1), (1, -1, -1), (7, -1, -1)),
+                    host_seqs=False):
+    """The Triton mixer vs the reference on one packed step (by default a prefill chunk continuing 70 cached tokens,
+    a first decode token, a fresh 3-token prefill); the caches must end equal too. dims: (nope, rope, v).
+    host_seqs: the step's host lengths given (the mixer may take the un-absorbed prefill form)."""
     from k3plugins.mla.reference import mla_mixer as ref
     g = torch.Generator().manual_seed(5)
     r_ = lambda *sh, sc=1.0: torch.randn(*sh, generator=g) * sc
-    H, nope, rope, r, vd, hid, ql = 3, 16, 8, 32, 16, 32, 24
+    (nope, rope, vd), H, r, hid, ql = dims, 3, 32, 32, 24
     w = (r_(ql, hid, sc=hid ** -0.5), 1 + 0.1 * r_(ql), r_(H * (nope + rope), ql, sc=ql ** -0.5),
          r_(r + rope, hid, sc=hid ** -0.5), 1 + 0.1 * r_(r), r_(H, nope, r, sc=nope ** -0.5), r_(H, r, vd, sc=r ** -0.5),
          r_(H * vd, hid, sc=hid ** -0.5), r_(hid, H * vd, sc=(H * vd) ** -0.5))
-    new, ctx = [5, 1, 3], [75, 1, 3]
-    cu = torch.tensor([0] + new).cumsum(0)
+    cu = torch.tensor((0,) + tuple(new)).cumsum(0)
     x = r_(int(cu[-1]), hid)
     cache = r_(8, 64, r + rope)
-    pt = torch.tensor([[3, 6, -1], [1, -1, -1], [7, -1, -1]], dtype=torch.int32)
+    pt = torch.tensor(pages, dtype=torch.int32)
     outs = []
     q_a, q_a_norm, q_b, kv_a, kv_a_norm, w_uk, w_uv, g_w, o_w = w
     in_proj = torch.cat([q_a, kv_a, g_w])  # the builder's stacking
@@ -175,10 +176,33 @@ def _mla_mixer_case(mla):
         c = cache.clone()
         o = fn(x, in_proj, q_a_norm, q_b, kv_a_norm, w_uk, w_uv, o_w, c, cu_seqlens=cu, context_lens=torch.tensor(ctx),
                page_table=pt, num_heads=H, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=vd,
-               scale=(nope + rope) ** -0.5, latent_eps=1e-6, output_gate=1)
+               scale=(nope + rope) ** -0.5, latent_eps=1e-6, output_gate=1,
+               host_seqs=tuple(zip(new, ctx)) if host_seqs else None)
         outs.append((o, c))
     (o1, c1), (o2, c2) = outs
     return {"rel": _rel(o1, o2), "cache_rel": _rel(c1, c2)}
+
+
+def _mla_unabsorbed_cases(mla):
+    """The mixer with the host's lengths, its prefill sequences in the un-absorbed form (prefill.py) beside an
+    absorbed decode token, against the reference: contexts of one piece and of three (pieces of one page; the
+    chunk's first rows precede the last piece, so its merge keeps what they had), an odd v width, a rope part
+    under an MMA's 16 and one over it. `calls`: the un-absorbed sequences (the others went the absorbed way)."""
+    from k3plugins.mla import prefill
+    calls, run, knobs = [], prefill.mha_prefill, (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES)
+    prefill.mha_prefill = lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1]
+    res = {}
+    try:
+        prefill.MIN_NEW_TOKENS = 8
+        step = dict(new=(40, 1, 20), ctx=(150, 1, 20), pages=((3, 6, 2), (1, -1, -1), (7, -1, -1)), host_seqs=True)
+        for name, dims, piece_bytes in (("one-piece", (16, 8, 16), 1 << 30), ("pieces", (16, 8, 16), 1),
+                                        ("odd-v", (8, 16, 24), 1)):
+            prefill.KEY_PIECE_BYTES = piece_bytes
+            calls.clear()
+            res[f"mla-unabsorbed-{name}"] = {**_mla_mixer_case(mla, dims, **step), "calls": list(calls)}
+    finally:
+        prefill.mha_prefill, (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES) = run, knobs
+    return res
 
 
 def _mla_cache_write_case(mla):
@@ -583,6 +607,8 @@ def _child(part: str) -> None:
         res[f"mla-row-slices-{splits}"] = {**_mla_case(mla, splits), "launch_rows": rows}
     mla.MAX_GRID_ROWS, mla._launch_triton = 65535, launch
     res["mla-mixer"] = _mla_mixer_case(mla)
+    res["mla-mixer-host-seqs"] = _mla_mixer_case(mla, host_seqs=True)  # every sequence under MIN_NEW_TOKENS
+    res.update(_mla_unabsorbed_cases(mla))
     res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
         for tactic in ("fused", "fused-f-b-gemm", "split", "split-wide"):
@@ -710,9 +736,18 @@ def test_mla_cache_write_interpreted(results):
     assert r["rel"] < 1e-6 and r["untouched"], r
 
 
-def test_mla_mixer_interpreted(results):
-    r = results["mla-mixer"]
+@pytest.mark.parametrize("case", ["mla-mixer", "mla-mixer-host-seqs"])
+def test_mla_mixer_interpreted(results, case):
+    r = results[case]
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
+
+
+@pytest.mark.parametrize("case", ["one-piece", "pieces", "odd-v"])
+def test_mla_unabsorbed_prefill_interpreted(results, case):
+    """The two prefill sequences (40 and 20 new tokens) in the un-absorbed form, the decode token absorbed: the
+    whole step equal to the reference."""
+    r = results[f"mla-unabsorbed-{case}"]
+    assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6 and r["calls"] == [40, 20], r
 
 
 @pytest.mark.parametrize("tactic", ["fused", "fused-f-b-gemm", "split", "split-wide"])

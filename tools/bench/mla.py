@@ -143,30 +143,53 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
 def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, chunk: int = 2048,
                       H: int = 96) -> None:
     """A prefill chunk against its cached pages, as the mixer runs one: `chunk` new tokens of one sequence after
-    `cached`, each a query row of the decode kernel over the sequence's page-table row up to its own position. The
-    work is math (each page serves every later token: the bytes stay in L2), so the floor is the exact heads' FLOPs
-    at the run's dense bf16 rate; the baseline is the portable Triton kernel on the same rows."""
+    `cached`. Absorbed (the decode kernel, each token a query row over the sequence's pages up to its own
+    position; the q_lat and w_uv bmms around it included) against the un-absorbed form (prefill.mha_prefill: keys
+    and values up-projected, flash attention). The work is math (each page serves every later token: the bytes
+    stay in L2), so each form's floor is its own FLOPs at the run's dense bf16 rate; the baseline is the portable
+    Triton kernel on the same rows."""
+    from k3plugins.mla import prefill
     total = cached + chunk
     pages = total // PAGE
+    nope, vd = 128, 128
     kv = torch.randn(pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
     pt = torch.randperm(pages, device="cuda", generator=gen).view(1, pages).to(torch.int32)
-    ql = torch.randn(chunk, H, 512, device="cuda", generator=gen).to(torch.bfloat16)
-    qp = torch.randn(chunk, H, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(chunk, H, nope + 64, device="cuda", generator=gen).to(torch.bfloat16)
+    w_uk = (torch.randn(H, nope, 512, device="cuda", generator=gen) * nope ** -0.5).to(torch.bfloat16)
+    w_uv = (torch.randn(H, 512, vd, device="cuda", generator=gen) * 512 ** -0.5).to(torch.bfloat16)
     lens = torch.arange(cached + 1, total + 1, dtype=torch.int32, device="cuda")  # causal: up to its own position
     rows = torch.zeros(chunk, dtype=torch.int32, device="cuda")  # every row reads the sequence's page-table row
-    flops = FLOPS_PER_HEAD_TOKEN * H * lens.sum().item()
-    math_ms = flops / (tflops * 1e12) * 1e3
+    pairs = lens.sum().item()
+    flops = FLOPS_PER_HEAD_TOKEN * H * pairs  # the attention kernel's
+    glue = 2 * H * chunk * 512 * (nope + vd)  # q_nope·w_uk and o_lat·w_uv
+    flops_mha = 2 * H * pairs * (nope + 64 + vd) + 2 * H * total * 512 * (nope + vd)
+    ms_of = lambda f: f / (tflops * 1e12) * 1e3  # noqa: E731
     kernels = ["triton"] + (["gluon"] if torch.cuda.get_device_capability()[0] == 9 else [])
     times, outs = {}, {}
+
+    def absorbed(kern):
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
+        o_lat = mla_decode_attention(q_lat, q[..., nope:], kv, pt, lens, scale=SCALE, query_seq=rows, kernel=kern)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)                 # [chunk, H, v]
+
     for kern in kernels:
-        fn = lambda kern=kern: mla_decode_attention(ql, qp, kv, pt, lens, scale=SCALE, query_seq=rows, kernel=kern)
-        times[kern] = time_ms(fn, rep=5)
-        outs[kern] = fn().float()
+        times[kern] = time_ms(lambda kern=kern: absorbed(kern), rep=5)
+        outs[kern] = absorbed(kern).float()
     best = min(times, key=times.get)
-    emit(bench="mla_prefill", H=H, cached=cached, chunk=chunk, math_floor_ms=round(math_ms, 4),
-         **{f"{k}_ms": round(t, 4) for k, t in times.items()}, best=best,
-         frac_of_math_floor=round(math_ms / times[best], 3), tflops=round(flops / times[best] / 1e9, 1),
+    out = torch.empty(chunk, H, vd, dtype=torch.bfloat16, device="cuda")
+    mha = lambda: prefill.mha_prefill(q, kv, pt[0], total, w_uk, w_uv, scale=SCALE, out=out)  # noqa: E731
+    times["unabsorbed"] = time_ms(mha, rep=5)
+    mha()
+    emit(bench="mla_prefill", H=H, cached=cached, chunk=chunk, math_floor_ms=round(ms_of(flops + glue), 4),
+         **{f"{k}_ms": round(t, 4) for k, t in times.items()}, best_absorbed=best,
+         frac_of_math_floor=round(ms_of(flops + glue) / times[best], 3),
+         tflops=round((flops + glue) / times[best] / 1e9, 1),
          speedup_vs_triton=round(times["triton"] / times[best], 2),
-         rel_l2_vs_triton=rel_l2(outs[best], outs["triton"]))
+         rel_l2_vs_triton=rel_l2(outs[best], outs["triton"]),
+         unabsorbed_math_floor_ms=round(ms_of(flops_mha), 4),
+         unabsorbed_frac_of_math_floor=round(ms_of(flops_mha) / times["unabsorbed"], 3),
+         unabsorbed_tflops=round(flops_mha / times["unabsorbed"] / 1e9, 1),
+         unabsorbed_speedup_vs_best_absorbed=round(times[best] / times["unabsorbed"], 2),
+         unabsorbed_rel_l2_vs_best_absorbed=rel_l2(out.float(), outs[best]))
     del kv
     torch.cuda.empty_cache()

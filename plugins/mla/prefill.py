@@ -1,0 +1,199 @@
+"""MLA prefill in the un-absorbed (MHA) form: the cached latents up-projected to per-head keys and values once a
+step, then causal flash attention over them.
+
+Why: the absorbed form (the decode kernel, each prompt token a query row) costs 2·(576 + 512) = 2176 FLOPs a
+query-key pair a head, as every pair multiplies the whole 576-wide latent. Up-projected, a pair costs
+2·(192 + 128) = 640, plus the up-projection itself, 2·512·(128 + 128) FLOPs a key a head, paid once for all the
+step's queries of that sequence. So a sequence with more than about 170 new tokens in a step is cheaper this way
+(2048 new tokens after 8192 cached: about 2.8x less math); decode stays absorbed. DeepSeek's and vLLM's MLA split
+prefill from decode the same way.
+
+The keys and values of a long context do not fit at once (96 heads: 48 KiB a token, bf16), so the context is taken
+in pieces of at most KEY_PIECE_BYTES; each piece's attention is merged into the running output by log-sum-exp, in
+the kernel. Every index the mixer needs comes from the host's lengths (the scheduler's, `host_seqs`): the piece
+loop and the grids are host values, and no device value is read on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3plugins.pdl import pdl, pdl_prologue
+
+# a sequence with at least this many new tokens in a step takes the MHA form (the break-even at K3's dims is about
+# 170; above it the saving grows with the chunk: bench_plugins' mla_prefill rows)
+MIN_NEW_TOKENS = 256
+# the up-projected keys and values of one piece of a context at most (96 heads: about 5.4K tokens a piece)
+KEY_PIECE_BYTES = 256 << 20
+
+
+@triton.jit
+def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, lse_ptr, T, q_pos0, k_pos0, P, sm_scale,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot,
+                       stride_oh, stride_lt, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+                       BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       HAS_PREV: tl.constexpr, PDL: tl.constexpr = False):
+    """One head and BM query rows of one sequence (absolute positions q_pos0 + row) against keys
+    k_pos0 ... k_pos0 + P - 1 of it, causal. q: [T, H, DN + DR] (nope | pe); k: [P, H, DN]; kpe: [P, DR], one for
+    every head; v: [P, H, DV]. o [T, H, DV] fp32 and lse [T, H] fp32 (log2 units): written, or with HAS_PREV merged
+    with what an earlier piece of the same context left there."""
+    pdl_prologue(PDL)
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    r_ok = rows < T
+    q_pos = q_pos0 + rows
+    rn = tl.arange(0, BDN)
+    rr = tl.arange(0, BDR)
+    rv = tl.arange(0, BDV)
+    q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qt + h * stride_qh
+    q = tl.load(q_row + rn[None, :], mask=r_ok[:, None] & (rn < DN)[None, :], other=0.0)             # [BM, BDN]
+    if DR > 0:
+        qp = tl.load(q_row + DN + rr[None, :], mask=r_ok[:, None] & (rr < DR)[None, :], other=0.0)   # [BM, BDR]
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 in the loop
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, BDV), dtype=tl.float32)
+    # causal: this block's last row sees keys up to its own position, so later keys of the piece are not read
+    last_pos = q_pos0 + tl.minimum((pid_m + 1) * BM, T) - 1
+    n_end = tl.minimum(P, last_pos - k_pos0 + 1)
+    for start in range(0, n_end, BN):
+        cols = start + tl.arange(0, BN)
+        c_ok = cols < n_end
+        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * stride_kt + h * stride_kh + rn[None, :],
+                    mask=c_ok[:, None] & (rn < DN)[None, :], other=0.0)                                # [BN, BDN]
+        s = tl.dot(q, tl.trans(k))
+        if DR > 0:
+            kp = tl.load(kpe_ptr + cols[:, None].to(tl.int64) * stride_pt + rr[None, :],
+                         mask=c_ok[:, None] & (rr < DR)[None, :], other=0.0)                           # [BN, BDR]
+            if BDR >= 16:
+                s += tl.dot(qp, tl.trans(kp))
+            else:  # an MMA needs K >= 16: small test models' rope parts are summed directly
+                s += tl.sum(qp[:, None, :].to(tl.float32) * kp[None, :, :].to(tl.float32), 2)
+        seen = c_ok[None, :] & ((k_pos0 + cols)[None, :] <= q_pos[:, None])
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet: no NaN from -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + cols[:, None].to(tl.int64) * stride_vt + h * stride_vh + rv[None, :],
+                    mask=c_ok[:, None] & (rv < DV)[None, :], other=0.0)                                # [BN, BDV]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # a row that saw no key of this piece (its position before the piece) has l_i = 0: weight 0 in the merge
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+    o_at = o_ptr + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh + rv[None, :]
+    lse_at = lse_ptr + rows.to(tl.int64) * stride_lt + h
+    o_mask = r_ok[:, None] & (rv < DV)[None, :]
+    if HAS_PREV:
+        lse_prev = tl.load(lse_at, mask=r_ok, other=float("-inf"))
+        o_prev = tl.load(o_at, mask=o_mask, other=0.0)
+        m = tl.maximum(lse_prev, lse)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_prev = tl.exp2(lse_prev - m)
+        w_new = tl.exp2(lse - m)
+        total = w_prev + w_new
+        safe_t = tl.where(total > 0, total, 1.0)
+        o = (o_prev * w_prev[:, None] + o * w_new[:, None]) / safe_t[:, None]
+        lse = tl.where(total > 0, m + tl.log2(safe_t), float("-inf"))
+    tl.store(o_at, o, mask=o_mask)
+    tl.store(lse_at, lse, mask=r_ok)
+
+
+def _block(n: int) -> int:
+    """A power-of-two width for a head dim, at least 16 (an MMA's K)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _rope_block(n: int) -> int:
+    """The rope part's width: an MMA's from 16 up; below, the kernel sums its products directly (1 for none)."""
+    return _block(n) if n >= 16 else triton.next_power_of_2(max(n, 1))
+
+
+def key_piece(num_heads: int, nope: int, v_head_dim: int, itemsize: int) -> int:
+    """Keys a piece: as many whole pages as KEY_PIECE_BYTES holds of up-projected keys and values (one page at
+    least)."""
+    per_key = num_heads * (nope + v_head_dim) * itemsize
+    return max(64, KEY_PIECE_BYTES // per_key // 64 * 64)
+
+
+def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor, context_len: int,
+                w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: float, out: torch.Tensor,
+                block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 2) -> None:
+    """Causal attention of one sequence's T new tokens (its last T positions) over its whole cached context, in
+    the un-absorbed form, into `out`.
+
+    Args:
+        q: [T, H, nope + rope] the tokens' queries (q_b's output, nope | pe).
+        kv_cache: [num_pages, page, r + rope] this layer's cache, the step's own tokens already written.
+        page_row: [max_pages] this sequence's page-table row (device). context_len: its tokens (host).
+        w_uk: [H, nope, r]; w_uv: [H, r, v].
+        out: [T, H, v] written (any float dtype; a row stride and a head stride, unit columns).
+        block_m, block_n, num_warps, num_stages: the kernel's tactic.
+    """
+    T, H, _ = q.shape
+    _, nope, r = w_uk.shape
+    vd = w_uv.shape[2]
+    page, width = kv_cache.shape[1], kv_cache.shape[2]
+    rope = width - r
+    dtype = kv_cache.dtype
+    if q.shape[2] != nope + rope or T > context_len:
+        raise ValueError(f"mha_prefill: q must be [T <= {context_len}, {H}, {nope + rope}], got {tuple(q.shape)}")
+    # [r, H·nope] and [r, H·v]: one GEMM each for every head's keys / values of a piece (the w_uv copy is r·H·v
+    # elements a layer, small beside a piece's GEMMs)
+    w_k = w_uk.to(dtype).reshape(H * nope, r).t()
+    w_v = w_uv.to(dtype).transpose(0, 1).reshape(r, H * vd)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    o = torch.empty(T, H, vd, dtype=torch.float32, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    piece = key_piece(H, nope, vd, kv_cache.element_size())
+    q_pos0 = context_len - T
+    for k0 in range(0, context_len, piece):
+        k1 = min(context_len, k0 + piece)
+        p0 = k0 // page
+        rows = kv_cache.index_select(0, page_row[p0:triton.cdiv(k1, page)].long()).view(-1, width)
+        rows = rows[k0 - p0 * page:k1 - p0 * page]                                        # [P, r + rope]
+        k = (rows[:, :r] @ w_k).view(-1, H, nope)
+        v = (rows[:, :r] @ w_v).view(-1, H, vd)
+        kpe = rows[:, r:]
+        bm = min(block_m, max(16, triton.next_power_of_2(T)))
+        mha_prefill_kernel[(triton.cdiv(T, bm), H)](
+            q, k, kpe, v, o, lse, T, q_pos0, k0, k1 - k0, float(scale), q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), kpe.stride(0), v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+            DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm, BN=block_n, HAS_PREV=k0 > 0, num_warps=num_warps, num_stages=num_stages,
+            **pdl(q))
+    out.copy_(o)
+
+
+def sequences(host_seqs: tuple[tuple[int, int], ...] | None, cu_seqlens: torch.Tensor,
+              T: int) -> list[tuple[int, int, int, int]]:
+    """(sequence, first row, end row, context length) of each sequence of the step that takes the MHA form: those
+    with MIN_NEW_TOKENS new tokens or more, as the host's lengths say (none without them)."""
+    if host_seqs is None:
+        return []
+    if len(host_seqs) != cu_seqlens.shape[0] - 1 or sum(new for new, _ in host_seqs) != T:
+        raise ValueError(f"mla_mixer: host_seqs gives {len(host_seqs)} sequences of "
+                         f"{sum(new for new, _ in host_seqs)} new tokens; the step has {cu_seqlens.shape[0] - 1} of "
+                         f"{T}")
+    picked, start = [], 0
+    for n, (new, context) in enumerate(host_seqs):
+        if new > context:
+            raise ValueError(f"mla_mixer: host_seqs[{n}] has {new} new tokens in a context of {context}")
+        if new >= MIN_NEW_TOKENS:
+            picked.append((n, start, start + new, context))
+        start += new
+    return picked
+
+
+def other_rows(picked: list[tuple[int, int, int, int]], T: int) -> list[int]:
+    """The step's rows outside the picked sequences (those the absorbed kernel attends)."""
+    rows, done = [], 0
+    for _, start, end, _ in picked:  # in row order
+        rows += range(done, start)
+        done = end
+    return rows + list(range(done, T))
