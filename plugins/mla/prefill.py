@@ -40,8 +40,9 @@ def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, lse_ptr, T, q_pos0, 
     every head; v: [P, H, DV]. o [T, H, DV] fp32 and lse [T, H] fp32 (log2 units): written, or with HAS_PREV merged
     with what an earlier piece of the same context left there."""
     pdl_prologue(PDL)
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
+    # every head's last rows (the most keys) start first: heads are the grid's fastest dimension, rows reversed
+    h = tl.program_id(0).to(tl.int64)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     r_ok = rows < T
     q_pos = q_pos0 + rows
@@ -162,7 +163,7 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
         v = (rows[:, :r] @ w_v).view(-1, H, vd)
         kpe = rows[:, r:]
         bm = min(block_m, max(16, triton.next_power_of_2(T)))
-        mha_prefill_kernel[(triton.cdiv(T, bm), H)](
+        mha_prefill_kernel[(H, triton.cdiv(T, bm))](
             q, k, kpe, v, o, lse, T, q_pos0, k0, k1 - k0, float(scale), q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), kpe.stride(0), v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0),
             DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm, BN=block_n, HAS_PREV=k0 > 0, num_warps=num_warps, num_stages=num_stages,
