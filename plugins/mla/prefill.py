@@ -27,6 +27,47 @@ from k3plugins.pdl import pdl, pdl_prologue
 MIN_NEW_TOKENS = 256
 # the up-projected keys and values of one piece of a context at most (96 heads: about 5.4K tokens a piece)
 KEY_PIECE_BYTES = 256 << 20
+# the keys that every query row of a block sees attended first without the causal mask (written, not yet timed)
+SPLIT_DIAGONAL = False
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, qp, k_ptr, kpe_ptr, v_ptr, h, begin, end, n_end, q_pos, k_pos0, qk_scale, stride_kt,
+            stride_kh, stride_pt, stride_vt, stride_vh, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+            BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax over keys begin ... end - 1 of the piece (MASKED: each row only up to its own position,
+    and keys from n_end on not at all)."""
+    rn = tl.arange(0, BDN)
+    rr = tl.arange(0, BDR)
+    rv = tl.arange(0, BDV)
+    for start in range(begin, end, BN):
+        cols = start + tl.arange(0, BN)
+        c_ok = cols < n_end
+        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * stride_kt + h * stride_kh + rn[None, :],
+                    mask=c_ok[:, None] & (rn < DN)[None, :], other=0.0)                                # [BN, BDN]
+        s = tl.dot(q, tl.trans(k))
+        if DR > 0:
+            kp = tl.load(kpe_ptr + cols[:, None].to(tl.int64) * stride_pt + rr[None, :],
+                         mask=c_ok[:, None] & (rr < DR)[None, :], other=0.0)                           # [BN, BDR]
+            if BDR >= 16:
+                s += tl.dot(qp, tl.trans(kp))
+            else:  # an MMA needs K >= 16: small test models' rope parts are summed directly
+                s += tl.sum(qp[:, None, :].to(tl.float32) * kp[None, :, :].to(tl.float32), 2)
+        if MASKED:
+            seen = c_ok[None, :] & ((k_pos0 + cols)[None, :] <= q_pos[:, None])
+            s = tl.where(seen, s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet: no NaN from -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + cols[:, None].to(tl.int64) * stride_vt + h * stride_vh + rv[None, :],
+                    mask=c_ok[:, None] & (rv < DV)[None, :], other=0.0)                                # [BN, BDV]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -34,7 +75,7 @@ def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, lse_ptr, T, q_pos0, 
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot,
                        stride_oh, stride_lt, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
                        BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       HAS_PREV: tl.constexpr, PDL: tl.constexpr = False):
+                       HAS_PREV: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
     """One head and BM query rows of one sequence (absolute positions q_pos0 + row) against keys
     k_pos0 ... k_pos0 + P - 1 of it, causal. q: [T, H, DN + DR] (nope | pe); k: [P, H, DN]; kpe: [P, DR], one for
     every head; v: [P, H, DV]. o [T, H, DV] fp32 and lse [T, H] fp32 (log2 units): written, or with HAS_PREV merged
@@ -51,39 +92,26 @@ def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, lse_ptr, T, q_pos0, 
     rv = tl.arange(0, BDV)
     q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qt + h * stride_qh
     q = tl.load(q_row + rn[None, :], mask=r_ok[:, None] & (rn < DN)[None, :], other=0.0)             # [BM, BDN]
+    qp = q  # unused without a rope part
     if DR > 0:
         qp = tl.load(q_row + DN + rr[None, :], mask=r_ok[:, None] & (rr < DR)[None, :], other=0.0)   # [BM, BDR]
     qk_scale = sm_scale * 1.4426950408889634  # exp2 in the loop
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BDV), dtype=tl.float32)
-    # causal: this block's last row sees keys up to its own position, so later keys of the piece are not read
+    # causal: this block's last row sees keys up to its own position, so later keys of the piece are not read;
+    # with SPLIT, the keys every row of the block sees (up to its first row's position) go first, unmasked
     last_pos = q_pos0 + tl.minimum((pid_m + 1) * BM, T) - 1
     n_end = tl.minimum(P, last_pos - k_pos0 + 1)
-    for start in range(0, n_end, BN):
-        cols = start + tl.arange(0, BN)
-        c_ok = cols < n_end
-        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * stride_kt + h * stride_kh + rn[None, :],
-                    mask=c_ok[:, None] & (rn < DN)[None, :], other=0.0)                                # [BN, BDN]
-        s = tl.dot(q, tl.trans(k))
-        if DR > 0:
-            kp = tl.load(kpe_ptr + cols[:, None].to(tl.int64) * stride_pt + rr[None, :],
-                         mask=c_ok[:, None] & (rr < DR)[None, :], other=0.0)                           # [BN, BDR]
-            if BDR >= 16:
-                s += tl.dot(qp, tl.trans(kp))
-            else:  # an MMA needs K >= 16: small test models' rope parts are summed directly
-                s += tl.sum(qp[:, None, :].to(tl.float32) * kp[None, :, :].to(tl.float32), 2)
-        seen = c_ok[None, :] & ((k_pos0 + cols)[None, :] <= q_pos[:, None])
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet: no NaN from -inf - -inf
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + cols[:, None].to(tl.int64) * stride_vt + h * stride_vh + rv[None, :],
-                    mask=c_ok[:, None] & (rv < DV)[None, :], other=0.0)                                # [BN, BDV]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    n_open = 0
+    if SPLIT:
+        n_open = tl.maximum(tl.minimum(P, q_pos0 + pid_m * BM - k_pos0 + 1), 0) // BN * BN
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, qp, k_ptr, kpe_ptr, v_ptr, h, 0, n_open, n_end, q_pos, k_pos0,
+                                qk_scale, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, DN, DR, DV, BDN, BDR,
+                                BDV, BN, MASKED=False)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, qp, k_ptr, kpe_ptr, v_ptr, h, n_open, n_end, n_end, q_pos, k_pos0,
+                            qk_scale, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, DN, DR, DV, BDN, BDR, BDV,
+                            BN, MASKED=True)
     # a row that saw no key of this piece (its position before the piece) has l_i = 0: weight 0 in the merge
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
@@ -125,7 +153,8 @@ def key_piece(num_heads: int, nope: int, v_head_dim: int, itemsize: int) -> int:
 
 def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor, context_len: int,
                 w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: float, out: torch.Tensor,
-                block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 2) -> None:
+                block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
+                split: bool | None = None) -> None:
     """Causal attention of one sequence's T new tokens (its last T positions) over its whole cached context, in
     the un-absorbed form, into `out`.
 
@@ -135,7 +164,7 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
         page_row: [max_pages] this sequence's page-table row (device). context_len: its tokens (host).
         w_uk: [H, nope, r]; w_uv: [H, r, v].
         out: [T, H, v] written (any float dtype; a row stride and a head stride, unit columns).
-        block_m, block_n, num_warps, num_stages: the kernel's tactic.
+        block_m, block_n, num_warps, num_stages, split: the kernel's tactic (split: SPLIT_DIAGONAL if None).
     """
     T, H, _ = q.shape
     _, nope, r = w_uk.shape
@@ -166,8 +195,9 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
         mha_prefill_kernel[(H, triton.cdiv(T, bm))](
             q, k, kpe, v, o, lse, T, q_pos0, k0, k1 - k0, float(scale), q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), kpe.stride(0), v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-            DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm, BN=block_n, HAS_PREV=k0 > 0, num_warps=num_warps, num_stages=num_stages,
-            **pdl(q))
+            DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm, BN=block_n,
+            HAS_PREV=k0 > 0, SPLIT=SPLIT_DIAGONAL if split is None else split, num_warps=num_warps,
+            num_stages=num_stages, **pdl(q))
     out.copy_(o)
 
 

@@ -189,19 +189,22 @@ def _mla_unabsorbed_cases(mla):
     chunk's first rows precede the last piece, so its merge keeps what they had), an odd v width, a rope part
     under an MMA's 16 and one over it. `calls`: the un-absorbed sequences (the others went the absorbed way)."""
     from k3plugins.mla import prefill
-    calls, run, knobs = [], prefill.mha_prefill, (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES)
+    calls, run = [], prefill.mha_prefill
+    knobs = (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL)
     prefill.mha_prefill = lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1]
     res = {}
     try:
         prefill.MIN_NEW_TOKENS = 8
         step = dict(new=(40, 1, 20), ctx=(150, 1, 20), pages=((3, 6, 2), (1, -1, -1), (7, -1, -1)), host_seqs=True)
-        for name, dims, piece_bytes in (("one-piece", (16, 8, 16), 1 << 30), ("pieces", (16, 8, 16), 1),
-                                        ("odd-v", (8, 16, 24), 1)):
-            prefill.KEY_PIECE_BYTES = piece_bytes
+        for name, dims, piece_bytes, split in (("one-piece", (16, 8, 16), 1 << 30, False),
+                                               ("pieces", (16, 8, 16), 1, False), ("odd-v", (8, 16, 24), 1, False),
+                                               ("one-piece-split", (16, 8, 16), 1 << 30, True),
+                                               ("pieces-split", (8, 16, 24), 1, True)):
+            prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL = piece_bytes, split
             calls.clear()
             res[f"mla-unabsorbed-{name}"] = {**_mla_mixer_case(mla, dims, **step), "calls": list(calls)}
     finally:
-        prefill.mha_prefill, (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES) = run, knobs
+        prefill.mha_prefill, (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL) = run, knobs
     return res
 
 
@@ -742,10 +745,10 @@ def test_mla_mixer_interpreted(results, case):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("case", ["one-piece", "pieces", "odd-v"])
+@pytest.mark.parametrize("case", ["one-piece", "pieces", "odd-v", "one-piece-split", "pieces-split"])
 def test_mla_unabsorbed_prefill_interpreted(results, case):
     """The two prefill sequences (40 and 20 new tokens) in the un-absorbed form, the decode token absorbed: the
-    whole step equal to the reference."""
+    whole step equal to the reference (split: the keys every row of a block sees first, unmasked)."""
     r = results[f"mla-unabsorbed-{case}"]
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6 and r["calls"] == [40, 20], r
 

@@ -22,13 +22,14 @@ q = torch.randn(chunk, H, 192, device="cuda", generator=gen).to(torch.bfloat16)
 w_uk = (torch.randn(H, 128, 512, device="cuda", generator=gen) / 11).to(torch.bfloat16)
 w_uv = (torch.randn(H, 512, 128, device="cuda", generator=gen) / 22).to(torch.bfloat16)
 out = torch.empty(chunk, H, 128, dtype=torch.bfloat16, device="cuda")
-for bm, bn, nw, ns in ((128, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2),
-                       (128, 32, 8, 2), (64, 128, 4, 2)):
+for bm, bn, nw, ns, sp in ((128, 64, 8, 2, False), (128, 64, 8, 2, True), (128, 64, 4, 2, False),
+                           (128, 128, 8, 2, False), (128, 64, 8, 3, False), (64, 64, 4, 2, False),
+                           (128, 32, 8, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, True)):
     try:
         t = time_ms(lambda: prefill.mha_prefill(q, kv, pt, total, w_uk, w_uv, scale=SCALE, out=out, block_m=bm,
-                                                block_n=bn, num_warps=nw, num_stages=ns), rep=5)
+                                                block_n=bn, num_warps=nw, num_stages=ns, split=sp), rep=5)
         print(json.dumps({"bench": "mha_prefill_tactic", "block_m": bm, "block_n": bn, "num_warps": nw,
-                          "num_stages": ns, "ms": round(t, 4)}))
+                          "num_stages": ns, "split": sp, "ms": round(t, 4)}))
     except Exception as e:
         print(json.dumps({"bench": "mha_prefill_tactic_failed", "block_m": bm, "block_n": bn, "error": repr(e)[:200]}))
 PY
