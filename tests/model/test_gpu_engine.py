@@ -38,11 +38,21 @@ def test_device_plugins_are_recorded(engines):
     assert plugins["MoEInProj"]["tactic"] == "triton"  # the tiny K3 is a latent MoE: its graph runs MoEInProj
 
 
-def test_prompt_logits_match_the_cpu_engine(engines):
+@pytest.mark.parametrize("unabsorbed", [False, True], ids=["absorbed", "unabsorbed"])
+def test_prompt_logits_match_the_cpu_engine(engines, unabsorbed, monkeypatch):
     """Against the fp32 engine (exact up to fp32 rounding): the GPU bf16 engine is within the spec's parity bar
     (cos > 0.999, rel-L2 < 3e-2), or no more than 1.5x as far off as the CPU bf16 engine (torch references)
-    is — bf16 rounding through a whole model can exceed an op's bar by itself."""
+    is — bf16 rounding through a whole model can exceed an op's bar by itself. unabsorbed: every prompt's MLA
+    in the un-absorbed prefill form (MIN_NEW_TOKENS lowered to 1; each MLA layer's call counted)."""
+    from k3plugins.mla import prefill
+    calls, run = [], prefill.mha_prefill
+    if unabsorbed:
+        monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 1)
+        monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
     cpu, gpu, exact = LLM(engines[0]), LLM(engines[1], device="cuda"), LLM(engines[2])
+    if unabsorbed:  # the GPU engine's prompts, each whole in one step, through every MLA layer
+        gpu.logits(PROMPTS[1])
+        assert calls and set(calls) == {len(PROMPTS[1])}, calls
     for ids in PROMPTS:
         want = exact.logits(ids)
         cos, rel = _parity(gpu.logits(ids).cpu(), want)

@@ -1,9 +1,9 @@
 # Hundred-and-thirty-ninth device batch (forty-ninth session): the un-absorbed MLA prefill (prefill.py, new) first:
 # its GPU tests, the prefill bench at several (cached, chunk) shapes against the absorbed kernels, a sweep of its
-# kernel's blocks; then batch138 (the MoE prefetch_per_sm rows, never timed).
+# kernel's blocks (batch138, the MoE prefetch_per_sm rows, runs next if the machine stays).
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-timeout 120 python3 -m pytest -q -m gpu tests/plugins/test_mla_gpu.py -k "mixer" -p no:cacheprovider 2>&1 | tail -4
+timeout 150 python3 -m pytest -q -m gpu tests/plugins/test_mla_gpu.py tests/model/test_gpu_engine.py -k "mixer or prompt_logits" -p no:cacheprovider 2>&1 | tail -4
 cd tools/bench && timeout 180 python3 - <<'PY' 2>&1 | tee $OUT/mla_prefill.jsonl
 import json, torch
 from common import mma_tflops, time_ms
@@ -33,5 +33,3 @@ for bm, bn, nw, ns, sp in ((128, 64, 8, 2, False), (128, 64, 8, 2, True), (128, 
     except Exception as e:
         print(json.dumps({"bench": "mha_prefill_tactic_failed", "block_m": bm, "block_n": bn, "error": repr(e)[:200]}))
 PY
-cd ../..
-bash tools/device/batch138.sh
