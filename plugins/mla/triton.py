@@ -321,13 +321,13 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
               w_uv: torch.Tensor, o_weight: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
               context_lens: torch.Tensor, page_table: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
               qk_rope_head_dim: int, v_head_dim: int, scale: float, latent_eps: float,
-              output_gate: int, decode_kernel: str = "triton",
-              host_seqs: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
+              output_gate: int, host_seqs: tuple[tuple[int, int], ...] | None = None,
+              decode_kernel: str = "triton") -> torch.Tensor:
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
-    page tables on the host; here every index is computed on the device). decode_kernel: mla_decode_attention's
-    kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes "gluon"). host_seqs: each sequence's (new tokens,
+    page tables on the host; here every index is computed on the device). host_seqs: each sequence's (new tokens,
     context length) as the host knows them (an eager step's; None in a CUDA graph): a sequence with
-    prefill.MIN_NEW_TOKENS new tokens or more is attended in the un-absorbed form (prefill.py), the others absorbed."""
+    prefill.MIN_NEW_TOKENS new tokens or more is attended in the un-absorbed form (prefill.py), the others absorbed.
+    decode_kernel: mla_decode_attention's kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes "gluon")."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     r = kv_a_norm_weight.shape[0]
