@@ -114,6 +114,10 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
         pos = torch.arange(lens[n] - (e - s), lens[n], device=x.device)
         pages, offs = _cache_slots(page_table[n], pos, page_size, n)
         kv_cache[pages, offs] = entries[s:e]
+        # a page this step began keeps zeros past the sequence's last row: the device kernels multiply a zero
+        # probability by each row of a sequence's last page, and must not meet a NaN an earlier owner left there
+        if e > s and int(pos[0]) <= int(pos[-1]) - int(offs[-1]):
+            kv_cache[pages[-1], int(offs[-1]) + 1:] = 0
 
     # NaN, not empty: a token that no sequence covers would show in the output.
     o = torch.full((T, H, vd), float("nan"), dtype=torch.float32, device=x.device)

@@ -127,12 +127,14 @@ def mla_merge_kernel(o_part_ptr, lse_ptr, out_ptr, H, stride_pb, stride_ps, stri
 
 @triton.jit
 def mla_cache_write_kernel(ckv_ptr, w_ptr, kv_ptr, page_ptr, row_ptr, R, DR, stride_t, stride_page, stride_row, eps,
-                           BR: tl.constexpr, BDR: tl.constexpr, NORM_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+                           BR: tl.constexpr, BDR: tl.constexpr, NORM_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
+                           clear_ptr=None, PAGE_SIZE: tl.constexpr = 64):
     """kv[page[t], row[t]] = [rms_norm(ckv[t, :R]) | ckv[t, R:R+DR]], a token a program: the latent norm, the concat
     and the paged store of the mixer in one launch (they were three). The norm rounds as norm/triton.py's (launched
     with its warps, so its sum adds in the same order) and its result goes through NORM_DTYPE (the dtype the
     separate norm returned) before the cache's dtype, so the cache holds the same bits as before. A token with no
-    page (page < 0: a scheduler's bug) writes nothing rather than outside the cache."""
+    page (page < 0: a scheduler's bug) writes nothing rather than outside the cache. With clear_ptr, token t also
+    zeroes its page's rows clear[t] ... PAGE_SIZE - 1 (none where clear[t] = PAGE_SIZE)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     page = tl.load(page_ptr + t)
@@ -149,6 +151,11 @@ def mla_cache_write_kernel(ckv_ptr, w_ptr, kv_ptr, page_ptr, row_ptr, R, DR, str
     mask_r = offs_r < DR
     pe = tl.load(src + R + offs_r, mask=mask_r, other=0.0)
     tl.store(dst + R + offs_r, pe.to(NORM_DTYPE).to(kv_dt), mask=mask_r & paged)
+    if clear_ptr is not None:
+        page_base = kv_ptr + tl.maximum(page, 0) * stride_page
+        for row in range(tl.load(clear_ptr + t).to(tl.int32), PAGE_SIZE):
+            tl.store(page_base + row * stride_row + offs, tl.zeros([BR], kv_dt), mask=mask & paged)
+            tl.store(page_base + row * stride_row + R + offs_r, tl.zeros([BDR], kv_dt), mask=mask_r & paged)
 
 
 @triton.jit
@@ -305,14 +312,22 @@ def _launch_triton(q_lat, q_pe, kv_cache, page_table, query_seq, context_lens, o
 
 
 def _token_index(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, page_table: torch.Tensor, T: int):
-    """For a step's T tokens: the cache page and row each writes, the page table, the attended length and the
-    sequence of each token as the decode kernel takes them (the same for every MLA layer of the step)."""
+    """For a step's T tokens: the cache page and row each writes, the row from which it clears the rest of its page
+    (write_cache), the page table, the attended length and the sequence of each token as the decode kernel takes
+    them (the same for every MLA layer of the step)."""
     # token t of sequence n sits at position context_lens[n] - (cu[n+1] - t)
     cu = cu_seqlens.to(torch.int64)
     tok = torch.arange(T, device=cu.device)
     seq = torch.searchsorted(cu[1:], tok, right=True)                              # [T]
-    pos = context_lens.to(torch.int64)[seq] - (cu[seq + 1] - tok)
-    return (page_table.to(torch.int64)[seq, pos // PAGE], pos % PAGE, page_table.to(torch.int32),
+    end = cu[seq + 1]
+    pos = context_lens.to(torch.int64)[seq] - (end - tok)
+    row = pos % PAGE
+    # a sequence's last token of the step clears the rest of its page when the step began that page (its first
+    # new token at the page's row 0 or before): the kernels multiply a zero probability by each row of a sequence's
+    # last page, and a NaN that the page's earlier owner left past this one's rows would poison them
+    began = pos - (tok - cu[seq]) <= pos - row                                     # first new position <= page start
+    clear = torch.where((tok == end - 1) & began, row + 1, torch.full_like(row, PAGE))
+    return (page_table.to(torch.int64)[seq, pos // PAGE], row, clear, page_table.to(torch.int32),
             (pos + 1).to(torch.int32), seq.to(torch.int32))
 
 
@@ -337,9 +352,9 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     if q_b_weight is not None:
         q_src = dense(rms_norm(q_src, q_a_norm_weight, eps=latent_eps), q_b_weight)
     q = q_src.view(T, H, nope + rope)
-    page, row, pages32, lens32, seq32 = per_step("mla_index", (cu_seqlens, context_lens, page_table),
-                                                 lambda *src: _token_index(*src, T))
-    write_cache(ckv, kv_a_norm_weight, kv_cache, page, row, eps=latent_eps)
+    page, row, clear, pages32, lens32, seq32 = per_step("mla_index", (cu_seqlens, context_lens, page_table),
+                                                        lambda *src: _token_index(*src, T))
+    write_cache(ckv, kv_a_norm_weight, kv_cache, page, row, eps=latent_eps, clear_from=clear)
     unabsorbed = prefill.sequences(host_seqs, cu_seqlens, T)
     absorbed = (lambda rows=None: _absorbed(q, rows, w_uk, w_uv, kv_cache, pages32, lens32, seq32, nope=nope,
                                             scale=scale, kernel=decode_kernel))
@@ -370,8 +385,9 @@ def _absorbed(q: torch.Tensor, rows: torch.Tensor | None, w_uk: torch.Tensor, w_
 
 
 def write_cache(ckv: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Tensor, page: torch.Tensor,
-                row: torch.Tensor, *, eps: float) -> None:
-    """kv_cache[page, row] = [rms_norm(ckv[:, :r]) | ckv[:, r:]] in one launch (page, row: int64 [T])."""
+                row: torch.Tensor, *, eps: float, clear_from: torch.Tensor | None = None) -> None:
+    """kv_cache[page, row] = [rms_norm(ckv[:, :r]) | ckv[:, r:]] in one launch (page, row: int64 [T]); with
+    clear_from (int64 [T]), token t also zeroes rows clear_from[t] onwards of its page."""
     T, width = ckv.shape
     r = norm_weight.shape[0]
     if ckv.stride(-1) != 1 or kv_cache.stride(-1) != 1 or width != kv_cache.shape[-1]:
@@ -382,7 +398,8 @@ def write_cache(ckv: torch.Tensor, norm_weight: torch.Tensor, kv_cache: torch.Te
         mla_cache_write_kernel[(T,)](ckv, norm_weight.contiguous(), kv_cache, page, row, r, width - r, ckv.stride(0),
                                      kv_cache.stride(0), kv_cache.stride(1), float(eps),
                                      BR=triton.next_power_of_2(r), BDR=triton.next_power_of_2(width - r),
-                                     NORM_DTYPE=norm_dtype, num_warps=row_warps(triton.next_power_of_2(r)), **pdl(ckv))
+                                     NORM_DTYPE=norm_dtype, num_warps=row_warps(triton.next_power_of_2(r)),
+                                     clear_ptr=clear_from, PAGE_SIZE=kv_cache.shape[1], **pdl(ckv))
 
 
 def gate_heads(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -87,7 +87,9 @@ def test_absorbed_matches_naive(q_lora, gate, T, page_size):
     unused = sorted(set(range(2 * need + 1)) - set(pages))
     assert cache[unused].isnan().all()
     written = cache[pages].reshape(-1, cache.shape[-1])[:T]
-    assert not written.isnan().any() and cache[pages].reshape(-1, cache.shape[-1])[T:].isnan().all()
+    # the last page, which the step began, is cleared past the sequence's last row (an earlier owner's NaN there
+    # would poison the device kernels, which multiply a zero probability by every row of it)
+    assert not written.isnan().any() and (cache[pages].reshape(-1, cache.shape[-1])[T:] == 0).all()
 
 
 @pytest.mark.parametrize("piece", [1, 7, 100], ids=["piece1", "piece7", "whole"])

@@ -179,8 +179,9 @@ def test_gate_heads_matches_the_torch_launches(T, gated):
     assert (out != expect).float().mean().item() < 0.01
 
 
-def _mixer_step(H, tactic, new, ctx, pages, num_pages, host_seqs=False):
-    """The tactic's mixer and the fp32 reference on one step at a rank's MLA shapes: (output, cache) of each."""
+def _mixer_step(H, tactic, new, ctx, pages, num_pages, host_seqs=False, poison=()):
+    """The tactic's mixer and the fp32 reference on one step at a rank's MLA shapes: (output, cache) of each.
+    poison: (page, row) pairs from which the cache holds NaN before the step."""
     from k3plugins import registry
     from k3plugins.mla import reference
     if tactic == "gluon" and torch.cuda.get_device_capability()[0] != 9:
@@ -197,6 +198,8 @@ def _mixer_step(H, tactic, new, ctx, pages, num_pages, host_seqs=False):
     pt = torch.tensor(pages, dtype=torch.int32, device="cuda")
     x = r_(int(cu[-1]), hid)
     cache = r_(num_pages, 64, r + rope)
+    for page, row in poison:
+        cache[page, row:] = float("nan")
     outs = []
     for fn in (mixer, reference.mla_mixer):
         c = cache.clone()
@@ -213,12 +216,14 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
-def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic):
+@pytest.mark.parametrize("poison", [(), ((5, 1),)], ids=["", "nan_tail"])
+def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic, poison):
     """The Triton mixer (fused glue, strided queries) vs the fp32 reference on a rank's MLA slice: 6 heads (a TP
     slice), or all 96 with the "gluon" tactic's mixer (attention-DP), the 576-wide cache, a decode batch with one
-    prefill row; both caches end equal but for bf16 rounding."""
+    prefill row; both caches end equal but for bf16 rounding. nan_tail: the page the step begins (its first
+    token's) held NaN past that row (an earlier owner's): cleared before the kernels read the whole page."""
     pages = [[0, 1, 2, 3, 4], [5, -1, -1, -1, -1], [6, 7, -1, -1, -1], [8, -1, -1, -1, -1]]
-    (o1, c1), (o2, c2) = _mixer_step(H, tactic, [1, 1, 5, 1], [300, 1, 70, 64], pages, 10)
+    (o1, c1), (o2, c2) = _mixer_step(H, tactic, [1, 1, 5, 1], [300, 1, 70, 64], pages, 10, poison=poison)
     assert _rel(o1, o2) < 2e-2
     assert _rel(c1, c2) < 1e-2
 

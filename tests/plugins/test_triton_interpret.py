@@ -154,10 +154,11 @@ def _mla_case(mla, splits, exchange=False):
 
 
 def _mla_mixer_case(mla, dims=(16, 8, 16), new=(5, 1, 3), ctx=(75, 1, 3), pages=((3, 6, -1), (1, -1, -1), (7, -1, -1)),
-                    host_seqs=False):
+                    host_seqs=False, poison=()):
     """The Triton mixer vs the reference on one packed step (by default a prefill chunk continuing 70 cached tokens,
     a first decode token, a fresh 3-token prefill); the caches must end equal too. dims: (nope, rope, v).
-    host_seqs: the step's host lengths given (the mixer may take the un-absorbed prefill form)."""
+    host_seqs: the step's host lengths given (the mixer may take the un-absorbed prefill form). poison: (page, row)
+    pairs from which the cache holds NaN before the step (an earlier owner's)."""
     from k3plugins.mla.reference import mla_mixer as ref
     g = torch.Generator().manual_seed(5)
     r_ = lambda *sh, sc=1.0: torch.randn(*sh, generator=g) * sc
@@ -168,6 +169,8 @@ def _mla_mixer_case(mla, dims=(16, 8, 16), new=(5, 1, 3), ctx=(75, 1, 3), pages=
     cu = torch.tensor((0,) + tuple(new)).cumsum(0)
     x = r_(int(cu[-1]), hid)
     cache = r_(8, 64, r + rope)
+    for page, row in poison:
+        cache[page, row:] = float("nan")
     pt = torch.tensor(pages, dtype=torch.int32)
     outs = []
     q_a, q_a_norm, q_b, kv_a, kv_a_norm, w_uk, w_uv, g_w, o_w = w
@@ -219,7 +222,12 @@ def _mla_cache_write_case(mla):
     keep = page >= 0
     want[page[keep], row[keep]] = torch.cat([rms_norm(ckv[:, :32], w, eps=1e-6), ckv[:, 32:]], -1)[keep]
     mla.write_cache(ckv, w, cache, page, row, eps=1e-6)
-    return {"rel": _rel(cache, want), "untouched": bool(torch.equal(cache[1], want[1]) and torch.equal(cache[3], want[3]))}
+    res = {"rel": _rel(cache, want), "untouched": bool(torch.equal(cache[1], want[1]) and torch.equal(cache[3], want[3]))}
+    # clear_from: token 0 zeroes rows 6.. of page 2, token 1 (no page) nothing, token 2 (row 63) nothing after it
+    cleared = cache.clone()
+    mla.write_cache(ckv, w, cleared, page, row, eps=1e-6, clear_from=torch.tensor([6, 7, 64]))
+    want[2, 6:] = 0
+    return {**res, "cleared": bool(torch.equal(cleared, want))}
 
 
 def _kda_layer(g, N, H, K, hid, S):
@@ -611,6 +619,7 @@ def _child(part: str) -> None:
     mla.MAX_GRID_ROWS, mla._launch_triton = 65535, launch
     res["mla-mixer"] = _mla_mixer_case(mla)
     res["mla-mixer-host-seqs"] = _mla_mixer_case(mla, host_seqs=True)  # every sequence under MIN_NEW_TOKENS
+    res["mla-mixer-nan-tails"] = _mla_mixer_case(mla, poison=((1, 1), (7, 3)))
     res.update(_mla_unabsorbed_cases(mla))
     res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
@@ -736,11 +745,13 @@ def test_mla_decode_over_row_slices_interpreted(results, splits):
 
 def test_mla_cache_write_interpreted(results):
     r = results["mla-cache-write"]
-    assert r["rel"] < 1e-6 and r["untouched"], r
+    assert r["rel"] < 1e-6 and r["untouched"] and r["cleared"], r
 
 
-@pytest.mark.parametrize("case", ["mla-mixer", "mla-mixer-host-seqs"])
+@pytest.mark.parametrize("case", ["mla-mixer", "mla-mixer-host-seqs", "mla-mixer-nan-tails"])
 def test_mla_mixer_interpreted(results, case):
+    """nan-tails: the two pages the step begins held NaN past the rows it writes (a page's earlier owner): the
+    step clears them before the attention reads the page, so the output is the reference's, and so is the cache."""
     r = results[case]
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 

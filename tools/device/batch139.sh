@@ -3,7 +3,7 @@
 # kernel's blocks (batch138, the MoE prefetch_per_sm rows, runs next if the machine stays).
 source tools/device/env.sh
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-timeout 150 python3 -m pytest -q -m gpu tests/plugins/test_mla_gpu.py tests/model/test_gpu_engine.py -k "mixer or prompt_logits" -p no:cacheprovider 2>&1 | tail -4
+timeout 150 python3 -m pytest -q -m gpu tests/plugins/test_mla_gpu.py tests/model/test_gpu_engine.py -k "mixer or prompt_logits or write_cache" -p no:cacheprovider 2>&1 | tail -4
 cd tools/bench && timeout 180 python3 - <<'PY' 2>&1 | tee $OUT/mla_prefill.jsonl
 import json, torch
 from common import mma_tflops, time_ms
