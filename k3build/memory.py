@@ -27,6 +27,7 @@ __all__ = ["CATEGORIES", "GiB", "MiB", "PAGE_SIZE", "H200_GIB", "H200_TOTAL_BYTE
 GiB = 1 << 30
 MiB = 1 << 20
 PAGE_SIZE = 64  # tokens per MLA page (fast MLA decode kernels need 64)
+UNABSORBED_PIECE_BYTES = 256 * MiB  # k3plugins.mla.prefill.KEY_PIECE_BYTES: a context piece's keys and values
 H200_TOTAL_BYTES = 150_109_880_320  # measured, see the module doc
 H200_GIB = 139.8
 MI300X_GIB = 191.5  # 192 GB HBM3; ROCm reports about 191.7 GiB (not measured in this project)
@@ -81,7 +82,7 @@ def exchange_capacity_rows(cfg: K3Config, mapping: Mapping, max_num_tokens: int)
 
 
 def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_tokens: int,
-                       max_batch_size: int, dtype: str = "bf16") -> dict[str, int]:
+                       max_batch_size: int, dtype: str = "bf16", max_seq_len: int | None = None) -> dict[str, int]:
     """Transient bytes of one forward step on `rank` (T = max_num_tokens, B = max_batch_size); "bf16" below is
     the activation dtype (`dtype`, bf16 unless the build says otherwise).
 
@@ -89,7 +90,9 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
     exchange: dispatch + combine buffers, exchange_capacity_rows x latent x bf16 x 2 (persistent).
     peak: the largest per-layer working set of the stage, one of
       kda   T x (5 proj outputs bf16 + fp32 gate) x D_tp + T x H_tp x (fp32 beta + 2 fp32 64-chunk rows);
-      mla   T x H_tp x (q 192 + k_nope|v 256 + out 128 + gate 128) x bf16 + T x 576 x bf16;
+      mla   T x H_tp x (q 192 + k_nope|v 256 + out 128 + gate 128) x bf16 + T x 576 x bf16; with max_seq_len,
+            + the un-absorbed prefill's (k3plugins/mla/prefill.py): one piece of a context's keys and values
+            (at most UNABSORBED_PIECE_BYTES, whole pages), its latents, and T x H_tp x (v + 1) x fp32 (output, lse);
       dense T x 3 x intermediate_tp x bf16;
       moe   latent (MoEInProj): T x (latent + 2 shared_tp + E) x fp32 + T x (latent + 3 shared_tp) x bf16; else
             T x E x fp32 router + T x 3 x shared_tp x bf16; then + rows x 3 x moe_intermediate_tp x bf16;
@@ -116,6 +119,12 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
         moe_in = T * (in_cols + cfg.num_experts) * 4 + T * (in_cols + shared_tp) * act
     else:
         moe_in = T * cfg.num_experts * 4 + T * 3 * shared_tp * act
+    unabsorbed = 0
+    if max_seq_len is not None:
+        per_key = mla_h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * act
+        keys = min(max(PAGE_SIZE, UNABSORBED_PIECE_BYTES // per_key // PAGE_SIZE * PAGE_SIZE),
+                   ceil(max_seq_len / PAGE_SIZE) * PAGE_SIZE)
+        unabsorbed = keys * (per_key + cfg.mla_cache_width * act) + T * mla_h * (cfg.v_head_dim + 1) * 4
     return {
         "residual": T * cfg.hidden_size * act * (3 + snaps),
         "exchange": rows * cfg.expert_hidden_size * act * 2,
@@ -123,7 +132,7 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
         if mapping.is_last_stage(rank) and (mapping.attention_dp or mapping.tp_rank(rank) == 0) else 0,
         "peak_kda": T * (5 * act + 4) * d_tp + T * h_tp * (4 + 2 * CHUNK * 4) if "kda" in kinds else 0,
         "peak_mla": (T * mla_h * (cfg.qk_head_dim + cfg.qk_nope_head_dim + 3 * cfg.v_head_dim) * act
-                + T * cfg.mla_cache_width * act) if "mla" in kinds else 0,
+                + T * cfg.mla_cache_width * act + unabsorbed) if "mla" in kinds else 0,
         "peak_dense": T * 3 * (cfg.intermediate_size // dense_tp) * act
         if any(not cfg.is_moe_layer(i) for i in layers) else 0,
         "peak_moe": moe_in + rows * 3 * (cfg.moe_intermediate_size // mapping.moe_tp_size) * act if has_moe else 0,
@@ -266,7 +275,8 @@ def _rank_plan(cfg, mapping, rank, gpu, seq, batch, tokens, kv_b, state_dtype, d
     pages_per_req = ceil(seq / page_size)
     req = slot + pages_per_req * page
     reserve = {"overhead": overhead, "spare": slot + page,
-               **activation_reserve(cfg, mapping, rank, max_num_tokens=tokens, max_batch_size=batch, dtype=dtype)}
+               **activation_reserve(cfg, mapping, rank, max_num_tokens=tokens, max_batch_size=batch, dtype=dtype,
+                                    max_seq_len=seq)}
     res = reserve_bytes(reserve)
     free = gpu - w - res
     n = (free // req if req else batch) if free > 0 else 0
