@@ -28,7 +28,7 @@ MIN_NEW_TOKENS = 256
 # the up-projected keys and values of one piece of a context at most (96 heads: about 5.4K tokens a piece)
 KEY_PIECE_BYTES = 256 << 20
 # the keys that every query row of a block sees attended first without the causal mask (written, not yet timed)
-SPLIT_DIAGONAL = False
+SPLIT_DIAGONAL = True
 
 
 @triton.jit
@@ -153,7 +153,7 @@ def key_piece(num_heads: int, nope: int, v_head_dim: int, itemsize: int) -> int:
 
 def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor, context_len: int,
                 w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: float, out: torch.Tensor,
-                block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
+                block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
                 split: bool | None = None) -> None:
     """Causal attention of one sequence's T new tokens (its last T positions) over its whole cached context, in
     the un-absorbed form, into `out`.
