@@ -247,13 +247,13 @@ def _interleaved_ms(variants: dict, rows, args, rounds: int) -> dict:
 
 
 def _moe_decode(**changes):
-    """A switch that replaces fields of the MoE decode tactics decode_l and decode_p (the triton_l and triton_p
-    engines'; no effect on other MoE tactics)."""
+    """A switch that replaces fields of the MoE decode tactics decode_l_pf, decode_l and decode_p (the triton_l and
+    triton_p engines', decode_l as before decode_l_pf; no effect on other MoE tactics)."""
     def flip(executor):
         from dataclasses import replace
 
         from k3plugins.moe import triton as moe
-        old = {key: moe.TACTICS[key] for key in ("decode_l", "decode_p")}
+        old = {key: moe.TACTICS[key] for key in ("decode_l_pf", "decode_l", "decode_p")}
         moe.TACTICS.update({key: replace(t, **changes) for key, t in old.items()})
         return lambda: moe.TACTICS.update(old)
     return flip
@@ -402,6 +402,8 @@ AB_SWITCHES = {  # name: (what flipping it does, flip(executor) -> undo())
     "moe-bn128": ("the MoE decode (decode_l / decode_p) in blocks of 128 rows, 8 warps",
                   _moe_decode(block_n=128, num_warps=8)),
     "moe-stages4": ("the MoE decode (decode_l / decode_p) with 4 pipeline stages", _moe_decode(num_stages=4)),
+    "moe-no-prefetch": ("the MoE decode without the L2 prefetch while the pair sort runs (decode_l_pf as decode_l)",
+                        _moe_decode(prefetch=0, prefetch_per_sm=0)),
     "moe-down-bn128": ("the MoE decode's down kernel in blocks of 128 rows, 8 warps",
                        _moe_decode(down_block_n=128, down_num_warps=8)),
     "moe-down-bn128-w4": ("the MoE decode's down kernel in blocks of 128 rows, 4 warps",

@@ -58,14 +58,14 @@ class MoETactic:
     # row after another
     gather_combine: bool = False
     # W4: each gate/up program asks L2 for its first `prefetch` K steps of weights while the pair sort runs (the
-    # kernel launched with PDL behind the sort, which lets it in at once; CUDA sm_90, else no prefetch). Off in every
-    # tactic: on an H100, 2-4 steps were 0.5-0.8 % faster with all 56 experts touched (1-8 tokens each), and 4 steps
-    # 15-30 % slower with 8-32 of them touched (a rank's decode), as every program prefetches, an empty expert's too
-    # (BENCHMARKS.md, forty-eighth session)
+    # kernel launched with PDL behind the sort, which lets it in at once; CUDA sm_90, else no prefetch). On an H100,
+    # 2-4 steps were 0.5-0.8 % faster with all 56 experts touched (1-8 tokens each), and 4 steps 15-30 % slower with
+    # 8-32 of them touched (a rank's decode), as every program prefetches, an empty expert's too (BENCHMARKS.md,
+    # forty-eighth session); hence prefetch_per_sm (decode_l_pf)
     prefetch: int = 0
     # with prefetch: only the grid's first programs prefetch, this many an SM (about the wave that runs beside the
-    # sort; the later ones start once it has ended, their loads no later for it); 0: every program. Not yet timed;
-    # its branch adds 10 sm_90 instructions to the gate/up loop's 682 (tools/sass_loops.py, a compiler choice)
+    # sort; the later ones start once it has ended, their loads no later for it); 0: every program. Its branch adds
+    # 10 sm_90 instructions to the gate/up loop's 682 (tools/sass_loops.py, a compiler choice)
     prefetch_per_sm: int = 0
 
     def down(self) -> "MoETactic":
@@ -101,6 +101,13 @@ TACTICS = {  # fastest of the sweep on the H200 (BENCHMARKS.md, bench_plugins)
     # the weight floor at 1-8 tokens/expert against 0.70-0.73 (BENCHMARKS.md, twenty-third session)
     "decode_l": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
                           overlap=True),
+    # decode_l with the L2 prefetch of the first 2 K steps in the grid's first 2 programs an SM while the pair sort
+    # runs (prefetch, prefetch_per_sm; the "triton_l" engine tactic's decode): on an H100, side by side with
+    # decode_l, 0.3-1.5 % faster at every count of touched experts from 8 to 56 (one token each, a rank's decode:
+    # 0.624 -> 0.634 of the floor at 8, 0.947 -> 0.954 at 56) and 0.908 -> 0.925 (with y_half) at 8 tokens on each of
+    # 56 (BENCHMARKS.md, forty-ninth session); not yet run on an H200
+    "decode_l_pf": MoETactic(16, 64, 256, 4, 3, strided=True, paired=True, lane=True, tiled=True, rows_first=True,
+                             overlap=True, prefetch=2, prefetch_per_sm=2),
     # decode_l with each pair's row y in bf16 (y_half): y's write and the combine's read of it are 12.8 of the
     # 9.6-28 MB decode_l moves besides the weights at 8 tokens an expert in fp32. On the H200 0.3-0.4 % faster than
     # decode_l at 1-8 tokens an expert, its sums rounded once more (BENCHMARKS.md, fortieth session)
@@ -340,7 +347,7 @@ moe_experts_paired = _by_step("decode_p", "prefill_p", "moe_experts_paired",
                               "The engine's \"triton_p\" tactic (the sm90 default without latent projection): on "
                               "expert bytes the build wrote in pair_mxfp4's layout (expert dims multiples of "
                               "STRIDE_BLOCK_K).")
-moe_experts_lane = _by_step("decode_l", "prefill_l", "moe_experts_lane",
+moe_experts_lane = _by_step("decode_l_pf", "prefill_l", "moe_experts_lane",
                             "The engine's \"triton_l\" tactic (the sm90 default for latent MoE): on expert bytes the "
                             "build wrote in lane_mxfp4's layout, z in its K order (the build permutes the latent "
                             "down-projection's rows to match).")

@@ -41,6 +41,7 @@ def _launches(monkeypatch, run, gpu_pdl: bool) -> list:
     monkeypatch.setattr(pdl, "_supported", lambda index: gpu_pdl)
     from k3plugins.kda import fla
     monkeypatch.setattr(fla, "_sm_count", lambda device: 132 if gpu_pdl else 0)  # the fused decode's register cap
+    monkeypatch.setattr(moe, "_sm_count", lambda device: 132)  # the MoE prefetch's first programs
     run()
     return calls
 
@@ -185,6 +186,7 @@ CASES = {
     "moe prefill_p": _moe_decode("prefill_p"),
     # the lane layout: the host passes the PTX multiply (ASM) for an sm_90 GPU only, so gfx942 compiles the product
     "moe decode_l": _moe_decode("decode_l"),
+    "moe decode_l_pf": _moe_decode("decode_l_pf"),  # the L2 prefetch (taken where the host can launch with PDL)
     "moe decode_l_yh": _moe_decode("decode_l_yh"),  # the down kernel storing bf16 rows
     "moe decode_l_gc": _moe_decode("decode_l_gc"),  # the combine gathering a token's rows
     "moe prefill_l": _moe_decode("prefill_l"),

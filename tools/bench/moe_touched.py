@@ -25,8 +25,8 @@ VARIANTS = {  # name -> tactic (BM 16, BK 256, paired and tiled layout as decode
     "decode_l": mt.TACTICS["decode_l"],
     # decode_l asking L2 for 4 K steps of each program's weights during the sort: untouched experts' too
     "decode_l_pf4": replace(mt.TACTICS["decode_l"], prefetch=4),
-    # 2 K steps in the grid's first 2 programs an SM only (MoETactic.prefetch_per_sm), not yet timed
-    "decode_l_pf2_w2": replace(mt.TACTICS["decode_l"], prefetch=2, prefetch_per_sm=2),
+    # 2 K steps in the grid's first 2 programs an SM only (MoETactic.prefetch_per_sm): the engine's decode_l_pf
+    "decode_l_pf2_w2": mt.TACTICS["decode_l_pf"],
     "plain": replace(_D, rows_first=False, overlap=False),
     "rows_first": replace(_D, rows_first=True, overlap=False),
     "overlap_experts_first": replace(_D, rows_first=False, overlap=True),
