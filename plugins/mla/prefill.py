@@ -22,12 +22,14 @@ import triton.language as tl
 
 from k3plugins.pdl import pdl, pdl_prologue
 
-# a sequence with at least this many new tokens in a step takes the MHA form (the break-even at K3's dims is about
-# 170; above it the saving grows with the chunk: bench_plugins' mla_prefill rows)
+# a sequence with at least this many new tokens in a step takes the MHA form: on an H100, 256 after 2048 cached was
+# 1.24x faster than the absorbed Gluon kernel, 2048 after 8192 2.65x (96 heads; BENCHMARKS.md, bench_plugins'
+# mla_prefill rows); the FLOP break-even at K3's dims is about 170 tokens, below 256 not measured
 MIN_NEW_TOKENS = 256
 # the up-projected keys and values of one piece of a context at most (96 heads: about 5.4K tokens a piece)
 KEY_PIECE_BYTES = 256 << 20
-# the keys that every query row of a block sees attended first without the causal mask (written, not yet timed)
+# the keys that every query row of a block sees attended first, without the causal mask: 3.77 -> 3.28 ms at 2048
+# after 8192 (H100)
 SPLIT_DIAGONAL = True
 
 
