@@ -222,7 +222,8 @@ def _mla_cache_write_case(mla):
     keep = page >= 0
     want[page[keep], row[keep]] = torch.cat([rms_norm(ckv[:, :32], w, eps=1e-6), ckv[:, 32:]], -1)[keep]
     mla.write_cache(ckv, w, cache, page, row, eps=1e-6)
-    res = {"rel": _rel(cache, want), "untouched": bool(torch.equal(cache[1], want[1]) and torch.equal(cache[3], want[3]))}
+    res = {"rel": _rel(cache, want),
+           "untouched": bool(torch.equal(cache[1], want[1]) and torch.equal(cache[3], want[3]))}
     # clear_from: token 0 zeroes rows 6.. of page 2, token 1 (no page) nothing, token 2 (row 63) nothing after it
     cleared = cache.clone()
     mla.write_cache(ckv, w, cleared, page, row, eps=1e-6, clear_from=torch.tensor([6, 7, 64]))

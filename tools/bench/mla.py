@@ -13,6 +13,8 @@ from k3plugins.mla.triton import PAGE, mla_decode_attention
 SCALE = 192 ** -0.5
 # absorbed MLA's FLOPs a head and cached token: scores over the 576-wide row, values over its 512 latent columns
 FLOPS_PER_HEAD_TOKEN = 2 * (576 + 512)
+# prefill chunks (cached, new tokens, heads): long after a long context, a fresh prompt's, a short one, at TP's 16 heads
+PREFILL_CASES = ((8192, 2048, 96), (0, 512, 96), (2048, 256, 96), (8192, 2048, 16))
 
 
 def make_case(B: int, L: int, H: int, gen: torch.Generator):
@@ -137,7 +139,8 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
         del kv
         torch.cuda.empty_cache()
     if not quick:
-        bench_mla_prefill(tflops, gen)
+        for cached, chunk, H in PREFILL_CASES:
+            bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
 
 
 def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, chunk: int = 2048,

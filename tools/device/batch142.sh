@@ -15,10 +15,10 @@ fi
 cd tools/bench && timeout 120 python3 - <<'PY' 2>&1 | tee $OUT/mla_prefill.jsonl
 import json, torch
 from common import mma_tflops
-from mla import bench_mla_prefill
+from mla import PREFILL_CASES, bench_mla_prefill
 tflops = mma_tflops()
 print(json.dumps({"mma_tflops": round(tflops, 1)}))
 gen = torch.Generator(device="cuda").manual_seed(0)
-for cached, chunk, H in ((8192, 2048, 96), (0, 512, 96), (2048, 256, 96), (8192, 2048, 16)):
+for cached, chunk, H in PREFILL_CASES:
     bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
 PY
