@@ -12,7 +12,6 @@ gathered slot states, state scatter, norm kernel.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -21,6 +20,7 @@ from k3plugins.embed.dense import dense
 from k3plugins.kda.triton_decode import (conv_prefill_rows_kernel, conv_state_kernel, conv_update_kernel,
                                          gated_norm_kernel, kda_decode_fused_kernel, kda_recurrent_vsplit_kernel)
 from k3plugins.pdl import pdl
+from k3plugins.sm_count import sm_count
 from k3plugins.step_scope import per_step
 
 DECODE_TACTICS = ("fused", "split", "fla")
@@ -52,12 +52,6 @@ def fused_maxnreg(num_programs: int, num_sms: int) -> int:
     """The fused decode's register cap for a grid (0: none): FUSED_MAXNREG where num_programs fits three programs
     on each of num_sms SMs but not two."""
     return FUSED_MAXNREG if 2 * num_sms < num_programs <= 3 * num_sms else 0
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (0 elsewhere: the interpreter, where no cap applies)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def decode_block_v(num_seqs: int, num_heads: int) -> int:
@@ -133,7 +127,7 @@ def kda_decode(qkv: torch.Tensor, g_raw: torch.Tensor, b: torch.Tensor, g_out: t
     lb = 0.0 if lower_bound is None else float(lower_bound)
     tactic = tactic or DECODE_DEFAULT
     if maxnreg is None and tactic == "fused":
-        maxnreg = fused_maxnreg(N * H, _sm_count(qkv.device))
+        maxnreg = fused_maxnreg(N * H, sm_count(qkv.device))
     cap = {"maxnreg": maxnreg} if maxnreg else {}
     if f_b_weight is not None:
         if tuple(f_b_weight.shape) != (D, K) or tuple(g_raw.shape) != (N, K):

@@ -185,6 +185,7 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     piece = key_piece(H, nope, vd, kv_cache.element_size())
     q_pos0 = context_len - T
+    bm = min(block_m, max(16, triton.next_power_of_2(T)))
     for k0 in range(0, context_len, piece):
         k1 = min(context_len, k0 + piece)
         p0 = k0 // page
@@ -193,7 +194,6 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
         k = (rows[:, :r] @ w_k).view(-1, H, nope)
         v = (rows[:, :r] @ w_v).view(-1, H, vd)
         kpe = rows[:, r:]
-        bm = min(block_m, max(16, triton.next_power_of_2(T)))
         mha_prefill_kernel[(H, triton.cdiv(T, bm))](
             q, k, kpe, v, o, lse, T, q_pos0, k0, k1 - k0, float(scale), q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), kpe.stride(0), v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0),

@@ -11,7 +11,6 @@ layout, "*_ds" with tl.dot_scaled.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +23,7 @@ from k3plugins.moe.mxfp4 import (STRIDE_BLOCK_K, TILE_ROWS, W4_MAX_SCALE_BYTE, l
 from k3plugins.moe.triton_kernels import (moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel,
                                             mxfp4_dequant_kernel, sort_pairs_kernel)
 from k3plugins.pdl import pdl, pdl_capable
+from k3plugins.sm_count import sm_count
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         TOP_K=top_k, ACT=ACT_IDS[act], BM=t.block_m, BN=t.block_n, BK=t.block_k, W4=t.w4,
         STRIDED=3 if t.fp8 else layout, F8=f8, TILED=t.tiled, ROWS_FIRST=t.rows_first, done_ptr=done,
         SIGNAL=t.overlap, EARLY=early, ASM=asm, PREFETCH=prefetch,
-        PREFETCH_PROGRAMS=_sm_count(z.device) * t.prefetch_per_sm if prefetch else 0, num_warps=t.num_warps,
+        PREFETCH_PROGRAMS=sm_count(z.device) * t.prefetch_per_sm if prefetch else 0, num_warps=t.num_warps,
         num_stages=t.num_stages,
         **(dict(PDL=True, launch_pdl=True) if prefetch else pdl(z)))
     moe_down_kernel[grid(Dl, d.block_n)](
@@ -319,11 +319,6 @@ def moe_experts(z: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     moe_combine_kernel[(M, triton.cdiv(Dl, bd))](y, inv, out, Dl, y.stride(0), out.stride(0), TOP_K=top_k, BD=bd,
                                                  GATHER=t.gather_combine, **pdl(y))
     return out
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _by_step(decode: str, prefill: str, name: str, doc: str):

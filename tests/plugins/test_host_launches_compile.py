@@ -40,8 +40,8 @@ def _launches(monkeypatch, run, gpu_pdl: bool) -> list:
     monkeypatch.setattr(moe, "pdl_capable", lambda t: gpu_pdl)
     monkeypatch.setattr(pdl, "_supported", lambda index: gpu_pdl)
     from k3plugins.kda import fla
-    monkeypatch.setattr(fla, "_sm_count", lambda device: 132 if gpu_pdl else 0)  # the fused decode's register cap
-    monkeypatch.setattr(moe, "_sm_count", lambda device: 132)  # the MoE prefetch's first programs
+    monkeypatch.setattr(fla, "sm_count", lambda device: 132 if gpu_pdl else 0)  # the fused decode's register cap
+    monkeypatch.setattr(moe, "sm_count", lambda device: 132)  # the MoE prefetch's first programs
     run()
     return calls
 
