@@ -73,15 +73,16 @@ def _attend(acc, l_i, m_i, q, qp, k_ptr, kpe_ptr, v_ptr, h, begin, end, n_end, q
 
 
 @triton.jit
-def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, lse_ptr, T, q_pos0, k_pos0, P, sm_scale,
+def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, prev_ptr, lse_ptr, T, q_pos0, k_pos0, P, sm_scale,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot,
-                       stride_oh, stride_lt, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+                       stride_oh, stride_prt, stride_prh, stride_lt, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
                        BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        HAS_PREV: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
     """One head and BM query rows of one sequence (absolute positions q_pos0 + row) against keys
     k_pos0 ... k_pos0 + P - 1 of it, causal. q: [T, H, DN + DR] (nope | pe); k: [P, H, DN]; kpe: [P, DR], one for
-    every head; v: [P, H, DV]. o [T, H, DV] fp32 and lse [T, H] fp32 (log2 units): written, or with HAS_PREV merged
-    with what an earlier piece of the same context left there."""
+    every head; v: [P, H, DV]. o [T, H, DV] (any float dtype) and lse [T, H] fp32 (log2 units): written, or with
+    HAS_PREV merged with what an earlier piece of the same context left in prev [T, H, DV] fp32 and lse (prev may be
+    o itself)."""
     pdl_prologue(PDL)
     # every head's last rows (the most keys) start first: heads are the grid's fastest dimension, rows reversed
     h = tl.program_id(0).to(tl.int64)
@@ -118,12 +119,12 @@ def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, lse_ptr, T, q_pos0, 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-    o_at = o_ptr + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh + rv[None, :]
     lse_at = lse_ptr + rows.to(tl.int64) * stride_lt + h
     o_mask = r_ok[:, None] & (rv < DV)[None, :]
     if HAS_PREV:
         lse_prev = tl.load(lse_at, mask=r_ok, other=float("-inf"))
-        o_prev = tl.load(o_at, mask=o_mask, other=0.0)
+        o_prev = tl.load(prev_ptr + rows[:, None].to(tl.int64) * stride_prt + h * stride_prh + rv[None, :],
+                         mask=o_mask, other=0.0)
         m = tl.maximum(lse_prev, lse)
         m = tl.where(m == float("-inf"), 0.0, m)
         w_prev = tl.exp2(lse_prev - m)
@@ -132,7 +133,7 @@ def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, lse_ptr, T, q_pos0, 
         safe_t = tl.where(total > 0, total, 1.0)
         o = (o_prev * w_prev[:, None] + o * w_new[:, None]) / safe_t[:, None]
         lse = tl.where(total > 0, m + tl.log2(safe_t), float("-inf"))
-    tl.store(o_at, o, mask=o_mask)
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh + rv[None, :], o, mask=o_mask)
     tl.store(lse_at, lse, mask=r_ok)
 
 
@@ -181,9 +182,12 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
     w_k = w_uk.to(dtype).reshape(H * nope, r).t()
     w_v = w_uv.to(dtype).transpose(0, 1).reshape(r, H * vd)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    o = torch.empty(T, H, vd, dtype=torch.float32, device=q.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if out.stride(-1) != 1:
+        raise ValueError("mha_prefill: out needs unit column strides")
     piece = key_piece(H, nope, vd, kv_cache.element_size())
+    # the pieces before the last merge into an fp32 running output; the last (or only) piece writes `out` itself
+    acc = torch.empty(T, H, vd, dtype=torch.float32, device=q.device) if context_len > piece else out
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     q_pos0 = context_len - T
     bm = min(block_m, max(16, triton.next_power_of_2(T)))
     for k0 in range(0, context_len, piece):
@@ -194,13 +198,14 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
         k = (rows[:, :r] @ w_k).view(-1, H, nope)
         v = (rows[:, :r] @ w_v).view(-1, H, vd)
         kpe = rows[:, r:]
+        o = out if k1 == context_len else acc
         mha_prefill_kernel[(H, triton.cdiv(T, bm))](
-            q, k, kpe, v, o, lse, T, q_pos0, k0, k1 - k0, float(scale), q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), kpe.stride(0), v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+            q, k, kpe, v, o, acc, lse, T, q_pos0, k0, k1 - k0, float(scale), q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), kpe.stride(0), v.stride(0), v.stride(1), o.stride(0), o.stride(1), acc.stride(0),
+            acc.stride(1), lse.stride(0),
             DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm, BN=block_n,
             HAS_PREV=k0 > 0, SPLIT=SPLIT_DIAGONAL if split is None else split, num_warps=num_warps,
             num_stages=num_stages, **pdl(q))
-    out.copy_(o)
 
 
 def sequences(host_seqs: tuple[tuple[int, int], ...] | None, cu_seqlens: torch.Tensor,

@@ -95,9 +95,10 @@ SPECS = {
     "mla_cache_write": (mla.mla_cache_write_kernel, dict(ckv_ptr="*bf16", w_ptr="*bf16", kv_ptr="*bf16",
                                                          page_ptr="*i64", row_ptr="*i64"),
                         dict(BR=512, BDR=64, NORM_DTYPE=tl.bfloat16)),
-    # the un-absorbed prefill at K3's dims (a later piece: the merge on), and a small model's rope under 16
+    # the un-absorbed prefill at K3's dims (the last of several pieces: the merge on, bf16 out), and a small model's
+    # rope under 16
     "mla_mha_prefill": (mla_prefill.mha_prefill_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", kpe_ptr="*bf16",
-                                                             v_ptr="*bf16"),
+                                                             v_ptr="*bf16", o_ptr="*bf16"),
                         dict(DN=128, DR=64, DV=128, BDN=128, BDR=64, BDV=128, BM=128, BN=64, HAS_PREV=True)),
     "mla_mha_prefill_split": (mla_prefill.mha_prefill_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", kpe_ptr="*bf16",
                                                                    v_ptr="*bf16"),

@@ -211,6 +211,30 @@ def _mla_unabsorbed_cases(mla):
     return res
 
 
+def _mha_prefill_out_dtype_case(pieces: bool):
+    """mha_prefill into an fp16 row slice of a wider buffer (the last piece writes `out` itself, earlier pieces an
+    fp32 running output) against the same call into fp32: equal up to fp16 rounding, the rows around untouched."""
+    from k3plugins.mla import prefill
+    g = torch.Generator().manual_seed(11)
+    H, nope, rope, vd, r, T, context = 2, 16, 8, 16, 32, 24, 150
+    q = torch.randn(T, H, nope + rope, generator=g)
+    cache = torch.randn(4, 64, r + rope, generator=g)
+    w_uk, w_uv = torch.randn(H, nope, r, generator=g) * r ** -0.5, torch.randn(H, r, vd, generator=g) * r ** -0.5
+    page_row = torch.tensor([2, 0, 3], dtype=torch.int32)
+    knob, prefill.KEY_PIECE_BYTES = prefill.KEY_PIECE_BYTES, 1 if pieces else 1 << 30
+    try:
+        outs = []
+        for dtype in (torch.float32, torch.float16):
+            buf = torch.full((T + 2, H, vd), 7.0, dtype=dtype)
+            prefill.mha_prefill(q, cache, page_row, context, w_uk, w_uv, scale=0.2, out=buf[1:T + 1])
+            outs.append(buf)
+    finally:
+        prefill.KEY_PIECE_BYTES = knob
+    want, got = outs
+    return {"rel": _rel(got[1:T + 1], want[1:T + 1]),
+            "around_kept": bool((got[0] == 7).all() and (got[T + 1] == 7).all())}
+
+
 def _mla_cache_write_case(mla):
     """The fused cache write against rms_norm + cat + index_put, fp32; a token with no page (-1) writes nothing."""
     from k3plugins.norm.reference import rms_norm
@@ -622,6 +646,8 @@ def _child(part: str) -> None:
     res["mla-mixer-host-seqs"] = _mla_mixer_case(mla, host_seqs=True)  # every sequence under MIN_NEW_TOKENS
     res["mla-mixer-nan-tails"] = _mla_mixer_case(mla, poison=((1, 1), (7, 3)))
     res.update(_mla_unabsorbed_cases(mla))
+    for pieces in (False, True):
+        res[f"mha-prefill-fp16-out-{pieces}"] = _mha_prefill_out_dtype_case(pieces)
     res["mla-cache-write"] = _mla_cache_write_case(mla)
     for lb in (-5.0, None):
         for tactic in ("fused", "fused-f-b-gemm", "split", "split-wide"):
@@ -763,6 +789,14 @@ def test_mla_unabsorbed_prefill_interpreted(results, case):
     whole step equal to the reference (split: the keys every row of a block sees first, unmasked)."""
     r = results[f"mla-unabsorbed-{case}"]
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6 and r["calls"] == [40, 20], r
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["one-piece", "pieces"])
+def test_mha_prefill_writes_out_dtype_interpreted(results, pieces):
+    """The un-absorbed kernel's last piece stores into the caller's fp16 rows directly (no fp32 copy): the same
+    values as into fp32, up to fp16's rounding, and nothing outside the rows written."""
+    r = results[f"mha-prefill-fp16-out-{pieces}"]
+    assert r["rel"] < 2e-3 and r["around_kept"], r
 
 
 @pytest.mark.parametrize("tactic", ["fused", "fused-f-b-gemm", "split", "split-wide"])
