@@ -228,10 +228,14 @@ def sequences(host_seqs: tuple[tuple[int, int], ...] | None, cu_seqlens: torch.T
     return picked
 
 
-def other_rows(picked: list[tuple[int, int, int, int]], T: int) -> list[int]:
-    """The step's rows outside the picked sequences (those the absorbed kernel attends)."""
-    rows, done = [], 0
+def other_rows(picked: list[tuple[int, int, int, int]], T: int, device: torch.device) -> torch.Tensor | None:
+    """The step's rows outside the picked sequences (those the absorbed kernel attends), int64 on `device`, or None
+    if there are none. Made by aranges of host bounds: `torch.tensor(rows, device=...)` would copy from pageable
+    memory and then wait for the stream, that is for every layer launched before it (a host sync a layer)."""
+    bounds, done = [], 0
     for _, start, end, _ in picked:  # in row order
-        rows += range(done, start)
+        bounds.append((done, start))
         done = end
-    return rows + list(range(done, T))
+    bounds.append((done, T))
+    ranges = [torch.arange(a, b, dtype=torch.int64, device=device) for a, b in bounds if b > a]
+    return torch.cat(ranges) if ranges else None

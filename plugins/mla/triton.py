@@ -361,10 +361,9 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     if not unabsorbed:
         return dense(gate_heads(absorbed(), gate), o_weight)
     o = torch.empty(T, H, vd, dtype=x.dtype, device=x.device)
-    rest = prefill.other_rows(unabsorbed, T)
-    if rest:
-        idx = torch.tensor(rest, dtype=torch.int64, device=x.device)
-        o.index_copy_(0, idx, absorbed(idx).transpose(0, 1))
+    rest = prefill.other_rows(unabsorbed, T, x.device)
+    if rest is not None:
+        o.index_copy_(0, rest, absorbed(rest).transpose(0, 1))
     for n, start, end, context in unabsorbed:
         prefill.mha_prefill(q[start:end].to(kv_cache.dtype), kv_cache, page_table[n], context, w_uk, w_uv,
                             scale=scale, out=o[start:end])

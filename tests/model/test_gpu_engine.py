@@ -163,6 +163,40 @@ def test_decode_step_has_no_host_sync(engines):
     assert torch.isfinite(eager).all() and torch.isfinite(graphed).all()
 
 
+def test_prefill_step_syncs_once_at_most(engines, monkeypatch):
+    """An eager step of a prompt's 6 tokens (the MLA layers' un-absorbed form: MIN_NEW_TOKENS lowered to 4) beside
+    a decode row (absorbed) makes one device->host sync at most, counted with set_sync_debug_mode("warn"): the one
+    fla-core's chunk_kda makes to lay out its chunks from the device cu_seqlens (cached for the step's later KDA
+    layers). A sync a layer (a host index list copied to the device) would show here as one per MLA layer."""
+    import warnings
+
+    from k3plugins.mla import prefill
+    from k3runtime.executor import StepBatch
+
+    monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 4)
+    calls, run = [], prefill.mha_prefill
+    monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
+    runner = LLM(engines[1], device="cuda").engine.runner
+    dev = torch.device("cuda")
+    batch = StepBatch(input_ids=torch.tensor([5, 17, 99, 3, 250, 7, 8], device=dev),
+                      cu_seqlens=torch.tensor([0, 6, 7], device=dev), slot_ids=torch.arange(2, device=dev),
+                      context_lens=torch.tensor([6, 9], device=dev),
+                      page_table=torch.tensor([[0, -1], [1, -1]], device=dev),
+                      logits_indices=torch.tensor([5, 6], device=dev), host_seqs=((6, 6), (1, 9)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logits = runner.executor.run(batch)["logits"]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert calls and set(calls) == {6}, calls  # every MLA layer took the prompt un-absorbed
+    assert len(syncs) <= 1, syncs
+    assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+
+
 def test_async_scheduling_on_graphs_matches_sync(engines):
     """Async scheduling on the GPU: decode steps replayed from the graphs with their token ids fed on the device
     give the synchronous engine's seeded samples and stops; staging, feeding, replaying and sampling a step

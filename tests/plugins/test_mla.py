@@ -190,14 +190,17 @@ def test_host_seqs_are_checked_against_the_step():
 
 def test_unabsorbed_sequences_picked_by_host_lengths(monkeypatch):
     """prefill.sequences: the sequences with MIN_NEW_TOKENS new tokens or more, with their rows and context; none
-    without the host's lengths; lengths that do not fit the step refused; other_rows: the rest, in order."""
+    without the host's lengths; lengths that do not fit the step refused; other_rows: the rest, in order (None if
+    none)."""
     pytest.importorskip("triton")
     from k3plugins.mla import prefill
     monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 3)
     cu = torch.tensor([0, 1, 5, 7, 10])
     picked = prefill.sequences(((1, 9), (4, 4), (2, 30), (3, 8)), cu, 10)
     assert picked == [(1, 1, 5, 4), (3, 7, 10, 8)]
-    assert prefill.other_rows(picked, 10) == [0, 5, 6]
+    assert prefill.other_rows(picked, 10, torch.device("cpu")).tolist() == [0, 5, 6]
+    assert prefill.other_rows([(0, 0, 4, 4)], 4, torch.device("cpu")) is None  # every row picked
+    assert prefill.other_rows([(0, 0, 4, 4)], 6, torch.device("cpu")).tolist() == [4, 5]
     assert prefill.sequences(None, cu, 10) == []
     with pytest.raises(ValueError, match="host_seqs gives 3 sequences of 7 new tokens; the step has 4 of 10"):
         prefill.sequences(((1, 9), (4, 4), (2, 30)), cu, 10)

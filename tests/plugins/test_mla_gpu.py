@@ -179,9 +179,10 @@ def test_gate_heads_matches_the_torch_launches(T, gated):
     assert (out != expect).float().mean().item() < 0.01
 
 
-def _mixer_step(H, tactic, new, ctx, pages, num_pages, host_seqs=False, poison=()):
+def _mixer_step(H, tactic, new, ctx, pages, num_pages, host_seqs=False, poison=(), no_sync=False):
     """The tactic's mixer and the fp32 reference on one step at a rank's MLA shapes: (output, cache) of each.
-    poison: (page, row) pairs from which the cache holds NaN before the step."""
+    poison: (page, row) pairs from which the cache holds NaN before the step. no_sync: the tactic's mixer runs
+    with torch.cuda.set_sync_debug_mode("error") (a device->host sync inside it raises)."""
     from k3plugins import registry
     from k3plugins.mla import reference
     if tactic == "gluon" and torch.cuda.get_device_capability()[0] != 9:
@@ -200,13 +201,18 @@ def _mixer_step(H, tactic, new, ctx, pages, num_pages, host_seqs=False, poison=(
     cache = r_(num_pages, 64, r + rope)
     for page, row in poison:
         cache[page, row:] = float("nan")
+    lens = torch.tensor(ctx, device="cuda")
     outs = []
     for fn in (mixer, reference.mla_mixer):
         c = cache.clone()
-        o = fn(x, *args, c, cu_seqlens=cu,
-               context_lens=torch.tensor(ctx, device="cuda"), page_table=pt, num_heads=H, qk_nope_head_dim=nope,
-               qk_rope_head_dim=rope, v_head_dim=vd, scale=(nope + rope) ** -0.5, latent_eps=1e-6, output_gate=1,
-               host_seqs=tuple(zip(new, ctx)) if host_seqs else None)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if no_sync and fn is mixer else "default")
+        try:
+            o = fn(x, *args, c, cu_seqlens=cu, context_lens=lens, page_table=pt, num_heads=H, qk_nope_head_dim=nope,
+                   qk_rope_head_dim=rope, v_head_dim=vd, scale=(nope + rope) ** -0.5, latent_eps=1e-6,
+                   output_gate=1, host_seqs=tuple(zip(new, ctx)) if host_seqs else None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         outs.append((o.float(), c.float()))
     return outs
 
@@ -233,7 +239,8 @@ def test_mixer_matches_reference_at_a_ranks_shapes(H, tactic, poison):
 def test_mixer_unabsorbed_prefill_matches_reference(H, tactic, pieces, monkeypatch):
     """With the host's lengths, a 300-token chunk after 400 cached (over MIN_NEW_TOKENS) in the un-absorbed form
     beside decode tokens and a short prefill (absorbed), bf16, against the fp32 reference; pieces: the context in
-    pieces of one page, merged in the kernel."""
+    pieces of one page, merged in the kernel. The mixer makes no device->host sync (set_sync_debug_mode "error"):
+    the absorbed rows' indices and every piece's bounds come from the host's lengths."""
     from k3plugins.mla import prefill
     if pieces:
         monkeypatch.setattr(prefill, "KEY_PIECE_BYTES", 1)
@@ -241,7 +248,8 @@ def test_mixer_unabsorbed_prefill_matches_reference(H, tactic, pieces, monkeypat
     monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
     pages = [[0, 1, 2, 3, 4, -1, -1, -1, -1, -1, -1], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
              [16, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1], [17, 18, -1, -1, -1, -1, -1, -1, -1, -1, -1]]
-    (o1, c1), (o2, c2) = _mixer_step(H, tactic, [1, 300, 1, 40], [300, 700, 1, 70], pages, 20, host_seqs=True)
+    (o1, c1), (o2, c2) = _mixer_step(H, tactic, [1, 300, 1, 40], [300, 700, 1, 70], pages, 20, host_seqs=True,
+                                     no_sync=True)
     assert calls == [300]
     assert _rel(o1, o2) < 2e-2
     assert _rel(c1, c2) < 1e-2
