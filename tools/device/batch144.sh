@@ -1,0 +1,24 @@
+# Hundred-and-forty-fourth device batch (fiftieth session, for a short device budget): this session's GPU tests
+# first (the MLA mixer's un-absorbed prefill under sync_debug "error", its direct bf16 store; the whole tiny engine
+# file, with the prefill step's sync count), then on an H200 the MoE section of bench_plugins (the engine's
+# decode_l_pf), then the MLA prefill rows of batch142 (short chunks; 96, 16 and 6 heads). Carry .whl.
+source tools/device/env.sh
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "card: $card"
+timeout 150 python3 -m pytest -q -m gpu tests/plugins/test_mla_gpu.py tests/model/test_gpu_engine.py -rf \
+  -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/tests.txt
+if [[ "$card" == *H200* ]]; then
+  K3_PDL=0 timeout 200 python3 tools/bench_plugins.py --only moe 2>&1 | tee $OUT/moe.jsonl | grep '"bench": "moe"' \
+    | cut -c1-400
+fi
+cd tools/bench && timeout 180 python3 - <<'PY' 2>&1 | tee $OUT/mla_prefill.jsonl | cut -c1-700
+import json, torch
+from common import mma_tflops
+from mla import PREFILL_CASES, bench_mla_prefill
+tflops = mma_tflops()
+print(json.dumps({"mma_tflops": round(tflops, 1)}))
+gen = torch.Generator(device="cuda").manual_seed(0)
+for cached, chunk, H in PREFILL_CASES + ((2048, 128, 96), (2048, 192, 96), (8192, 192, 96), (2048, 128, 16),
+                                         (2048, 64, 16), (2048, 256, 6), (2048, 128, 6), (2048, 64, 6)):
+    bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
+PY
