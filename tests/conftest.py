@@ -39,6 +39,16 @@ def k3_tiny_engine(k3_tiny_ckpt, tmp_path_factory) -> Path:
     return build_engine(k3_tiny_ckpt, tmp_path_factory.mktemp("k3tiny_engine") / "engine")
 
 
+@pytest.fixture
+def mha_prefill_calls(monkeypatch) -> list[int]:
+    """The query rows of each call of the MLA's un-absorbed prefill (k3plugins.mla.prefill.mha_prefill), which still
+    runs: the list fills as the mixers call it."""
+    prefill = pytest.importorskip("k3plugins.mla.prefill")
+    calls, run = [], prefill.mha_prefill
+    monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
+    return calls
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist (`-n 2 --dist loadgroup`, tools/test.sh): one group a module, so that a module's

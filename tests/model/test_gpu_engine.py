@@ -39,16 +39,15 @@ def test_device_plugins_are_recorded(engines):
 
 
 @pytest.mark.parametrize("unabsorbed", [False, True], ids=["absorbed", "unabsorbed"])
-def test_prompt_logits_match_the_cpu_engine(engines, unabsorbed, monkeypatch):
+def test_prompt_logits_match_the_cpu_engine(engines, unabsorbed, monkeypatch, request):
     """Against the fp32 engine (exact up to fp32 rounding): the GPU bf16 engine is within the spec's parity bar
     (cos > 0.999, rel-L2 < 3e-2), or no more than 1.5x as far off as the CPU bf16 engine (torch references)
     is — bf16 rounding through a whole model can exceed an op's bar by itself. unabsorbed: every prompt's MLA
     in the un-absorbed prefill form (MIN_NEW_TOKENS lowered to 1; each MLA layer's call counted)."""
     from k3plugins.mla import prefill
-    calls, run = [], prefill.mha_prefill
     if unabsorbed:
         monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 1)
-        monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
+        calls = request.getfixturevalue("mha_prefill_calls")
     cpu, gpu, exact = LLM(engines[0]), LLM(engines[1], device="cuda"), LLM(engines[2])
     if unabsorbed:  # the GPU engine's prompts, each whole in one step, through every MLA layer
         gpu.logits(PROMPTS[1])
@@ -163,7 +162,7 @@ def test_decode_step_has_no_host_sync(engines):
     assert torch.isfinite(eager).all() and torch.isfinite(graphed).all()
 
 
-def test_prefill_step_syncs_once_at_most(engines, monkeypatch):
+def test_prefill_step_syncs_once_at_most(engines, monkeypatch, mha_prefill_calls):
     """An eager step of a prompt's 6 tokens (the MLA layers' un-absorbed form: MIN_NEW_TOKENS lowered to 4) beside
     a decode row (absorbed) makes one device->host sync at most, counted with set_sync_debug_mode("warn"): the one
     fla-core's chunk_kda makes to lay out its chunks from the device cu_seqlens (cached for the step's later KDA
@@ -174,8 +173,6 @@ def test_prefill_step_syncs_once_at_most(engines, monkeypatch):
     from k3runtime.executor import StepBatch
 
     monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 4)
-    calls, run = [], prefill.mha_prefill
-    monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
     runner = LLM(engines[1], device="cuda").engine.runner
     dev = torch.device("cuda")
     batch = StepBatch(input_ids=torch.tensor([5, 17, 99, 3, 250, 7, 8], device=dev),
@@ -192,7 +189,7 @@ def test_prefill_step_syncs_once_at_most(engines, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert calls and set(calls) == {6}, calls  # every MLA layer took the prompt un-absorbed
+    assert mha_prefill_calls and set(mha_prefill_calls) == {6}, mha_prefill_calls  # every MLA layer: un-absorbed
     assert len(syncs) <= 1, syncs
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()
 
