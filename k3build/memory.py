@@ -92,7 +92,8 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
       kda   T x (5 proj outputs bf16 + fp32 gate) x D_tp + T x H_tp x (fp32 beta + 2 fp32 64-chunk rows);
       mla   T x H_tp x (q 192 + k_nope|v 256 + out 128 + gate 128) x bf16 + T x 576 x bf16; with max_seq_len,
             + the un-absorbed prefill's (k3plugins/mla/prefill.py): one piece of a context's keys and values
-            (at most UNABSORBED_PIECE_BYTES, whole pages), its latents, and T x H_tp x (v + 1) x fp32 (output, lse);
+            (at most UNABSORBED_PIECE_BYTES, whole pages), its latents, T x H_tp x fp32 (lse), and where a
+            context takes more than one piece T x H_tp x v x fp32 (the running output the pieces merge into);
       dense T x 3 x intermediate_tp x bf16;
       moe   latent (MoEInProj): T x (latent + 2 shared_tp + E) x fp32 + T x (latent + 3 shared_tp) x bf16; else
             T x E x fp32 router + T x 3 x shared_tp x bf16; then + rows x 3 x moe_intermediate_tp x bf16;
@@ -124,7 +125,8 @@ def activation_reserve(cfg: K3Config, mapping: Mapping, rank: int, *, max_num_to
         per_key = mla_h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * act
         keys = min(max(PAGE_SIZE, UNABSORBED_PIECE_BYTES // per_key // PAGE_SIZE * PAGE_SIZE),
                    ceil(max_seq_len / PAGE_SIZE) * PAGE_SIZE)
-        unabsorbed = keys * (per_key + cfg.mla_cache_width * act) + T * mla_h * (cfg.v_head_dim + 1) * 4
+        merged = cfg.v_head_dim if keys < max_seq_len else 0  # one piece: the kernel writes the activation itself
+        unabsorbed = keys * (per_key + cfg.mla_cache_width * act) + T * mla_h * (merged + 1) * 4
     return {
         "residual": T * cfg.hidden_size * act * (3 + snaps),
         "exchange": rows * cfg.expert_hidden_size * act * 2,

@@ -248,8 +248,8 @@ def test_penalty_counts_are_reserved_where_sampling_happens():
 
 def test_unabsorbed_prefill_piece_is_reserved():
     """The un-absorbed MLA prefill's working set is in the MLA peak: one context piece of keys and values (the
-    plugin's KEY_PIECE_BYTES in whole pages, no more than the longest request), its latents, the fp32 output and
-    log-sum-exp of the step's tokens."""
+    plugin's KEY_PIECE_BYTES in whole pages, no more than the longest request), its latents, the fp32 log-sum-exp
+    of the step's tokens, and their fp32 running output where a context takes several pieces."""
     from k3build.memory import UNABSORBED_PIECE_BYTES, activation_reserve
     kw = dict(max_num_tokens=8192, max_batch_size=64)
     for mapping, heads in ((Mapping(), 96), (TEP16, 6)):
@@ -258,9 +258,9 @@ def test_unabsorbed_prefill_piece_is_reserved():
         keys = UNABSORBED_PIECE_BYTES // per_key // 64 * 64
         extra = keys * (per_key + 576 * 2) + 8192 * heads * 129 * 4
         assert activation_reserve(K3, mapping, 0, max_seq_len=1 << 20, **kw)["peak_mla"] == base + extra
-        # a short longest request caps the piece at its pages
+        # a short longest request caps the piece at its pages, and its one piece needs no running output
         short = activation_reserve(K3, mapping, 0, max_seq_len=100, **kw)["peak_mla"]
-        assert short == base + 128 * (per_key + 576 * 2) + 8192 * heads * 129 * 4
+        assert short == base + 128 * (per_key + 576 * 2) + 8192 * heads * 4
     pytest.importorskip("triton")
     from k3plugins.mla import prefill
     assert UNABSORBED_PIECE_BYTES == prefill.KEY_PIECE_BYTES
