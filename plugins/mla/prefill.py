@@ -22,9 +22,10 @@ import triton.language as tl
 
 from k3plugins.pdl import pdl, pdl_prologue
 
-# a sequence with at least this many new tokens in a step takes the MHA form: on an H100, 256 after 2048 cached was
-# 1.24x faster than the absorbed Gluon kernel, 2048 after 8192 2.65x (96 heads; BENCHMARKS.md, bench_plugins'
-# mla_prefill rows); the FLOP break-even at K3's dims is about 170 tokens, below 256 not measured
+# a sequence with at least this many new tokens in a step takes the MHA form. On an H100 (BENCHMARKS.md, the
+# mla_prefill rows, fiftieth session) against the best absorbed kernel: 256 new tokens after 2048 cached 1.26x
+# faster at 96 heads and 1.72x at 6 (a TP16 rank's); 192 after 2048 or 8192 0.97x / 0.91x at 96 heads; 128 after
+# 2048 0.87x at 96 and 16 heads, 0.95x at 6. So the break-even lies between 192 and 256 (the FLOPs say about 170)
 MIN_NEW_TOKENS = 256
 # the up-projected keys and values of one piece of a context at most (96 heads: about 5.4K tokens a piece)
 KEY_PIECE_BYTES = 256 << 20
