@@ -13,16 +13,4 @@ if [[ "$card" == *H200* ]]; then
   source tools/device/rank_ab.sh
   BATCHES=32 RANK_S=170 rank_ab moe-no-prefetch
 fi
-cd tools/bench && timeout 120 python3 - <<'PY' 2>&1 | tee $OUT/mla_prefill.jsonl
-import json, torch
-from common import mma_tflops
-from mla import PREFILL_CASES, bench_mla_prefill
-tflops = mma_tflops()
-print(json.dumps({"mma_tflops": round(tflops, 1)}))
-gen = torch.Generator(device="cuda").manual_seed(0)
-# the standard rows, then shorter chunks (MIN_NEW_TOKENS is 256; the FLOP break-even about 170), at 96 heads and at
-# a TP slice's 16 and 6 (K3 at TP16), where the absorbed kernel pads heads to 16-row blocks
-for cached, chunk, H in PREFILL_CASES + ((2048, 128, 96), (2048, 192, 96), (8192, 192, 96), (2048, 128, 16),
-                                         (2048, 64, 16), (2048, 256, 6), (2048, 128, 6), (2048, 64, 6)):
-    bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
-PY
+timeout 120 python3 tools/device/mla_prefill_rows.py 2>&1 | tee $OUT/mla_prefill.jsonl | cut -c1-700

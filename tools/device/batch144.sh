@@ -11,14 +11,4 @@ if [[ "$card" == *H200* ]]; then
   K3_PDL=0 timeout 200 python3 tools/bench_plugins.py --only moe 2>&1 | tee $OUT/moe.jsonl | grep '"bench": "moe"' \
     | cut -c1-400
 fi
-cd tools/bench && timeout 180 python3 - <<'PY' 2>&1 | tee $OUT/mla_prefill.jsonl | cut -c1-700
-import json, torch
-from common import mma_tflops
-from mla import PREFILL_CASES, bench_mla_prefill
-tflops = mma_tflops()
-print(json.dumps({"mma_tflops": round(tflops, 1)}))
-gen = torch.Generator(device="cuda").manual_seed(0)
-for cached, chunk, H in PREFILL_CASES + ((2048, 128, 96), (2048, 192, 96), (8192, 192, 96), (2048, 128, 16),
-                                         (2048, 64, 16), (2048, 256, 6), (2048, 128, 6), (2048, 64, 6)):
-    bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
-PY
+timeout 180 python3 tools/device/mla_prefill_rows.py 2>&1 | tee $OUT/mla_prefill.jsonl | cut -c1-700
