@@ -76,9 +76,10 @@ def _attend(acc, l_i, m_i, q, qp, k_ptr, kpe_ptr, v_ptr, h, begin, end, n_end, q
 @triton.jit
 def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, prev_ptr, lse_ptr, T, q_pos0, k_pos0, P, sm_scale,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_vt, stride_vh, stride_ot,
-                       stride_oh, stride_prt, stride_prh, stride_lt, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
-                       BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       HAS_PREV: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
+                       stride_oh, stride_prt, stride_prh, stride_lt, DN: tl.constexpr, DR: tl.constexpr,
+                       DV: tl.constexpr, BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, HAS_PREV: tl.constexpr, SPLIT: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """One head and BM query rows of one sequence (absolute positions q_pos0 + row) against keys
     k_pos0 ... k_pos0 + P - 1 of it, causal. q: [T, H, DN + DR] (nope | pe); k: [P, H, DN]; kpe: [P, DR], one for
     every head; v: [P, H, DV]. o [T, H, DV] (any float dtype) and lse [T, H] fp32 (log2 units): written, or with

@@ -1,5 +1,6 @@
 """Where an eager prefill step of the tiny model syncs: each sync warning's stack (our frames and fla's), printed.
-Run from the repo root on the device after `source tools/device/env.sh`; args: engine build dir (made here)."""
+Run from the repo root on the device after `source tools/device/env.sh` (it makes the tiny checkpoint and engine
+under /tmp)."""
 import sys
 import traceback
 import warnings
@@ -23,7 +24,8 @@ runner = LLM(eng, device="cuda").engine.runner
 dev = torch.device("cuda")
 batch = StepBatch(input_ids=torch.tensor([5, 17, 99, 3, 250, 7, 8], device=dev),
                   cu_seqlens=torch.tensor([0, 6, 7], device=dev), slot_ids=torch.arange(2, device=dev),
-                  context_lens=torch.tensor([6, 9], device=dev), page_table=torch.tensor([[0, -1], [1, -1]], device=dev),
+                  context_lens=torch.tensor([6, 9], device=dev),
+                  page_table=torch.tensor([[0, -1], [1, -1]], device=dev),
                   logits_indices=torch.tensor([5, 6], device=dev), host_seqs=((6, 6), (1, 9)))
 seen = []
 warnings.showwarning = lambda m, *a, **k: seen.append((str(m), traceback.format_stack(limit=12)))
