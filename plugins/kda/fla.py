@@ -12,7 +12,6 @@ gathered slot states, state scatter, norm kernel.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 

@@ -33,3 +33,16 @@ def run_staggered(engine, prompts: list[list[int]], params, *, first: int = 4, l
         if step > later_at and not engine.has_unfinished():
             break
     return out, ids
+
+
+def prefill_step_batch(device):
+    """An eager step's inputs: a fresh 6-token prompt (slot 0, page 0) beside one decode token of a 9-token
+    sequence (slot 1, page 1), with the host's lengths (host_seqs) so that the MLA plugins may pick the prompt's
+    un-absorbed form; logits of each sequence's last row."""
+    import torch
+
+    from k3runtime.executor import StepBatch
+    t = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    return StepBatch(input_ids=t([5, 17, 99, 3, 250, 7, 8]), cu_seqlens=t([0, 6, 7]), slot_ids=t([0, 1]),
+                     context_lens=t([6, 9]), page_table=t([[0, -1], [1, -1]]), logits_indices=t([5, 6]),
+                     host_seqs=((6, 6), (1, 9)))

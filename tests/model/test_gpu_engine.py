@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engines import build_engine, run_staggered  # noqa: E402
+from engines import build_engine, prefill_step_batch, run_staggered  # noqa: E402
 from k3runtime import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 41], list(range(2, 70))]
@@ -172,16 +172,10 @@ def test_prefill_step_syncs_only_in_fla_chunk_layout(engines, monkeypatch, mha_p
     import warnings
 
     from k3plugins.mla import prefill
-    from k3runtime.executor import StepBatch
 
     monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 4)
     runner = LLM(engines[1], device="cuda").engine.runner
-    dev = torch.device("cuda")
-    batch = StepBatch(input_ids=torch.tensor([5, 17, 99, 3, 250, 7, 8], device=dev),
-                      cu_seqlens=torch.tensor([0, 6, 7], device=dev), slot_ids=torch.arange(2, device=dev),
-                      context_lens=torch.tensor([6, 9], device=dev),
-                      page_table=torch.tensor([[0, -1], [1, -1]], device=dev),
-                      logits_indices=torch.tensor([5, 6], device=dev), host_seqs=((6, 6), (1, 9)))
+    batch = prefill_step_batch(torch.device("cuda"))
     syncs = []
     torch.cuda.synchronize()
     with warnings.catch_warnings():
