@@ -45,6 +45,13 @@ FUSED_MAXNREG = 168
 # programs only
 F_B_CHUNK = 32
 F_B_FUSED_MAX_PROGRAMS = 1024
+# chunk_kda lays out its chunks from cu_seqlens. Left to itself it does that once per cu_seqlens tensor with two
+# repeat_interleave whose output size the host must read: a device->host sync in each prefill step's first KDA
+# layer, which stops the host launching ahead. fla's use_graph builds the layout on the device instead, padded to
+# the most chunks the step can have (programs past the real ones return at once), but again in every layer, about
+# ten small torch ops: on an H100 (BENCHMARKS.md, fifty-first session) 8 layers of a mixed step (32 decode rows
+# beside a 480-token chunk) took 22.8 ms so against 19.3 with the sync, and level at one 8K prompt. So off
+CHUNK_LAYOUT_ON_DEVICE = False
 
 
 def fused_maxnreg(num_programs: int, num_sms: int) -> int:
@@ -200,7 +207,7 @@ def kda_prefill(qkv, g_raw, b, g_out, conv_weight, A_log, dt_bias, o_norm_weight
                       initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
                       lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu, A_log=A_log.float(),
-                      dt_bias=dt_bias.float())
+                      dt_bias=dt_bias.float(), use_graph=CHUNK_LAYOUT_ON_DEVICE)
     recurrent_pool[slot_ids.long()] = ht.to(recurrent_pool.dtype)
     o = o.reshape(T, D)
     out = torch.empty(T, D, dtype=qkv.dtype, device=qkv.device)

@@ -162,20 +162,26 @@ def test_decode_step_has_no_host_sync(engines):
     assert torch.isfinite(eager).all() and torch.isfinite(graphed).all()
 
 
-def test_prefill_step_syncs_only_in_fla_chunk_layout(engines, monkeypatch, mha_prefill_calls):
+@pytest.mark.parametrize("layout_on_device", [False, True], ids=["fla_layout_on_host", "fla_layout_on_device"])
+def test_prefill_step_syncs_only_in_fla_chunk_layout(engines, monkeypatch, mha_prefill_calls, layout_on_device):
     """An eager step of a prompt's 6 tokens (the MLA layers' un-absorbed form: MIN_NEW_TOKENS lowered to 4) beside
     a decode row (absorbed): every device->host sync it makes (set_sync_debug_mode("warn"), each warning's stack
     kept) is fla-core's chunk_kda laying out its chunks from the device cu_seqlens (prepare_chunk_indices: two
-    repeat_interleave in its first KDA layer, cached by tensor identity for the others). A host list copied to the
-    device in a plugin (as the MLA mixer's absorbed rows were) would show here once per layer."""
+    repeat_interleave in its first KDA layer, cached by tensor identity for the others), and with that layout
+    built on the device (kda.fla.CHUNK_LAYOUT_ON_DEVICE) there is none. A host list copied to the device in a
+    plugin (as the MLA mixer's absorbed rows were) would show once per layer. A first step of the same shape runs
+    before, outside the check: the kernels' autotuning synchronizes."""
     import traceback
     import warnings
 
+    from k3plugins.kda import fla as kda_dev
     from k3plugins.mla import prefill
 
     monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 4)
+    monkeypatch.setattr(kda_dev, "CHUNK_LAYOUT_ON_DEVICE", layout_on_device)
     runner = LLM(engines[1], device="cuda").engine.runner
-    batch = prefill_step_batch(torch.device("cuda"))
+    runner.executor.run(prefill_step_batch(torch.device("cuda")))
+    batch = prefill_step_batch(torch.device("cuda"))  # new cu_seqlens: no layout fla-core cached by identity
     syncs = []
     torch.cuda.synchronize()
     with warnings.catch_warnings():
@@ -188,7 +194,10 @@ def test_prefill_step_syncs_only_in_fla_chunk_layout(engines, monkeypatch, mha_p
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert mha_prefill_calls and set(mha_prefill_calls) == {6}, mha_prefill_calls  # every MLA layer: un-absorbed
-    assert all("prepare_chunk_indices" in s for s in syncs), [s[-1500:] for s in syncs]
+    if layout_on_device:
+        assert not syncs, [s[-1500:] for s in syncs]
+    else:  # the check sees a sync where there is one
+        assert syncs and all("prepare_chunk_indices" in s for s in syncs), [s[-1500:] for s in syncs]
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()
 
 

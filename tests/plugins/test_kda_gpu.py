@@ -70,6 +70,34 @@ def test_kda_prefill(lens):
     assert _rel(conv, conv_r) < 1e-2
 
 
+@pytest.mark.parametrize("lens", [[300], [1, 64, 130], [5, 0, 77, 1]], ids=str)
+def test_prefill_chunk_layout_on_device(lens, monkeypatch):
+    """chunk_kda with its chunk layout built on the device (CHUNK_LAYOUT_ON_DEVICE, padded with chunks that do
+    nothing) gives what it gives with the layout read on the host, bit for bit, and makes no device->host sync for
+    a new cu_seqlens (set_sync_debug_mode("error"); the first call, whose kernels autotune, runs before)."""
+    H, K = 4, 128
+    N = len(lens)
+    w, pools, g = _layer(96, H, K, S=N + 2, seed=sum(lens) + 1)
+    x = torch.randn(sum(lens), 96, device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.randperm(N + 2, device="cuda", generator=g)[:N]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
+    wb = {k: (v.to(torch.bfloat16) if k in ("in_proj_weight", "f_b_weight", "o_weight") and v is not None else v)
+          for k, v in w.items()}
+    res = {}
+    for on_device in (False, True):
+        monkeypatch.setattr(kda_dev, "CHUNK_LAYOUT_ON_DEVICE", on_device)
+        _run(kda_dev.kda_mixer, x, wb, pools, cu.clone(), slots, H, K, -5.0)
+        fresh = cu.clone()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if on_device else "default")
+        try:
+            res[on_device] = _run(kda_dev.kda_mixer, x, wb, pools, fresh, slots, H, K, -5.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("N,H", [(5, 3), (40, 96)])
 def test_decode_slices_agree(N, H):
     """Every state slice of the split tactic gives the same output and state (decode_block_v picks one by grid),

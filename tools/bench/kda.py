@@ -41,6 +41,17 @@ def _inputs(N: int, gen: torch.Generator, state_dtype=torch.float32, H: int = H)
     return qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, slots
 
 
+def _prefill_inputs(lens: list[int], gen: torch.Generator):
+    """_inputs for a prefill of sequences of `lens` tokens: a row of activations a token, a state a sequence (not a
+    token: 8K fp32 states would be 48 GiB), and cu_seqlens."""
+    T, N = sum(lens), len(lens)
+    *_, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, slots = _inputs(N, gen)
+    qkv, g_raw, b, g_out = (torch.randn(T, n, device="cuda", generator=gen).to(torch.bfloat16)
+                            for n in (3 * D, D, H, D))
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
+    return qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, slots, cu
+
+
 def bench_kda(bw_tbps: float, sweep: bool) -> None:
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -129,11 +140,7 @@ def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:
     from fla.ops.kda import chunk_kda
     gen = torch.Generator(device="cuda").manual_seed(2)
     T = 8192
-    args = _inputs(T, gen)
-    qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, _ = args
-    pool, slots = pool[:1].contiguous(), torch.zeros(1, dtype=torch.int32, device="cuda")
-    conv_pool = conv_pool[:1].contiguous()
-    cu = torch.tensor([0, T], device="cuda")
+    qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, slots, cu = _prefill_inputs([T], gen)
     q, k, v = (torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
     gr, bb = g_raw.view(1, T, H, K), b.float().view(1, T, H)
     # the baseline: chunk_kda doing all of the layer's core itself, the q/k L2 norm included (kda_prefill does that
@@ -156,6 +163,30 @@ def bench_kda_prefill(bw_tbps: float, sweep: bool) -> None:
          kernel_ours_x_alone=round(k_ours[0][1] / k_alone[0][1], 3), ours=k_ours, chunk_kda_alone=k_alone)
     _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone,
                        bw_tbps, sweep)
+    _prefill_layout_rows(gen)
+
+
+def _prefill_layout_rows(gen, layers: int = 8) -> None:
+    """A step's KDA prefill layers (`layers` of them, a new cu_seqlens each step as the engine makes) with
+    chunk_kda's chunk layout built on the device (CHUNK_LAYOUT_ON_DEVICE: a few small launches a layer) against
+    read on the host (a sync in the first layer, the layout cached for the others): one 8K prompt, and a mixed
+    step of 32 decode rows beside a 480-token chunk."""
+    for lens in ([8192], [1] * 32 + [480]):
+        qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, slots, cu = _prefill_inputs(lens, gen)
+        T, N = qkv.shape[0], len(lens)
+
+        def step():
+            fresh = cu.clone()
+            for _ in range(layers):
+                kda_dev.kda_prefill(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, fresh,
+                                    slots, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5)
+        ms = {}
+        for on_device in (True, False):
+            kda_dev.CHUNK_LAYOUT_ON_DEVICE = on_device
+            ms[on_device] = time_ms(step, rep=10, graph=False)
+        kda_dev.CHUNK_LAYOUT_ON_DEVICE = True
+        emit(bench="kda_prefill_layout", T=T, seqs=N, layers=layers, layout_on_device_ms=round(ms[True], 4),
+             layout_on_host_ms=round(ms[False], 4), device_x_host=round(ms[True] / ms[False], 3))
 
 
 def _prefill_breakdown(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, cu, slots, t_alone,
