@@ -317,7 +317,10 @@ def test_a_node_without_the_engine_is_named_at_once(k3_short_ckpt, tmp_path):
 def test_a_rank_killed_on_another_node_is_named(k3_short_ckpt, tmp_path):
     """Two nodes (two torchrun agents here), node 1's rank SIGKILLed mid-generation: node 0's torchrun cannot name
     it (its own rank is the one that fails), so rank 0's error does, as dead rather than as a rank that left with an
-    error of its own (before: 'another rank left the job (its own error says why)', naming no one)."""
+    error of its own (before: 'another rank left the job (its own error says why)', naming no one). Most runs see
+    gloo's closed connection ("died without an error of its own"); on a loaded machine rank 0's collective has
+    also timed out first (K3_DIST_TIMEOUT_S) with the connection not yet seen closed, and the beats then name rank
+    1 as silent ("stopped responding"): either names it, neither as a rank that left."""
     engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
                           max_num_tokens=512)
     out = tmp_path / "progress"
@@ -334,7 +337,8 @@ def test_a_rank_killed_on_another_node_is_named(k3_short_ckpt, tmp_path):
         os.kill(victim, signal.SIGKILL)
         log = nodes[0].communicate(timeout=120)[1]
         assert nodes[0].returncode != 0, log[-3000:]
-        assert re.search(r"rank 1 died without an error of its own", log), log[-3000:]
+        assert re.search(r"rank 1 (died without an error of its own|stopped responding)", log), log[-3000:]
+        assert not re.search(r"(another rank|rank 1) left the job", log), log[-3000:]
     finally:
         for p in nodes:
             if p.poll() is None:
