@@ -1,24 +1,33 @@
 """Host copies of swapped-out requests: their MLA pages and KDA slot, bit-exact.
 
 Host page and slot ids are booked by the scheduler (`SwapEntry.host_page_ids`, `host_slot_id`);
-this class only moves bytes. Copies are synchronous: swapping is off the decode hot path, and it
-lets the device pages be reused by the same step's forward right after `swap_out` returns.
+this class only moves bytes. The host buffers are page- and slot-major (a host page holds its rows of every
+layer, one block), so that on a GPU each copy is one DMA between the device and page-locked memory, queued on the
+current stream without a host sync: a step's forward, queued after, reuses the device pages only once the
+copies are done, and a later swap-in of the same host page reads it only once its swap-out is done. The host
+must synchronize before reading the buffers itself.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..upload import to_device
 from .cache_tensors import CacheTensors
 
 
 class HostStore:
-    """Host buffers shaped like `cache` with room for num_host_pages pages and num_host_slots slots.
+    """Host buffers with room for num_host_pages pages and num_host_slots slots of `cache`.
+
+    Attributes:
+        mla_kv: [host pages, L_mla, page_size, width] (the cache's mla_kv_all with its first two dims swapped)
+        kda_state: [host slots, L_kda, H, V, K]; kda_conv: [host slots, L_kda, C, W-1] (likewise)
 
     Args:
         cache: the device cache this store mirrors (same dtypes and per-page / per-slot shapes).
         num_host_pages / num_host_slots: capacity (SchedulerConfig.num_host_pages / num_host_slots).
-        pin_memory: page-locked buffers for faster copies; None = when the cache is on a CUDA device.
+        pin_memory: page-locked buffers, for copies that do not stop the host; None = when the cache is on a CUDA
+            device.
     """
 
     def __init__(self, cache: CacheTensors, num_host_pages: int, num_host_slots: int, pin_memory: bool | None = None):
@@ -32,37 +41,42 @@ class HostStore:
         self.pinned = pin_memory
 
         def like(t: torch.Tensor, n: int) -> torch.Tensor:
-            shape = (t.shape[0], n, *t.shape[2:])
-            return torch.zeros(shape, dtype=t.dtype, device="cpu", pin_memory=pin_memory)
+            return torch.zeros((n, t.shape[0], *t.shape[2:]), dtype=t.dtype, device="cpu", pin_memory=pin_memory)
 
-        self.mla_kv_all = like(cache.mla_kv_all, num_host_pages)  # [L_mla, host pages, page_size, width]
-        self.kda_state_all = like(cache.kda_state_all, num_host_slots)  # [L_kda, host slots, H, V, K]
-        self.kda_conv_all = like(cache.kda_conv_all, num_host_slots)  # [L_kda, host slots, C, W-1]
+        self.mla_kv = like(cache.mla_kv_all, num_host_pages)
+        self.kda_state = like(cache.kda_state_all, num_host_slots)
+        self.kda_conv = like(cache.kda_conv_all, num_host_slots)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.mla_kv_all, self.kda_state_all, self.kda_conv_all))
+        return sum(t.numel() * t.element_size() for t in (self.mla_kv, self.kda_state, self.kda_conv))
 
     def swap_out(self, page_ids, slot_id: int, host_page_ids, host_slot_id: int) -> None:
         """Copy device pages `page_ids` and slot `slot_id` into host pages `host_page_ids` and host slot `host_slot_id`."""
-        dev, host = self._indices(page_ids, slot_id, host_page_ids, host_slot_id)
+        page_ids, host_page_ids = self._ids(page_ids, slot_id, host_page_ids, host_slot_id)
         c = self.cache
-        if dev[0].numel():
-            self.mla_kv_all.index_copy_(1, host[0], c.mla_kv_all.index_select(1, dev[0]).cpu())
-        self.kda_state_all.index_copy_(1, host[1], c.kda_state_all.index_select(1, dev[1]).cpu())
-        self.kda_conv_all.index_copy_(1, host[1], c.kda_conv_all.index_select(1, dev[1]).cpu())
+        if page_ids:
+            # the pages gathered page-major on the device, then copied out a run of consecutive host pages at a time
+            rows = c.mla_kv_all.index_select(1, to_device(page_ids, c.device)).transpose(0, 1).contiguous()
+            for i, h, n in _runs(host_page_ids):
+                self.mla_kv[h:h + n].copy_(rows[i:i + n], non_blocking=self.pinned)
+        self.kda_state[host_slot_id].copy_(c.kda_state_all[:, slot_id], non_blocking=self.pinned)
+        self.kda_conv[host_slot_id].copy_(c.kda_conv_all[:, slot_id], non_blocking=self.pinned)
 
     def swap_in(self, host_page_ids, host_slot_id: int, page_ids, slot_id: int) -> None:
         """Copy host pages / slot back into device pages `page_ids` and slot `slot_id` (ids may differ from swap_out's)."""
-        dev, host = self._indices(page_ids, slot_id, host_page_ids, host_slot_id)
-        c, d = self.cache, self.cache.device
-        if dev[0].numel():
-            c.mla_kv_all.index_copy_(1, dev[0], self.mla_kv_all.index_select(1, host[0]).to(d))
-        c.kda_state_all.index_copy_(1, dev[1], self.kda_state_all.index_select(1, host[1]).to(d))
-        c.kda_conv_all.index_copy_(1, dev[1], self.kda_conv_all.index_select(1, host[1]).to(d))
+        page_ids, host_page_ids = self._ids(page_ids, slot_id, host_page_ids, host_slot_id)
+        c = self.cache
+        if page_ids:
+            rows = torch.empty((len(page_ids), *self.mla_kv.shape[1:]), dtype=self.mla_kv.dtype, device=c.device)
+            for i, h, n in _runs(host_page_ids):
+                rows[i:i + n].copy_(self.mla_kv[h:h + n], non_blocking=self.pinned)
+            c.mla_kv_all.index_copy_(1, to_device(page_ids, c.device), rows.transpose(0, 1))
+        c.kda_state_all[:, slot_id].copy_(self.kda_state[host_slot_id], non_blocking=self.pinned)
+        c.kda_conv_all[:, slot_id].copy_(self.kda_conv[host_slot_id], non_blocking=self.pinned)
 
     def apply(self, swap_out=(), swap_in=()) -> None:
-        """Run a step's swaps in the required order: every swap-out before any swap-in.
+        """Queue a step's swaps in the required order: every swap-out before any swap-in.
 
         Args:
             swap_out / swap_in: entries with page_ids, slot_id, host_page_ids, host_slot_id (scheduler.SwapEntry).
@@ -72,7 +86,7 @@ class HostStore:
         for e in swap_in:
             self.swap_in(e.host_page_ids, e.host_slot_id, e.page_ids, e.slot_id)
 
-    def _indices(self, page_ids, slot_id, host_page_ids, host_slot_id):
+    def _ids(self, page_ids, slot_id, host_page_ids, host_slot_id) -> tuple[list[int], list[int]]:
         page_ids, host_page_ids = list(page_ids), list(host_page_ids)
         if len(page_ids) != len(host_page_ids):
             raise ValueError(f"host_page_ids: {len(host_page_ids)} host pages for {len(page_ids)} device pages")
@@ -80,11 +94,17 @@ class HostStore:
         _check([host_slot_id], self.num_slots, "host slot", "host store capacity (num_host_slots)")
         _check(page_ids, self.cache.num_pages, "page", "device cache")
         _check([slot_id], self.cache.num_slots, "slot", "device cache")
-        dev_dev = self.cache.device
-        dev = (torch.tensor(page_ids, dtype=torch.int64, device=dev_dev),
-               torch.tensor([slot_id], dtype=torch.int64, device=dev_dev))
-        host = (torch.tensor(host_page_ids, dtype=torch.int64), torch.tensor([host_slot_id], dtype=torch.int64))
-        return dev, host
+        return page_ids, host_page_ids
+
+
+def _runs(ids: list[int]):
+    """(position, first id, length) of each run of consecutive ids in `ids`: [4, 5, 6, 1, 2] gives (0, 4, 3) and
+    (3, 1, 2)."""
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            yield start, ids[start], i - start
+            start = i
 
 
 def _check(ids, limit: int, what: str, where: str) -> None:

@@ -37,7 +37,8 @@ def test_swap_round_trip_is_exact_and_touches_nothing_else(dtype):
     before = [t.clone() for t in cache.tensors()]
     store = HostStore(cache, num_host_pages=5, num_host_slots=2)
     store.swap_out([3, 1, 6], 2, [4, 0, 2], 1)
-    assert torch.equal(store.mla_kv_all[:, [4, 0, 2]], before[0][:, [3, 1, 6]])
+    assert torch.equal(store.mla_kv[[4, 0, 2]], before[0][:, [3, 1, 6]].transpose(0, 1))
+    assert torch.equal(store.kda_state[1], before[1][:, 2]) and torch.equal(store.kda_conv[1], before[2][:, 2])
     # The executor reuses the device pages/slot; the request comes back elsewhere.
     for t in cache.tensors():
         t.fill_(-1)
@@ -59,7 +60,25 @@ def test_apply_runs_swap_outs_before_swap_ins():
     # Page 2 leaves for host page 0 while host page 1 comes back into page 2 in the same step.
     store.apply(swap_out=[E(page_ids=(2,), slot_id=1, host_page_ids=(0,), host_slot_id=0)],
                 swap_in=[E(page_ids=(2,), slot_id=1, host_page_ids=(1,), host_slot_id=1)])
-    assert torch.equal(store.mla_kv_all[:, 0], old2) and torch.equal(cache.mla_kv_all[:, 2], old0)
+    assert torch.equal(store.mla_kv[0], old2) and torch.equal(cache.mla_kv_all[:, 2], old0)
+
+
+@pytest.mark.parametrize("host_pages", [[0, 1, 2, 3], [5, 6, 0, 1], [3, 1, 6, 4], [6, 5, 4, 3]], ids=str)
+def test_pages_land_in_their_host_pages_in_any_runs(host_pages):
+    """Host pages go in runs of consecutive ids (one copy a run): whole runs, broken runs, none, reversed."""
+    cache = CacheTensors(tiny("bf16"))
+    randomize(cache, 4)
+    before = cache.mla_kv_all.clone()
+    store = HostStore(cache, num_host_pages=7, num_host_slots=1)
+    store.swap_out([2, 0, 6, 5], 0, host_pages, 0)
+    for page, host in zip([2, 0, 6, 5], host_pages):
+        assert torch.equal(store.mla_kv[host], before[:, page])
+    untouched = sorted(set(range(7)) - set(host_pages))
+    assert store.mla_kv[untouched].eq(0).all()
+    cache.mla_kv_all.zero_()
+    store.swap_in(host_pages, 0, [1, 3, 4, 0], 0)
+    assert torch.equal(cache.mla_kv_all[:, [1, 3, 4, 0]], before[:, [2, 0, 6, 5]])
+    assert cache.mla_kv_all[:, [2, 5, 6]].eq(0).all()
 
 
 def test_capacity_and_id_errors_are_clear():
@@ -115,10 +134,19 @@ def test_cuda_round_trip_through_pinned_host(dtype):
     randomize(cache, 3)
     before = [t.clone() for t in cache.tensors()]
     store = HostStore(cache, num_host_pages=4, num_host_slots=2)
-    assert store.pinned and store.mla_kv_all.is_pinned()
-    store.swap_out([6, 0], 1, [3, 1], 0)
-    cache.zero_slots(torch.tensor([1], device="cuda"))
-    assert cache.kda_state_all[:, 1].eq(0).all()
-    store.swap_in([3, 1], 0, [2, 4], 2)
-    assert torch.equal(cache.mla_kv_all[:, [2, 4]], before[0][:, [6, 0]])
+    assert store.pinned and store.mla_kv.is_pinned() and store.kda_state.is_pinned()
+    slot, pages = torch.tensor([1], device="cuda"), torch.tensor([6, 0, 5], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the swaps are queued on the stream, the host never waits
+    try:
+        store.swap_out([6, 0, 5], 1, [2, 3, 0], 0)
+        cache.zero_slots(slot)
+        cache.mla_kv_all.index_fill_(1, pages, 0)  # the device pages reused at once: after the copies, in order
+        store.swap_in([2, 3, 0], 0, [2, 4, 1], 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(cache.mla_kv_all[:, [2, 4, 1]], before[0][:, [6, 0, 5]])
+    assert cache.mla_kv_all[:, [6, 0, 5]].eq(0).all() and cache.kda_state_all[:, 1].eq(0).all()
     assert torch.equal(cache.kda_state_all[:, 2], before[1][:, 1]) and torch.equal(cache.kda_conv_all[:, 2], before[2][:, 1])
+    torch.cuda.synchronize()  # the host reads the store itself
+    assert torch.equal(store.mla_kv[[2, 3, 0]].cuda(), before[0][:, [6, 0, 5]].transpose(0, 1))
