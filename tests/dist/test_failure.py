@@ -4,7 +4,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from engines import build_engine
+from liveness import free_port
 
 from k3build.mapping import Mapping
 
@@ -161,16 +161,10 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(per_node: list[list[str]], env: dict) -> list[subprocess.Popen]:
     """Two torchrun agents of one process each on this machine, as two nodes; per_node: each one's command after
     torchrun's options (a script or `-m module`, then its arguments)."""
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                               f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}", *command],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -187,18 +181,25 @@ def _errors(nodes: list[subprocess.Popen]) -> list[str]:
                 p.kill()
 
 
-def _serve(engine: Path, timeout_s: int) -> tuple[subprocess.Popen, str]:
-    """`serve` under torchrun on 2 ranks (K3_DIST_TIMEOUT_S = timeout_s), up and answering /health; (proc, url)."""
+def _serve(engine: Path, timeout_s: int, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """`serve` under torchrun on 2 ranks (K3_DIST_TIMEOUT_S = timeout_s), up and answering /health; (proc, url).
+    A port free when picked may be taken before the server binds it (the other test worker's jobs open ports
+    too): then the server says so and exits, and it starts again on another port."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": str(timeout_s)}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              "-m", "k3runtime.dist.launch", str(engine), "serve", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
     while True:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        if proc.poll() is not None:
+            log = proc.stdout.read()
+            if "Address already in use" in log and tries > 1:
+                return _serve(engine, timeout_s, tries - 1)
+            raise AssertionError(log[-3000:])
+        assert time.monotonic() < deadline, "serve did not answer /health in 180 s"
         try:
             if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
                 return proc, url
