@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from k3plugins.pdl import pdl, pdl_prologue
+from k3plugins.sm_count import sm_count
 
 # a sequence with at least this many new tokens in a step takes the MHA form. On an H100 (BENCHMARKS.md, the
 # mla_prefill rows, fiftieth session) against the best absorbed kernel: 256 new tokens after 2048 cached 1.26x
@@ -32,6 +33,12 @@ KEY_PIECE_BYTES = 256 << 20
 # the keys that every query row of a block sees attended first, without the causal mask: 3.77 -> 3.28 ms at 2048
 # after 8192 (H100)
 SPLIT_DIAGONAL = True
+# query rows and warps a program: 128 in 8 warps, or 64 in 4 where 128-row blocks would leave half the SMs or more
+# idle. On an H100 (BENCHMARKS.md, fifty-first session), 64-row blocks took 0.80-0.83x the time where the 128-row
+# grid was 12-64 programs (6 or 16 heads, 256 or 512 new tokens after 2048), 0.98x at 96 programs with 2K cached
+# keys but 1.19x with 8K, 1.06-1.40x at 96 heads
+BLOCK_M, NUM_WARPS = 128, 8
+SMALL_GRID_BLOCK_M, SMALL_GRID_NUM_WARPS = 64, 4
 
 
 @triton.jit
@@ -149,6 +156,13 @@ def _rope_block(n: int) -> int:
     return _block(n) if n >= 16 else triton.next_power_of_2(max(n, 1))
 
 
+def query_block(num_heads: int, num_rows: int, num_sms: int) -> tuple[int, int]:
+    """(query rows, warps) of a program for num_rows new tokens of num_heads heads on num_sms SMs (0: unknown)."""
+    if 2 * num_heads * triton.cdiv(num_rows, BLOCK_M) <= num_sms:
+        return SMALL_GRID_BLOCK_M, SMALL_GRID_NUM_WARPS
+    return BLOCK_M, NUM_WARPS
+
+
 def key_piece(num_heads: int, nope: int, v_head_dim: int, itemsize: int) -> int:
     """Keys a piece: as many whole pages as KEY_PIECE_BYTES holds of up-projected keys and values (one page at
     least)."""
@@ -158,7 +172,7 @@ def key_piece(num_heads: int, nope: int, v_head_dim: int, itemsize: int) -> int:
 
 def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor, context_len: int,
                 w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: float, out: torch.Tensor,
-                block_m: int = 128, block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
+                block_m: int | None = None, block_n: int = 64, num_warps: int | None = None, num_stages: int = 3,
                 split: bool | None = None) -> None:
     """Causal attention of one sequence's T new tokens (its last T positions) over its whole cached context, in
     the un-absorbed form, into `out`.
@@ -169,7 +183,8 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
         page_row: [max_pages] this sequence's page-table row (device). context_len: its tokens (host).
         w_uk: [H, nope, r]; w_uv: [H, r, v].
         out: [T, H, v] written (any float dtype; a row stride and a head stride, unit columns).
-        block_m, block_n, num_warps, num_stages, split: the kernel's tactic (split: SPLIT_DIAGONAL if None).
+        block_m, block_n, num_warps, num_stages, split: the kernel's tactic (block_m and num_warps both None:
+            query_block's; split: SPLIT_DIAGONAL if None).
     """
     T, H, _ = q.shape
     _, nope, r = w_uk.shape
@@ -191,7 +206,9 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
     acc = torch.empty(T, H, vd, dtype=torch.float32, device=q.device) if context_len > piece else out
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     q_pos0 = context_len - T
-    bm = min(block_m, max(16, triton.next_power_of_2(T)))
+    if block_m is None and num_warps is None:
+        block_m, num_warps = query_block(H, T, sm_count(q.device))
+    bm = min(block_m or BLOCK_M, max(16, triton.next_power_of_2(T)))
     for k0 in range(0, context_len, piece):
         k1 = min(context_len, k0 + piece)
         p0 = k0 // page
@@ -206,7 +223,7 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
             k.stride(1), kpe.stride(0), v.stride(0), v.stride(1), o.stride(0), o.stride(1), acc.stride(0),
             acc.stride(1), lse.stride(0),
             DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm, BN=block_n,
-            HAS_PREV=k0 > 0, SPLIT=SPLIT_DIAGONAL if split is None else split, num_warps=num_warps,
+            HAS_PREV=k0 > 0, SPLIT=SPLIT_DIAGONAL if split is None else split, num_warps=num_warps or NUM_WARPS,
             num_stages=num_stages, **pdl(q))
 
 

@@ -206,3 +206,14 @@ def test_unabsorbed_sequences_picked_by_host_lengths(monkeypatch):
         prefill.sequences(((1, 9), (4, 4), (2, 30)), cu, 10)
     with pytest.raises(ValueError, match=r"host_seqs\[1\] has 4 new tokens in a context of 3"):
         prefill.sequences(((1, 9), (4, 3), (2, 30), (3, 8)), cu, 10)
+
+
+@pytest.mark.parametrize("heads,rows,sms,block", [(6, 256, 132, (64, 4)), (16, 512, 132, (64, 4)),
+                                                   (6, 2048, 132, (128, 8)), (96, 256, 132, (128, 8)),
+                                                   (16, 512, 127, (128, 8)), (6, 256, 0, (128, 8))])
+def test_mha_prefill_query_block(heads, rows, sms, block):
+    """64-row query blocks in 4 warps only where 128-row ones would leave half the SMs or more idle (unknown SMs,
+    the interpreter: 128)."""
+    pytest.importorskip("triton")
+    from k3plugins.mla.prefill import query_block
+    assert query_block(heads, rows, sms) == block
