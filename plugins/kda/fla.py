@@ -50,7 +50,7 @@ F_B_FUSED_MAX_PROGRAMS = 1024
 # layer, which stops the host launching ahead. fla's use_graph builds the layout on the device instead, padded to
 # the most chunks the step can have (programs past the real ones return at once), but again in every layer, about
 # ten small torch ops: on an H100 (BENCHMARKS.md, fifty-first session) 8 layers of a mixed step (32 decode rows
-# beside a 480-token chunk) took 22.8 ms so against 19.3 with the sync, and level at one 8K prompt. So off
+# beside a 480-token chunk) took 22.8 ms that way against 19.3 with the sync, and level at one 8K prompt. So off
 CHUNK_LAYOUT_ON_DEVICE = False
 
 
