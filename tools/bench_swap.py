@@ -57,10 +57,10 @@ def _pageable_round_trip(cache: CacheTensors, host: list[torch.Tensor], pages, s
         t.index_copy_(1, s, h.index_select(1, hs).to(dev))
 
 
-def _copy_rate_gbps(device: torch.device, sync) -> float:
-    """Page-locked copy rate, GB/s: the slower of 256 MiB device->host and host->device."""
+def _copy_rate_gbps(device: torch.device, sync) -> float | None:
+    """Page-locked copy rate, GB/s: the slower of 256 MiB device->host and host->device (None on the CPU)."""
     if device.type != "cuda":
-        return float("nan")
+        return None
     d = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     h = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     out = _ms(lambda: h.copy_(d, non_blocking=True), 5, sync)[0]
@@ -91,7 +91,7 @@ def main() -> None:
     nbytes = store.nbytes
     rate = _copy_rate_gbps(device, sync)
     env = dict(bench="env", device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-               or platform.machine(), torch=torch.__version__, copy_rate_gbps=round(rate, 2))
+               or platform.machine(), torch=torch.__version__, copy_rate_gbps=rate and round(rate, 2))
     print(json.dumps(env), flush=True)
     for name, host_pages in (("runs_1", list(range(n))), ("runs_pages", list(range(n))[::-1])):
         def round_trip():
@@ -103,11 +103,11 @@ def main() -> None:
             want, (cache.mla_kv_all[:, back], cache.kda_state_all[:, 1], cache.kda_conv_all[:, 1])))
         pageable_ms = _ms(lambda: _pageable_round_trip(cache, pageable, pages, 0, host_pages, back, 1), args.reps,
                           sync)[0]
-        floor_ms = 2 * nbytes / (rate * 1e6)
+        floor_ms = 2 * nbytes / (rate * 1e6) if rate else None
         print(json.dumps(dict(bench="swap", host_runs=name, pages=n, heads=args.heads, bytes_each_way=nbytes,
                               store_ms=round(store_ms, 3), host_return_ms=round(returned_ms, 3),
-                              pageable_ms=round(pageable_ms, 3), floor_ms=round(floor_ms, 3),
-                              store_x_floor=round(store_ms / floor_ms, 3), pageable_x_store=round(
+                              pageable_ms=round(pageable_ms, 3), floor_ms=floor_ms and round(floor_ms, 3),
+                              store_x_floor=floor_ms and round(store_ms / floor_ms, 3), pageable_x_store=round(
                                   pageable_ms / store_ms, 3), exact=exact)), flush=True)
 
 
