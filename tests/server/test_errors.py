@@ -412,12 +412,9 @@ def test_engine_flags_are_validated_before_loading(tiny_engine):
 
 def test_serve_cli_starts_serves_and_stops_on_sigterm(tiny_engine):
     import signal
-    import socket
     import time
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port()
     sizes = ["--num-pages", "5", "--num-slots", "3", "--preemption-mode", "swap", "--num-host-pages", "4",
              "--num-host-slots", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", str(port),

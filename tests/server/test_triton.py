@@ -11,13 +11,13 @@ import json
 import queue
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from liveness import free_port
 
 from k3runtime import SamplingParams
 from k3runtime.triton_backend.launch import DEFAULT_VENV, TritonServer, find_env
@@ -27,13 +27,10 @@ ROOT = Path(__file__).parents[2]
 
 
 def _ports(n=3):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = tuple(s.getsockname()[1] for s in socks)
-    for s in socks:
-        s.close()
-    return ports
+    ports = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return tuple(ports)
 
 
 def test_config_pbtxt_shape(tmp_path):
