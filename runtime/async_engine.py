@@ -45,6 +45,13 @@ class EngineStats:
     slots_used: int = 0
     slots_total: int = 0
     num_steps: int = 0
+    # since the engine started: requests preempted (for lack of pages), of them swapped out to the host store
+    preemptions: int = 0
+    swaps_out: int = 0
+    host_pages_used: int = 0  # the host store's (0 of 0 without one)
+    host_pages_total: int = 0
+    host_slots_used: int = 0
+    host_slots_total: int = 0
 
 
 class Metrics:
@@ -214,10 +221,13 @@ class AsyncLLMEngine:
 
     # --- engine thread ---
     def _snapshot(self, num_steps: int = 0) -> EngineStats:
-        ss = self.engine.schedulers  # one per attention-DP rank
+        ss, stats = self.engine.schedulers, self.engine.stats  # one scheduler per attention-DP rank
         return EngineStats(sum(s.num_waiting for s in ss), sum(s.num_running for s in ss),
                            sum(s.page_pool.num_used for s in ss), sum(s.page_pool.num_pages for s in ss),
-                           sum(s.slot_pool.num_used for s in ss), sum(s.slot_pool.num_slots for s in ss), num_steps)
+                           sum(s.slot_pool.num_used for s in ss), sum(s.slot_pool.num_slots for s in ss), num_steps,
+                           stats["preemptions"], stats["swaps_out"], sum(s.host_page_pool.num_used for s in ss),
+                           sum(s.host_page_pool.num_pages for s in ss), sum(s.host_slot_pool.num_used for s in ss),
+                           sum(s.host_slot_pool.num_slots for s in ss))
 
     def _loop(self) -> None:
         try:
@@ -243,7 +253,9 @@ class AsyncLLMEngine:
                 _call(self._live.pop(rid).callback, EngineDeadError(f"request {rid}: {err!r}"))
             # nothing runs or waits any more: the last step's snapshot would show its requests forever
             st = self.stats
-            self.stats = EngineStats(pages_total=st.pages_total, slots_total=st.slots_total, num_steps=st.num_steps)
+            self.stats = EngineStats(pages_total=st.pages_total, slots_total=st.slots_total, num_steps=st.num_steps,
+                                     preemptions=st.preemptions, swaps_out=st.swaps_out,
+                                     host_pages_total=st.host_pages_total, host_slots_total=st.host_slots_total)
             with self._submit_lock:
                 self._closed = True
             self._drain_rejecting(err)

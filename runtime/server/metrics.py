@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..async_engine import EngineStats, Metrics
 
@@ -86,6 +86,10 @@ class _Gauges:
             ("k3_kv_pages_total", "MLA KV cache pages.", s.pages_total),
             ("k3_kda_slots_used", "KDA state slots in use.", s.slots_used),
             ("k3_kda_slots_total", "KDA state slots.", s.slots_total),
+            ("k3_host_pages_used", "Host-store pages holding swapped-out requests' MLA KV.", s.host_pages_used),
+            ("k3_host_pages_total", "Host-store pages (--num-host-pages).", s.host_pages_total),
+            ("k3_host_slots_used", "Host-store KDA slots holding swapped-out requests' state.", s.host_slots_used),
+            ("k3_host_slots_total", "Host-store KDA slots (--num-host-slots).", s.host_slots_total),
             ("k3_generation_tokens_per_second", f"Generated tokens/s over the last {THROUGHPUT_WINDOW_S:g} s.",
              self.m.tokens_per_second()),
             ("k3_engine_alive", "1 while the engine runs, 0 once it stopped (/health then answers 503).",
@@ -94,6 +98,11 @@ class _Gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
+        # counters kept by the engine (exposed with the _total suffix)
+        yield CounterMetricFamily("k3_preemptions", "Requests preempted for lack of cache pages (recomputed or "
+                                  "swapped out later).", value=s.preemptions)
+        yield CounterMetricFamily("k3_requests_swapped_out", "Preempted requests copied to the host store.",
+                                  value=s.swaps_out)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -446,6 +446,36 @@ def test_metrics_after_requests(server, client):
     assert m["k3_generation_tokens_per_second"] > 0
 
 
+def test_metrics_count_preemptions_and_the_host_store(tiny_engine, make_server):
+    """Four concurrent requests of two pages' prompt growing into a third, on a cache of 4 pages with swap: some are
+    preempted and swapped out, and /metrics counts them and shows the host store's size, empty once idle; the
+    default server has no host store and has preempted nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k3runtime.engine_options import EngineOptions
+
+    options = EngineOptions(num_pages=4, max_prefill_chunk=64, preemption_mode="swap", num_host_pages=6,
+                            num_host_slots=2)
+    s = make_server(tiny_engine, options, max_prompt_tokens=256, max_tokens_limit=64)
+    try:
+        body = lambda i: {"model": MODEL, "prompt": [1] + [(7 * i + j) % 200 + 2 for j in range(99)],  # noqa: E731
+                          "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(4) as pool:
+            done = list(pool.map(lambda i: httpx.post(f"{s.url}/v1/completions", json=body(i), timeout=120), range(4)))
+        assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40 for r in done)
+        m = s.wait_idle()
+        assert m["k3_preemptions_total"] >= 1 and m["k3_requests_swapped_out_total"] >= 1, m
+        assert m["k3_host_pages_total"] == 6 and m["k3_host_slots_total"] == 2
+        assert m["k3_host_pages_used"] == m["k3_host_slots_used"] == 0
+    finally:
+        s.close()
+
+
+def test_default_server_has_no_host_store(server):
+    m = server.metrics()
+    assert m["k3_host_pages_total"] == m["k3_host_slots_total"] == 0 == m["k3_requests_swapped_out_total"]
+
+
 def _aborts(server) -> float:
     return server.metrics().get('k3_requests_finished_total{finish_reason="abort"}', 0.0)
 
