@@ -54,6 +54,26 @@ class EngineStats:
     host_slots_total: int = 0
 
 
+# The snapshot's figures as both front-ends export them (`serve`'s /metrics, the Triton model's): (metric, help,
+# EngineStats field). Gauges; then counters, exported with the _total suffix
+STAT_GAUGES = (
+    ("k3_requests_running", "Requests holding a KDA slot and pages.", "num_running"),
+    ("k3_kv_pages_used", "MLA KV cache pages in use.", "pages_used"),
+    ("k3_kv_pages_total", "MLA KV cache pages.", "pages_total"),
+    ("k3_kda_slots_used", "KDA state slots in use.", "slots_used"),
+    ("k3_kda_slots_total", "KDA state slots.", "slots_total"),
+    ("k3_host_pages_used", "Host-store pages holding swapped-out requests' MLA KV.", "host_pages_used"),
+    ("k3_host_pages_total", "Host-store pages (--num-host-pages).", "host_pages_total"),
+    ("k3_host_slots_used", "Host-store KDA slots holding swapped-out requests' state.", "host_slots_used"),
+    ("k3_host_slots_total", "Host-store KDA slots (--num-host-slots).", "host_slots_total"),
+)
+STAT_COUNTERS = (
+    ("k3_preemptions", "Requests preempted for lack of cache pages (recomputed or swapped out later).",
+     "preemptions"),
+    ("k3_requests_swapped_out", "Preempted requests copied to the host store.", "swaps_out"),
+)
+
+
 class Metrics:
     """Hooks the engine thread calls; the server subclasses this with Prometheus metrics."""
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..async_engine import EngineStats, Metrics
+from ..async_engine import STAT_COUNTERS, STAT_GAUGES, EngineStats, Metrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 THROUGHPUT_WINDOW_S = 10.0
@@ -81,15 +81,7 @@ class _Gauges:
         for name, doc, value in [
             ("k3_queue_length", "Requests waiting (server admission queue + scheduler queue).",
              s.num_waiting + self.m._server_waiting()),
-            ("k3_requests_running", "Requests holding a KDA slot and pages.", s.num_running),
-            ("k3_kv_pages_used", "MLA KV cache pages in use.", s.pages_used),
-            ("k3_kv_pages_total", "MLA KV cache pages.", s.pages_total),
-            ("k3_kda_slots_used", "KDA state slots in use.", s.slots_used),
-            ("k3_kda_slots_total", "KDA state slots.", s.slots_total),
-            ("k3_host_pages_used", "Host-store pages holding swapped-out requests' MLA KV.", s.host_pages_used),
-            ("k3_host_pages_total", "Host-store pages (--num-host-pages).", s.host_pages_total),
-            ("k3_host_slots_used", "Host-store KDA slots holding swapped-out requests' state.", s.host_slots_used),
-            ("k3_host_slots_total", "Host-store KDA slots (--num-host-slots).", s.host_slots_total),
+            *((name, doc, getattr(s, field)) for name, doc, field in STAT_GAUGES),
             ("k3_generation_tokens_per_second", f"Generated tokens/s over the last {THROUGHPUT_WINDOW_S:g} s.",
              self.m.tokens_per_second()),
             ("k3_engine_alive", "1 while the engine runs, 0 once it stopped (/health then answers 503).",
@@ -98,11 +90,8 @@ class _Gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
-        # counters kept by the engine (exposed with the _total suffix)
-        yield CounterMetricFamily("k3_preemptions", "Requests preempted for lack of cache pages (recomputed or "
-                                  "swapped out later).", value=s.preemptions)
-        yield CounterMetricFamily("k3_requests_swapped_out", "Preempted requests copied to the host store.",
-                                  value=s.swaps_out)
+        for name, doc, field in STAT_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(s, field))
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -12,7 +12,8 @@ done. A cancelled request (client gone) is aborted on the engine, which frees it
 client's mistakes are INVALID_ARG (HTTP 400), a stopped engine UNAVAILABLE (503; the gauge k3_engine_alive of
 Triton's metrics goes to 0, since Triton before 2.64 cannot mark a Python model not ready: reload the model or
 restart the server). Triton's metrics also count finished requests by reason (k3_requests_finished_total), prompt
-and generated tokens.
+and generated tokens, and show the engine's cache and host-store use and preemptions (async_engine.STAT_GAUGES,
+STAT_COUNTERS; updated every STATS_PERIOD_S), each labelled with the model.
 Needs numpy<2 in the stub's environment (Triton 2.51's stub), plus k3runtime and its dependencies.
 """
 
@@ -26,6 +27,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# how often the engine's snapshot (cache and host-store use, preemptions) is sent to Triton's metrics: from a thread
+# of its own, as each update is IPC to Triton (on the engine thread it would cost every step)
+STATS_PERIOD_S = 1.0
 
 
 def _scalar(request, name, default, kind):
@@ -246,6 +250,40 @@ def _counters(model_name: str):
     return Counters()
 
 
+class _StatMetrics:
+    """The engine's snapshot (async_engine.STAT_GAUGES and STAT_COUNTERS) as this model's Triton metrics, the names
+    of `k3runtime serve`'s /metrics with a model label."""
+
+    def __init__(self, model_name: str):
+        from k3runtime.async_engine import STAT_COUNTERS, STAT_GAUGES
+
+        labels = {"model": model_name}
+        self.families, self.gauges, self.counters = [], [], []  # a family must outlive its metrics
+        for name, doc, field in STAT_GAUGES:
+            family = pb_utils.MetricFamily(name=name, description=doc, kind=pb_utils.MetricFamily.GAUGE)
+            self.families.append(family)
+            self.gauges.append((family.Metric(labels=labels), field))
+        for name, doc, field in STAT_COUNTERS:
+            family = pb_utils.MetricFamily(name=f"{name}_total", description=doc, kind=pb_utils.MetricFamily.COUNTER)
+            self.families.append(family)
+            self.counters.append([family.Metric(labels=labels), field, 0])  # [metric, field, value sent]
+
+    def publish(self, stats) -> None:
+        for metric, field in self.gauges:
+            metric.set(getattr(stats, field))
+        for counter in self.counters:
+            metric, field, sent = counter
+            value = getattr(stats, field)
+            if value > sent:
+                metric.increment(value - sent)
+                counter[2] = value
+
+    def drop(self) -> None:
+        self.gauges.clear()
+        self.counters.clear()
+        self.families.clear()
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from k3runtime.async_engine import AsyncLLMEngine, EngineDeadError
@@ -276,6 +314,15 @@ class TritonPythonModel:
         self.finalizing = False
         self.responder = _Responder(self._response, self.engine.abort) if self.decoupled else None
         threading.Thread(target=self._watch, name="k3-engine-watch", daemon=True).start()
+        self.stat_metrics, self._stats_done = _StatMetrics(self.model_name), threading.Event()
+        self._stats_thread = threading.Thread(target=self._publish_stats, name="k3-stats", daemon=True)
+        self._stats_thread.start()
+
+    def _publish_stats(self):
+        while True:
+            self.stat_metrics.publish(self.engine.stats)
+            if self._stats_done.wait(STATS_PERIOD_S):
+                return
 
     def _watch(self):
         self.engine.wait_stopped()
@@ -439,6 +486,8 @@ class TritonPythonModel:
         self.engine.shutdown()  # its requests' last responses (503) go to the responder, which sends them before ending
         if self.responder is not None:
             self.responder.close()
+        self._stats_done.set()
+        self._stats_thread.join()
         # Drop this model's metrics (a family's or metric's deletion is sent to Triton when its object goes): the stub
         # is killed after finalize without collecting them, and Triton would go on showing k3_engine_alive 1 and the
         # counters of a model that is no longer loaded.
@@ -447,4 +496,5 @@ class TritonPythonModel:
         del self.counters.prompt, self.counters.generation
         self.counters.families.clear()
         del self.alive, self.alive_family
+        self.stat_metrics.drop()
         gc.collect()

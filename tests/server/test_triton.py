@@ -476,6 +476,26 @@ def _metric(triton, name, deadline_s=30.0, until=lambda v: True):
         time.sleep(0.02)
 
 
+def test_metrics_show_the_engines_cache(triton, tiny_engine):
+    """Each model's engine snapshot in Triton's metrics, as `serve` shows it: the cache's sizes (the engine's memory
+    plan), pages in use back to 0 after a request, no host store, and the preemption counters (0 here)."""
+    import urllib.request
+
+    import tritonclient.grpc as tg
+
+    plan = json.loads((tiny_engine / "config.json").read_text())["memory_plan"]
+    with tg.InferenceServerClient(f"127.0.0.1:{triton.ports[1]}") as c:
+        c.infer("k3_unary", _unary(tg, input_ids=[5, 6], max_tokens=3, temperature=0.0))
+    label = '{model="k3_unary"}'
+    assert _metric(triton, f"k3_kv_pages_total{label}", until=lambda v: v > 0) == plan["num_pages"]
+    assert _metric(triton, f"k3_kda_slots_total{label}") == plan["num_slots"]
+    assert _metric(triton, f"k3_kv_pages_used{label}", until=lambda v: v == 0) == 0
+    text = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
+    for name in ("k3_host_pages_total", "k3_host_slots_used", "k3_preemptions_total", "k3_requests_swapped_out_total",
+                 "k3_requests_running"):
+        assert re.search(rf"^{name}{re.escape(label)} 0$", text, re.M), name
+
+
 def test_unary_request_cancelled_by_its_client_is_aborted(triton, llm):
     """A gRPC client that gives up (client_timeout) cancels its request: the unary model aborts it on the engine
     (its pages and slot freed; Triton's metrics count it as finished by "abort"), and the next request is answered."""
