@@ -487,7 +487,7 @@ class TritonPythonModel:
         if self.responder is not None:
             self.responder.close()
         self._stats_done.set()
-        self._stats_thread.join()
+        self._stats_thread.join(timeout=10)  # (a publish stuck in IPC with a Triton that is going does not hold this)
         # Drop this model's metrics (a family's or metric's deletion is sent to Triton when its object goes): the stub
         # is killed after finalize without collecting them, and Triton would go on showing k3_engine_alive 1 and the
         # counters of a model that is no longer loaded.
