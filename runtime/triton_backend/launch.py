@@ -70,11 +70,13 @@ def backend_dir(env: TritonEnv, dest: str | Path) -> Path:
 
 class TritonServer:
     """`with TritonServer(repo, workdir, ports=(http, grpc, metrics)) as ts:` starts, waits for ready, and on
-    exit sends SIGTERM and waits (tritonserver stops its stubs itself), killing only on timeout."""
+    exit sends SIGTERM and waits (tritonserver stops its stubs itself), killing only on timeout. extra_args: more
+    tritonserver flags (e.g. "--model-control-mode=explicit", "--load-model=*")."""
 
     def __init__(self, repo: str | Path, workdir: str | Path, ports: tuple[int, int, int],
-                 env: TritonEnv | None = None, ready_timeout: float = 180.0):
+                 env: TritonEnv | None = None, ready_timeout: float = 180.0, extra_args: tuple[str, ...] = ()):
         self.repo, self.workdir, self.ports = Path(repo), Path(workdir), ports
+        self.extra_args = tuple(extra_args)
         self.env = env or find_env()
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
@@ -89,7 +91,7 @@ class TritonServer:
         cmd = [str(self.env.tritonserver), f"--model-repository={self.repo}", f"--backend-directory={backends}",
                "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1",
                f"--grpc-port={grpc}", "--metrics-address=127.0.0.1", f"--metrics-port={metrics}",
-               "--allow-gpu-metrics=false", "--exit-timeout-secs=15", "--log-verbose=0"]
+               "--allow-gpu-metrics=false", "--exit-timeout-secs=15", "--log-verbose=0", *self.extra_args]
         self._log = open(self.log_path, "wb")
         # SIGINT is not ignored in the child even if our parent ignores it (non-interactive shells).
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,

@@ -186,7 +186,9 @@ def triton(tiny_engine, tmp_path_factory):
     with open(gated / "1" / "model.py", "a") as f:
         f.write(f"\n\nGATE = {str(work / 'send_gate')!r}\n" + GATED_SEND)
     (work / "send_gate").touch()
-    ts = TritonServer(work / "repo", work, _ports(), env=env)
+    # explicit model control (every model loaded at start) so that a test can unload and load one
+    ts = TritonServer(work / "repo", work, _ports(), env=env,
+                      extra_args=("--model-control-mode=explicit", "--load-model=*"))
     ts.start()
     yield ts
     kids = ts.children()
@@ -612,3 +614,37 @@ def test_stream_cancelled_by_its_client_is_aborted(triton, llm):
     ref = llm.generate([7], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
     (resps,) = _stream(url, "k3_gated", [dict(input_ids=[7], max_tokens=3, temperature=0.0)])
     assert [t for r in resps for t in _ids(r)] == ref and _final(resps[-1])
+
+
+def test_unload_drops_the_models_metrics_and_a_load_brings_it_back(triton, tiny_engine):
+    """Unloading a model (explicit model control) takes every metric of its own out of Triton's /metrics (the stub
+    is killed after finalize; its families must be dropped there) and leaves the other models'; loading it again, the
+    way back that a stopped engine's error names, starts a fresh engine: alive again, its cache's gauges back. Last
+    in this module: it unloads k3_dies, whose engine stopped in an earlier test."""
+    import urllib.request
+
+    import tritonclient.http as th
+
+    def metrics(until, deadline_s=30.0):
+        deadline = time.monotonic() + deadline_s
+        while True:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
+            if until(text) or time.monotonic() > deadline:
+                return text
+            time.sleep(0.05)
+
+    ours = re.compile(r'^k3_\w+\{[^}]*model="k3_dies"[^}]*\} ', re.M)
+    assert ours.search(metrics(lambda t: True)), "k3_dies has no metrics before its unload"
+    with th.InferenceServerClient(f"127.0.0.1:{triton.ports[0]}") as c:
+        c.unload_model("k3_dies")
+        text = metrics(lambda t: not ours.search(t))
+        assert not ours.search(text), ours.findall(text)
+        assert not c.is_model_ready("k3_dies")
+        # the other models keep theirs (k3_dies_stream's engine stopped too: its gauge still says so)
+        assert re.search(r'^k3_engine_alive\{model="k3_dies_stream"\} 0$', text, re.M)
+        assert re.search(r'^k3_kv_pages_total\{model="k3_unary"\} ', text, re.M)
+        c.load_model("k3_dies")
+        assert c.is_model_ready("k3_dies")
+    plan = json.loads((tiny_engine / "config.json").read_text())["memory_plan"]
+    assert _metric(triton, 'k3_engine_alive{model="k3_dies"}', until=lambda v: v == 1) == 1
+    assert _metric(triton, 'k3_kv_pages_total{model="k3_dies"}', until=lambda v: v > 0) == plan["num_pages"]

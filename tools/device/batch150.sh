@@ -9,7 +9,7 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
 timeout 200 python3 -m pytest -q -m gpu tests/plugins/test_mla_gpu.py tests/model/test_gpu_engine.py -rf \
   -p no:cacheprovider -k "unabsorbed or prompt_logits or chunk_layout" 2>&1 | tail -8 | tee $OUT/tests.txt
-timeout 150 python3 tools/device/mla_prefill_rows.py 2>&1 | tee $OUT/mla_prefill.jsonl | cut -c1-700
+timeout 150 python3 tools/device/mla_prefill_rows.py --short 2>&1 | tee $OUT/mla_prefill.jsonl | cut -c1-700
 if [[ "$card" == *H200* ]]; then
   K3_PDL=0 timeout 200 python3 tools/bench_plugins.py --only moe 2>&1 | tee $OUT/moe.jsonl | grep '"bench": "moe"' \
     | cut -c1-400

@@ -1,5 +1,6 @@
 """The MLA prefill rows (bench_mla_prefill): the standard PREFILL_CASES, then short chunks at 96, 16 and 6 heads (a
-TP16 rank's) around MIN_NEW_TOKENS (256; the FLOP break-even about 170). JSON lines on stdout."""
+TP16 rank's) around MIN_NEW_TOKENS (256; the FLOP break-even about 170). JSON lines on stdout. `--short`: the short
+chunks only."""
 import json
 import sys
 from pathlib import Path
@@ -10,11 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import mma_tflops  # noqa: E402
 from mla import PREFILL_CASES, bench_mla_prefill  # noqa: E402
 
-SHORT = ((2048, 128, 96), (2048, 192, 96), (8192, 192, 96), (2048, 128, 16), (2048, 64, 16), (2048, 256, 6),
-         (2048, 128, 6), (2048, 64, 6))
+SHORT = ((2048, 128, 96), (2048, 192, 96), (8192, 192, 96), (2048, 256, 16), (2048, 192, 16), (2048, 128, 16),
+         (2048, 64, 16), (2048, 256, 6), (2048, 192, 6), (2048, 128, 6), (2048, 64, 6), (8192, 128, 6))
 
 tflops = mma_tflops()
 print(json.dumps({"mma_tflops": round(tflops, 1)}))
 gen = torch.Generator(device="cuda").manual_seed(0)
-for cached, chunk, H in PREFILL_CASES + SHORT:
+for cached, chunk, H in (SHORT if "--short" in sys.argv else PREFILL_CASES + SHORT):
     bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
