@@ -4,6 +4,7 @@ take the same names, and a bad value is refused by the name it was given under."
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ class Flag:
     minimum: int = 1  # an int flag's least value
     choices: tuple[str, ...] = ()  # a choice flag's values
     boolean: bool = False  # an on/off flag: --field / --no-field
+    number: bool = False  # a number > 0, not only an int
 
     @property
     def option(self) -> str:
@@ -30,7 +32,10 @@ class Flag:
     def click_option(self):
         if self.boolean:
             return click.option(f"{self.option}/--no-{self.option[2:]}", self.field, default=None, help=self.help)
-        kind = click.Choice(self.choices) if self.choices else click.IntRange(min=self.minimum)
+        if self.number:
+            kind = click.FloatRange(min=0, min_open=True)
+        else:
+            kind = click.Choice(self.choices) if self.choices else click.IntRange(min=self.minimum)
         return click.option(self.option, self.field, type=kind, default=None, help=self.help)
 
     def parse(self, text: str):
@@ -40,6 +45,14 @@ class Flag:
             if text.lower() not in ("true", "false"):
                 raise ValueError(f"{where} must be true or false, got {text!r}")
             return text.lower() == "true"
+        if self.number:
+            try:
+                value = float(text)
+            except ValueError:
+                value = None
+            if value is None or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{where} must be a number > 0, got {text!r}")
+            return value
         if self.choices:
             if text not in self.choices:
                 raise ValueError(f"{where} must be one of {', '.join(self.choices)}, got {text!r}")
@@ -59,6 +72,9 @@ FLAGS = (
     Flag("preemption_mode", "What a request preempted for lack of pages loses: recompute (its cache, prefilled "
                             "again later) or swap (copied to a host store and back) [recompute].",
          choices=PREEMPTION_MODES),
+    Flag("swap_space_gib", "Host memory in GiB a rank gives --preemption-mode swap: its host store of as many pages "
+                           "and KDA slots as fit, in the device cache's mix (instead of --num-host-pages and "
+                           "--num-host-slots).", number=True),
     Flag("num_host_pages", "Host-store pages for --preemption-mode swap [0].", minimum=0),
     Flag("num_host_slots", "Host-store KDA slots for --preemption-mode swap [0].", minimum=0),
     Flag("pp_micro_batches", "Pipeline stages: cut every step of several sequences into this many micro-batches, "

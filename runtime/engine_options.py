@@ -4,10 +4,12 @@ backend, dist.launch) checks with these."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
+from .kv_cache.cache_tensors import CacheConfig
 from .loader import EngineError
 from .scheduler import room_error
 from .scheduler_config import check_ints, check_preemption
@@ -37,6 +39,8 @@ class EngineOptions:
     preemption_mode: str = "recompute"
     num_host_pages: int = 0
     num_host_slots: int = 0
+    # the host store in GiB a rank instead of the two counts (host_sizes turns it into them)
+    swap_space_gib: float | None = None
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
     cuda_graphs: bool = True  # decode steps from CUDA graphs on GPUs (rank_runner.graph_blocker: where not)
     load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
@@ -60,10 +64,19 @@ class EngineOptions:
                           "pp_micro_batches"), 1, optional=True)
         check_ints(self, ("num_host_pages", "num_host_slots"), 0)
         check_preemption(self.preemption_mode)
+        gib = self.swap_space_gib
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib)
+                                or gib <= 0):
+            raise ValueError(f"swap_space_gib: expected None or a number of GiB > 0, got {gib!r}")
         host = self.num_host_pages, self.num_host_slots
-        if self.preemption_mode == "swap" and not all(host):
-            raise ValueError(f"preemption_mode 'swap' needs a host store: num_host_pages and num_host_slots must be "
-                             f">= 1, got {host[0]} and {host[1]}")
+        if gib is not None and any(host):
+            raise ValueError(f"swap_space_gib ({gib}) sizes the host store itself: give it or num_host_pages and "
+                             f"num_host_slots ({host[0]} / {host[1]}), not both")
+        if self.preemption_mode == "swap" and gib is None and not all(host):
+            raise ValueError(f"preemption_mode 'swap' needs a host store: swap_space_gib, or num_host_pages and "
+                             f"num_host_slots >= 1 (got {host[0]} and {host[1]})")
+        if self.preemption_mode != "swap" and gib is not None:
+            raise ValueError(f"swap_space_gib ({gib}) holds swapped requests: it needs preemption_mode 'swap'")
         if self.preemption_mode != "swap" and any(host):
             raise ValueError(f"num_host_pages / num_host_slots ({host[0]} / {host[1]}) hold swapped requests: they "
                              "need preemption_mode 'swap'")
@@ -107,6 +120,10 @@ def check_build_limits(options: EngineOptions, config: dict, engine_dir) -> None
     if value is not None and value > limit:
         raise EngineError(f"{engine_dir}: max_num_seqs {value} is past the engine's {limit} KDA state slots "
                           "(num_slots), one a running request: lower it or give num_slots")
+    try:
+        host_sizes(config, options)
+    except ValueError as e:
+        raise EngineError(f"{engine_dir}: {e}") from None
 
 
 def check_ids(token_ids: list[int], vocab: int, field: str) -> None:
@@ -135,3 +152,27 @@ def cache_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
     """(pages, slots) the scheduler hands out, per attention-DP rank."""
     plan = config["memory_plan"]
     return options.num_pages or plan["num_pages"], options.num_slots or plan["num_slots"]
+
+
+def host_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
+    """(pages, slots) of each rank's host store for swap preemption: num_host_pages and num_host_slots, or what
+    swap_space_gib holds. Every rank's store has the same counts (the scheduler's host ids are one set for all), so
+    the budget is held by the rank whose cache costs the most bytes (pipeline stages hold different layers), and it
+    is split as the device cache is (pages to slots), the mix its requests are swapped out in.
+    ValueError for a budget that holds no page or no slot."""
+    if options.swap_space_gib is None:
+        return options.num_host_pages, options.num_host_slots
+    pages, slots = cache_sizes(config, options)
+    budget = int(options.swap_space_gib * 2**30)
+    ranks = [CacheConfig.for_rank(config, r, num_pages=pages, num_slots=slots)
+             for r in range(config["mapping"]["world_size"])]
+    rank = max(range(len(ranks)), key=lambda r: ranks[r].nbytes)
+    worst = ranks[rank]
+    host_pages, host_slots = budget * pages // worst.nbytes, budget * slots // worst.nbytes
+    if not (host_pages and host_slots):
+        least = math.ceil(max(worst.nbytes / pages, worst.nbytes / slots) / 2**20) / 1024  # a page and a slot, in mix
+        raise ValueError(f"swap_space_gib {options.swap_space_gib} holds {host_pages} host pages and {host_slots} KDA "
+                         f"slots (rank {rank}: {worst.bytes_per_page:,} B a page, {worst.bytes_per_slot:,} B a slot, "
+                         f"split {pages}:{slots} as its device cache); a swapped request needs a slot and its pages: "
+                         f"give at least {least:.3f} GiB")
+    return host_pages, host_slots

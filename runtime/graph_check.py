@@ -79,7 +79,7 @@ def _nodes_problem(graph: onnx.GraphProto, cfg: dict, info: dict) -> str | None:
 
 def _cache_problem(node: onnx.NodeProto, shapes: dict[str, list[int]], cfg: dict) -> str | None:
     """A KDA or MLA node whose layer does not fit the cache the runtime sizes from config.json's pretrained_config
-    (rank_runner.cache_config): the plugin would refuse its cache at the first step, after the engine had started."""
+    (RankEngine.cache_config): the plugin would refuse its cache at the first step, after the engine had started."""
     if node.domain != K3_DOMAIN or node.op_type not in CACHED_OPS:
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}

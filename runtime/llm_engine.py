@@ -25,13 +25,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from .dist.comm import collective_timeout, sampling_rank
-from .engine_options import EngineOptions, cache_sizes, check_build_limits, check_ids, resolve_async_scheduling
+from .engine_options import (EngineOptions, cache_sizes, check_build_limits, check_ids, host_sizes,
+                             resolve_async_scheduling)
 from .kv_cache import PagePool, SlotPool
 from .loader import EngineError, load_rank
 from .logprobs import TokenLogprobs, rows_shape, sampled_params, step_logprobs, unpack
 from .micro_batch import StageCost, micro_batch_count
 from .penalties import SeenCounts, adjust_logits
-from .rank_runner import RankRunner, Step, cache_config, shared_bucket, wait_for
+from .rank_runner import RankRunner, Step, shared_bucket, wait_for
 from .request import PLACEHOLDER, Request
 from .sampler import sample_tokens
 from .sampling_params import SamplingParams
@@ -71,8 +72,9 @@ def open_rank(engine_dir, options: EngineOptions, rank: int = 0, comm=None) -> R
     graphs = options.cuda_graphs and next(iter(engine.weights.values())).device.type == "cuda"
     # dummy_step's page and slot (attention-DP), where captured decode steps' padding rows write (graphs)
     spare = 1 if engine.config["mapping"]["attention_dp"] or graphs else 0
-    cfg = cache_config(engine, num_pages=pages + spare, num_slots=slots + spare)
-    return RankRunner(engine, cfg, comm, num_host_pages=options.num_host_pages, num_host_slots=options.num_host_slots,
+    cfg = engine.cache_config(num_pages=pages + spare, num_slots=slots + spare)
+    host_pages, host_slots = host_sizes(engine.config, options)
+    return RankRunner(engine, cfg, comm, num_host_pages=host_pages, num_host_slots=host_slots,
                       spare=(pages, slots) if spare else None, cuda_graphs=graphs)
 
 
@@ -226,12 +228,13 @@ class LLMEngine:
             comm.keep_alive = KeepAlive(comm, self._comm_lock, lambda: not self._broken, self._workers_lost)
         build = runner.engine.build
         self.device, self.page_size = runner.device, build["page_size"]
+        host_pages, host_slots = host_sizes(config, options)
         sched_cfg = SchedulerConfig(
             max_num_seqs=min(options.max_num_seqs or build["max_batch_size"], num_slots),
             max_num_batched_tokens=options.max_num_batched_tokens or build["max_num_tokens"],
             max_prefill_chunk=options.max_prefill_chunk or build["max_num_tokens"], page_size=self.page_size,
-            preemption_mode=options.preemption_mode, num_host_pages=options.num_host_pages,
-            num_host_slots=options.num_host_slots, max_model_len=build["max_seq_len"],
+            preemption_mode=options.preemption_mode, num_host_pages=host_pages, num_host_slots=host_slots,
+            max_model_len=build["max_seq_len"],
             async_scheduling=options.async_scheduling)
         self.schedulers = [Scheduler(sched_cfg, PagePool(num_pages, self.page_size), SlotPool(num_slots))
                            for _ in range(self.dp_size)]

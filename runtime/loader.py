@@ -17,6 +17,7 @@ from .dist import weight_store
 from .engine_dir import check_engine_fields, no_config, not_an_engine
 from .graph_check import graph_problem
 from .graph_ops import ONNX_TO_TORCH
+from .kv_cache.cache_tensors import CacheConfig
 from .model_facts import ModelFacts
 from .weight_reader import WeightFileError, read_header, read_weights
 
@@ -47,6 +48,10 @@ class RankEngine:
     @property
     def world_size(self) -> int:
         return self.config["mapping"]["world_size"]
+
+    def cache_config(self, *, num_pages: int, num_slots: int) -> CacheConfig:
+        """This rank's cache geometry with these sizes."""
+        return CacheConfig.for_rank(self.config, self.rank, num_pages=num_pages, num_slots=num_slots)
 
     def local_layers(self, kind: str) -> list[int]:
         start, stop = self.rank_info["layers"]

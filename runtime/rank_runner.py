@@ -20,7 +20,6 @@ from .executor import FED, Communicator, Executor, StepBatch, feed_tokens
 from .kv_cache import CacheTensors, HostStore
 from .kv_cache.cache_tensors import CacheConfig
 from .loader import EngineError, RankEngine
-from .model_facts import KDA, MLA, dense_tp
 from .micro_batch import split
 from .request import PLACEHOLDER
 from .scheduler import ScheduledItem, StepPlan, SwapEntry
@@ -53,17 +52,6 @@ class Step:
     @classmethod
     def from_plan(cls, plan: StepPlan) -> "Step":
         return cls(plan.items, plan.reset_slot_ids, plan.swap_out, plan.swap_in)
-
-
-def cache_config(engine: RankEngine, *, num_pages: int, num_slots: int) -> CacheConfig:
-    facts, build, mapping = engine.facts, engine.build, engine.config["mapping"]
-    heads = facts.kda_num_heads // dense_tp(mapping)
-    return CacheConfig(
-        num_pages=num_pages, num_slots=num_slots, num_mla_layers=len(engine.local_layers(MLA)),
-        mla_width=facts.mla_cache_width, num_kda_layers=len(engine.local_layers(KDA)), kda_num_heads=heads,
-        kda_head_k_dim=facts.kda_head_dim, kda_head_v_dim=facts.kda_head_dim,
-        kda_conv_dim=3 * heads * facts.kda_head_dim, page_size=build["page_size"], kda_conv_size=facts.kda_conv_size,
-        kv_dtype=build["kv_dtype"], state_dtype=build["state_dtype"], conv_dtype=build["dtype"])
 
 
 class RankRunner:

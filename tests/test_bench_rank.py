@@ -44,7 +44,6 @@ def test_ab_switches_flip_and_undo():
     from k3plugins.router import triton as router
     from k3runtime.executor import Executor, StepBatch
     from k3runtime.kv_cache import CacheTensors
-    from k3runtime.rank_runner import cache_config
 
     engine = br.make_rank(preset("tiny"), Mapping(tp_size=1), 0, target="cpu", device=torch.device("cpu"),
                           max_batch=2, max_seq_len=128)
@@ -54,7 +53,7 @@ def test_ab_switches_flip_and_undo():
                       logits_indices=torch.arange(2))
 
     def fresh():
-        cache = CacheTensors(cache_config(engine, num_pages=8, num_slots=3), torch.device("cpu"))
+        cache = CacheTensors(engine.cache_config(num_pages=8, num_slots=3), torch.device("cpu"))
         for t in [*cache.kda_state, *cache.kda_conv]:
             t.zero_()
         return Executor(engine, cache)

@@ -559,7 +559,6 @@ def main() -> None:
     from k3build.mapping import Mapping
     from k3runtime.executor import Executor
     from k3runtime.kv_cache import CacheTensors
-    from k3runtime.rank_runner import cache_config
 
     cuda = args.device.startswith("cuda")
     if args.kda_decode:  # what the engine's KDA layers run when not told
@@ -602,7 +601,7 @@ def main() -> None:
     while batches:
         n_max = batches[-1]
         try:
-            cache = CacheTensors(cache_config(engine, num_pages=n_max * pages_per_seq + 1, num_slots=n_max + 1),
+            cache = CacheTensors(engine.cache_config(num_pages=n_max * pages_per_seq + 1, num_slots=n_max + 1),
                                  device)
             break
         except torch.OutOfMemoryError as e:

@@ -341,7 +341,7 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
     page tables on the host; here every index is computed on the device). host_seqs: each sequence's (new tokens,
     context length) as the host knows them (an eager step's; None in a CUDA graph): a sequence with
-    prefill.MIN_NEW_TOKENS new tokens or more is attended in the un-absorbed form (prefill.py), the others absorbed.
+    prefill.min_new_tokens(H) new tokens or more is attended in the un-absorbed form (prefill.py), the others absorbed.
     decode_kernel: mla_decode_attention's kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes "gluon")."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -355,7 +355,7 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     page, row, clear, pages32, lens32, seq32 = per_step("mla_index", (cu_seqlens, context_lens, page_table),
                                                         lambda *src: _token_index(*src, T))
     write_cache(ckv, kv_a_norm_weight, kv_cache, page, row, eps=latent_eps, clear_from=clear)
-    unabsorbed = prefill.sequences(host_seqs, cu_seqlens, T)
+    unabsorbed = prefill.sequences(host_seqs, cu_seqlens, T, H)
     absorbed = (lambda rows=None: _absorbed(q, rows, w_uk, w_uv, kv_cache, pages32, lens32, seq32, nope=nope,
                                             scale=scale, kernel=decode_kernel))
     if not unabsorbed:

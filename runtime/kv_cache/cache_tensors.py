@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..model_facts import KDA, MLA, ModelFacts, dense_tp
 from ..upload import to_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,6 +58,22 @@ class CacheConfig:
                 raise ValueError(f"{name}: expected one of {tuple(DTYPES)}, got {getattr(self, name)!r}")
         if self.state_dtype not in ("fp32", "bf16"):
             raise ValueError(f"state_dtype: expected 'fp32' or 'bf16', got {self.state_dtype!r}")
+
+    @classmethod
+    def for_rank(cls, config: dict, rank: int, *, num_pages: int, num_slots: int) -> "CacheConfig":
+        """The cache of `rank` of the engine whose config.json is `config`: its own layers' (pipeline stages hold
+        different ones) and its share of the KDA heads. Reads no weights."""
+        facts = ModelFacts.from_pretrained_config(config["pretrained_config"])
+        build, mapping = config["build_config"], config["mapping"]
+        start, stop = config["ranks"][str(rank)]["layers"]
+        kinds = facts.layer_types[start:stop]
+        heads = facts.kda_num_heads // dense_tp(mapping)
+        return cls(num_pages=num_pages, num_slots=num_slots, num_mla_layers=kinds.count(MLA),
+                   mla_width=facts.mla_cache_width, num_kda_layers=kinds.count(KDA), kda_num_heads=heads,
+                   kda_head_k_dim=facts.kda_head_dim, kda_head_v_dim=facts.kda_head_dim,
+                   kda_conv_dim=3 * heads * facts.kda_head_dim, page_size=build["page_size"],
+                   kda_conv_size=facts.kda_conv_size, kv_dtype=build["kv_dtype"], state_dtype=build["state_dtype"],
+                   conv_dtype=build["dtype"])
 
     @property
     def bytes_per_page(self) -> int:

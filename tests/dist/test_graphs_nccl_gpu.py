@@ -21,7 +21,7 @@ from engines import build_engine  # noqa: E402
 from k3build.mapping import Mapping  # noqa: E402
 from k3runtime.dist.comm import DistCommunicator  # noqa: E402
 from k3runtime.loader import load_rank  # noqa: E402
-from k3runtime.rank_runner import RankRunner, Step, cache_config  # noqa: E402
+from k3runtime.rank_runner import RankRunner, Step  # noqa: E402
 from k3runtime.sampling_params import SamplingParams  # noqa: E402
 from k3runtime.scheduler import ScheduledItem  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_tp2_rank_replays_its_nccl_collectives(k3_short_ckpt, tmp_path, nccl_gro
         real = getattr(comm, name)
         setattr(comm, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
 
-    runner = RankRunner(engine, cache_config(engine, num_pages=PAGES + 1, num_slots=SLOTS + 1), comm,
+    runner = RankRunner(engine, engine.cache_config(num_pages=PAGES + 1, num_slots=SLOTS + 1), comm,
                         spare=(PAGES, SLOTS), cuda_graphs=True)
     assert runner.graphs_off is None and runner.graphs is not None
     assert runner.graphs.bucket(len(ROWS)) == len(ROWS)  # no padding row: replay and eager run the same shapes
@@ -118,7 +118,7 @@ def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_short_ckpt, tm
     ranks = {"0": {**engine.config["ranks"]["0"], "tp_group": [0], "moe_group": [0]}}
     comm = DistCommunicator(ranks, 0, 1, torch.device("cuda"))
     comm.use_exchange(NcclExchange(dist.group.WORLD, upcast=False))  # the 'moe' group of one rank
-    runner = RankRunner(engine, cache_config(engine, num_pages=PAGES + 1, num_slots=SLOTS + 1), comm,
+    runner = RankRunner(engine, engine.cache_config(num_pages=PAGES + 1, num_slots=SLOTS + 1), comm,
                         spare=(PAGES, SLOTS), cuda_graphs=True)
     assert runner.graphs_off is None and runner.graphs is not None and runner.attention_dp
     replays = []

@@ -81,19 +81,22 @@ def test_batch_of_8_mixed_prefill_decode_matches_alone(k3_tiny_engine, alone, mo
     _assert_logits_match(rec, ids, alone)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "swap_space"])
 def test_preemption_gives_identical_outputs(k3_tiny_engine, alone, mode, monkeypatch):
     # 8 pages of 64 tokens cannot hold 8 requests of up to 105 tokens: the scheduler must preempt.
     rec = _LogitsRecorder(monkeypatch)
-    llm = LLM(k3_tiny_engine, num_pages=8, max_prefill_chunk=32, preemption_mode=mode,
-              num_host_pages=16 if mode == "swap" else 0, num_host_slots=8 if mode == "swap" else 0)
+    # swap_space: a host store sized in bytes (1 MiB), in the device cache's mix of pages and slots
+    host = {"recompute": {}, "swap": dict(num_host_pages=16, num_host_slots=8),
+            "swap_space": dict(swap_space_gib=2**-10)}[mode]
+    llm = LLM(k3_tiny_engine, num_pages=8, max_prefill_chunk=32,
+              preemption_mode="recompute" if mode == "recompute" else "swap", **host)
     out, ids = run_staggered(llm.engine, PROMPTS, GREEDY)
     assert out == _tokens(alone)
     _assert_logits_match(rec, ids, alone)
     sched = llm.engine.scheduler
     assert sched.page_pool.num_used == 0 and sched.slot_pool.num_free == sched.slot_pool.num_slots
     assert llm.engine.stats["preemptions"] > 0
-    if mode == "swap":
+    if mode != "recompute":
         assert llm.engine.stats["swaps_out"] > 0
 
 

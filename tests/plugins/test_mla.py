@@ -196,16 +196,32 @@ def test_unabsorbed_sequences_picked_by_host_lengths(monkeypatch):
     from k3plugins.mla import prefill
     monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 3)
     cu = torch.tensor([0, 1, 5, 7, 10])
-    picked = prefill.sequences(((1, 9), (4, 4), (2, 30), (3, 8)), cu, 10)
+    picked = prefill.sequences(((1, 9), (4, 4), (2, 30), (3, 8)), cu, 10, 96)
     assert picked == [(1, 1, 5, 4), (3, 7, 10, 8)]
     assert prefill.other_rows(picked, 10, torch.device("cpu")).tolist() == [0, 5, 6]
     assert prefill.other_rows([(0, 0, 4, 4)], 4, torch.device("cpu")) is None  # every row picked
     assert prefill.other_rows([(0, 0, 4, 4)], 6, torch.device("cpu")).tolist() == [4, 5]
-    assert prefill.sequences(None, cu, 10) == []
+    assert prefill.sequences(None, cu, 10, 96) == []
     with pytest.raises(ValueError, match="host_seqs gives 3 sequences of 7 new tokens; the step has 4 of 10"):
-        prefill.sequences(((1, 9), (4, 4), (2, 30)), cu, 10)
+        prefill.sequences(((1, 9), (4, 4), (2, 30)), cu, 10, 96)
     with pytest.raises(ValueError, match=r"host_seqs\[1\] has 4 new tokens in a context of 3"):
-        prefill.sequences(((1, 9), (4, 3), (2, 30), (3, 8)), cu, 10)
+        prefill.sequences(((1, 9), (4, 3), (2, 30), (3, 8)), cu, 10, 96)
+
+
+@pytest.mark.parametrize("heads, least", [(1, 128), (6, 128), (16, 128), (17, 192), (48, 192), (64, 192),
+                                          (65, 256), (96, 256), (128, 256)])
+def test_fewer_heads_take_the_mha_form_from_fewer_new_tokens(heads, least, monkeypatch):
+    """min_new_tokens: the threshold a head count (FEW_HEADS_MIN_NEW_TOKENS' first row that holds it, else
+    MIN_NEW_TOKENS), never above MIN_NEW_TOKENS (the tests that lower it lower every threshold); sequences picks
+    by it."""
+    pytest.importorskip("triton")
+    from k3plugins.mla import prefill
+    assert prefill.min_new_tokens(heads) == least
+    cu = torch.tensor([0, least - 1, 2 * least - 1])
+    picked = prefill.sequences(((least - 1, 300), (least, 300)), cu, 2 * least - 1, heads)
+    assert picked == [(1, least - 1, 2 * least - 1, 300)]
+    monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 3)
+    assert prefill.min_new_tokens(heads) == 3
 
 
 @pytest.mark.parametrize("heads,rows,sms,block", [(6, 256, 132, (64, 4)), (16, 512, 132, (64, 4)),

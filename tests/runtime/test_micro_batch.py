@@ -13,7 +13,6 @@ from k3build.memory import kda_state_bytes, kv_bytes_per_token, weight_bytes
 from k3runtime.kv_cache import CacheTensors
 from k3runtime.loader import load_rank
 from k3runtime.micro_batch import RIDGE_FLOP_PER_BYTE, StageCost, micro_batch_count, split
-from k3runtime.rank_runner import cache_config
 from k3runtime.scheduler import ScheduledItem
 
 
@@ -83,7 +82,7 @@ def test_stage_cost_reads_the_rank(k3_tiny_ckpt, tmp_path):
     scales, the rest dense; the cache terms are its local layers' (one MLA, four KDA)."""
     engine_dir = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=Mapping(pp_size=2))
     engine = load_rank(engine_dir, 0, "cpu")
-    cache = cache_config(engine, num_pages=4, num_slots=2)
+    cache = engine.cache_config(num_pages=4, num_slots=2)
     cost = StageCost.from_engine(engine.weights, engine.config["pretrained_config"], cache)
     nbytes = {n: t.numel() * t.element_size() for n, t in engine.weights.items()}
     experts = sum(b for n, b in nbytes.items() if n.split(".")[-1] in ("w13", "w2", "w13_scale", "w2_scale"))

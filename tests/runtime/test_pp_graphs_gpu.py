@@ -23,7 +23,7 @@ from engines import build_engine  # noqa: E402
 from k3build.mapping import Mapping  # noqa: E402
 from k3runtime.executor import Communicator  # noqa: E402
 from k3runtime.loader import load_rank  # noqa: E402
-from k3runtime.rank_runner import RankRunner, Step, cache_config  # noqa: E402
+from k3runtime.rank_runner import RankRunner, Step  # noqa: E402
 from k3runtime.scheduler import ScheduledItem  # noqa: E402
 
 PAGES, SLOTS = 8, 4
@@ -58,7 +58,7 @@ def _runners(engine_dir, world: int, cuda_graphs: bool) -> list[RankRunner]:
     runners = []
     for rank in range(world):
         engine = load_rank(engine_dir, rank, "cuda")
-        runners.append(RankRunner(engine, cache_config(engine, num_pages=PAGES + 1, num_slots=SLOTS + 1), pipe,
+        runners.append(RankRunner(engine, engine.cache_config(num_pages=PAGES + 1, num_slots=SLOTS + 1), pipe,
                                   spare=(PAGES, SLOTS), cuda_graphs=cuda_graphs))
     return runners
 

@@ -65,6 +65,9 @@ def test_parameters_become_engine_options(tmp_path):
     assert (opts.device, opts.num_pages, opts.max_num_seqs, opts.async_scheduling) == ("cuda", 7, 3, False)
     assert (opts.preemption_mode, opts.num_host_pages, opts.num_host_slots) == ("swap", 4, 2)
     assert engine_options({"async_scheduling": "True"}).async_scheduling is True
+    txt = config_pbtxt("k3", tmp_path, decoupled=True, preemption_mode="swap", swap_space_gib=0.5)
+    params = dict(re.findall(r'key: "(\w+)"\n  value: \{ string_value: "([^"]*)" \}', txt))
+    assert engine_options(params).swap_space_gib == 0.5
     txt = config_pbtxt("k3", tmp_path, decoupled=True, verify_weights=True)
     params = dict(re.findall(r'key: "(\w+)"\n  value: \{ string_value: "([^"]*)" \}', txt))
     assert engine_options(params).verify_weights is True and engine_options({}).verify_weights is False
@@ -74,6 +77,7 @@ def test_parameters_become_engine_options(tmp_path):
                      ({"num_pages": "0"}, "parameter num_pages must be an integer >= 1, got '0'"),
                      ({"num_slots": "\u00b2"}, "parameter num_slots must be an integer >= 1"),
                      ({"num_host_pages": "-1"}, "parameter num_host_pages must be an integer >= 0, got '-1'"),
+                     ({"swap_space_gib": "-0.5"}, "parameter swap_space_gib must be a number > 0, got '-0.5'"),
                      ({"preemption_mode": "drop"}, "parameter preemption_mode must be one of recompute, swap"),
                      ({"preemption_mode": "swap"}, "parameters: preemption_mode 'swap' needs a host store")]:
         with pytest.raises(ValueError, match=why):

@@ -1,6 +1,6 @@
 """The MLA prefill rows (bench_mla_prefill): the standard PREFILL_CASES, then short chunks at 96, 16 and 6 heads (a
 TP16 rank's) around MIN_NEW_TOKENS (256; the FLOP break-even about 170). JSON lines on stdout. `--short`: the short
-chunks only."""
+chunks only; `--rows C,N,H ...`: these rows only (cached, new tokens, heads)."""
 import json
 import sys
 from pathlib import Path
@@ -17,5 +17,9 @@ SHORT = ((2048, 128, 96), (2048, 192, 96), (8192, 192, 96), (2048, 256, 16), (20
 tflops = mma_tflops()
 print(json.dumps({"mma_tflops": round(tflops, 1)}))
 gen = torch.Generator(device="cuda").manual_seed(0)
-for cached, chunk, H in (SHORT if "--short" in sys.argv else PREFILL_CASES + SHORT):
+if "--rows" in sys.argv:
+    rows = [tuple(map(int, r.split(","))) for r in sys.argv[sys.argv.index("--rows") + 1:]]
+else:
+    rows = SHORT if "--short" in sys.argv else PREFILL_CASES + SHORT
+for cached, chunk, H in rows:
     bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
