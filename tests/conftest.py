@@ -41,11 +41,17 @@ def k3_tiny_engine(k3_tiny_ckpt, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def mha_prefill_calls(monkeypatch) -> list[int]:
-    """The query rows of each call of the MLA's un-absorbed prefill (k3plugins.mla.prefill.mha_prefill), which still
-    runs: the list fills as the mixers call it."""
+    """The query rows of each sequence the MLA's un-absorbed prefill attends (k3plugins.mla.prefill: mha_prefill's
+    calls, and each sequence of mha_prefill_varlen's), which still runs: the list fills as the mixers call them."""
     prefill = pytest.importorskip("k3plugins.mla.prefill")
-    calls, run = [], prefill.mha_prefill
+    calls, run, run_varlen = [], prefill.mha_prefill, prefill.mha_prefill_varlen
     monkeypatch.setattr(prefill, "mha_prefill", lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1])
+
+    def varlen(q, kv_cache, page_table, group, *a, **k):
+        calls.extend(end - start for _, start, end, _ in group)
+        return run_varlen(q, kv_cache, page_table, group, *a, **k)
+
+    monkeypatch.setattr(prefill, "mha_prefill_varlen", varlen)
     return calls
 
 

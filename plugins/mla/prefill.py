@@ -22,6 +22,7 @@ import triton.language as tl
 
 from k3plugins.pdl import pdl, pdl_prologue
 from k3plugins.sm_count import sm_count
+from k3plugins.step_scope import per_step
 
 # a sequence with at least this many new tokens in a step takes the MHA form. On an H100 (BENCHMARKS.md, the
 # mla_prefill rows, fiftieth session) against the best absorbed kernel at 96 heads: 256 new tokens after 2048 cached
@@ -91,16 +92,30 @@ def mha_prefill_kernel(q_ptr, k_ptr, kpe_ptr, v_ptr, o_ptr, prev_ptr, lse_ptr, T
                        stride_oh, stride_prt, stride_prh, stride_lt, DN: tl.constexpr, DR: tl.constexpr,
                        DV: tl.constexpr, BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, HAS_PREV: tl.constexpr, SPLIT: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, blocks_ptr=None, VARLEN: tl.constexpr = False):
     """One head and BM query rows of one sequence (absolute positions q_pos0 + row) against keys
     k_pos0 ... k_pos0 + P - 1 of it, causal. q: [T, H, DN + DR] (nope | pe); k: [P, H, DN]; kpe: [P, DR], one for
     every head; v: [P, H, DV]. o [T, H, DV] (any float dtype) and lse [T, H] fp32 (log2 units): written, or with
     HAS_PREV merged with what an earlier piece of the same context left in prev [T, H, DV] fp32 and lse (prev may be
-    o itself)."""
+    o itself).
+    VARLEN: several sequences, each whole context one piece (T, q_pos0, k_pos0 and P unused): the grid's second
+    dimension runs over blocks_ptr's rows, int32 [blocks, 5] (the block's sequence's first row in q / o / lse, its
+    new tokens, its context length, its first key in k / kpe / v, the block's index in the sequence)."""
     pdl_prologue(PDL)
     # every head's last rows (the most keys) start first: heads are the grid's fastest dimension, rows reversed
     h = tl.program_id(0).to(tl.int64)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    if VARLEN:  # the host ordered the blocks, most keys first
+        block = blocks_ptr + tl.program_id(1) * 5
+        q_start, T, P, k_start, pid_m = (tl.load(block).to(tl.int64), tl.load(block + 1), tl.load(block + 2),
+                                         tl.load(block + 3).to(tl.int64), tl.load(block + 4))
+        q_pos0, k_pos0 = P - T, 0
+        q_ptr += q_start * stride_qt
+        o_ptr += q_start * stride_ot
+        lse_ptr += q_start * stride_lt
+        k_ptr += k_start * stride_kt
+        kpe_ptr += k_start * stride_pt
+        v_ptr += k_start * stride_vt
     rows = pid_m * BM + tl.arange(0, BM)
     r_ok = rows < T
     q_pos = q_pos0 + rows
@@ -230,6 +245,93 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
             DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm, BN=block_n,
             HAS_PREV=k0 > 0, SPLIT=SPLIT_DIAGONAL if split is None else split, num_warps=num_warps or NUM_WARPS,
             num_stages=num_stages, **pdl(q))
+
+
+def attend_sequences(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                     picked: list[tuple[int, int, int, int]], w_uk: torch.Tensor, w_uv: torch.Tensor, *,
+                     scale: float, out: torch.Tensor) -> None:
+    """Every picked sequence (sequences()'s list) attended in the MHA form into its rows of `out`: consecutive
+    sequences whose whole contexts fit one piece together share a launch (mha_prefill_varlen: one gather, one
+    up-projection GEMM each for keys and values, one kernel), a sequence alone or whose context takes several
+    pieces runs mha_prefill. q: [T, H, nope + rope] the step's queries; page_table: [B, max_pages]."""
+    H, nope, vd = q.shape[1], w_uk.shape[1], w_uv.shape[2]
+    page = kv_cache.shape[1]
+    q = q.to(kv_cache.dtype)
+    for group in launch_groups(picked, page, key_piece(H, nope, vd, kv_cache.element_size())):
+        if len(group) == 1:
+            n, start, end, context = group[0]
+            mha_prefill(q[start:end], kv_cache, page_table[n], context, w_uk, w_uv, scale=scale, out=out[start:end])
+        else:
+            mha_prefill_varlen(q, kv_cache, page_table, group, w_uk, w_uv, scale=scale, out=out)
+
+
+def launch_groups(picked: list[tuple[int, int, int, int]], page: int,
+                  piece: int) -> list[list[tuple[int, int, int, int]]]:
+    """The picked sequences, in order, cut into launches: as many consecutive ones as have their contexts' whole
+    pages within `piece` keys together; a context over a piece alone (mha_prefill takes it in pieces)."""
+    groups, keys = [], piece + 1  # keys of the open group (over a piece: none open)
+    for seq in picked:
+        need = triton.cdiv(seq[3], page) * page
+        if keys + need <= piece:
+            groups[-1].append(seq)
+            keys += need
+        else:
+            groups.append([seq])
+            keys = need  # a context over a piece leaves its group closed
+    return groups
+
+
+def _varlen_layout(group: list[tuple[int, int, int, int]], page_table: torch.Tensor, page: int, bm: int):
+    """(the group's pages in the order their keys are laid out, int64 on the device; its blocks, int32 [blocks, 5]
+    on the device, most keys first). From the host's lengths: device slices and one copy from page-locked memory,
+    no sync."""
+    pages, blocks, k_start = [], [], 0
+    for n, start, end, context in group:
+        used = triton.cdiv(context, page)
+        pages.append(page_table[n, :used])
+        new = end - start
+        for m in range(triton.cdiv(new, bm)):
+            seen = context - new + min((m + 1) * bm, new)  # keys the block's last row sees
+            blocks.append((seen, (start, new, context, k_start, m)))
+        k_start += used * page
+    blocks.sort(key=lambda b: -b[0])
+    table = torch.tensor([b[1] for b in blocks], dtype=torch.int32)
+    if page_table.is_cuda:
+        table = table.pin_memory().to(page_table.device, non_blocking=True)
+    return torch.cat(pages).long(), table
+
+
+def mha_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                       group: list[tuple[int, int, int, int]], w_uk: torch.Tensor, w_uv: torch.Tensor, *,
+                       scale: float, out: torch.Tensor, block_n: int = 64, num_stages: int = 3) -> None:
+    """mha_prefill for several sequences at once (group: sequences()'s tuples), each whole context in one piece
+    (launch_groups'): the contexts' pages gathered and up-projected together, one kernel over all their query
+    blocks. q: [T, H, nope + rope] the step's queries in the cache's dtype; out: [T, H, v] (the group's rows
+    written). The layout is made once a step (per_step) for the MLA layers that follow."""
+    T, H, _ = q.shape
+    _, nope, r = w_uk.shape
+    vd = w_uv.shape[2]
+    page, width = kv_cache.shape[1], kv_cache.shape[2]
+    rope = width - r
+    if out.stride(-1) != 1:
+        raise ValueError("mha_prefill_varlen: out needs unit column strides")
+    rows_new = sum(end - start for _, start, end, _ in group)
+    block_m, num_warps = query_block(H, rows_new, sm_count(q.device))
+    bm = min(block_m, max(16, triton.next_power_of_2(max(end - start for _, start, end, _ in group))))
+    pages, blocks = per_step(f"mla_varlen:{group[0][0]}:{bm}", (page_table,),
+                             lambda pt: _varlen_layout(group, pt, page, bm))
+    rows = kv_cache.index_select(0, pages).view(-1, width)                                   # [keys, r + rope]
+    k = (rows[:, :r] @ w_uk.to(kv_cache.dtype).reshape(H * nope, r).t()).view(-1, H, nope)
+    v = (rows[:, :r] @ w_uv.to(kv_cache.dtype).transpose(0, 1).reshape(r, H * vd)).view(-1, H, vd)
+    kpe = rows[:, r:]
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    mha_prefill_kernel[(H, blocks.shape[0])](
+        q, k, kpe, v, out, out, lse, T, 0, 0, 0, float(scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        kpe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), DN=nope, DR=rope, DV=vd, BDN=_block(nope), BDR=_rope_block(rope), BDV=_block(vd), BM=bm,
+        BN=block_n, HAS_PREV=False, SPLIT=SPLIT_DIAGONAL, num_warps=num_warps, num_stages=num_stages,
+        blocks_ptr=blocks, VARLEN=True, **pdl(q))
 
 
 def min_new_tokens(num_heads: int) -> int:

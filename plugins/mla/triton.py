@@ -364,9 +364,7 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     rest = prefill.other_rows(unabsorbed, T, x.device)
     if rest is not None:
         o.index_copy_(0, rest, absorbed(rest).transpose(0, 1))
-    for n, start, end, context in unabsorbed:
-        prefill.mha_prefill(q[start:end].to(kv_cache.dtype), kv_cache, page_table[n], context, w_uk, w_uv,
-                            scale=scale, out=o[start:end])
+    prefill.attend_sequences(q, kv_cache, page_table, unabsorbed, w_uk, w_uv, scale=scale, out=o)
     return dense(gate_heads(o.transpose(0, 1), gate), o_weight)
 
 

@@ -208,6 +208,21 @@ def test_unabsorbed_sequences_picked_by_host_lengths(monkeypatch):
         prefill.sequences(((1, 9), (4, 3), (2, 30), (3, 8)), cu, 10, 96)
 
 
+def test_launch_groups_share_a_piece():
+    """attend_sequences' launches: consecutive sequences while their contexts' whole pages fit one piece, a
+    context over a piece alone (mha_prefill takes it in pieces); order kept."""
+    pytest.importorskip("triton")
+    from k3plugins.mla import prefill
+    seqs = [(0, 0, 200, 200), (1, 200, 400, 300), (3, 401, 900, 1000), (4, 900, 1000, 130), (5, 1000, 1100, 100)]
+    # pages of 64: 4, 5, 16, 3 and 2 pages' keys (256, 320, 1024, 192, 128)
+    assert [[s[0] for s in g] for g in prefill.launch_groups(seqs, 64, 1024)] == [[0, 1], [3], [4, 5]]
+    assert [[s[0] for s in g] for g in prefill.launch_groups(seqs, 64, 640)] == [[0, 1], [3], [4, 5]]
+    assert [[s[0] for s in g] for g in prefill.launch_groups(seqs, 64, 575)] == [[0], [1], [3], [4, 5]]
+    assert [[s[0] for s in g] for g in prefill.launch_groups(seqs, 64, 1 << 20)] == [[0, 1, 3, 4, 5]]
+    assert [[s[0] for s in g] for g in prefill.launch_groups(seqs, 64, 1)] == [[0], [1], [3], [4], [5]]
+    assert prefill.launch_groups([], 64, 1024) == []
+
+
 @pytest.mark.parametrize("heads, least", [(1, 128), (6, 128), (16, 128), (17, 192), (48, 192), (64, 192),
                                           (65, 256), (96, 256), (128, 256)])
 def test_fewer_heads_take_the_mha_form_from_fewer_new_tokens(heads, least, monkeypatch):

@@ -251,3 +251,22 @@ def test_mixer_unabsorbed_prefill_matches_reference(H, tactic, pieces, monkeypat
     assert mha_prefill_calls == [300]
     assert _rel(o1, o2) < 2e-2
     assert _rel(c1, c2) < 1e-2
+
+
+@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
+def test_mixer_unabsorbed_sequences_share_a_launch(H, tactic, monkeypatch, mha_prefill_calls):
+    """Three prefill chunks in the un-absorbed form (300 after 400 cached, 200 after 30, 150 fresh: their contexts
+    fit one piece) go in one mha_prefill_varlen launch, beside absorbed decode tokens, bf16, against the fp32
+    reference, with no device->host sync (its block table comes from the host's lengths, copied from page-locked
+    memory)."""
+    from k3plugins.mla import prefill
+    monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 128)  # 96 heads: 200 and 150 take the form too
+    monkeypatch.setattr(prefill, "mha_prefill", lambda *a, **k: pytest.fail("a sequence launched alone"))
+    none = [-1] * 11
+    pages = [[0, 1, 2, 3, 4] + none[:6], list(range(5, 16)), [16] + none[:10], [17, 18, 19, 20] + none[:7],
+             [21, 22, 23] + none[:8]]
+    (o1, c1), (o2, c2) = _mixer_step(H, tactic, [1, 300, 1, 200, 150], [300, 700, 1, 230, 150], pages, 24,
+                                     host_seqs=True, no_sync=True)
+    assert mha_prefill_calls == [300, 200, 150]
+    assert _rel(o1, o2) < 2e-2
+    assert _rel(c1, c2) < 1e-2

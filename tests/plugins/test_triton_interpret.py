@@ -192,9 +192,17 @@ def _mla_unabsorbed_cases(mla):
     chunk's first rows precede the last piece, so its merge keeps what they had), an odd v width, a rope part
     under an MMA's 16 and one over it. `calls`: the un-absorbed sequences (the others went the absorbed way)."""
     from k3plugins.mla import prefill
-    calls, run = [], prefill.mha_prefill
+    calls, groups, run, run_varlen = [], [], prefill.mha_prefill, prefill.mha_prefill_varlen
     knobs = (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL)
     prefill.mha_prefill = lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1]
+
+    def varlen(q, cache, pages, group, *a, **k):
+        rows = [end - start for _, start, end, _ in group]
+        calls.extend(rows)
+        groups.append(rows)
+        return run_varlen(q, cache, pages, group, *a, **k)
+
+    prefill.mha_prefill_varlen = varlen
     res = {}
     try:
         prefill.MIN_NEW_TOKENS = 8
@@ -202,12 +210,16 @@ def _mla_unabsorbed_cases(mla):
         for name, dims, piece_bytes, split in (("one-piece", (16, 8, 16), 1 << 30, False),
                                                ("pieces", (16, 8, 16), 1, False), ("odd-v", (8, 16, 24), 1, False),
                                                ("one-piece-split", (16, 8, 16), 1 << 30, True),
+                                               ("one-piece-odd-v", (8, 16, 24), 1 << 30, True),
                                                ("pieces-split", (8, 16, 24), 1, True)):
             prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL = piece_bytes, split
             calls.clear()
-            res[f"mla-unabsorbed-{name}"] = {**_mla_mixer_case(mla, dims, **step), "calls": list(calls)}
+            groups.clear()
+            res[f"mla-unabsorbed-{name}"] = {**_mla_mixer_case(mla, dims, **step), "calls": list(calls),
+                                             "varlen": list(groups)}
     finally:
-        prefill.mha_prefill, (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL) = run, knobs
+        prefill.mha_prefill, prefill.mha_prefill_varlen = run, run_varlen
+        (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL) = knobs
     return res
 
 
@@ -783,12 +795,14 @@ def test_mla_mixer_interpreted(results, case):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("case", ["one-piece", "pieces", "odd-v", "one-piece-split", "pieces-split"])
+@pytest.mark.parametrize("case", ["one-piece", "pieces", "odd-v", "one-piece-split", "one-piece-odd-v", "pieces-split"])
 def test_mla_unabsorbed_prefill_interpreted(results, case):
     """The two prefill sequences (40 and 20 new tokens) in the un-absorbed form, the decode token absorbed: the
-    whole step equal to the reference (split: the keys every row of a block sees first, unmasked)."""
+    whole step equal to the reference (split: the keys every row of a block sees first, unmasked). With one piece
+    both go in one launch (mha_prefill_varlen); in pieces each alone."""
     r = results[f"mla-unabsorbed-{case}"]
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6 and r["calls"] == [40, 20], r
+    assert r["varlen"] == ([[40, 20]] if case.startswith("one-piece") else []), r
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one-piece", "pieces"])

@@ -15,6 +15,8 @@ SCALE = 192 ** -0.5
 FLOPS_PER_HEAD_TOKEN = 2 * (576 + 512)
 # prefill chunks (cached, new tokens, heads): long after a long context, a fresh prompt's, a short one, at TP's 16 heads
 PREFILL_CASES = ((8192, 2048, 96), (0, 512, 96), (2048, 256, 96), (8192, 2048, 16))
+# several sequences' chunks in one step (sequences, cached, new tokens, heads): a TP16 rank's 6 heads, TP6's 16, 96
+PREFILL_MANY_CASES = ((8, 2048, 192, 6), (4, 8192, 512, 6), (8, 2048, 256, 16), (8, 0, 256, 96), (4, 512, 512, 96))
 
 
 def make_case(B: int, L: int, H: int, gen: torch.Generator):
@@ -141,6 +143,8 @@ def bench_mla(bw_tbps: float, sweep: bool) -> None:
     if not quick:
         for cached, chunk, H in PREFILL_CASES:
             bench_mla_prefill(tflops, gen, cached=cached, chunk=chunk, H=H)
+        for n, cached, chunk, H in PREFILL_MANY_CASES:
+            bench_mla_prefill_many(gen, n, cached, chunk, H)
 
 
 def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, chunk: int = 2048,
@@ -194,5 +198,57 @@ def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, c
          unabsorbed_tflops=round(flops_mha / times["unabsorbed"] / 1e9, 1),
          unabsorbed_speedup_vs_best_absorbed=round(times[best] / times["unabsorbed"], 2),
          unabsorbed_rel_l2_vs_best_absorbed=rel_l2(out.float(), outs[best]))
+    del kv
+    torch.cuda.empty_cache()
+
+
+def bench_mla_prefill_many(gen: torch.Generator, n: int, cached: int, chunk: int, H: int) -> None:
+    """n sequences' prefill chunks in one step (`chunk` new tokens after `cached` each), in the un-absorbed form:
+    one mha_prefill launch a sequence (the mixer's before) against prefill.attend_sequences (sequences whose
+    contexts fit a piece together in one mha_prefill_varlen launch), and the absorbed kernel over all their rows.
+    Timed eagerly (an un-absorbed step runs eagerly: its launches count) and from a CUDA graph (the GPU's time
+    alone); the varlen layout made once, as a step's first MLA layer makes it for the others."""
+    from k3plugins.mla import prefill
+    from k3plugins.step_scope import step_scope
+    total = cached + chunk
+    per = -(-total // PAGE)
+    nope, vd = 128, 128
+    kv = torch.randn(n * per, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    pt = torch.randperm(n * per, device="cuda", generator=gen).view(n, per).to(torch.int32)
+    q = torch.randn(n * chunk, H, nope + 64, device="cuda", generator=gen).to(torch.bfloat16)
+    w_uk = (torch.randn(H, nope, 512, device="cuda", generator=gen) * nope ** -0.5).to(torch.bfloat16)
+    w_uv = (torch.randn(H, 512, vd, device="cuda", generator=gen) * 512 ** -0.5).to(torch.bfloat16)
+    picked = [(i, i * chunk, (i + 1) * chunk, total) for i in range(n)]
+    outs = {k: torch.empty(n * chunk, H, vd, dtype=torch.bfloat16, device="cuda") for k in ("loop", "varlen")}
+
+    def loop():
+        for i, start, end, context in picked:
+            prefill.mha_prefill(q[start:end], kv, pt[i], context, w_uk, w_uv, scale=SCALE, out=outs["loop"][start:end])
+
+    def varlen():
+        prefill.attend_sequences(q, kv, pt, picked, w_uk, w_uv, scale=SCALE, out=outs["varlen"])
+
+    lens = (torch.arange(chunk, device="cuda", dtype=torch.int32) + cached + 1).repeat(n)
+    rows = torch.arange(n, device="cuda", dtype=torch.int32).repeat_interleave(chunk)
+    kern = "gluon" if torch.cuda.get_device_capability()[0] == 9 else "triton"
+
+    def absorbed():
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
+        o_lat = mla_decode_attention(q_lat, q[..., nope:], kv, pt, lens, scale=SCALE, query_seq=rows, kernel=kern)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
+
+    times = {}
+    with step_scope():
+        for name, fn in (("loop", loop), ("varlen", varlen), ("absorbed", absorbed)):
+            times[f"{name}_eager_ms"] = time_ms(fn, rep=10, graph=False)
+            times[f"{name}_graph_ms"] = time_ms(fn, rep=10)
+    groups = len(prefill.launch_groups(picked, PAGE, prefill.key_piece(H, nope, vd, 2)))
+    emit(bench="mla_prefill_many", H=H, seqs=n, cached=cached, chunk=chunk, launches=groups,
+         **{k: round(t, 4) for k, t in times.items()},
+         varlen_speedup_eager=round(times["loop_eager_ms"] / times["varlen_eager_ms"], 2),
+         varlen_speedup_graph=round(times["loop_graph_ms"] / times["varlen_graph_ms"], 2),
+         varlen_vs_absorbed_eager=round(times["absorbed_eager_ms"] / times["varlen_eager_ms"], 2),
+         rel_l2_varlen_vs_loop=rel_l2(outs["varlen"].float(), outs["loop"].float()),
+         rel_l2_varlen_vs_absorbed=rel_l2(outs["varlen"].float(), absorbed().float()))
     del kv
     torch.cuda.empty_cache()

@@ -1,0 +1,13 @@
+"""The MLA prefill of several sequences a step (bench_mla_prefill_many): one launch a sequence against
+prefill.attend_sequences' shared launches, and the absorbed kernel, at PREFILL_MANY_CASES. JSON lines on stdout."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from mla import PREFILL_MANY_CASES, bench_mla_prefill_many  # noqa: E402
+
+gen = torch.Generator(device="cuda").manual_seed(0)
+for n, cached, chunk, H in PREFILL_MANY_CASES:
+    bench_mla_prefill_many(gen, n, cached, chunk, H)
