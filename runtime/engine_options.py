@@ -170,9 +170,9 @@ def host_sizes(config: dict, options: EngineOptions) -> tuple[int, int]:
     worst = ranks[rank]
     host_pages, host_slots = budget * pages // worst.nbytes, budget * slots // worst.nbytes
     if not (host_pages and host_slots):
-        least = math.ceil(max(worst.nbytes / pages, worst.nbytes / slots) / 2**20) / 1024  # a page and a slot, in mix
+        least = math.ceil(max(worst.nbytes / pages, worst.nbytes / slots) / 2**30 * 1e4) / 1e4  # one of each
         raise ValueError(f"swap_space_gib {options.swap_space_gib} holds {host_pages} host pages and {host_slots} KDA "
                          f"slots (rank {rank}: {worst.bytes_per_page:,} B a page, {worst.bytes_per_slot:,} B a slot, "
                          f"split {pages}:{slots} as its device cache); a swapped request needs a slot and its pages: "
-                         f"give at least {least:.3f} GiB")
+                         f"give at least {least:.4f} GiB")
     return host_pages, host_slots
