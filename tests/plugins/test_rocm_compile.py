@@ -104,6 +104,11 @@ SPECS = {
                                                                    v_ptr="*bf16"),
                               dict(DN=128, DR=64, DV=128, BDN=128, BDR=64, BDV=128, BM=128, BN=64, HAS_PREV=False,
                                    SPLIT=True)),
+    # several sequences in one launch (their block table, int32)
+    "mla_mha_prefill_varlen": (mla_prefill.mha_prefill_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", kpe_ptr="*bf16",
+                                                                    v_ptr="*bf16", o_ptr="*bf16", blocks_ptr="*i32"),
+                               dict(DN=128, DR=64, DV=128, BDN=128, BDR=64, BDV=128, BM=64, BN=64, HAS_PREV=False,
+                                    SPLIT=True, VARLEN=True)),
     "mla_mha_prefill_small_rope": (mla_prefill.mha_prefill_kernel, dict(q_ptr="*bf16", k_ptr="*bf16",
                                                                         kpe_ptr="*bf16", v_ptr="*bf16"),
                                    dict(DN=16, DR=8, DV=24, BDN=16, BDR=8, BDV=32, BM=64, BN=64, HAS_PREV=False)),
