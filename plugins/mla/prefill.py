@@ -39,6 +39,10 @@ KEY_PIECE_BYTES = 256 << 20
 # the keys that every query row of a block sees attended first, without the causal mask: 3.77 -> 3.28 ms at 2048
 # after 8192 (H100)
 SPLIT_DIAGONAL = True
+# several sequences of a step in one launch where their contexts fit a piece together (attend_sequences). Off: written
+# in the fifty-second session, tested in Triton's interpreter and compiled for sm90 and gfx942 on the CPU, but no
+# GPU was lent to run it (tools/device/batch153.sh runs its GPU test and bench rows)
+SHARED_LAUNCH = False
 # query rows and warps a program: 128 in 8 warps, or 64 in 4 where 128-row blocks would leave half the SMs or more
 # idle. On an H100 (BENCHMARKS.md, fifty-first session), 64-row blocks took 0.80-0.83x the time where the 128-row
 # grid was 12-64 programs (6 or 16 heads, 256 or 512 new tokens after 2048), 0.98x at 96 programs with 2K cached
@@ -250,14 +254,16 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
 def attend_sequences(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                      picked: list[tuple[int, int, int, int]], w_uk: torch.Tensor, w_uv: torch.Tensor, *,
                      scale: float, out: torch.Tensor) -> None:
-    """Every picked sequence (sequences()'s list) attended in the MHA form into its rows of `out`: consecutive
-    sequences whose whole contexts fit one piece together share a launch (mha_prefill_varlen: one gather, one
-    up-projection GEMM each for keys and values, one kernel), a sequence alone or whose context takes several
-    pieces runs mha_prefill. q: [T, H, nope + rope] the step's queries; page_table: [B, max_pages]."""
+    """Every picked sequence (sequences()'s list) attended in the MHA form into its rows of `out`: with
+    SHARED_LAUNCH, consecutive sequences whose whole contexts fit one piece together share a launch
+    (mha_prefill_varlen: one gather, one up-projection GEMM each for keys and values, one kernel); a sequence alone
+    or whose context takes several pieces (every sequence without SHARED_LAUNCH) runs mha_prefill.
+    q: [T, H, nope + rope] the step's queries; page_table: [B, max_pages]."""
     H, nope, vd = q.shape[1], w_uk.shape[1], w_uv.shape[2]
     page = kv_cache.shape[1]
     q = q.to(kv_cache.dtype)
-    for group in launch_groups(picked, page, key_piece(H, nope, vd, kv_cache.element_size())):
+    piece = key_piece(H, nope, vd, kv_cache.element_size()) if SHARED_LAUNCH else 0
+    for group in launch_groups(picked, page, piece):
         if len(group) == 1:
             n, start, end, context = group[0]
             mha_prefill(q[start:end], kv_cache, page_table[n], context, w_uk, w_uv, scale=scale, out=out[start:end])

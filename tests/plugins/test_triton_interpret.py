@@ -193,7 +193,7 @@ def _mla_unabsorbed_cases(mla):
     under an MMA's 16 and one over it. `calls`: the un-absorbed sequences (the others went the absorbed way)."""
     from k3plugins.mla import prefill
     calls, groups, run, run_varlen = [], [], prefill.mha_prefill, prefill.mha_prefill_varlen
-    knobs = (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL)
+    knobs = (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL, prefill.SHARED_LAUNCH)
     prefill.mha_prefill = lambda q, *a, **k: (calls.append(q.shape[0]), run(q, *a, **k))[1]
 
     def varlen(q, cache, pages, group, *a, **k):
@@ -207,19 +207,22 @@ def _mla_unabsorbed_cases(mla):
     try:
         prefill.MIN_NEW_TOKENS = 8
         step = dict(new=(40, 1, 20), ctx=(150, 1, 20), pages=((3, 6, 2), (1, -1, -1), (7, -1, -1)), host_seqs=True)
-        for name, dims, piece_bytes, split in (("one-piece", (16, 8, 16), 1 << 30, False),
-                                               ("pieces", (16, 8, 16), 1, False), ("odd-v", (8, 16, 24), 1, False),
-                                               ("one-piece-split", (16, 8, 16), 1 << 30, True),
-                                               ("one-piece-odd-v", (8, 16, 24), 1 << 30, True),
-                                               ("pieces-split", (8, 16, 24), 1, True)):
-            prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL = piece_bytes, split
+        # shared: prefill.SHARED_LAUNCH (the sequences in one launch where their contexts fit a piece together)
+        for name, dims, piece_bytes, split, shared in (
+                ("one-piece", (16, 8, 16), 1 << 30, False, False), ("pieces", (16, 8, 16), 1, False, True),
+                ("odd-v", (8, 16, 24), 1, False, True), ("one-piece-split", (16, 8, 16), 1 << 30, True, False),
+                ("one-piece-shared", (16, 8, 16), 1 << 30, False, True),
+                ("one-piece-shared-split", (16, 8, 16), 1 << 30, True, True),
+                ("one-piece-shared-odd-v", (8, 16, 24), 1 << 30, True, True),
+                ("pieces-split", (8, 16, 24), 1, True, True)):
+            prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL, prefill.SHARED_LAUNCH = piece_bytes, split, shared
             calls.clear()
             groups.clear()
             res[f"mla-unabsorbed-{name}"] = {**_mla_mixer_case(mla, dims, **step), "calls": list(calls),
                                              "varlen": list(groups)}
     finally:
         prefill.mha_prefill, prefill.mha_prefill_varlen = run, run_varlen
-        (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL) = knobs
+        (prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL, prefill.SHARED_LAUNCH) = knobs
     return res
 
 
@@ -795,14 +798,15 @@ def test_mla_mixer_interpreted(results, case):
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6, r
 
 
-@pytest.mark.parametrize("case", ["one-piece", "pieces", "odd-v", "one-piece-split", "one-piece-odd-v", "pieces-split"])
+@pytest.mark.parametrize("case", ["one-piece", "pieces", "odd-v", "one-piece-split", "one-piece-shared",
+                                  "one-piece-shared-split", "one-piece-shared-odd-v", "pieces-split"])
 def test_mla_unabsorbed_prefill_interpreted(results, case):
     """The two prefill sequences (40 and 20 new tokens) in the un-absorbed form, the decode token absorbed: the
-    whole step equal to the reference (split: the keys every row of a block sees first, unmasked). With one piece
-    both go in one launch (mha_prefill_varlen); in pieces each alone."""
+    whole step equal to the reference (split: the keys every row of a block sees first, unmasked). shared
+    (SHARED_LAUNCH) with one piece: both in one launch (mha_prefill_varlen); else, and in pieces, each alone."""
     r = results[f"mla-unabsorbed-{case}"]
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6 and r["calls"] == [40, 20], r
-    assert r["varlen"] == ([[40, 20]] if case.startswith("one-piece") else []), r
+    assert r["varlen"] == ([[40, 20]] if case.startswith("one-piece-shared") else []), r
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one-piece", "pieces"])

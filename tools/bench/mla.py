@@ -226,7 +226,11 @@ def bench_mla_prefill_many(gen: torch.Generator, n: int, cached: int, chunk: int
             prefill.mha_prefill(q[start:end], kv, pt[i], context, w_uk, w_uv, scale=SCALE, out=outs["loop"][start:end])
 
     def varlen():
-        prefill.attend_sequences(q, kv, pt, picked, w_uk, w_uv, scale=SCALE, out=outs["varlen"])
+        shared, prefill.SHARED_LAUNCH = prefill.SHARED_LAUNCH, True
+        try:
+            prefill.attend_sequences(q, kv, pt, picked, w_uk, w_uv, scale=SCALE, out=outs["varlen"])
+        finally:
+            prefill.SHARED_LAUNCH = shared
 
     lens = (torch.arange(chunk, device="cuda", dtype=torch.int32) + cached + 1).repeat(n)
     rows = torch.arange(n, device="cuda", dtype=torch.int32).repeat_interleave(chunk)
