@@ -98,6 +98,10 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
     click.echo(f"k3runtime serve: async scheduling {'on' if ae.engine.options.async_scheduling else 'off'}"
                f"{'' if flags['async_scheduling'] is not None else ' (the default for this engine and device)'}",
                err=True)
+    if ae.engine.options.preemption_mode == "swap":
+        sched = ae.engine.scheduler
+        click.echo(f"k3runtime serve: preempted requests swap to a host store of {sched.host_page_pool.num_pages} "
+                   f"pages and {sched.host_slot_pool.num_slots} KDA slots a rank", err=True)
     if ae.engine.runner.graphs_off:
         click.echo(f"k3runtime serve: decode steps run eagerly, not from CUDA graphs: {ae.engine.runner.graphs_off}",
                    err=True)

@@ -17,6 +17,7 @@ from liveness import free_port, wait_healthy
 
 from k3runtime.dist.weight_store import shm_dir_for
 from k3runtime.dist.weight_store_client import WeightStoreError, store_status
+from k3runtime.engine_options import EngineOptions, host_sizes
 
 MODEL = "k3-tiny"
 
@@ -62,7 +63,8 @@ def test_serve_attaches_the_weight_store_and_binds_loopback(tiny_engine, tmp_pat
         env = {k: v for k, v in os.environ.items() if k != "K3_WEIGHT_STORE_CONFIG"}
         serve = subprocess.Popen([sys.executable, "-m", "k3runtime.cli", "serve", str(tiny_engine), "--port", str(port),
                                   "--model-name", MODEL, "--max-tokens-limit", "8", "--log-level", "warning",
-                                  "--distributed-weight-config", str(cfg)],
+                                  "--distributed-weight-config", str(cfg), "--preemption-mode", "swap",
+                                  "--swap-space-gib", "0.01"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         wait_healthy(serve, port)
         # the rank's weights are the store's shared copy, mapped, not a read of rank0/weights.safetensors
@@ -81,8 +83,12 @@ def test_serve_attaches_the_weight_store_and_binds_loopback(tiny_engine, tmp_pat
         store.send_signal(signal.SIGTERM)
         store.communicate(timeout=30)
     assert store.returncode == 0 and not shm_dir_for(name).exists()
-    # the mode it runs in, said at start-up
-    assert "async scheduling off (the default for this engine and device)" in serve.stderr.read()
+    # the modes it runs in, said at start-up: the host store as many pages and slots as --swap-space-gib holds
+    said = serve.stderr.read()
+    assert "async scheduling off (the default for this engine and device)" in said
+    pages, slots = host_sizes(json.loads((tiny_engine / "config.json").read_text()),
+                              EngineOptions(preemption_mode="swap", swap_space_gib=0.01))
+    assert f"preempted requests swap to a host store of {pages} pages and {slots} KDA slots a rank" in said, said
 
 
 def test_serve_with_a_dead_store_is_a_clear_startup_error(tiny_engine, tmp_path):
