@@ -19,6 +19,16 @@ PREFILL_CASES = ((8192, 2048, 96), (0, 512, 96), (2048, 256, 96), (8192, 2048, 1
 PREFILL_MANY_CASES = ((8, 2048, 192, 6), (4, 8192, 512, 6), (8, 2048, 256, 16), (8, 0, 256, 96), (4, 512, 512, 96))
 
 
+def prefill_inputs(gen: torch.Generator, num_pages: int, rows: int, H: int, nope: int = 128, vd: int = 128):
+    """A prefill's tensors on the GPU, bf16: the cache's pages [num_pages, PAGE, 576], `rows` queries [rows, H,
+    nope + 64], w_uk [H, nope, 512] and w_uv [H, 512, vd]."""
+    kv = torch.randn(num_pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(rows, H, nope + 64, device="cuda", generator=gen).to(torch.bfloat16)
+    w_uk = (torch.randn(H, nope, 512, device="cuda", generator=gen) * nope ** -0.5).to(torch.bfloat16)
+    w_uv = (torch.randn(H, 512, vd, device="cuda", generator=gen) * 512 ** -0.5).to(torch.bfloat16)
+    return kv, q, w_uk, w_uv
+
+
 def make_case(B: int, L: int, H: int, gen: torch.Generator):
     pages = B * L // PAGE
     kv = torch.randn(pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
@@ -159,11 +169,8 @@ def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, c
     total = cached + chunk
     pages = total // PAGE
     nope, vd = 128, 128
-    kv = torch.randn(pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    kv, q, w_uk, w_uv = prefill_inputs(gen, pages, chunk, H, nope, vd)
     pt = torch.randperm(pages, device="cuda", generator=gen).view(1, pages).to(torch.int32)
-    q = torch.randn(chunk, H, nope + 64, device="cuda", generator=gen).to(torch.bfloat16)
-    w_uk = (torch.randn(H, nope, 512, device="cuda", generator=gen) * nope ** -0.5).to(torch.bfloat16)
-    w_uv = (torch.randn(H, 512, vd, device="cuda", generator=gen) * 512 ** -0.5).to(torch.bfloat16)
     lens = torch.arange(cached + 1, total + 1, dtype=torch.int32, device="cuda")  # causal: up to its own position
     rows = torch.zeros(chunk, dtype=torch.int32, device="cuda")  # every row reads the sequence's page-table row
     pairs = lens.sum().item()
@@ -213,11 +220,8 @@ def bench_mla_prefill_many(gen: torch.Generator, n: int, cached: int, chunk: int
     total = cached + chunk
     per = -(-total // PAGE)
     nope, vd = 128, 128
-    kv = torch.randn(n * per, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    kv, q, w_uk, w_uv = prefill_inputs(gen, n * per, n * chunk, H, nope, vd)
     pt = torch.randperm(n * per, device="cuda", generator=gen).view(n, per).to(torch.int32)
-    q = torch.randn(n * chunk, H, nope + 64, device="cuda", generator=gen).to(torch.bfloat16)
-    w_uk = (torch.randn(H, nope, 512, device="cuda", generator=gen) * nope ** -0.5).to(torch.bfloat16)
-    w_uv = (torch.randn(H, 512, vd, device="cuda", generator=gen) * 512 ** -0.5).to(torch.bfloat16)
     picked = [(i, i * chunk, (i + 1) * chunk, total) for i in range(n)]
     outs = {k: torch.empty(n * chunk, H, vd, dtype=torch.bfloat16, device="cuda") for k in ("loop", "varlen")}
 

@@ -10,19 +10,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import rel_l2, time_ms  # noqa: E402
 from k3plugins.mla import prefill  # noqa: E402
+from mla import PAGE, SCALE, prefill_inputs  # noqa: E402
 
-PAGE, SCALE = 64, 192 ** -0.5
 CONFIGS = ((128, 8), (64, 4), (64, 8), (32, 4))
 gen = torch.Generator(device="cuda").manual_seed(0)
 for H in (6, 16, 96):
     for cached, chunk in ((2048, 256), (2048, 512), (2048, 2048), (8192, 2048)):
         total = cached + chunk
         pages = total // PAGE
-        kv = torch.randn(pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
+        kv, q, w_uk, w_uv = prefill_inputs(gen, pages, chunk, H)
         pt = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)
-        q = torch.randn(chunk, H, 192, device="cuda", generator=gen).to(torch.bfloat16)
-        w_uk = (torch.randn(H, 128, 512, device="cuda", generator=gen) * 128 ** -0.5).to(torch.bfloat16)
-        w_uv = (torch.randn(H, 512, 128, device="cuda", generator=gen) * 512 ** -0.5).to(torch.bfloat16)
         rec, outs = dict(bench="mha_prefill_blocks", H=H, cached=cached, chunk=chunk), {}
         for bm, nw in CONFIGS:
             out = torch.empty(chunk, H, 128, dtype=torch.bfloat16, device="cuda")
