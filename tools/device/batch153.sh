@@ -1,4 +1,4 @@
-# Hundred-and-fifty-third device batch (fifty-second session; batch152 reordered for a short budget): the MHA
+# Hundred-and-fifty-third device batch (fifty-second session; not yet run, no device came in time): the MHA
 # prefill of several sequences in one launch first (the mixer's un-absorbed GPU tests, the bench rows against one
 # launch a sequence), then on an H200 the MoE decode section if time is left. Carry .whl.
 source tools/device/env.sh
