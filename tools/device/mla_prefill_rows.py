@@ -1,7 +1,7 @@
 """The MLA prefill rows (bench_mla_prefill): the standard PREFILL_CASES, then short chunks at 96, 16 and 6 heads (a
 TP16 rank's) around the MHA form's thresholds (prefill.min_new_tokens: 128 to 256 new tokens by heads; the FLOP
-break-even about 170). JSON lines on stdout. `--short`: the short
-chunks only; `--rows C,N,H ...`: these rows only (cached, new tokens, heads)."""
+break-even about 170). JSON lines on stdout. `--short`: the short chunks only; `--rows C,N,H ...`: these rows only
+(cached, new tokens, heads)."""
 import json
 import sys
 from pathlib import Path
