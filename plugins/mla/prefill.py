@@ -31,9 +31,12 @@ from k3plugins.step_scope import per_step
 MIN_NEW_TOKENS = 256
 # with fewer heads a lower threshold (the least of it and MIN_NEW_TOKENS): (heads at most, new tokens at least). The
 # absorbed kernels compute a block of 64 heads whatever the count, so at few heads the MHA form wins earlier. On an
-# H100 (fifty-second session), MHA against the best absorbed: 6 and 16 heads, 128 new tokens 1.04-1.18x faster, 64
-# 0.68-0.77x; 32 and 48 heads, 192 new tokens 1.16-1.56x faster (128 not measured)
+# H100 (fifty-second session), MHA against the best absorbed after 2048 or 8192 cached: 6 and 16 heads, 128 new
+# tokens 1.04-1.29x faster, 64 0.68-0.77x; 32 and 48 heads, 192 new tokens 1.16-1.56x faster (128 not measured).
+# Only for contexts of FEW_HEADS_MIN_CONTEXT tokens or more, those measured: over a short context the absorbed
+# kernel's rows cost little, while the MHA form pays its launches and up-projection whatever the context
 FEW_HEADS_MIN_NEW_TOKENS = ((16, 128), (64, 192))
+FEW_HEADS_MIN_CONTEXT = 2048
 # the up-projected keys and values of one piece of a context at most (96 heads: about 5.4K tokens a piece)
 KEY_PIECE_BYTES = 256 << 20
 # the keys that every query row of a block sees attended first, without the causal mask: 3.77 -> 3.28 ms at 2048
@@ -340,28 +343,30 @@ def mha_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torc
         blocks_ptr=blocks, VARLEN=True, **pdl(q))
 
 
-def min_new_tokens(num_heads: int) -> int:
-    """New tokens a sequence needs in a step to take the MHA form, at num_heads heads."""
+def min_new_tokens(num_heads: int, context: int) -> int:
+    """New tokens a sequence with `context` tokens (its new ones included) needs in a step to take the MHA form,
+    at num_heads heads."""
     lower = [tokens for heads, tokens in FEW_HEADS_MIN_NEW_TOKENS if num_heads <= heads]
+    if context < FEW_HEADS_MIN_CONTEXT:
+        lower = []
     return min([MIN_NEW_TOKENS, *lower[:1]])
 
 
 def sequences(host_seqs: tuple[tuple[int, int], ...] | None, cu_seqlens: torch.Tensor, T: int,
               num_heads: int) -> list[tuple[int, int, int, int]]:
     """(sequence, first row, end row, context length) of each sequence of the step that takes the MHA form: those
-    with min_new_tokens(num_heads) new tokens or more, as the host's lengths say (none without them)."""
+    with min_new_tokens(num_heads, context) new tokens or more, as the host's lengths say (none without them)."""
     if host_seqs is None:
         return []
     if len(host_seqs) != cu_seqlens.shape[0] - 1 or sum(new for new, _ in host_seqs) != T:
         raise ValueError(f"mla_mixer: host_seqs gives {len(host_seqs)} sequences of "
                          f"{sum(new for new, _ in host_seqs)} new tokens; the step has {cu_seqlens.shape[0] - 1} of "
                          f"{T}")
-    least = min_new_tokens(num_heads)
     picked, start = [], 0
     for n, (new, context) in enumerate(host_seqs):
         if new > context:
             raise ValueError(f"mla_mixer: host_seqs[{n}] has {new} new tokens in a context of {context}")
-        if new >= least:
+        if new >= min_new_tokens(num_heads, context):
             picked.append((n, start, start + new, context))
         start += new
     return picked

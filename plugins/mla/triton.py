@@ -341,7 +341,8 @@ def mla_mixer(x: torch.Tensor, in_proj_weight: torch.Tensor, q_a_norm_weight: to
     """See reference.mla_mixer: same arguments and result, with no device->host sync (the reference checks
     page tables on the host; here every index is computed on the device). host_seqs: each sequence's (new tokens,
     context length) as the host knows them (an eager step's; None in a CUDA graph): a sequence with
-    prefill.min_new_tokens(H) new tokens or more is attended in the un-absorbed form (prefill.py), the others absorbed.
+    prefill.min_new_tokens(H, context) new tokens or more is attended in the un-absorbed form (prefill.py), the others
+    absorbed.
     decode_kernel: mla_decode_attention's kernel (the "gluon" tactic's mixer, mla_mixer_gluon, passes "gluon")."""
     T = x.shape[0]
     H, nope, rope, vd = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim

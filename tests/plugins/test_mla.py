@@ -227,16 +227,21 @@ def test_launch_groups_share_a_piece():
                                           (65, 256), (96, 256), (128, 256)])
 def test_fewer_heads_take_the_mha_form_from_fewer_new_tokens(heads, least, monkeypatch):
     """min_new_tokens: the threshold a head count (FEW_HEADS_MIN_NEW_TOKENS' first row that holds it, else
-    MIN_NEW_TOKENS), never above MIN_NEW_TOKENS (the tests that lower it lower every threshold); sequences picks
-    by it."""
+    MIN_NEW_TOKENS) for contexts of FEW_HEADS_MIN_CONTEXT tokens or more, MIN_NEW_TOKENS for shorter ones; never
+    above MIN_NEW_TOKENS (the tests that lower it lower every threshold); sequences picks by it."""
     pytest.importorskip("triton")
     from k3plugins.mla import prefill
-    assert prefill.min_new_tokens(heads) == least
-    cu = torch.tensor([0, least - 1, 2 * least - 1])
-    picked = prefill.sequences(((least - 1, 300), (least, 300)), cu, 2 * least - 1, heads)
-    assert picked == [(1, least - 1, 2 * least - 1, 300)]
+    long, short = prefill.FEW_HEADS_MIN_CONTEXT, prefill.FEW_HEADS_MIN_CONTEXT - 1
+    assert prefill.min_new_tokens(heads, long) == least
+    assert prefill.min_new_tokens(heads, short) == prefill.MIN_NEW_TOKENS
+    cu = torch.tensor([0, least - 1, 2 * least - 1, 3 * least - 1])
+    picked = prefill.sequences(((least - 1, long), (least, long), (least, short)), cu, 3 * least - 1, heads)
+    want = [(1, least - 1, 2 * least - 1, long)]
+    if least == prefill.MIN_NEW_TOKENS:  # the short context's threshold too
+        want.append((2, 2 * least - 1, 3 * least - 1, short))
+    assert picked == want
     monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 3)
-    assert prefill.min_new_tokens(heads) == 3
+    assert prefill.min_new_tokens(heads, long) == prefill.min_new_tokens(heads, short) == 3
 
 
 @pytest.mark.parametrize("heads,rows,sms,block", [(6, 256, 132, (64, 4)), (16, 512, 132, (64, 4)),

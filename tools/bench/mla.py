@@ -16,7 +16,7 @@ FLOPS_PER_HEAD_TOKEN = 2 * (576 + 512)
 # prefill chunks (cached, new tokens, heads): long after a long context, a fresh prompt's, a short one, at TP's 16 heads
 PREFILL_CASES = ((8192, 2048, 96), (0, 512, 96), (2048, 256, 96), (8192, 2048, 16))
 # several sequences' chunks in one step (sequences, cached, new tokens, heads): a TP16 rank's 6 heads, TP6's 16, 96;
-# 128 new tokens at 6 and 16 heads: min_new_tokens' edge there, placed by one sequence's rows alone
+# 128 new tokens after 2048 at 6 and 16 heads: min_new_tokens' edge there, placed by one sequence's rows alone
 PREFILL_MANY_CASES = ((8, 2048, 128, 6), (8, 2048, 192, 6), (4, 8192, 512, 6), (8, 2048, 128, 16),
                       (8, 2048, 256, 16), (8, 0, 256, 96), (4, 512, 512, 96))
 
