@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 from k3build.mapping import Mapping
 from k3runtime.engine_options import EngineOptions, check_build_limits, host_sizes
@@ -97,3 +98,21 @@ def test_generate_takes_swap_space_gib(k3_tiny_engine, monkeypatch):
     assert bad.exit_code != 0 and "--swap-space-gib" in bad.output
     bad = CliRunner().invoke(main, [*args, "--preemption-mode", "swap", "--swap-space-gib", "1e-7"])
     assert bad.exit_code != 0 and "--swap-space-gib 1e-07 holds" in bad.output, bad.output
+
+
+@pytest.mark.parametrize("mapping, share", [(Mapping(tp_size=2), 2), (Mapping(tp_size=2, attention_dp=True), 1)],
+                         ids=["tp2", "tp2-attention-dp"])
+def test_each_rank_holds_its_share_of_the_kda_heads(k3_tiny_ckpt, tmp_path, mapping, share):
+    """Under tensor parallelism a rank's KDA slots hold its share of the heads; attention-DP ranks hold them all:
+    the bytes a slot that the budget is split by are the ones the rank allocates (its CacheTensors)."""
+    from k3runtime.kv_cache import CacheTensors
+
+    engine_dir = build_engine(k3_tiny_ckpt, tmp_path / "engine", mapping=mapping)
+    config = json.loads((engine_dir / "config.json").read_text())
+    for rank in range(2):
+        c = CacheConfig.for_rank(config, rank, num_pages=2, num_slots=3)
+        assert c.kda_num_heads * share == config["pretrained_config"]["kda_num_heads"]
+        cache = CacheTensors(c, torch.device("cpu"))
+        held = sum(t.numel() * t.element_size() for t in (cache.kda_state_all, cache.kda_conv_all))
+        assert held == 3 * c.bytes_per_slot
+        assert cache.mla_kv_all.numel() * cache.mla_kv_all.element_size() == 2 * c.bytes_per_page
