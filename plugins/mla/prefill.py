@@ -197,6 +197,22 @@ def key_piece(num_heads: int, nope: int, v_head_dim: int, itemsize: int) -> int:
     return max(64, KEY_PIECE_BYTES // per_key // 64 * 64)
 
 
+def _up_weights(w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[r, H·nope] and [r, H·v] in `dtype`: one GEMM each for every head's keys / values (the w_uv copy is r·H·v
+    elements a layer, small beside the GEMMs)."""
+    H, nope, r = w_uk.shape
+    return w_uk.to(dtype).reshape(H * nope, r).t(), w_uv.to(dtype).transpose(0, 1).reshape(r, H * w_uv.shape[2])
+
+
+def _keys_values(rows: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+                 H: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cache rows [P, r + rope] up-projected: keys [P, H, nope], values [P, H, v], and their rope part [P, rope]
+    (one for every head)."""
+    r = w_k.shape[0]
+    latent = rows[:, :r]
+    return (latent @ w_k).view(-1, H, w_k.shape[1] // H), (latent @ w_v).view(-1, H, w_v.shape[1] // H), rows[:, r:]
+
+
 def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor, context_len: int,
                 w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: float, out: torch.Tensor,
                 block_m: int | None = None, block_n: int = 64, num_warps: int | None = None, num_stages: int = 3,
@@ -221,10 +237,7 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
     dtype = kv_cache.dtype
     if q.shape[2] != nope + rope or T > context_len:
         raise ValueError(f"mha_prefill: q must be [T <= {context_len}, {H}, {nope + rope}], got {tuple(q.shape)}")
-    # [r, H·nope] and [r, H·v]: one GEMM each for every head's keys / values of a piece (the w_uv copy is r·H·v
-    # elements a layer, small beside a piece's GEMMs)
-    w_k = w_uk.to(dtype).reshape(H * nope, r).t()
-    w_v = w_uv.to(dtype).transpose(0, 1).reshape(r, H * vd)
+    w_k, w_v = _up_weights(w_uk, w_uv, dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if out.stride(-1) != 1:
         raise ValueError("mha_prefill: out needs unit column strides")
@@ -241,9 +254,7 @@ def mha_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_row: torch.Tensor,
         p0 = k0 // page
         rows = kv_cache.index_select(0, page_row[p0:triton.cdiv(k1, page)].long()).view(-1, width)
         rows = rows[k0 - p0 * page:k1 - p0 * page]                                        # [P, r + rope]
-        k = (rows[:, :r] @ w_k).view(-1, H, nope)
-        v = (rows[:, :r] @ w_v).view(-1, H, vd)
-        kpe = rows[:, r:]
+        k, v, kpe = _keys_values(rows, w_k, w_v, H)
         o = out if k1 == context_len else acc
         mha_prefill_kernel[(H, triton.cdiv(T, bm))](
             q, k, kpe, v, o, acc, lse, T, q_pos0, k0, k1 - k0, float(scale), q.stride(0), q.stride(1), k.stride(0),
@@ -330,9 +341,7 @@ def mha_prefill_varlen(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torc
     pages, blocks = per_step(f"mla_varlen:{group[0][0]}:{bm}", (page_table,),
                              lambda pt: _varlen_layout(group, pt, page, bm))
     rows = kv_cache.index_select(0, pages).view(-1, width)                                   # [keys, r + rope]
-    k = (rows[:, :r] @ w_uk.to(kv_cache.dtype).reshape(H * nope, r).t()).view(-1, H, nope)
-    v = (rows[:, :r] @ w_uv.to(kv_cache.dtype).transpose(0, 1).reshape(r, H * vd)).view(-1, H, vd)
-    kpe = rows[:, r:]
+    k, v, kpe = _keys_values(rows, *_up_weights(w_uk, w_uv, kv_cache.dtype), H)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     mha_prefill_kernel[(H, blocks.shape[0])](
