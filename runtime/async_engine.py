@@ -63,9 +63,11 @@ STAT_GAUGES = (
     ("k3_kda_slots_used", "KDA state slots in use.", "slots_used"),
     ("k3_kda_slots_total", "KDA state slots.", "slots_total"),
     ("k3_host_pages_used", "Host-store pages holding swapped-out requests' MLA KV.", "host_pages_used"),
-    ("k3_host_pages_total", "Host-store pages (--num-host-pages).", "host_pages_total"),
+    ("k3_host_pages_total", "Host-store pages (--num-host-pages, or as --swap-space-gib holds).",
+     "host_pages_total"),
     ("k3_host_slots_used", "Host-store KDA slots holding swapped-out requests' state.", "host_slots_used"),
-    ("k3_host_slots_total", "Host-store KDA slots (--num-host-slots).", "host_slots_total"),
+    ("k3_host_slots_total", "Host-store KDA slots (--num-host-slots, or as --swap-space-gib holds).",
+     "host_slots_total"),
 )
 STAT_COUNTERS = (
     ("k3_preemptions", "Requests preempted for lack of cache pages (recomputed or swapped out later).",
