@@ -468,25 +468,30 @@ def test_unary_model_batches_requests_that_wait(triton, llm):
     assert inf1 - inf0 == len(prompts) and ex1 - ex0 < len(prompts), (inf1 - inf0, ex1 - ex0)
 
 
-def _metric(triton, name, deadline_s=30.0, until=lambda v: True):
-    """The value of one sample of Triton's /metrics (0 when absent), polled until `until` holds (or the deadline)."""
+def _metrics_text(triton, until=lambda text: True, deadline_s=30.0) -> str:
+    """Triton's /metrics page, polled until `until` holds (or the deadline)."""
     import urllib.request
 
     deadline = time.monotonic() + deadline_s
     while True:
         text = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
-        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        v = float(m.group(1)) if m else 0.0
-        if until(v) or time.monotonic() > deadline:
-            return v
+        if until(text) or time.monotonic() > deadline:
+            return text
         time.sleep(0.02)
+
+
+def _metric(triton, name, deadline_s=30.0, until=lambda v: True):
+    """The value of one sample of Triton's /metrics (0 when absent), polled until `until` holds (or the deadline)."""
+    def value(text):
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return value(_metrics_text(triton, lambda text: until(value(text)), deadline_s))
 
 
 def test_metrics_show_the_engines_cache(triton, tiny_engine):
     """Each model's engine snapshot in Triton's metrics, as `serve` shows it: the cache's sizes (the engine's memory
     plan), pages in use back to 0 after a request, no host store, and the preemption counters (0 here)."""
-    import urllib.request
-
     import tritonclient.grpc as tg
 
     plan = json.loads((tiny_engine / "config.json").read_text())["memory_plan"]
@@ -496,7 +501,7 @@ def test_metrics_show_the_engines_cache(triton, tiny_engine):
     assert _metric(triton, f"k3_kv_pages_total{label}", until=lambda v: v > 0) == plan["num_pages"]
     assert _metric(triton, f"k3_kda_slots_total{label}") == plan["num_slots"]
     assert _metric(triton, f"k3_kv_pages_used{label}", until=lambda v: v == 0) == 0
-    text = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
+    text = _metrics_text(triton)
     for name in ("k3_host_pages_total", "k3_host_slots_used", "k3_preemptions_total", "k3_requests_swapped_out_total",
                  "k3_requests_running"):
         assert re.search(rf"^{name}{re.escape(label)} 0$", text, re.M), name
@@ -525,8 +530,6 @@ def test_unary_request_cancelled_by_its_client_is_aborted(triton, llm):
 def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
     """An engine that stops (its step failed) answers its request, and every later one, UNAVAILABLE (HTTP 503)
     naming the cause and the way back; Triton's metrics show k3_engine_alive 0 for that model, 1 for the others."""
-    import urllib.request
-
     import tritonclient.http as th
     from tritonclient.utils import InferenceServerException
 
@@ -552,7 +555,7 @@ def test_a_stopped_engine_is_unavailable_and_its_gauge_drops(triton):
     assert _metric(triton, 'k3_engine_alive{model="k3_dies_stream"}', until=lambda v: v == 0) == 0
     # the gauge drops once the engine thread has ended (its watcher sets it), maybe a moment after the answers
     assert _metric(triton, 'k3_engine_alive{model="k3_dies"}', until=lambda v: v == 0) == 0
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
+    metrics = _metrics_text(triton)
     alive = dict(re.findall(r'^k3_engine_alive\{model="(\w+)"\} (\S+)$', metrics, re.M))
     assert alive == {"k3": "1", "k3_unary": "1", "k3_gated": "1", "k3_ids_only": "1", "k3_ids_only_stream": "1",
                      "k3_dies": "0", "k3_dies_stream": "0"}, alive
@@ -625,23 +628,13 @@ def test_unload_drops_the_models_metrics_and_a_load_brings_it_back(triton, tiny_
     is killed after finalize; its families must be dropped there) and leaves the other models'; loading it again, the
     way back that a stopped engine's error names, starts a fresh engine: alive again, its cache's gauges back. Last
     in this module: it unloads k3_dies, whose engine stopped in an earlier test."""
-    import urllib.request
-
     import tritonclient.http as th
 
-    def metrics(until, deadline_s=30.0):
-        deadline = time.monotonic() + deadline_s
-        while True:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{triton.ports[2]}/metrics", timeout=10).read().decode()
-            if until(text) or time.monotonic() > deadline:
-                return text
-            time.sleep(0.05)
-
     ours = re.compile(r'^k3_\w+\{[^}]*model="k3_dies"[^}]*\} ', re.M)
-    assert ours.search(metrics(lambda t: True)), "k3_dies has no metrics before its unload"
+    assert ours.search(_metrics_text(triton)), "k3_dies has no metrics before its unload"
     with th.InferenceServerClient(f"127.0.0.1:{triton.ports[0]}") as c:
         c.unload_model("k3_dies")
-        text = metrics(lambda t: not ours.search(t))
+        text = _metrics_text(triton, lambda t: not ours.search(t))
         assert not ours.search(text), ours.findall(text)
         assert not c.is_model_ready("k3_dies")
         # the other models keep theirs (k3_dies_stream's engine stopped too: its gauge still says so)
