@@ -180,11 +180,13 @@ def _prefill_layout_rows(gen, layers: int = 8) -> None:
             for _ in range(layers):
                 kda_dev.kda_prefill(qkv, g_raw, b, g_out, conv_w, a_log, dt_bias, norm_w, pool, conv_pool, fresh,
                                     slots, num_heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5)
-        ms = {}
-        for on_device in (True, False):
-            kda_dev.CHUNK_LAYOUT_ON_DEVICE = on_device
-            ms[on_device] = time_ms(step, rep=10, graph=False)
-        kda_dev.CHUNK_LAYOUT_ON_DEVICE = True
+        ms, default = {}, kda_dev.CHUNK_LAYOUT_ON_DEVICE
+        try:
+            for on_device in (True, False):
+                kda_dev.CHUNK_LAYOUT_ON_DEVICE = on_device
+                ms[on_device] = time_ms(step, rep=10, graph=False)
+        finally:
+            kda_dev.CHUNK_LAYOUT_ON_DEVICE = default  # the sections after run the engine's setting
         emit(bench="kda_prefill_layout", T=T, seqs=N, layers=layers, layout_on_device_ms=round(ms[True], 4),
              layout_on_host_ms=round(ms[False], 4), device_x_host=round(ms[True] / ms[False], 3))
 
