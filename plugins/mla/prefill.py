@@ -42,10 +42,23 @@ KEY_PIECE_BYTES = 256 << 20
 # the keys that every query row of a block sees attended first, without the causal mask: 3.77 -> 3.28 ms at 2048
 # after 8192 (H100)
 SPLIT_DIAGONAL = True
-# several sequences of a step in one launch where their contexts fit a piece together (attend_sequences). Off: written
-# in the fifty-second session, tested in Triton's interpreter and compiled for sm90 and gfx942 on the CPU, but no
-# GPU was lent to run it (tools/device/batch153.sh runs its GPU test and bench rows)
-SHARED_LAUNCH = False
+# several sequences of a step in one launch where their contexts fit a piece together (attend_sequences). On an H100
+# (BENCHMARKS.md, fifty-third session) against one launch a sequence, from CUDA graphs: 1.1-13x faster where 2 to 32
+# sequences share a launch (the least at 96 heads after 2048 cached, a piece holding two to four contexts), level
+# where each is alone (0.97-1.02x)
+SHARED_LAUNCH = True
+# with SHARED_LAUNCH, sequences together: the step's sequences with TOGETHER_MIN_NEW_TOKENS new tokens or more and,
+# above TOGETHER_ANY_CONTEXT_HEADS heads, a context at most TOGETHER_CONTEXT_PER_NEW times them (fresh prompts: few
+# keys to up-project a query) all take the MHA form when there are TOGETHER_LEAST[0] of them or more with
+# TOGETHER_LEAST[1] new tokens or more between them. On an H100 (BENCHMARKS.md, fifty-third session) against the
+# absorbed kernel on the same rows, from CUDA graphs, every measured row these limits take was 1.29-10.7x faster
+# (4 to 32 sequences of 64 to 512 new tokens, 6 to 96 heads); those they leave out that no other threshold takes
+# were 0.48-1.17x (two prompts of 192 fresh tokens at 96 heads: 1.54x), e.g. at 96 heads 8 x 64 new tokens after
+# 1024 cached 0.58x, 16 x 64 after 2048 0.48x
+TOGETHER_MIN_NEW_TOKENS = 64
+TOGETHER_ANY_CONTEXT_HEADS = 16
+TOGETHER_CONTEXT_PER_NEW = 8
+TOGETHER_LEAST = (4, 512)
 # query rows and warps a program: 128 in 8 warps, or 64 in 4 where 128-row blocks would leave half the SMs or more
 # idle. On an H100 (BENCHMARKS.md, fifty-first session), 64-row blocks took 0.80-0.83x the time where the 128-row
 # grid was 12-64 programs (6 or 16 heads, 256 or 512 new tokens after 2048), 0.98x at 96 programs with 2K cached
@@ -364,18 +377,25 @@ def min_new_tokens(num_heads: int, context: int) -> int:
 def sequences(host_seqs: tuple[tuple[int, int], ...] | None, cu_seqlens: torch.Tensor, T: int,
               num_heads: int) -> list[tuple[int, int, int, int]]:
     """(sequence, first row, end row, context length) of each sequence of the step that takes the MHA form: those
-    with min_new_tokens(num_heads, context) new tokens or more, as the host's lengths say (none without them)."""
+    with min_new_tokens(num_heads, context) new tokens or more, and with SHARED_LAUNCH those that join the MHA
+    form together (TOGETHER_LEAST), as the host's lengths say (none without them)."""
     if host_seqs is None:
         return []
     if len(host_seqs) != cu_seqlens.shape[0] - 1 or sum(new for new, _ in host_seqs) != T:
         raise ValueError(f"mla_mixer: host_seqs gives {len(host_seqs)} sequences of "
                          f"{sum(new for new, _ in host_seqs)} new tokens; the step has {cu_seqlens.shape[0] - 1} of "
                          f"{T}")
-    picked, start = [], 0
     for n, (new, context) in enumerate(host_seqs):
         if new > context:
             raise ValueError(f"mla_mixer: host_seqs[{n}] has {new} new tokens in a context of {context}")
-        if new >= min_new_tokens(num_heads, context):
+    joins = [new >= TOGETHER_MIN_NEW_TOKENS
+             and (num_heads <= TOGETHER_ANY_CONTEXT_HEADS or context <= TOGETHER_CONTEXT_PER_NEW * new)
+             for new, context in host_seqs]
+    together = (SHARED_LAUNCH and sum(joins) >= TOGETHER_LEAST[0]
+                and sum(new for (new, _), j in zip(host_seqs, joins) if j) >= TOGETHER_LEAST[1])
+    picked, start = [], 0
+    for n, (new, context) in enumerate(host_seqs):
+        if new >= min_new_tokens(num_heads, context) or (together and joins[n]):
             picked.append((n, start, start + new, context))
         start += new
     return picked

@@ -223,6 +223,32 @@ def test_launch_groups_share_a_piece():
     assert prefill.launch_groups([], 64, 1024) == []
 
 
+@pytest.mark.parametrize("heads, seqs, taken", [
+    (96, ((128, 128), (128, 200), (128, 1024), (128, 128)), True),  # four, 512 new tokens, contexts <= 8x
+    (96, ((128, 128), (128, 200), (128, 1025), (128, 128)), False),  # one context over 8x its new tokens: three
+    (16, ((128, 128), (128, 200), (128, 1500), (128, 128)), True),  # at up to 16 heads any context
+    (96, ((128, 128), (128, 128), (127, 127), (128, 128)), False),  # 511 new tokens between them
+    (96, ((171, 171), (171, 171), (171, 171)), False),  # three
+    (96, ((64, 64), (64, 64), (1, 500), (64, 64), (64, 64), (64, 64), (64, 64), (64, 64), (64, 64)), True),
+    (96, ((63, 63), (150, 150), (150, 150), (150, 150), (150, 150)), True),  # 63 new tokens stay absorbed
+])
+@pytest.mark.parametrize("shared", [True, False])
+def test_sequences_take_the_mha_form_together(heads, seqs, taken, shared, monkeypatch):
+    """sequences with SHARED_LAUNCH: TOGETHER_LEAST's four sequences or more, of 64 new tokens or more (above 16
+    heads with a context of at most 8x them) and 512 between them, all take the MHA form (under every other
+    threshold); without SHARED_LAUNCH (each alone would launch alone) none."""
+    pytest.importorskip("triton")
+    from k3plugins.mla import prefill
+    monkeypatch.setattr(prefill, "SHARED_LAUNCH", shared)
+    cu = torch.tensor([0, *(new for new, _ in seqs)]).cumsum(0)
+    picked = prefill.sequences(seqs, cu, int(cu[-1]), heads)
+    starts = cu.tolist()
+    joined = [(n, starts[n], starts[n + 1], ctx) for n, (new, ctx) in enumerate(seqs)
+              if new >= prefill.TOGETHER_MIN_NEW_TOKENS
+              and (heads <= prefill.TOGETHER_ANY_CONTEXT_HEADS or ctx <= prefill.TOGETHER_CONTEXT_PER_NEW * new)]
+    assert picked == (joined if taken and shared else [])
+
+
 @pytest.mark.parametrize("heads, least", [(1, 128), (6, 128), (16, 128), (17, 192), (48, 192), (64, 192),
                                           (65, 256), (96, 256), (128, 256)])
 def test_fewer_heads_take_the_mha_form_from_fewer_new_tokens(heads, least, monkeypatch):

@@ -271,3 +271,22 @@ def test_mixer_unabsorbed_sequences_share_a_launch(H, tactic, monkeypatch, mha_p
     assert mha_prefill_calls == [300, 200, 150]
     assert _rel(o1, o2) < 2e-2
     assert _rel(c1, c2) < 1e-2
+
+
+@pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
+@pytest.mark.parametrize("last", [128, 127], ids=["together", "too_few_tokens"])
+def test_mixer_fresh_prompts_take_the_mha_form_together(H, tactic, last, monkeypatch, mha_prefill_calls):
+    """Four fresh prompts of 64 to 192 tokens (512 between them: prefill.TOGETHER_LEAST) beside decode tokens take
+    the un-absorbed form in one launch at the engine's own thresholds, bf16, against the fp32 reference, with no
+    device->host sync; with one token fewer (511) all four stay absorbed."""
+    from k3plugins.mla import prefill
+    monkeypatch.setattr(prefill, "mha_prefill", lambda *a, **k: pytest.fail("a sequence launched alone"))
+    none = [-1] * 5
+    pages = [[0, 1, 2, 3, 4], [5, 6] + none[:3], [7, 8] + none[:3], [9] + none[:4], [10, 11, 12] + none[:2],
+             [13, 14] + none[:3]]
+    new = [1, 128, 64, 1, 192, last]
+    (o1, c1), (o2, c2) = _mixer_step(H, tactic, new, [300, 128, 100, 1, 192, last], pages, 16, host_seqs=True,
+                                     no_sync=True)
+    assert mha_prefill_calls == ([128, 64, 192, 128] if last == 128 else [])
+    assert _rel(o1, o2) < 2e-2
+    assert _rel(c1, c2) < 1e-2
