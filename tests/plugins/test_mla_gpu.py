@@ -256,9 +256,9 @@ def test_mixer_unabsorbed_prefill_matches_reference(H, tactic, pieces, monkeypat
 @pytest.mark.parametrize("H,tactic", [(6, "triton"), (96, "gluon")])
 def test_mixer_unabsorbed_sequences_share_a_launch(H, tactic, monkeypatch, mha_prefill_calls):
     """With SHARED_LAUNCH, three prefill chunks in the un-absorbed form (300 after 400 cached, 200 after 30, 150
-    fresh: their contexts fit one piece) go in one mha_prefill_varlen launch, beside absorbed decode tokens, bf16, against the fp32
-    reference, with no device->host sync (its block table comes from the host's lengths, copied from page-locked
-    memory)."""
+    fresh: their contexts fit one piece) go in one mha_prefill_varlen launch, beside absorbed decode tokens, bf16,
+    against the fp32 reference, with no device->host sync (its block table comes from the host's lengths, copied
+    from page-locked memory)."""
     from k3plugins.mla import prefill
     monkeypatch.setattr(prefill, "SHARED_LAUNCH", True)
     monkeypatch.setattr(prefill, "MIN_NEW_TOKENS", 128)  # 96 heads: 200 and 150 take the form too

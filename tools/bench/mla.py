@@ -34,6 +34,10 @@ PREFILL_TOGETHER_CASES = (
     (8, 2048, 64, 48), (8, 2048, 128, 48), (8, 2048, 128, 96), (8, 2048, 192, 96), (4, 2048, 128, 96),
     (4, 2048, 192, 96), (2, 2048, 192, 96), (16, 2048, 64, 96), (8, 8192, 64, 6), (8, 8192, 128, 96))
 
+# fresh prompts taken together beside a step's decode rows (prompts, new tokens, heads, decode rows, their context)
+PREFILL_BESIDE_DECODE_CASES = tuple((n, chunk, H, decode, ctx) for H in (6, 96) for n, chunk in ((4, 128), (8, 64),
+                                    (32, 128)) for decode, ctx in ((32, 2048), (128, 8192)))
+
 
 def prefill_inputs(gen: torch.Generator, num_pages: int, rows: int, H: int, nope: int = 128, vd: int = 128):
     """A prefill's tensors on the GPU, bf16: the cache's pages [num_pages, PAGE, 576], `rows` queries [rows, H,
@@ -274,5 +278,53 @@ def bench_mla_prefill_many(gen: torch.Generator, n: int, cached: int, chunk: int
          varlen_vs_absorbed_eager=round(times["absorbed_eager_ms"] / times["varlen_eager_ms"], 2),
          rel_l2_varlen_vs_loop=rel_l2(outs["varlen"].float(), outs["loop"].float()),
          rel_l2_varlen_vs_absorbed=rel_l2(outs["varlen"].float(), absorbed().float()))
+    del kv
+    torch.cuda.empty_cache()
+
+
+def bench_mla_prefill_beside_decode(gen: torch.Generator, n: int, chunk: int, H: int, decode: int,
+                                    decode_context: int) -> None:
+    """A step of n fresh prompts of `chunk` tokens (prefill.TOGETHER_*'s case) beside `decode` decode rows of
+    `decode_context` tokens: every row in the absorbed kernel (one launch, as without TOGETHER_*) against the decode
+    rows absorbed (gathered by prefill.other_rows, as the mixer does) and the prompts in the MHA form together
+    (attend_sequences). From CUDA graphs."""
+    from k3plugins.mla import prefill
+    from k3plugins.step_scope import step_scope
+    per_p, per_d = -(-chunk // PAGE), -(-decode_context // PAGE)
+    nope, vd, T = 128, 128, n * chunk + decode
+    num_pages = n * per_p + decode * per_d
+    kv, q, w_uk, w_uv = prefill_inputs(gen, num_pages, T, H, nope, vd)
+    perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
+    pt = torch.zeros(n + decode, max(per_p, per_d), dtype=torch.int32, device="cuda")
+    pt[:n, :per_p] = perm[:n * per_p].view(n, per_p)
+    pt[n:, :per_d] = perm[n * per_p:].view(decode, per_d)
+    lens = torch.cat([(torch.arange(chunk, device="cuda", dtype=torch.int32) + 1).repeat(n),
+                      torch.full((decode,), decode_context, device="cuda", dtype=torch.int32)])
+    seqs = torch.cat([torch.arange(n, device="cuda", dtype=torch.int32).repeat_interleave(chunk),
+                      torch.arange(n, n + decode, device="cuda", dtype=torch.int32)])
+    picked = [(i, i * chunk, (i + 1) * chunk, chunk) for i in range(n)]
+    kern = "gluon" if torch.cuda.get_device_capability()[0] == 9 else "triton"
+
+    def absorbed(rows):
+        qr = q[rows]
+        q_lat = torch.bmm(qr[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
+        o_lat = mla_decode_attention(q_lat, qr[..., nope:], kv, pt, lens[rows], scale=SCALE, query_seq=seqs[rows],
+                                     kernel=kern)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
+
+    every = torch.arange(T, device="cuda")
+    out = torch.empty(T, H, vd, dtype=torch.bfloat16, device="cuda")
+
+    def split():
+        out[n * chunk:] = absorbed(prefill.other_rows(picked, T, q.device))
+        prefill.attend_sequences(q, kv, pt, picked, w_uk, w_uv, scale=SCALE, out=out)
+
+    with step_scope():
+        t_all = time_ms(lambda: absorbed(every), rep=10)
+        t_split = time_ms(split, rep=10)
+    emit(bench="mla_prefill_beside_decode", H=H, prompts=n, chunk=chunk, decode=decode, decode_context=decode_context,
+         all_absorbed_ms=round(t_all, 4), together_ms=round(t_split, 4),
+         together_speedup=round(t_all / t_split, 2),
+         rel_l2_vs_all_absorbed=rel_l2(out.float(), absorbed(every).float()))
     del kv
     torch.cuda.empty_cache()
