@@ -154,11 +154,11 @@ def _mla_case(mla, splits, exchange=False):
 
 
 def _mla_mixer_case(mla, dims=(16, 8, 16), new=(5, 1, 3), ctx=(75, 1, 3), pages=((3, 6, -1), (1, -1, -1), (7, -1, -1)),
-                    host_seqs=False, poison=()):
+                    host_seqs=False, poison=(), num_pages=8):
     """The Triton mixer vs the reference on one packed step (by default a prefill chunk continuing 70 cached tokens,
     a first decode token, a fresh 3-token prefill); the caches must end equal too. dims: (nope, rope, v).
     host_seqs: the step's host lengths given (the mixer may take the un-absorbed prefill form). poison: (page, row)
-    pairs from which the cache holds NaN before the step (an earlier owner's)."""
+    pairs from which the cache holds NaN before the step (an earlier owner's). num_pages: the cache's."""
     from k3plugins.mla.reference import mla_mixer as ref
     g = torch.Generator().manual_seed(5)
     r_ = lambda *sh, sc=1.0: torch.randn(*sh, generator=g) * sc
@@ -168,7 +168,7 @@ def _mla_mixer_case(mla, dims=(16, 8, 16), new=(5, 1, 3), ctx=(75, 1, 3), pages=
          r_(H * vd, hid, sc=hid ** -0.5), r_(hid, H * vd, sc=(H * vd) ** -0.5))
     cu = torch.tensor((0,) + tuple(new)).cumsum(0)
     x = r_(int(cu[-1]), hid)
-    cache = r_(8, 64, r + rope)
+    cache = r_(num_pages, 64, r + rope)
     for page, row in poison:
         cache[page, row:] = float("nan")
     pt = torch.tensor(pages, dtype=torch.int32)
@@ -219,6 +219,16 @@ def _mla_unabsorbed_cases(mla):
             calls.clear()
             groups.clear()
             res[f"mla-unabsorbed-{name}"] = {**_mla_mixer_case(mla, dims, **step), "calls": list(calls),
+                                             "varlen": list(groups)}
+        # the engine's own thresholds: four prompts of 64 to 192 new tokens (512 between them) take the MHA form
+        # together (prefill.TOGETHER_LEAST) beside a decode token; with one token fewer, every row is absorbed
+        prefill.MIN_NEW_TOKENS, prefill.KEY_PIECE_BYTES, prefill.SPLIT_DIAGONAL, prefill.SHARED_LAUNCH = knobs
+        for name, last in (("together", 128), ("together-too-few", 127)):
+            calls.clear()
+            groups.clear()
+            step = dict(new=(128, 64, 1, 192, last), ctx=(128, 100, 30, 192, last), num_pages=10, host_seqs=True,
+                        pages=((0, 1, -1), (2, 3, -1), (4, -1, -1), (5, 6, 7), (8, 9, -1)))
+            res[f"mla-unabsorbed-{name}"] = {**_mla_mixer_case(mla, **step), "calls": list(calls),
                                              "varlen": list(groups)}
     finally:
         prefill.mha_prefill, prefill.mha_prefill_varlen = run, run_varlen
@@ -807,6 +817,17 @@ def test_mla_unabsorbed_prefill_interpreted(results, case):
     r = results[f"mla-unabsorbed-{case}"]
     assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6 and r["calls"] == [40, 20], r
     assert r["varlen"] == ([[40, 20]] if case.startswith("one-piece-shared") else []), r
+
+
+@pytest.mark.parametrize("case", ["together", "together-too-few"])
+def test_mla_prompts_together_interpreted(results, case):
+    """At the engine's own thresholds, four prompts of 128, 64, 192 and 128 new tokens beside a decode token take
+    the un-absorbed form in one launch (prefill.TOGETHER_LEAST: four, 512 new tokens between them); with 127 for
+    the last, none does (511): the whole step equal to the reference either way."""
+    r = results[f"mla-unabsorbed-{case}"]
+    taken = [128, 64, 192, 128] if case == "together" else []
+    assert r["rel"] < 1e-5 and r["cache_rel"] < 1e-6 and r["calls"] == taken, r
+    assert r["varlen"] == ([taken] if taken else []), r
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one-piece", "pieces"])
