@@ -49,6 +49,20 @@ def prefill_inputs(gen: torch.Generator, num_pages: int, rows: int, H: int, nope
     return kv, q, w_uk, w_uv
 
 
+def absorbed_prefill(q, kv, pt, lens, rows, w_uk, w_uv, kernel: str) -> torch.Tensor:
+    """Prefill queries [T, H, nope + 64] in the absorbed form, as the mixer runs them: q_nope·w_uk, the decode
+    kernel over each row's sequence (page-table row `rows`, `lens` keys), o_lat·w_uv. Returns [T, H, v]."""
+    nope = w_uk.shape[1]
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
+    o_lat = mla_decode_attention(q_lat, q[..., nope:], kv, pt, lens, scale=SCALE, query_seq=rows, kernel=kernel)
+    return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
+
+
+def fastest_absorbed_kernel() -> str:
+    """The mixer's decode kernel on this GPU: Gluon on sm_90, else Triton."""
+    return "gluon" if torch.cuda.get_device_capability()[0] == 9 else "triton"
+
+
 def make_case(B: int, L: int, H: int, gen: torch.Generator):
     pages = B * L // PAGE
     kv = torch.randn(pages, PAGE, 576, device="cuda", generator=gen).to(torch.bfloat16)
@@ -201,10 +215,7 @@ def bench_mla_prefill(tflops: float, gen: torch.Generator, cached: int = 8192, c
     kernels = ["triton"] + (["gluon"] if torch.cuda.get_device_capability()[0] == 9 else [])
     times, outs = {}, {}
 
-    def absorbed(kern):
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
-        o_lat = mla_decode_attention(q_lat, q[..., nope:], kv, pt, lens, scale=SCALE, query_seq=rows, kernel=kern)
-        return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)                 # [chunk, H, v]
+    absorbed = lambda kern: absorbed_prefill(q, kv, pt, lens, rows, w_uk, w_uv, kern)  # noqa: E731
 
     for kern in kernels:
         times[kern] = time_ms(lambda kern=kern: absorbed(kern), rep=5)
@@ -258,12 +269,8 @@ def bench_mla_prefill_many(gen: torch.Generator, n: int, cached: int, chunk: int
 
     lens = (torch.arange(chunk, device="cuda", dtype=torch.int32) + cached + 1).repeat(n)
     rows = torch.arange(n, device="cuda", dtype=torch.int32).repeat_interleave(chunk)
-    kern = "gluon" if torch.cuda.get_device_capability()[0] == 9 else "triton"
-
-    def absorbed():
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
-        o_lat = mla_decode_attention(q_lat, q[..., nope:], kv, pt, lens, scale=SCALE, query_seq=rows, kernel=kern)
-        return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
+    kern = fastest_absorbed_kernel()
+    absorbed = lambda: absorbed_prefill(q, kv, pt, lens, rows, w_uk, w_uv, kern)  # noqa: E731
 
     times = {}
     with step_scope():
@@ -303,13 +310,12 @@ def bench_mla_prefill_beside_decode(gen: torch.Generator, n: int, chunk: int, H:
     seqs = torch.cat([torch.arange(n, device="cuda", dtype=torch.int32).repeat_interleave(chunk),
                       torch.arange(n, n + decode, device="cuda", dtype=torch.int32)])
     picked = [(i, i * chunk, (i + 1) * chunk, chunk) for i in range(n)]
-    kern = "gluon" if torch.cuda.get_device_capability()[0] == 9 else "triton"
+    kern = fastest_absorbed_kernel()
 
     def absorbed(rows=None):  # None: every row, ungathered (the mixer with no MHA rows)
-        qr, lr, sr = (q, lens, seqs) if rows is None else (q[rows], lens[rows], seqs[rows])
-        q_lat = torch.bmm(qr[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)
-        o_lat = mla_decode_attention(q_lat, qr[..., nope:], kv, pt, lr, scale=SCALE, query_seq=sr, kernel=kern)
-        return torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
+        if rows is None:
+            return absorbed_prefill(q, kv, pt, lens, seqs, w_uk, w_uv, kern)
+        return absorbed_prefill(q[rows], kv, pt, lens[rows], seqs[rows], w_uk, w_uv, kern)
 
     out = torch.empty(T, H, vd, dtype=torch.bfloat16, device="cuda")
 
