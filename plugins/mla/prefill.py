@@ -54,7 +54,8 @@ SHARED_LAUNCH = True
 # absorbed kernel on the same rows, from CUDA graphs, every measured row these limits take was 1.29-10.7x faster
 # (4 to 32 sequences of 64 to 512 new tokens, 6 to 96 heads); those they leave out that no other threshold takes
 # were 0.48-1.17x (two prompts of 192 fresh tokens at 96 heads: 1.54x), e.g. at 96 heads 8 x 64 new tokens after
-# 1024 cached 0.58x, 16 x 64 after 2048 0.48x
+# 1024 cached 0.58x, 16 x 64 after 2048 0.48x. Beside 32-128 decode rows of 2K-8K tokens in the step (fifty-fourth
+# session), whose absorbed pass is paid either way: 1.05-3.0x for 4 x 128, 8 x 64 and 32 x 128 at 6 and 96 heads
 TOGETHER_MIN_NEW_TOKENS = 64
 TOGETHER_ANY_CONTEXT_HEADS = 16
 TOGETHER_CONTEXT_PER_NEW = 8
