@@ -110,3 +110,20 @@ def test_replay_timeline_counts_overlapping_kernels_once(monkeypatch):
     assert (t["span_us"], t["busy_us"], t["idle_us"], t["kernels_us"]) == (41.0, 31.0, 10.0, 38.0)
     assert t["longest_gaps"] == [[9.0, "combine", "gemm", 31.0], [1.0, "norm", "gate_up", 10.0]]
     assert t["window"] == [["gate_up", 0.0, 9.0], ["inner", 1.0, 2.0], ["down", 4.0, 15.0]]
+
+
+def test_bench_rank_refuses_a_rank_larger_than_memory():
+    """K3's TEP16 rank (96.8 GiB of weights) on this machine's CPU: refused at once, naming the sizes, before any
+    weight is made (the same check stops it on an 80 GB H100)."""
+    import pytest
+    import torch
+
+    sys.path.insert(0, str(TOOL.parent))
+    import bench_rank as br
+    free = br.free_bytes(torch.device("cpu"))
+    if free is None or free > 96 * 2**30:
+        pytest.skip("this host has room for the rank's weights")
+    proc = subprocess.run([sys.executable, str(TOOL), "--preset", "k3", "--tp", "16", "--device", "cpu",
+                           "--target", "cpu", "--batches", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "holds 96.77 GiB of weights; cpu has" in proc.stderr and "GiB free" in proc.stderr, proc.stderr[-2000:]

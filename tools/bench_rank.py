@@ -512,6 +512,34 @@ def floors(engine, cache, n: int, context: int, bw_bytes_per_ms: float) -> dict:
             "experts_touched_share": round(touched, 3)}
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Memory the rank's weights could take on `device`: the GPU's free bytes, or the host's MemAvailable (None
+    where /proc/meminfo does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def refuse_if_weights_do_not_fit(cfg, mapping, preset_name: str, device: torch.device) -> None:
+    """Stop before making a rank whose weights alone exceed the device's free memory (K3's TEP16 rank holds 96.8
+    GiB: an H200 holds it, an 80 GB H100 does not), instead of an out-of-memory error minutes into the layout."""
+    from k3build.memory_weights import weight_bytes
+    need = sum(weight_bytes(cfg, mapping, 0).values())
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise SystemExit(f"bench_rank: rank 0 of --preset {preset_name} at tp {mapping.tp_size} / ep "
+                         f"{mapping.moe_ep_size} holds {need / 2**30:.2f} GiB of weights; {device} has "
+                         f"{free / 2**30:.2f} GiB free (K3 at TEP16 needs an H200's 141 GB; or pass a smaller "
+                         f"--preset or more ranks with --tp)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="k3")
@@ -576,6 +604,7 @@ def main() -> None:
         from k3build.recipe import load_recipe
         mapping = load_recipe(args.recipe).mapping
     batches = sorted(int(b) for b in args.batches.split(","))
+    refuse_if_weights_do_not_fit(cfg, mapping, args.preset, device)
     if cuda:
         from common import hbm_read_tbps
         bw = hbm_read_tbps() * 1e12
