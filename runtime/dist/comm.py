@@ -146,11 +146,13 @@ class DistCommunicator(Communicator):
         """Attention-DP dispatch: the rows this rank's experts must see, from every rank of the group."""
         if z.shape[0] > capacity:
             raise RuntimeError(f"expert exchange: {z.shape[0]} tokens exceed the engine's capacity of {capacity} per rank")
-        return self.exchange.dispatch(z, ids, weights, capacity)
+        with heartbeat.collective(self.group_keys[group]):  # counted, so a rank that never gets here can be named
+            return self.exchange.dispatch(z, ids, weights, capacity)
 
     def ep_scatter(self, y: torch.Tensor, z: torch.Tensor, *, group: str, capacity: int) -> torch.Tensor:
         """Attention-DP combine: this rank's tokens' sums of every rank's expert outputs."""
-        return self.exchange.combine(y, z.shape[0], capacity)
+        with heartbeat.collective(self.group_keys[group]):
+            return self.exchange.combine(y, z.shape[0], capacity)
 
     def share_tokens(self, tokens: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Async scheduling: the sampled ids [M] int64 of rank `src` (the driver; with pipeline stages the last

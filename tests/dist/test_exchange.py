@@ -83,3 +83,26 @@ def test_backend_chosen_at_startup(k3_short_engine, tmp_path, monkeypatch):
         choose_backend(_config(k3_short_engine), enable_deepep=True)
     with pytest.raises(EngineError, match="expert_backend is 'mpi'"):
         choose_backend(_config(k3_short_engine, build_config__expert_backend="mpi"))
+
+
+def test_exchange_is_counted_in_the_heartbeat(tmp_path):
+    """The communicator's expert dispatch and combine each count as a collective of the moe group in the rank's
+    beat (heartbeat.collective), as its all-reduces do: a rank that never reaches an exchange its group entered is
+    named by stuck_ranks. A one-rank gloo group, the NCCL-style backend."""
+    from k3runtime.dist import heartbeat
+    from k3runtime.dist.comm import DistCommunicator
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        comm = DistCommunicator({"0": {"tp_group": [0], "moe_group": [0]}}, 0, 1, torch.device("cpu"))
+        comm.use_exchange(NcclExchange(comm.groups["moe"], upcast=True))
+        key = comm.group_keys["moe"]
+        before = heartbeat._state()["n"].get(key, 0)
+        z, ids, w = torch.randn(3, D), torch.zeros(3, K, dtype=torch.int64), torch.rand(3, K)
+        zs, _, _ = comm.ep_gather(z, ids, w, group="moe", capacity=C)
+        y = comm.ep_scatter(zs, z, group="moe", capacity=C)
+        state = heartbeat._state()
+        assert state["n"][key] == before + 2 and state["in"] is None
+        assert torch.equal(y, z)  # one rank: its own rows back
+    finally:
+        dist.destroy_process_group()
