@@ -9,7 +9,8 @@ import torch
 from ..memory import gib_bytes
 
 TARGETS = ("cpu", "sm90", "gfx942")
-EXPERT_BACKENDS = ("nccl", "deepep", "local")  # runtime/dist/exchange.py; k3build.recipe checks the same names
+# the ep plugin's backends (k3plugins.ep, chosen by runtime/dist/exchange.py); k3build.recipe checks the same names
+EXPERT_BACKENDS = ("nccl", "deepep", "local")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from k3plugins.ep import gather_cat
+
 from ..executor import Communicator
 from . import heartbeat
 
@@ -38,14 +40,6 @@ def load_timeout() -> timedelta:
 def sampling_rank(mapping: dict) -> int:
     """The last stage's first rank: it reports a step's results to the driver (rank 0 without pipeline stages)."""
     return mapping["world_size"] - mapping["tp_size"]
-
-
-def gather_cat(x: torch.Tensor, group, axis: int = 0) -> torch.Tensor:
-    """Every rank's x of the group, concatenated along `axis` in rank order."""
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=axis)
 
 
 def build_groups(ranks_table: dict[str, dict], rank: int) -> tuple[dict[str, object], dict[str, str]]:
@@ -139,7 +133,7 @@ class DistCommunicator(Communicator):
         dist.barrier(group=self._loaded)
 
     def use_exchange(self, exchange) -> None:
-        """The expert exchange backend (runtime/dist/exchange.py), set once the runtime options are known."""
+        """The expert exchange backend (k3plugins.ep, chosen by runtime/dist/exchange.py), set once the runtime options are known."""
         self.exchange = exchange
 
     def ep_gather(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, group: str, capacity: int):

@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from liveness import free_port
 
 from k3plugins.moe.reference import moe_experts
-from k3runtime.dist.exchange import DeepEPExchange, NcclExchange, choose_backend
+from k3plugins.ep import DeepEPExchange, NcclExchange
+from k3runtime.dist.exchange import choose_backend
 from k3runtime.loader import EngineError
 
 STANDIN = str(Path(__file__).with_name("deep_ep_standin"))

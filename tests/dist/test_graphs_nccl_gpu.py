@@ -106,7 +106,7 @@ def test_attention_dp_rank_replays_the_bucket_the_driver_picks(k3_short_ckpt, tm
     batch needs, with the eager step's logits, and as an idle rank with padding rows only."""
     from dataclasses import replace
 
-    from k3runtime.dist.exchange import NcclExchange
+    from k3plugins.ep import NcclExchange
     from k3runtime.engine_options import EngineOptions
     from k3runtime.llm_engine import dummy_step
 
