@@ -1,4 +1,4 @@
-"""DeepEP's low-latency dispatch / combine as the expert exchange (imported only when the engine runs with it)."""
+"""DeepEP's low-latency dispatch / combine as the expert exchange (`deep_ep` imported only when one is made)."""
 
 from __future__ import annotations
 

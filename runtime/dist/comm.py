@@ -133,7 +133,8 @@ class DistCommunicator(Communicator):
         dist.barrier(group=self._loaded)
 
     def use_exchange(self, exchange) -> None:
-        """The expert exchange backend (k3plugins.ep, chosen by runtime/dist/exchange.py), set once the runtime options are known."""
+        """The expert exchange backend (k3plugins.ep, chosen by runtime/dist/exchange.py), set once the runtime options
+        are known."""
         self.exchange = exchange
 
     def ep_gather(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, group: str, capacity: int):
