@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,7 +21,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
+
+from .tokenizer import TOKENIZER_FILES
 
 
 def config_of(path: Path) -> dict:
@@ -42,6 +46,8 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
     out_r, src_r = out.resolve(), src.resolve()
     if out_r == src_r or out_r in src_r.parents:
         raise error(f"{out}: is or holds the input {src}; write the output elsewhere")
+    if src_r in out_r.parents:  # replacing the input later (synth or convert --overwrite) would delete it
+        raise error(f"{out}: inside the input {src}; write the output elsewhere")
     if not out.exists():
         return
     if not overwrite:
@@ -51,6 +57,31 @@ def check_output_dir(out: Path, src: Path, *, overwrite: bool, ours: Callable[[d
     if not out.is_dir() or not ours(config_of(out)):
         raise error(f"{out}: not {what}, so --overwrite leaves it alone (it replaces only k3build's own output or an "
                     "empty directory); remove it yourself or pick another path")
+    check_only_ours(out, error)
+
+
+# What synth, convert and build write at OUT (and a killed run's pid file): anything else there is the user's
+_OWN_NAMES = {"config.json", "model.safetensors.index.json", "model.safetensors", *TOKENIZER_FILES}
+_OWN_PATTERNS = ("model-*-of-*.safetensors", "rank[0-9]*.safetensors")
+_RANK_DIR = re.compile(r"rank\d+")
+_RANK_FILES = {"graph.onnx", "weights.safetensors"}
+
+
+def _k3build_wrote(entry: Path, name: str) -> bool:
+    if name in _OWN_NAMES or name == PID_FILE or any(fnmatch(name, p) for p in _OWN_PATTERNS):
+        return entry.is_file()
+    return bool(_RANK_DIR.fullmatch(name)) and entry.is_dir() and all(
+        f.name in _RANK_FILES and f.is_file() for f in entry.iterdir())
+
+
+def check_only_ours(out: Path, error: type[Exception]) -> None:
+    """`error` naming what --overwrite would delete at out that k3build did not write there (a user's notes, results
+    or another output kept inside), before any work is done: the new output replaces out whole."""
+    foreign = sorted(e.name + ("/" if e.is_dir() else "") for e in out.iterdir() if not _k3build_wrote(e, e.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise error(f"{out}: holds {shown}, which k3build did not write; --overwrite would delete it with the old "
+                    "output: move it out first or pick another path")
 
 
 def write_target(out: Path) -> Path:

@@ -33,10 +33,10 @@ def test_interrupt_while_the_old_engine_goes(converted, tmp_path):
     out = tmp_path / "engine"
     p = _build(converted, out)
     assert p.wait(timeout=300) == 0, p.communicate()
-    pad = out / "rank0" / "pad"  # so that removing the old engine takes a while, as a real one's does
-    pad.mkdir()
-    for i in range(40000):
-        (pad / str(i)).touch()
+    # so that removing the old engine takes a while, as a real one's does (rank dirs: what --overwrite replaces)
+    pad = [out / f"rank{i}" for i in range(1, 40001)]
+    for d in pad:
+        d.mkdir()
     p = _build(converted, out, "--overwrite")
     end = time.time() + 300
     while not any(d.name.startswith(".engine.old-") for d in tmp_path.iterdir()):
@@ -44,7 +44,7 @@ def test_interrupt_while_the_old_engine_goes(converted, tmp_path):
         time.sleep(0.002)
     p.send_signal(signal.SIGINT)
     stdout, stderr = p.communicate(timeout=300)
-    assert (out / "config.json").is_file() and not pad.exists()  # the new engine is in place
+    assert (out / "config.json").is_file() and not pad[0].exists()  # the new engine is in place
     assert p.returncode == 0 and "engine written to" in stdout, (p.returncode, stdout, stderr)
     assert "was not written" not in stderr
     # whatever the interrupted removal left goes with the next run
