@@ -47,7 +47,7 @@ from .finite import first_nonfinite
 from .generation_config import read_generation_config
 from .mapping import Mapping, MappingError
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import check_output_dir, exit_on_sigterm, os_error_message, staged_output, write_target
+from .output_dir import check_free_space, check_output_dir, exit_on_sigterm, os_error_message, staged_output
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 from .tokenizer import TOKENIZER_FILES, check_tokenizer_files, tokenizer_note
@@ -232,12 +232,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
         conversion_id = _conversion_id(src, cfg_out, mapping)
         layouts, where = _placements(jobs, mapping, cfg_out, conversion_id)
         stage.update()
-    need = sum(layout.size for layout in layouts)
-    target = write_target(out)
-    probe = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
-    free = shutil.disk_usage(probe).free if probe is not None else need
-    if free < need:
-        raise ConvertError(f"{out}: needs {need / 2**20:,.1f} MiB, but {probe} has only {free / 2**20:,.1f} MiB free")
+    check_free_space(out, sum(layout.size for layout in layouts), ConvertError)
     with staged_output(out, ConvertError) as tmp:
         paths = [tmp / f"rank{r}.safetensors" for r in range(mapping.world_size)]
         for path, layout in zip(paths, layouts):

@@ -84,6 +84,16 @@ def check_only_ours(out: Path, error: type[Exception]) -> None:
                     "output: move it out first or pick another path")
 
 
+def check_free_space(out: Path, need: int, error: type[Exception]) -> None:
+    """`error` when the filesystem out will be written on has less than `need` bytes free (checked before any work:
+    a K3 checkpoint or conversion is over a TB)."""
+    target = write_target(out)
+    probe = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
+    free = shutil.disk_usage(probe).free if probe is not None else need
+    if free < need:
+        raise error(f"{out}: needs {need / 2**20:,.1f} MiB, but {probe} has only {free / 2**20:,.1f} MiB free")
+
+
 def write_target(out: Path) -> Path:
     """Where staged_output writes OUT: out, or the path a symlink at out points to."""
     return out.resolve() if out.is_symlink() else out

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, K3Config, _k3_layer_types, preset, to_hf_wrapper_config
 from .mxfp4 import quantize_mxfp4
-from .output_dir import check_only_ours, config_of, exit_on_sigterm, os_error_message, staged_output
+from .output_dir import check_free_space, check_only_ours, config_of, exit_on_sigterm, os_error_message, staged_output
 from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, plan_file, pwrite_all, tensor_bytes
 from .schema import PREFIX, checkpoint_tensors
 from .tokenizer import write_tokenizer
@@ -82,6 +82,9 @@ def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int 
             raise ValueError(f"{out_dir}: not a checkpoint synth wrote, so --overwrite leaves it alone (it replaces "
                              "only synth's own output or an empty directory); remove it yourself or pick another path")
         check_only_ours(out_dir, ValueError)
+    specs = checkpoint_tensors(cfg, "k3")
+    check_free_space(out_dir, sum(math.prod(shape) * DTYPE_SIZES[dtype] for shape, dtype in specs.values()),
+                     ValueError)
     with staged_output(out_dir, ValueError) as staging:
         _write_checkpoint(staging, cfg, seed, num_shards, progress)
     return out_dir

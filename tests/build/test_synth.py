@@ -157,3 +157,15 @@ def test_tokenizer_ids_follow_config():
     tok = build_tokenizer(k3)
     assert tok.get_vocab_size() == k3.vocab_size
     assert [tok.token_to_id(t) for t in (BOS, EOS, PAD)] == [163584, 163586, 163839]
+
+
+def test_a_checkpoint_larger_than_the_disk_is_refused_up_front(tmp_path):
+    """K3 itself (about 1.4 TiB) on this machine's disk: refused before anything is written, naming both sizes."""
+    import shutil
+
+    out = tmp_path / "k3"
+    if shutil.disk_usage(tmp_path).free > 2 * 2**40:
+        pytest.skip("this disk has room for K3")
+    r = CliRunner().invoke(main, ["synth", str(out), "--preset", "k3"])
+    assert r.exit_code != 0 and f"{out}: needs 1,487,699.1 MiB, but" in r.output and "MiB free" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
