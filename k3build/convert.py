@@ -291,8 +291,8 @@ def _write_config(tmp: Path, src: Source, cfg: K3Config, mapping: Mapping, conve
 @click.option("--ep-size", type=click.IntRange(min=1), default=None,
               help="expert-parallel ranks [default: tp / moe-tp]")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, show_default=True, help="pipeline stages")
-@click.option("--moe-tp-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="ranks splitting each expert's intermediate dim")
+@click.option("--moe-tp-size", type=click.IntRange(min=1), default=None,
+              help="ranks splitting each expert's intermediate dim [default: tp / ep given both, as plan; else 1]")
 @click.option("--attention-dp", is_flag=True, help="replicate attention/dense weights; experts stay EP")
 @click.option("--quantize", type=click.Choice(["none", "mxfp4"]), default=None,
               help="expert format of the output [default: as the source]")
@@ -302,6 +302,10 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
     """Shard checkpoint CKPT into OUT/rank{N}.safetensors for the given mapping."""
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
+        if moe_tp_size is None:  # as plan fills it in, so that plan's flags convert the same mapping
+            if tp_size is not None and ep_size is not None and tp_size % ep_size:
+                raise MappingError(f"--ep-size {ep_size} does not divide --tp-size {tp_size}")
+            moe_tp_size = tp_size // ep_size if tp_size is not None and ep_size is not None else 1
         if tp_size is None:
             tp_size = (ep_size or 1) * moe_tp_size
         mapping = Mapping(tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp_size, moe_ep_size=ep_size,

@@ -190,3 +190,19 @@ def test_tokenizer_files_travel_and_a_missing_tokenizer_json_is_told(tiny, tmp_p
     assert res.exit_code == 0 and "warning" not in res.stderr, res.output
     res = CliRunner().invoke(main, ["build", str(tmp_path / "conv2"), str(tmp_path / "engine2"), "--no-progress"])
     assert res.exit_code == 0 and "token ids only" not in res.stderr, res.output
+
+
+def test_cli_fills_in_moe_tp_as_plan_does(tiny, tmp_path):
+    """--tp-size with --ep-size and no --moe-tp-size: the experts' remaining split is tp / ep, as `k3build plan`
+    reads the same flags, so a mapping planned converts as it was planned; an ep that does not divide tp is named."""
+    runner = CliRunner()
+    r = runner.invoke(main, ["convert", str(tiny), str(tmp_path / "a"), "--tp-size", "2", "--ep-size", "1"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "a" / "config.json").read_text())["mapping"]
+    assert (m["tp_size"], m["moe_ep_size"], m["moe_tp_size"]) == (2, 1, 2)
+    r = runner.invoke(main, ["plan", str(tiny), "--tp-size", "2", "--ep-size", "1", "--json", "--gpu-memory-gib", "80",
+                             "--max-seq-len", "1024"])
+    assert r.exit_code == 0 and json.loads(r.output)["mapping"] == m, r.output
+    r = runner.invoke(main, ["convert", str(tiny), str(tmp_path / "b"), "--tp-size", "3", "--ep-size", "2"])
+    assert r.exit_code != 0 and "--ep-size 2 does not divide --tp-size 3" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
