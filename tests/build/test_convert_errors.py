@@ -128,7 +128,7 @@ def test_corrupt_header(tiny, tmp_path, how):
 
 @pytest.mark.parametrize("args, expect", [
     (["--tp-size", "3"], "not divisible by attention TP=3"),
-    (["--tp-size", "2", "--ep-size", "3"], "must equal tp_size"),
+    (["--tp-size", "2", "--ep-size", "3"], "--ep-size 3 does not divide --tp-size 2"),
     (["--tp-size", "4", "--moe-tp-size", "4"], "multiple of 32"),
     (["--tp-size", "2", "--moe-tp-size", "2", "--attention-dp"], "attention-DP off"),
 ])
