@@ -245,6 +245,10 @@ class K3Config:
             d = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: no config.json there") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: a directory, expected a config.json") from None
+        except UnicodeDecodeError as e:  # a binary file (a safetensors shard given for the checkpoint's config)
+            raise ConfigError(f"{path}: not valid JSON (not UTF-8 text: {e})") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         try:

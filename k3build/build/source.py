@@ -29,6 +29,8 @@ def read_converted(converted_dir: Path) -> tuple[dict, K3Config, Mapping]:
         raise BuildError(f"{converted_dir}: not a converted checkpoint (no config.json); run `k3build convert` first")
     try:
         raw = json.loads(path.read_text())
+    except UnicodeDecodeError as e:
+        raise BuildError(f"{path}: not valid JSON (not UTF-8 text: {e})") from None
     except json.JSONDecodeError as e:
         raise BuildError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or "mapping" not in raw:

@@ -464,3 +464,15 @@ def test_an_output_under_a_file_is_refused_by_name(converted, k3_tiny_ckpt, tmp_
         assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (args[0], res.output, res.exception)
         assert f"cannot make its directory {tmp_path / 'afile'} (a file is in the way" in res.output, res.output
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_binary_config_files_are_named(converted, k3_tiny_ckpt, tmp_path):
+    """A config.json that is not text (a binary copied in its place), and plan given a shard for the checkpoint's
+    config: each refused naming the file, not with a bare codec error."""
+    conv = _copy(converted["tp1"], tmp_path / "conv")
+    (conv / "config.json").write_bytes(bytes(range(128, 256)))
+    res = _build(conv, tmp_path / "engine")
+    assert res.exit_code != 0 and f"{conv / 'config.json'}: not valid JSON (not UTF-8 text" in res.output, res.output
+    shard = next(k3_tiny_ckpt.glob("*.safetensors"))
+    res = CliRunner().invoke(main, ["plan", str(shard), "--gpu-memory-gib", "80", "--max-seq-len", "1024"])
+    assert res.exit_code != 0 and f"{shard}: not valid JSON (not UTF-8 text" in res.output, res.output
