@@ -82,6 +82,11 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
                 check_prompt(config, ids, max_tokens=max_tokens, num_pages=num_pages)
             except ValueError as e:
                 raise click.ClickException(_prompt_error(str(e), where)) from None
+        max_len = config["build_config"]["max_seq_len"]
+        longest = max(map(len, prompt_ids))
+        if longest + max_tokens > max_len:  # the API stops there ("length"); the server refuses such a request
+            click.echo(f"note: --max-tokens {max_tokens} runs past the engine's max_seq_len {max_len}: an output stops "
+                       f"where its prompt and output reach {max_len} tokens", err=True)
         llm = LLM(engine, device=device, tokenizer=tokenizer, **given(flags))
         if stream:
             for chunk in llm.stream(prompt_ids[0], params):

@@ -112,3 +112,15 @@ def test_n_completions_a_prompt(k3_tiny_engine):
     assert res.output == want
     bad = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--n", "0", "--prompt", "hi"])
     assert bad.exit_code != 0 and "--n: expected an int in 1..64" in bad.output, bad.output
+
+
+def test_max_tokens_past_max_seq_len_is_noted(k3_tiny_engine):
+    """--max-tokens past the engine's max_seq_len (512 here): generated (an output would stop there) and said so on
+    stderr (the server refuses such a request; the CLI ran it silently); within it, no note."""
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "600",
+                                    "--prompt", "Hello world"])
+    assert res.exit_code == 0, res.output
+    assert "note: --max-tokens 600 runs past the engine's max_seq_len 512" in res.output
+    assert "--- 'Hello world' -> " in res.output
+    short = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "4", "--prompt", "Hello world"])
+    assert short.exit_code == 0 and "note:" not in short.output
