@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 from pathlib import Path
@@ -29,12 +30,16 @@ def _check_bindable(host: str, port: int) -> None:
         return
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as e:  # a name that does not resolve, or no address of this family
+        raise click.ClickException(f"--host {host}: cannot resolve it ({e.strerror or e}); give an IP address or "
+                                   "host name of this machine to listen on, e.g. 127.0.0.1") from None
+    try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not block
             s.bind((host, port))
     except OSError as e:
-        raise click.ClickException(f"--host {host} --port {port}: cannot bind ({e.strerror or e}); is another "
-                                   "server on it?") from None
+        hint = "is another server on it?" if e.errno == errno.EADDRINUSE else "is the address this machine's?"
+        raise click.ClickException(f"--host {host} --port {port}: cannot bind ({e.strerror or e}); {hint}") from None
 
 
 @click.command("serve")

@@ -375,14 +375,21 @@ def test_distributed_weight_config_is_validated(tiny_engine, tmp_path):
 
 
 def test_serve_options_are_validated(tiny_engine):
-    """A port another server holds fails at start-up (checked before the engine loads), limits past the engine's
-    max_seq_len fail at start-up, an unknown log level is a usage error; each with one line, no traceback."""
+    """A port another server holds fails at start-up (checked before the engine loads), as does a host that is not
+    this machine's (each named for what it is); limits past the engine's max_seq_len fail at start-up, an unknown
+    log level is a usage error; each with one line, no traceback."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         busy = _serve(str(tiny_engine), "--port", str(port))
     assert busy.returncode != 0 and f"--host 127.0.0.1 --port {port}: cannot bind" in busy.stderr, busy.stderr
+    assert "is another server on it?" in busy.stderr
+    # an address that does not resolve, and one that is not this machine's: said so, not asked about a server
+    bad = _serve(str(tiny_engine), "--host", "999.1.1.1", "--port", str(free_port()))
+    assert bad.returncode != 0 and "--host 999.1.1.1: cannot resolve it" in bad.stderr, bad.stderr
+    foreign = _serve(str(tiny_engine), "--host", "192.0.2.1", "--port", str(free_port()))  # TEST-NET-1
+    assert foreign.returncode != 0 and "is the address this machine's?" in foreign.stderr, foreign.stderr
     max_len = json.loads((tiny_engine / "config.json").read_text())["build_config"]["max_seq_len"]
     prompt = _serve(str(tiny_engine), "--port", str(free_port()), "--max-prompt-tokens", str(max_len))
     want = (f"--max-prompt-tokens: {max_len} is past what the engine holds, {max_len} tokens a sequence (its "
