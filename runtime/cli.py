@@ -32,7 +32,8 @@ def main():
 @click.option("--min-p", type=float, default=None,
               help="In [0, 1]: drop tokens less likely than this times the most likely one; 0 = off. "
                    "[default: generation_config.json, else 0]")
-@click.option("--seed", type=int, default=None, help="Seed of the sampling draws (none: a random one).")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,
+              help="Seed of the sampling draws (none: a random one).")
 @click.option("--n", "n", type=int, default=1, show_default=True,
               help="Completions of each prompt, one after another (choice j seeded --seed + j when given).")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
@@ -72,9 +73,10 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
                                 frequency_penalty=frequency_penalty, n=n, **sampling)
         tokenizer = load_tokenizer(engine)
         if tokenizer is None:
-            raise click.ClickException(f"{engine}: the engine has no tokenizer.json (its checkpoint had none) and "
-                                       "generate takes text; build from a checkpoint with its tokenizer, or give "
-                                       "token ids through the Python API (LLM.generate) or the server")
+            raise click.ClickException(f"{engine}: the engine has no tokenizer.json (its checkpoint had none, or it "
+                                       "was removed), and generate takes text; build from a checkpoint with its "
+                                       "tokenizer, or give token ids through the Python API (LLM.generate) or the "
+                                       "server")
         prompt_ids = [tokenizer.encode(p) for p in prompts]
         num_pages = cache_sizes(config, EngineOptions(device=device, **given(flags)))[0]
         for (where, _), ids in zip(sources, prompt_ids):

@@ -322,7 +322,7 @@ def run_store(opts: StoreOptions, echo=click.echo) -> int:
               help="Control socket (default: <shm dir>/store.sock).")
 @click.option("--shm-root", default="/dev/shm", show_default=True,
               type=click.Path(exists=True, file_okay=False, path_type=Path), help="A tmpfs to hold the copies in.")
-@click.option("--max-bytes", type=int, default=None, help="Refuse to hold more than this many bytes.")
+@click.option("--max-bytes", type=click.IntRange(min=1), default=None, help="Refuse to hold more than this many bytes.")
 def weight_store_cmd(engine, ranks, name, socket_path, shm_root, max_bytes):
     """Keep ENGINE's rank weights in host shared memory for ranks to attach (runs until SIGTERM/SIGINT)."""
     try:

@@ -124,3 +124,13 @@ def test_max_tokens_past_max_seq_len_is_noted(k3_tiny_engine):
     assert "--- 'Hello world' -> " in res.output
     short = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "4", "--prompt", "Hello world"])
     assert short.exit_code == 0 and "note:" not in short.output
+
+
+def test_out_of_range_numbers_are_usage_errors(k3_tiny_engine):
+    """A negative --seed (generate) or --max-bytes (weight-store): click's range error naming the flag, exit 2,
+    before anything loads (they reached the API's "expected None or an int" / a store allowing -0.00 GiB)."""
+    res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--prompt", "hi", "--seed", "-1"])
+    assert res.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range" in res.output, res.output
+    res = CliRunner().invoke(main, ["weight-store", str(k3_tiny_engine), "--max-bytes", "-1"])
+    assert res.exit_code == 2 and "Invalid value for '--max-bytes': -1 is not in the range x>=1" in res.output, \
+        res.output
