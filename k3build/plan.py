@@ -107,8 +107,14 @@ def _model(ckpt: Path | None, preset_name: str | None, rec) -> tuple[K3Config, M
     if preset_name:
         return preset(preset_name), None
     path = ckpt / "config.json" if ckpt.is_dir() else ckpt
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raw = None  # K3Config.from_file names what is wrong with it
+    if isinstance(raw, dict) and "build_config" in raw:
+        raise ConfigError(f"{path}: an engine's config, not a checkpoint's; plan takes a checkpoint (converted or "
+                          f"not), --preset or --recipe (`k3build inspect ENGINE` shows an engine's memory plan)")
     cfg = K3Config.from_file(path)
-    raw = json.loads(path.read_text())
     m = raw.get("mapping") if isinstance(raw, dict) else None
     try:
         return cfg, Mapping.from_dict(m) if isinstance(m, dict) else None

@@ -179,3 +179,11 @@ def test_tiny_report_uses_mib():
     # rank 0 samples (it alone reserves penalty_counts), ranks 1-3 share one row
     assert any(line.startswith("0 ") for line in res.stdout.splitlines())
     assert any(line.startswith("1-3 ") for line in res.stdout.splitlines())
+
+
+def test_an_engine_is_named_as_one(k3_tiny_engine):
+    """plan given an engine (its config.json nests the model's): said so, pointing at inspect, not a model_type
+    error about a field the engine keeps elsewhere."""
+    res = _run("plan", str(k3_tiny_engine), "--gpu-memory-gib", "80", "--max-seq-len", "256")
+    assert res.exit_code != 0 and "an engine's config, not a checkpoint's" in res.output, res.output
+    assert "k3build inspect ENGINE" in res.output and "model_type" not in res.output
