@@ -25,12 +25,14 @@ from .comm import DistCommunicator, collective_timeout, sampling_rank
 from .exchange import choose_backend, make_exchange
 
 
-def init_from_env(device: str = "cpu") -> None:
+def init_from_env(device: str = "cpu", world: int | None = None) -> None:
+    """torch.distributed from torchrun's environment; EngineError outside torchrun, with the command to run (its
+    process count the engine's `world` of ranks where known)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         raise EngineError("a multi-rank engine runs under torchrun: "
-                          "`torchrun --nproc-per-node N -m k3runtime.dist.launch ENGINE <command> ...`")
+                          f"`torchrun --nproc-per-node {world or 'N'} -m k3runtime.dist.launch ENGINE <command> ...`")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -99,8 +101,8 @@ def preflight(engine_dir: str) -> None:
 
 
 def _communicator(config: dict, device: str) -> DistCommunicator:
-    init_from_env(device)
     world = config["mapping"]["world_size"]
+    init_from_env(device, world)
     if dist.get_world_size() != world:
         raise EngineError(f"the engine has {world} ranks but torchrun started {dist.get_world_size()} processes; "
                           f"use --nproc-per-node/--nnodes for {world}")

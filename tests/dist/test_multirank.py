@@ -143,6 +143,11 @@ def test_torchrun_generate_cli_matches_single_rank(k3_short_ckpt, k3_short_engin
     assert single.returncode == 0 and multi.returncode == 0, multi.stderr[-3000:]
     assert "-> 8 tokens (length)" in multi.stdout
     assert multi.stdout == single.stdout
+    # the same command without torchrun: the one to run instead, with the engine's own process count
+    alone = subprocess.run([sys.executable, "-m", "k3runtime.cli", args[0], str(engine), *args[1:]], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode != 0 and "runs under torchrun: `torchrun --nproc-per-node 2 -m" in alone.stderr, \
+        alone.stderr[-2000:]
     # a user's error under torchrun: the command's one line on rank 0, a worker's own with its rank, no traceback
     # of ours (torchrun's summary of the failed ranks follows)
     # ... and a rank that fails to load: its error, and rank 0's one line naming it (not gloo's lost connection)
