@@ -319,6 +319,6 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
         click.echo(f"\nconvert interrupted; {out} was not written", err=True)
         sys.exit(130)
     click.echo(f"wrote {path} ({mapping.world_size} ranks)")
-    note = tokenizer_note(path)
+    note = tokenizer_note(Path(ckpt))  # the checkpoint, where a tokenizer.json would be put
     if note:
         click.echo(f"warning: {note}", err=True)

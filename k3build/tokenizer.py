@@ -110,7 +110,8 @@ def tokenizer_note(ckpt_dir: Path) -> str | None:
         return None
     others = [n for n in TOKENIZER_FILES if (ckpt_dir / n).is_file() and n not in JSON_FILES]
     if not others:
-        return f"{ckpt_dir}: no tokenizer files; the engine will take token ids only, not text"
+        return (f"{ckpt_dir}: no tokenizer.json, nor another tokenizer file; the engine will take token ids only, "
+                "not text")
     return (f"{ckpt_dir}: no tokenizer.json (only {', '.join(others)}), which is what k3runtime reads; the engine "
             "will take token ids only, not text, unless a tokenizer.json is put beside them (e.g. saved with "
             "transformers' AutoTokenizer.from_pretrained(...).save_pretrained(...))")

@@ -181,13 +181,16 @@ def test_tokenizer_files_travel_and_a_missing_tokenizer_json_is_told(tiny, tmp_p
     (ckpt / "tiktoken.model").write_text("IQ== 0\n")
     res = CliRunner().invoke(main, ["convert", str(ckpt), str(tmp_path / "conv")])
     assert res.exit_code == 0, res.output
-    assert "no tokenizer.json (only tiktoken.model)" in res.stderr and "token ids only" in res.stderr
+    assert f"{ckpt}: no tokenizer.json (only tiktoken.model)" in res.stderr and "token ids only" in res.stderr
     res = CliRunner().invoke(main, ["build", str(tmp_path / "conv"), str(tmp_path / "engine"), "--no-progress"])
     assert res.exit_code == 0, res.output
     assert "no tokenizer.json (only tiktoken.model)" in res.stderr and "token ids only" in res.stderr
     assert (tmp_path / "engine" / "tiktoken.model").read_text() == "IQ== 0\n"
     res = CliRunner().invoke(main, ["convert", str(tiny), str(tmp_path / "conv2")])
     assert res.exit_code == 0 and "warning" not in res.stderr, res.output
+    (ckpt / "tiktoken.model").unlink()  # tokenizer_config.json alone is no tokenizer
+    res = CliRunner().invoke(main, ["convert", str(ckpt), str(tmp_path / "conv3")])
+    assert res.exit_code == 0 and f"{ckpt}: no tokenizer.json, nor another tokenizer file" in res.stderr, res.output
     res = CliRunner().invoke(main, ["build", str(tmp_path / "conv2"), str(tmp_path / "engine2"), "--no-progress"])
     assert res.exit_code == 0 and "token ids only" not in res.stderr, res.output
 
