@@ -188,9 +188,12 @@ def _describe(engine: Path, cfg: dict) -> tuple[list[str], list[str]]:
     budget = mp.get("budget")
     if budget:
         held = budget.get("memory_requests")  # engines built before it was planned lack it
-        out.append(f"  budget {_mib(budget['gpu_memory_bytes'])} per rank: {budget['max_concurrent_requests']} "
-                   f"requests of {budget['max_seq_len']} tokens run at once"
-                   + (f" (memory holds {held})" if held is not None else ""))
+        running = budget["max_concurrent_requests"]
+        why = (f"max_batch_size {b['max_batch_size']} caps the KDA slots" if running == b["max_batch_size"] else
+               "the KDA slots, given first, leave pages for no more of that length")  # as plan says it
+        out.append(f"  budget {_mib(budget['gpu_memory_bytes'])} per rank: {running} requests of "
+                   f"{budget['max_seq_len']} tokens run at once"
+                   + (f" (memory holds {held}: {why})" if held is not None and held > running else ""))
         for r in budget["ranks"]:
             out.append(f"  rank{r['rank']}: weights {_mib(r['weight_bytes'])}, reserve {_mib(r['reserve_bytes'])}, "
                        f"free {_mib(r['free_bytes'])}: room for {r['kda_slots']} slots and {r['kv_pages']} pages")

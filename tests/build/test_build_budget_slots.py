@@ -52,3 +52,15 @@ def test_budget_that_holds_the_batch_size_says_nothing_of_it(converted, tmp_path
     assert res.exit_code == 0, res.output
     assert json.loads((out / "config.json").read_text())["memory_plan"]["num_slots"] == 8
     assert "KDA slots" not in res.output
+
+
+def test_inspect_says_why_fewer_run_than_memory_holds(converted, tmp_path):
+    """inspect gave "1 requests ... run at once (memory holds 252)" with no reason; it now says it as plan does."""
+    out = tmp_path / "engine"
+    res = CliRunner().invoke(main, ["build", str(converted), str(out), "--gpu-memory-gib", "1.1", "--max-seq-len",
+                                    "1024", "--max-batch-size", "1", "--max-num-tokens", "256", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["inspect", str(out)])
+    line = next(x for x in res.output.splitlines() if "run at once" in x)
+    assert "1 requests of 1024 tokens run at once (memory holds" in line, line
+    assert line.endswith(": max_batch_size 1 caps the KDA slots)"), line
