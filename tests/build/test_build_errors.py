@@ -279,7 +279,8 @@ def test_memory_budget_that_fits_sizes_the_caches(converted, tmp_path):
     text = CliRunner().invoke(main, ["inspect", str(out)]).output
     budget = plan["budget"]
     assert (f"{budget['max_concurrent_requests']} requests of 1024 tokens run at once (memory holds "
-            f"{budget['memory_requests']})") in text and budget["max_concurrent_requests"] == 8
+            f"{budget['memory_requests']}: max_batch_size 8 caps the KDA slots)") in text
+    assert budget["max_concurrent_requests"] == 8
     assert f"room for {rank['kda_slots']} slots and {rank['kv_pages']} pages" in text
 
 
