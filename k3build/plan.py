@@ -113,7 +113,7 @@ def _model(ckpt: Path | None, preset_name: str | None, rec) -> tuple[K3Config, M
         raw = None  # K3Config.from_file names what is wrong with it
     if isinstance(raw, dict) and "build_config" in raw:
         raise ConfigError(f"{path}: an engine's config, not a checkpoint's; plan takes a checkpoint (converted or "
-                          f"not), --preset or --recipe (`k3build inspect ENGINE` shows an engine's memory plan)")
+                          "not), --preset or --recipe (`k3build inspect ENGINE` shows an engine's memory plan)")
     cfg = K3Config.from_file(path)
     m = raw.get("mapping") if isinstance(raw, dict) else None
     try:
