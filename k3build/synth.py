@@ -86,12 +86,12 @@ def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int 
     check_free_space(out_dir, sum(math.prod(shape) * DTYPE_SIZES[dtype] for shape, dtype in specs.values()),
                      ValueError)
     with staged_output(out_dir, ValueError) as staging:
-        _write_checkpoint(staging, cfg, seed, num_shards, progress)
+        _write_checkpoint(staging, cfg, specs, seed, num_shards, progress)
     return out_dir
 
 
-def _write_checkpoint(out_dir: Path, cfg: K3Config, seed: int, num_shards: int, progress: bool) -> None:
-    specs = checkpoint_tensors(cfg, "k3")
+def _write_checkpoint(out_dir: Path, cfg: K3Config, specs: dict, seed: int, num_shards: int,
+                      progress: bool) -> None:
     names = list(specs)
     sizes = [math.prod(specs[n][0]) * DTYPE_SIZES[specs[n][1]] for n in names]
     total = sum(sizes)
