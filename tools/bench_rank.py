@@ -517,14 +517,8 @@ def free_bytes(device: torch.device) -> int | None:
     where /proc/meminfo does not say)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from k3runtime.dist.weight_store import mem_available
+    return mem_available()
 
 
 def refuse_if_weights_do_not_fit(cfg, mapping, preset_name: str, device: torch.device) -> None:

@@ -81,12 +81,13 @@ def check_space(need: int, ranks: tuple[int, ...], shm_root: Path, max_bytes: in
     if need > free:
         raise StoreError(f"{what} in {shm_root} but only {gib(free)} is free there (filesystem size {gib(size)}); "
                          f"free space or enlarge it (e.g. `mount -o remount,size=<N>G {shm_root}`)")
-    avail = _mem_available()
+    avail = mem_available()
     if avail is not None and need > avail:
         raise StoreError(f"{what} of host memory but MemAvailable is {gib(avail)}")
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
+    """The host's MemAvailable in bytes (None where /proc/meminfo does not say)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
