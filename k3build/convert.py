@@ -45,7 +45,7 @@ from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, ope
                            plan_jobs)
 from .finite import first_nonfinite
 from .generation_config import read_generation_config
-from .mapping import Mapping, MappingError
+from .mapping import Mapping, MappingError, moe_tp_from_flags
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
 from .output_dir import check_free_space, check_output_dir, exit_on_sigterm, os_error_message, staged_output
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
@@ -303,9 +303,7 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         if moe_tp_size is None:  # as plan fills it in, so that plan's flags convert the same mapping
-            if tp_size is not None and ep_size is not None and tp_size % ep_size:
-                raise MappingError(f"--ep-size {ep_size} does not divide --tp-size {tp_size}")
-            moe_tp_size = tp_size // ep_size if tp_size is not None and ep_size is not None else 1
+            moe_tp_size = moe_tp_from_flags(tp_size, ep_size)
         if tp_size is None:
             tp_size = (ep_size or 1) * moe_tp_size
         mapping = Mapping(tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp_size, moe_ep_size=ep_size,

@@ -39,6 +39,16 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 
 
+def moe_tp_from_flags(tp: int | None, ep: int | None) -> int:
+    """The experts' TP split that plan's and convert's flags leave unsaid: tp / ep given both (an ep that does not
+    divide tp is named by its flags), else 1."""
+    if tp is not None and ep is not None:
+        if tp % ep:
+            raise MappingError(f"--ep-size {ep} does not divide --tp-size {tp}")
+        return tp // ep
+    return 1
+
+
 @dataclass(frozen=True)
 class Mapping:
     tp_size: int = 1

@@ -13,7 +13,7 @@ import click
 
 from .build.options import DTYPES, BuildOptions
 from .config import ConfigError, K3Config, preset
-from .mapping import Mapping, MappingError
+from .mapping import Mapping, MappingError, moe_tp_from_flags
 from .memory import CATEGORIES, GiB, MiB, DEFAULT_OVERHEAD_BYTES, MemoryPlan, plan_memory
 from .recipe import RecipeError, load_recipe
 
@@ -127,9 +127,7 @@ def _mapping(base: Mapping, tp, ep, pp, moe_tp, attention_dp) -> Mapping:
     if ep is None and moe_tp is None and tp == base.tp_size:
         ep, moe_tp = base.moe_ep_size, base.moe_tp_size
     if moe_tp is None:
-        if ep is not None and tp % ep:
-            raise MappingError(f"--ep-size {ep} does not divide --tp-size {tp}")
-        moe_tp = tp // ep if ep else 1
+        moe_tp = moe_tp_from_flags(tp, ep)
     return Mapping(tp_size=tp, pp_size=pp if pp is not None else base.pp_size, moe_tp_size=moe_tp,
                    moe_ep_size=ep, attention_dp=base.attention_dp if attention_dp is None else attention_dp)
 
