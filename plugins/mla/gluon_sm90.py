@@ -239,7 +239,9 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 # instead ("swap AB"): the scores transposed, S^T [64 tokens, 32 heads] = K · Q^T, the softmax down the tokens, the
 # values transposed, O^T [512, 32] = V^T · P^T (each warpgroup 256 of the rows); the same roles, barriers and loader
 # as above. Its programs take less time than the 64-row blocks' beside them: a gain where the grid has more programs
-# than SMs (splits), so that the SMs they free take the next ones.
+# than SMs (splits), so that the SMs they free take the next ones. Two programs of 48 heads on N each (96 heads with
+# no padding at all) cannot be written: a Gluon register tensor's dimensions are powers of two, so S^T [64, 48] and
+# O^T [256, 48] are refused at compile time ("shape must have power-of-2 ... dimensions", tried on triton 3.6).
 NARROW = 32
 # off: on an H200 1.8 % faster at 64 x 8K without splits, 11 % slower at 32 x 64K with the two splits the host
 # picks there (BENCHMARKS.md, forty-seventh session); its GPU tests pass
