@@ -28,6 +28,8 @@ CUDA sm_90 only (TMA, wgmma, setmaxnreg); ROCm and the interpreter keep the Trit
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -408,12 +410,34 @@ def runs_on(kv_cache: torch.Tensor, dl: int) -> tuple[bool, str]:
     return True, ""
 
 
+# page_descriptors' answers by the cache tensor (its id): a layer's cache is one tensor for the engine's life, and
+# building the two descriptors costs ~40 us of host time a launch on a 2-core CPU, every eager step and MLA layer.
+# An entry goes with its tensor (weakref.finalize); it is used only while the tensor's storage, shape and dtype
+# are those it was built for.
+_DESCRIPTORS: dict[int, tuple] = {}
+
+
 def page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of a page's latent [64, dl] and rope [64, dr] parts, over the cache as [pages·64, dl + dr]."""
+    """TMA descriptors of a page's latent [64, dl] and rope [64, dr] parts, over the cache as [pages·64, dl + dr]
+    (built once a cache tensor and latent width)."""
+    key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, dl)
+    hit = _DESCRIPTORS.get(id(kv_cache))
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    descriptors = _build_page_descriptors(kv_cache, dl)
+    if hit is None:
+        weakref.finalize(kv_cache, _DESCRIPTORS.pop, id(kv_cache), None)
+    _DESCRIPTORS[id(kv_cache)] = (key, descriptors)
+    return descriptors
+
+
+def _build_page_descriptors(kv_cache: torch.Tensor, dl: int) -> tuple[TensorDescriptor, TensorDescriptor]:
     pages, page, width = kv_cache.shape
     if not kv_cache.is_contiguous():
         raise ValueError("mla_decode (gluon): the kv cache must be contiguous")
-    rows = kv_cache.view(pages * page, width)
+    # over the storage, not a view: a view would hold kv_cache itself, and page_descriptors' entry would keep it alive
+    rows = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device).set_(
+        kv_cache.untyped_storage(), kv_cache.storage_offset(), (pages * page, width), (width, 1))
     dt = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
     lat = TensorDescriptor(rows, [pages * page, dl], [width, 1], [page, dl],
                            gl.NVMMASharedLayout.get_default_for([page, dl], dt))

@@ -97,3 +97,22 @@ def test_lean_softmax_keeps_the_mmas_and_drops_the_scale_multiplies():
     assert Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", code)) == Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", before))
     fmul = lambda c: len(re.findall(r"\bFMUL\b", c))  # noqa: E731
     assert fmul(code) <= fmul(before) - 30
+
+
+def test_page_descriptors_are_built_once_a_cache_tensor_and_go_with_it():
+    """page_descriptors keeps its answer by cache tensor: the same objects again (no host work a launch), over the
+    cache's own storage (rope columns dl elements in), rebuilt when the tensor's storage changes, and dropped (not
+    keeping the cache alive) when the tensor goes."""
+    kv = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
+    lat, pe = gluon_sm90.page_descriptors(kv, 512)
+    again = gluon_sm90.page_descriptors(kv, 512)
+    assert again[0] is lat and again[1] is pe
+    assert lat.base.data_ptr() == kv.data_ptr() and pe.base.data_ptr() == kv.data_ptr() + 512 * kv.element_size()
+    assert list(lat.shape) == [8 * 64, 512] and list(pe.shape) == [8 * 64, 64]
+    kv.set_(torch.zeros_like(kv).untyped_storage(), 0, kv.shape, kv.stride())  # the same tensor, new storage
+    moved = gluon_sm90.page_descriptors(kv, 512)[0]
+    assert moved is not lat and moved.base.data_ptr() == kv.data_ptr()
+    key = id(kv)
+    assert key in gluon_sm90._DESCRIPTORS
+    del kv
+    assert key not in gluon_sm90._DESCRIPTORS
