@@ -37,7 +37,7 @@ from pathlib import Path
 import click
 import numpy as np
 import torch
-from tqdm import tqdm
+from k3plugins.progress import progress_bar
 
 from . import __version__
 from .config import K3Config
@@ -166,8 +166,8 @@ def _run_jobs(tasks: list) -> int:
 
 def _execute(tasks: list, context: tuple, workers: int, progress: bool) -> None:
     tasks = sorted(tasks, key=lambda t: -t[0].nbytes)  # big first, so workers finish together
-    bar = tqdm(total=sum(t[0].nbytes for t in tasks), unit="B", unit_scale=True, desc="convert",
-               disable=not progress or None)
+    bar = progress_bar(total=sum(t[0].nbytes for t in tasks), unit="B", unit_scale=True, desc="convert",
+                       enabled=progress)
     try:
         if workers <= 1:
             _init_worker(*context)
@@ -220,7 +220,7 @@ def convert(ckpt_dir: str | Path, out_dir: str | Path, mapping: Mapping, *, quan
     check_output_dir(out, Path(ckpt_dir), overwrite=overwrite, ours=lambda cfg: cfg.get("format") == FORMAT,
                      what="a converted checkpoint", error=ConvertError)
     # planning reads every shard's header and places every tensor: ~30 s for K3's 497k tensors before a byte moves
-    with tqdm(total=3, desc="plan (headers, jobs, slices)", unit="step", disable=not progress or None) as stage:
+    with progress_bar(total=3, desc="plan (headers, jobs, slices)", unit="step", enabled=progress) as stage:
         src = open_source(ckpt_dir)
         check_tokenizer_files(src.path, ConvertError)
         cfg_out = output_config(src, quantize)
@@ -298,7 +298,9 @@ def _write_config(tmp: Path, src: Source, cfg: K3Config, mapping: Mapping, conve
               help="expert format of the output [default: as the source]")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="parallel processes")
 @click.option("--overwrite", is_flag=True, help="replace an existing OUT")
-def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, quantize, workers, overwrite):
+@click.option("--progress/--no-progress", default=True, help="Show progress (in a log: a line every 30 s).")
+def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, quantize, workers, overwrite,
+                progress):
     """Shard checkpoint CKPT into OUT/rank{N}.safetensors for the given mapping."""
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
@@ -308,7 +310,7 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
             tp_size = (ep_size or 1) * moe_tp_size
         mapping = Mapping(tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp_size, moe_ep_size=ep_size,
                           attention_dp=attention_dp)
-        path = convert(ckpt, out, mapping, quantize=quantize, workers=workers, overwrite=overwrite)
+        path = convert(ckpt, out, mapping, quantize=quantize, workers=workers, overwrite=overwrite, progress=progress)
     except (ConvertError, MappingError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:  # the output's disk filled up or went away meanwhile: the staging dir is gone already

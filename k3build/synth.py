@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 import torch
-from tqdm import tqdm
+from k3plugins.progress import progress_bar
 
 from .config import ConfigError, K3Config, _k3_layer_types, preset, to_hf_wrapper_config
 from .mxfp4 import quantize_mxfp4
@@ -103,7 +103,7 @@ def _write_checkpoint(out_dir: Path, cfg: K3Config, specs: dict, seed: int, num_
     shards = [s for s in shards if s]
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress or None)
+    bar = progress_bar(total=total, unit="B", unit_scale=True, desc="synth", enabled=progress)
     for fname, members in zip(files, shards):
         layout = plan_file([(PREFIX + n, specs[n][1], specs[n][0]) for n in members], {"format": "pt"})
         path = out_dir / fname
@@ -147,7 +147,8 @@ def _write_checkpoint(out_dir: Path, cfg: K3Config, specs: dict, seed: int, num_
 @click.option("--num-layers", type=int, default=None, help="override num_hidden_layers (K3's MLA pattern)")
 @click.option("--num-experts", type=int, default=None, help="override num_experts")
 @click.option("--overwrite", is_flag=True, help="replace an existing checkpoint at OUT")
-def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, overwrite):
+@click.option("--progress/--no-progress", default=True, help="Show progress (in a log: a line every 30 s).")
+def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, overwrite, progress):
     """Write a random K3 checkpoint (MXFP4 experts) to OUT."""
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
@@ -157,7 +158,7 @@ def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, ov
         if num_experts is not None:
             cfg = dataclasses.replace(cfg, num_experts=num_experts,
                                       num_experts_per_token=min(cfg.num_experts_per_token, num_experts))
-        synth(out, cfg, seed=seed, num_shards=shards, overwrite=overwrite)
+        synth(out, cfg, seed=seed, num_shards=shards, overwrite=overwrite, progress=progress)
     except (ConfigError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:  # the output's disk filled up or went away meanwhile: the staging dir is gone already

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from k3plugins.progress import progress_bar
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -100,7 +100,7 @@ def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     spans = sorted((s, t, name) for name, (_, _, s, t) in entries.items() if t > s)
     staged = device.type != "cpu" if staged is None else staged
     total = spans[-1][1] if spans else 0
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {path.parent.name}", disable=not progress)
+    bar = progress_bar(total=total, unit="B", unit_scale=True, desc=f"load {path.parent.name}", enabled=progress)
     with open(path, "rb", buffering=0) as f, bar, _Hasher(digest) as hasher:
         if digest is not None:
             hasher.update(_read_range(f.fileno(), 0, data_start, path, "the header"))

@@ -95,7 +95,8 @@ def _raise_interrupt(signum, frame):
               help="Measure tactic choices on this machine's GPU (FP8 prefill, taken where its drift is within the "
                    "parity bar).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine dir.")
-@click.option("--progress/--no-progress", default=True, help="Show a progress bar per rank.")
+@click.option("--progress/--no-progress", default=True,
+              help="Show progress per rank (in a log: a line every 30 s).")
 def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
     """Build per-rank engines from a converted checkpoint."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import onnx
 import torch
+from k3plugins.progress import progress_bar
 from safetensors import safe_open
-from tqdm import tqdm
 
 from ..config import K3Config
 from ..mapping import Mapping
@@ -162,7 +162,7 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
             return t
 
         layers = mapping.rank_layers(rank, cfg.num_hidden_layers)
-        bar = tqdm(total=len(layers), desc=f"build rank{rank}", unit="layer", disable=not progress)
+        bar = progress_bar(total=len(layers), desc=f"build rank{rank}", unit="layer", enabled=progress)
         last_layer = last_name = None
         try:
             for name, t in engine_tensors(cfg, mapping, rank, get, options.torch_dtype, expert_layout=layout):
@@ -187,8 +187,8 @@ def _build_rank(cfg: K3Config, mapping: Mapping, rank: int, converted_dir: Path,
         finally:
             bar.close()
     # the data goes behind the header in one more pass over the rank's bytes: as long as writing them, so shown too
-    with tqdm(total=writer.data_bytes, desc=f"write rank{rank}", unit="B", unit_scale=True, unit_divisor=1024,
-              disable=not progress) as wbar:
+    with progress_bar(total=writer.data_bytes, desc=f"write rank{rank}", unit="B", unit_scale=True,
+                      unit_divisor=1024, enabled=progress) as wbar:
         writer.close(progress=wbar.update)
     model = graph_mod.build_graph(cfg, mapping, rank, shapes, options.torch_dtype, capacity=options.max_num_tokens)
     # the build's id in the graph too (as in the weights' header): a graph.onnx of another build is refused by it,
@@ -231,7 +231,7 @@ def _max_expert_scale(converted_dir: Path, mapping: Mapping, progress: bool) -> 
     """The largest E8M0 scale byte of any routed expert in the converted checkpoint (None: no MXFP4 experts);
     read before the layout pass because it decides the MoE tactic, and so the expert layout."""
     best = None
-    for rank in tqdm(range(mapping.world_size), desc="scan expert scales", unit="rank", disable=not progress):
+    for rank in progress_bar(range(mapping.world_size), desc="scan expert scales", unit="rank", enabled=progress):
         with safe_open(converted_dir / f"rank{rank}.safetensors", framework="pt") as src:
             for name in src.keys():
                 if ".experts." in name and name.endswith("weight_scale"):

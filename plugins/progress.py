@@ -1,0 +1,45 @@
+"""Progress bars for long host work (synth, convert, build, an engine's load), here because the builder and the
+runtime both stand on this package: tqdm on a terminal; off one (a file, a pipe, a service's journal) a plain line
+every LOG_EVERY_S seconds and one at the end, each ended by a newline. tqdm alone writes a log one line of carriage
+returns that never ends (or, with disable=None, nothing at all: a convert of a whole checkpoint silent for an hour).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+LOG_EVERY_S = 30.0  # off a terminal: the seconds between two progress lines
+
+
+class _Lines:
+    """A file for tqdm off a terminal: each status tqdm writes ('\\r' + text + padding) becomes one line."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text: str) -> None:
+        text = text.strip("\r\n ")
+        if text:
+            self.file.write(text + "\n")
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _is_terminal(file) -> bool:
+    try:
+        return file.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        return False
+
+
+def progress_bar(iterable=None, *, enabled: bool = True, file=None, **kwargs) -> tqdm:
+    """tqdm(iterable, **kwargs) on `file` (default stderr) when enabled: as it is on a terminal, in lines every
+    LOG_EVERY_S seconds (and the last) elsewhere."""
+    file = sys.stderr if file is None else file
+    if enabled and not _is_terminal(file):
+        kwargs = {"mininterval": LOG_EVERY_S, "ascii": True, **kwargs}
+        file = _Lines(file)
+    return tqdm(iterable, file=file, disable=not enabled, **kwargs)

@@ -1,0 +1,59 @@
+"""Progress off a terminal (k3plugins.progress): a log gets whole lines, one every LOG_EVERY_S seconds and the last,
+not tqdm's carriage returns; convert, which showed nothing off a terminal, now shows its progress there."""
+
+from __future__ import annotations
+
+import io
+
+from click.testing import CliRunner
+
+from k3build.cli import main
+from k3plugins import progress
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _run(file, n: int = 50, **kwargs) -> str:
+    with progress.progress_bar(total=n, desc="work", unit="step", file=file, **kwargs) as bar:
+        for _ in range(n):
+            bar.update(1)
+    return file.getvalue()
+
+
+def test_a_log_gets_the_first_and_last_lines_within_the_interval():
+    text = _run(io.StringIO())
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    assert len(lines) == 2, lines  # 50 updates inside LOG_EVERY_S: the start and the end only
+    assert lines[0].startswith("work:   0%") and lines[-1].startswith("work: 100%") and "50/50" in lines[-1]
+
+
+def test_a_log_gets_a_line_each_interval(monkeypatch):
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    lines = _run(io.StringIO()).splitlines()
+    assert len(lines) > 10 and all(line.startswith("work:") for line in lines)
+
+
+def test_a_terminal_keeps_tqdms_bar_and_off_writes_nothing():
+    assert "\r" in _run(_Terminal())
+    assert _run(io.StringIO(), enabled=False) == ""
+
+
+def test_convert_and_build_show_progress_lines_in_a_log(k3_tiny_ckpt, tmp_path):
+    """CliRunner's stderr is no terminal, as a log file or a pipe is not."""
+    runner = CliRunner()
+    conv = tmp_path / "conv"
+    res = runner.invoke(main, ["convert", str(k3_tiny_ckpt), str(conv)])
+    assert res.exit_code == 0, res.output
+    assert "\r" not in res.stderr
+    assert any(line.startswith("convert: 100%") for line in res.stderr.splitlines()), res.stderr
+    res = runner.invoke(main, ["build", str(conv), str(tmp_path / "engine"), "--max-seq-len", "256",
+                               "--max-num-tokens", "256"])
+    assert res.exit_code == 0, res.output
+    assert "\r" not in res.stderr
+    assert any(line.startswith("build rank0: 100%") for line in res.stderr.splitlines()), res.stderr
+    quiet = runner.invoke(main, ["convert", str(k3_tiny_ckpt), str(tmp_path / "quiet"), "--no-progress"])
+    assert quiet.exit_code == 0 and "convert:" not in quiet.stderr and "plan (" not in quiet.stderr, quiet.stderr
