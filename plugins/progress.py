@@ -39,6 +39,7 @@ def progress_bar(iterable=None, *, enabled: bool = True, file=None, **kwargs) ->
     """tqdm(iterable, **kwargs) on `file` (default stderr) when enabled: as it is on a terminal, in lines every
     LOG_EVERY_S seconds (and the last) elsewhere."""
     file = sys.stderr if file is None else file
+    enabled = enabled and file is not None  # a process without stderr (a daemon's, pythonw's) shows nothing
     if enabled and not _is_terminal(file):
         kwargs = {"mininterval": LOG_EVERY_S, "ascii": True, **kwargs}
         file = _Lines(file)

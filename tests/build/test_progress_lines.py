@@ -42,6 +42,13 @@ def test_a_terminal_keeps_tqdms_bar_and_off_writes_nothing():
     assert _run(io.StringIO(), enabled=False) == ""
 
 
+def test_a_process_without_stderr_runs_without_a_bar(monkeypatch):
+    monkeypatch.setattr("sys.stderr", None)
+    with progress.progress_bar(total=3, desc="work") as bar:
+        bar.update(3)
+    assert bar.disable
+
+
 def test_convert_and_build_show_progress_lines_in_a_log(k3_tiny_ckpt, tmp_path):
     """CliRunner's stderr is no terminal, as a log file or a pipe is not."""
     runner = CliRunner()
