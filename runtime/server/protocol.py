@@ -102,6 +102,8 @@ class CompletionRequest(_Sampling):
     def unsupported(self):
         if self.suffix:
             return "suffix", "suffix: not supported"
+        if self.best_of is not None and self.best_of < self.n:  # as OpenAI: best_of picks n of best_of candidates
+            return "best_of", f"best_of: must be at least n ({self.n}), got {self.best_of}"
         if self.best_of not in (None, 1):
             return "best_of", "best_of: only 1 is supported"
         return super().unsupported()

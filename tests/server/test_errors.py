@@ -60,6 +60,8 @@ CASES = [  # (body, status, words the message must contain)
     (ok(n=0), 400, "n: Input should be greater than or equal to 1"),
     (ok(n=17), 400, "n: Input should be less than or equal to 16"),
     (ok(n=9, prompt=["a", "b"]), 400, "16 choices"),
+    (ok(n=3, best_of=1), 400, "best_of: must be at least n (3), got 1"),
+    (ok(best_of=2), 400, "best_of: only 1 is supported"),
     (ok(prompt=["a"] * 17), 400, "16 choices"),
     (ok(logprobs=21), 400, "logprobs"),
     (ok(logprobs=True), 400, "logprobs"),
