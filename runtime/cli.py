@@ -89,7 +89,7 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
         if longest + max_tokens > max_len:  # the API stops there ("length"); the server refuses such a request
             click.echo(f"note: --max-tokens {max_tokens} runs past the engine's max_seq_len {max_len}: an output stops "
                        f"where its prompt and output reach {max_len} tokens", err=True)
-        llm = LLM(engine, device=device, tokenizer=tokenizer, **given(flags))
+        llm = LLM(engine, device=device, tokenizer=tokenizer, load_progress=True, **given(flags))
         if stream:
             for chunk in llm.stream(prompt_ids[0], params):
                 click.echo(chunk.text, nl=False)

@@ -43,7 +43,7 @@ class EngineOptions:
     swap_space_gib: float | None = None
     enable_deepep: bool = False  # require DeepEP for the expert exchange (fails at start-up without it)
     cuda_graphs: bool = True  # decode steps from CUDA graphs on GPUs (rank_runner.graph_blocker: where not)
-    load_progress: bool = False  # a progress bar while a GPU rank reads its weights (the server shows it)
+    load_progress: bool = False  # progress while a rank reads its weights (generate and serve show it)
     # hash every byte of the weights files as they are read, against the sha256 the build recorded (a weight store
     # has checked its copy already): damage that leaves the values finite and the scales in range is refused too
     verify_weights: bool = False

@@ -314,7 +314,7 @@ def test_generate_cli_takes_min_p(llm, k3_tiny_engine):
     assert plain != want and plain != greedy_text
     for min_p, text in (("1", greedy_text), ("0.75", want)):
         res = CliRunner().invoke(main, [*args, "--min-p", min_p])
-        assert res.exit_code == 0 and res.output.splitlines()[1:] == text.splitlines(), (min_p, res.output)
+        assert res.exit_code == 0 and res.stdout.splitlines()[1:] == text.splitlines(), (min_p, res.output)
     bad = CliRunner().invoke(main, [*args, "--min-p", "1.5"])
     assert bad.exit_code != 0 and "--min-p: expected a number in [0, 1] (0 = off), got 1.5" in bad.output
 

@@ -79,7 +79,7 @@ def test_generate_cli_takes_the_penalties(llm, k3_tiny_engine):
                                                repetition_penalty=1.5))[0].text
     assert want != llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0].text
     res = CliRunner().invoke(main, [*args, "--frequency-penalty", "2", "--repetition-penalty", "1.5"])
-    assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
+    assert res.exit_code == 0 and res.stdout.splitlines()[1:] == want.splitlines(), res.output
     bad = CliRunner().invoke(main, [*args, "--presence-penalty", "3"])
     assert bad.exit_code != 0 and "--presence-penalty: expected a number in [-2, 2]" in bad.output
 

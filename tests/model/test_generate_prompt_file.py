@@ -32,7 +32,7 @@ def test_a_file_of_prompts(k3_tiny_engine, tmp_path, want):
     res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "6", "--prompt", PROMPTS[0],
                                     "--prompt-file", str(path)])
     assert res.exit_code == 0, res.output
-    assert res.output == "".join(want)
+    assert res.stdout == "".join(want)
 
 
 def test_prompts_from_stdin(k3_tiny_engine, want):
@@ -91,7 +91,7 @@ def test_a_file_with_a_bom_and_crlf(k3_tiny_engine, tmp_path, want):
     path.write_bytes(data)
     res = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--max-tokens", "6", "--prompt-file", str(path)])
     assert res.exit_code == 0, res.output
-    assert res.output == "".join(want)
+    assert res.stdout == "".join(want)
     r = subprocess.run([sys.executable, "-c", "from k3runtime.cli import main; main()", "generate",
                         str(k3_tiny_engine), "--max-tokens", "6", "--prompt-file", "-"],
                        input=data, capture_output=True, timeout=300)
@@ -109,7 +109,7 @@ def test_n_completions_a_prompt(k3_tiny_engine):
     want = "".join(f"--- {p!r} [choice {j}] -> {len(o.token_ids)} tokens ({o.finish_reason})\n{o.text}\n"
                    for p in (PROMPTS[0], PROMPTS[2]) for j in range(2)
                    for o in llm.generate(p, SamplingParams(max_tokens=5, temperature=1.5, seed=5 + j)))
-    assert res.output == want
+    assert res.stdout == want
     bad = CliRunner().invoke(main, ["generate", str(k3_tiny_engine), "--n", "0", "--prompt", "hi"])
     assert bad.exit_code != 0 and "--n: expected an int in 1..64" in bad.output, bad.output
 

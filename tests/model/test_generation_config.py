@@ -82,11 +82,11 @@ def test_generate_cli_takes_the_defaults_and_the_flags_over_them(gen_llm, gen_en
     args = ["generate", str(gen_engine), "--prompt", FOX, "--max-tokens", "16"]
     want = gen_llm.generate(FOX, SamplingParams(max_tokens=16, **PENALIZED))[0].text
     res = CliRunner().invoke(main, args)
-    assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
+    assert res.exit_code == 0 and res.stdout.splitlines()[1:] == want.splitlines(), res.output
     greedy = gen_llm.generate(FOX, SamplingParams(max_tokens=16, temperature=0))[0].text
     assert greedy != want
     res = CliRunner().invoke(main, [*args, "--repetition-penalty", "1"])
-    assert res.exit_code == 0 and res.output.splitlines()[1:] == greedy.splitlines(), res.output
+    assert res.exit_code == 0 and res.stdout.splitlines()[1:] == greedy.splitlines(), res.output
 
 
 @pytest.mark.parametrize("section, expect", [
@@ -124,7 +124,7 @@ def test_min_p_is_a_default_too(k3_tiny_ckpt, tmp_path):
     assert llm.generate(FOX, defaults)[0].token_ids == greedy
     res = CliRunner().invoke(main, ["generate", str(engine), "--prompt", FOX, "--max-tokens", "12", "--seed", "1"])
     want = llm.generate(FOX, SamplingParams(max_tokens=12, temperature=0))[0].text
-    assert res.exit_code == 0 and res.output.splitlines()[1:] == want.splitlines(), res.output
+    assert res.exit_code == 0 and res.stdout.splitlines()[1:] == want.splitlines(), res.output
     with pytest.raises(ValueError, match="generation_config.json: min_p: expected a number in"):
         (ckpt / "generation_config.json").write_text(json.dumps({"min_p": 1.5}))
         build_engine(ckpt, tmp_path / "engine2")

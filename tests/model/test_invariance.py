@@ -200,7 +200,7 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine, monkeypatch):
     fast = CliRunner().invoke(main, [*args, "--async-scheduling"])
     default = CliRunner().invoke(main, args)
     assert sync.exit_code == fast.exit_code == default.exit_code == 0, fast.output
-    assert fast.output == sync.output == default.output and "-> 9 tokens" in fast.output
+    assert fast.stdout == sync.stdout == default.stdout and "-> 9 tokens" in fast.stdout
     assert LLM(k3_tiny_engine).engine.options.async_scheduling is False  # resolved: off on the CPU
     # the engine's sizes and policies as flags (engine_flags): one request at a time in chunks of 4, the same text
     made = []
@@ -209,7 +209,7 @@ def test_generate_cli_with_async_scheduling(k3_tiny_engine, monkeypatch):
     sizes = ["--max-num-seqs", "1", "--max-prefill-chunk", "4", "--preemption-mode", "swap", "--num-host-pages", "2",
              "--num-host-slots", "1", "--num-pages", "3"]
     small = CliRunner().invoke(main, [*args, *sizes])
-    assert small.exit_code == 0 and small.output == default.output, small.output
+    assert small.exit_code == 0 and small.stdout == default.stdout, small.output
     opts = made[-1]
     assert (opts.max_num_seqs, opts.max_prefill_chunk, opts.num_pages, opts.num_slots) == (1, 4, 3, None)
     assert (opts.preemption_mode, opts.num_host_pages, opts.num_host_slots) == ("swap", 2, 1)

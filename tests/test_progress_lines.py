@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from k3build.cli import main
 from k3plugins import progress
+from k3runtime.cli import main as runtime_main
 
 
 class _Terminal(io.StringIO):
@@ -64,3 +65,10 @@ def test_convert_and_build_show_progress_lines_in_a_log(k3_tiny_ckpt, tmp_path):
     assert any(line.startswith("build rank0: 100%") for line in res.stderr.splitlines()), res.stderr
     quiet = runner.invoke(main, ["convert", str(k3_tiny_ckpt), str(tmp_path / "quiet"), "--no-progress"])
     assert quiet.exit_code == 0 and "convert:" not in quiet.stderr and "plan (" not in quiet.stderr, quiet.stderr
+
+
+def test_generate_shows_the_weight_load(k3_tiny_engine):
+    res = CliRunner().invoke(runtime_main, ["generate", str(k3_tiny_engine), "--prompt", "hi", "--max-tokens", "2"])
+    assert res.exit_code == 0, res.output
+    assert any(line.startswith("load rank0: 100%") for line in res.stderr.splitlines()), res.stderr
+    assert "load rank0" not in res.stdout  # the completions alone on stdout
