@@ -40,8 +40,8 @@ def main():
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--repetition-penalty", type=float, default=None,
               help="> 0; 1 = off. [default: generation_config.json, else 1]")
-@click.option("--device", default="cpu", show_default=True,
-              help="cpu, cuda or cuda:N; cpu unless given, whatever the engine's target (an sm90 engine needs cuda).")
+@click.option("--device", default=None,
+              help="cpu, cuda or cuda:N [the engine's target's: cuda for an sm90 or gfx942 engine, else cpu].")
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one prompt).")
 @weight_config_option
 @engine_flags
@@ -51,7 +51,7 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
     use_weight_config(distributed_weight_config)
     from .api import LLM
     from .engine_options import EngineOptions, cache_sizes, check_prompt
-    from .loader import read_engine_config
+    from .loader import default_device, read_engine_config
     from .sampling_params import SamplingParams
     from .tokenizer import load_tokenizer
 
@@ -65,6 +65,7 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
     try:
         # the tokenizer and the prompts before the engine loads: what it would refuse costs no weight reading
         config = read_engine_config(engine)
+        device = device or default_device(config)
         # a flag left out: the model's generation_config.json value (LLMEngine.sampling_defaults), else greedy
         chosen = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                    ("min_p", min_p), ("repetition_penalty", repetition_penalty)) if v is not None}

@@ -86,14 +86,23 @@ def _device_target(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def check_device_present(device: torch.device, path: Path) -> None:
-    """Refuse a GPU device that torch cannot use here, before anything touches it."""
+def default_device(cfg: dict) -> str:
+    """The device the CLIs run an engine on when --device is not given: its target's (cuda for an sm90 or gfx942
+    engine: ROCm's torch names its GPUs cuda too; cpu for a cpu one)."""
+    target = cfg.get("stamp", {}).get("target")
+    return "cuda" if isinstance(target, str) and target.startswith(("sm", "gfx")) else "cpu"
+
+
+def check_device_present(device: torch.device, path: Path, target: str | None = None) -> None:
+    """Refuse a GPU device that torch cannot use here, before anything touches it (naming a GPU engine's target:
+    its device may be the default, not a flag the user gave)."""
     if device.type != "cuda":
         return
     if not torch.cuda.is_available():
         build = "" if (torch.version.cuda or torch.version.hip) else ", a CPU-only build"
-        raise EngineError(f"{path}: --device {device}: torch {torch.__version__}{build} sees no GPU here; run a cpu "
-                          "engine with --device cpu")
+        gpu_engine = f"this {target} engine runs on " if default_device({"stamp": {"target": target}}) == "cuda" else ""
+        raise EngineError(f"{path}: {gpu_engine}--device {device}: torch {torch.__version__}{build} sees no GPU here; "
+                          "a cpu engine (`k3build build --target cpu`) runs with --device cpu")
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise EngineError(f"{path}: --device {device}: torch sees {torch.cuda.device_count()} GPU(s) here")
 
@@ -117,12 +126,12 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
             have = f"v{impl.version}" if impl else "none"
             raise EngineError(f"{path}: plugin {op}/{p['tactic']} v{p['version']} is not available here ({have}); {rebuild}")
     if device is not None:
-        check_device_present(device, path)
+        check_device_present(device, path, stamp.get("target"))
         here, target = _device_target(device), stamp.get("target")
         if here == "cpu" and isinstance(target, str) and target.startswith(("sm", "gfx")):
-            raise EngineError(f"{path}: engine built for target {target!r} but this device is 'cpu' (the device is "
-                              "cpu unless given, whatever the engine's target); run it on a GPU with --device cuda, "
-                              "or rebuild with `k3build build --target cpu`")
+            raise EngineError(f"{path}: engine built for target {target!r} but this device is 'cpu'; run it on a GPU "
+                              "with --device cuda (the CLIs' default for it; the Python API's is cpu), or rebuild "
+                              "with `k3build build --target cpu`")
         if here != target:
             raise EngineError(f"{path}: engine built for target {target!r} but this device is {here!r}; "
                               f"rebuild with `k3build build --target {here if here in ('cpu', 'sm90', 'gfx942') else '<target>'}`")

@@ -57,7 +57,8 @@ def _check_bindable(host: str, port: int) -> None:
               help="Longest prompt accepted, at most the engine's max_seq_len - 1 [that].")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
               help="Cap on a request's max_tokens, at most the engine's max_seq_len [that].")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
+@click.option("--device", default=None,
+              help="cpu, cuda or cuda:N [the engine's target's: cuda for an sm90 or gfx942 engine, else cpu].")
 @engine_flags
 @click.option("--enable-deepep", is_flag=True,
               help="Exchange experts with DeepEP: refuse to start unless deep_ep imports and its low-latency "
@@ -77,15 +78,16 @@ def serve_cmd(engine, host, port, api_key, model_name, max_concurrent, max_queue
 
     from ..async_engine import AsyncLLMEngine
     from ..engine_options import EngineOptions
-    from ..loader import EngineError, read_engine_config
+    from ..loader import EngineError, default_device, read_engine_config
     from .app import create_app
     from .config import ServerConfig
     from .metrics import PrometheusMetrics
 
     try:
         # the limits against the engine's config, before its weights load
-        max_prompt_tokens, max_tokens_limit = sequence_limits(read_engine_config(engine), max_prompt_tokens,
-                                                              max_tokens_limit)
+        engine_config = read_engine_config(engine)
+        device = device or default_device(engine_config)
+        max_prompt_tokens, max_tokens_limit = sequence_limits(engine_config, max_prompt_tokens, max_tokens_limit)
         cfg = ServerConfig(model_name=model_name or Path(engine).resolve().name, api_key=api_key,
                            max_concurrent=max_concurrent, max_queue=max_queue,
                            max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit)

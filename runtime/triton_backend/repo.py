@@ -11,7 +11,7 @@ import click
 
 from ..engine_flags import as_options, engine_flags, given, sequence_limits, to_params
 from ..engine_options import EngineOptions, check_build_limits
-from ..loader import EngineError, read_engine_config
+from ..loader import EngineError, default_device, read_engine_config
 
 _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets
     ("text_input", "TYPE_STRING", [1]),
@@ -73,8 +73,10 @@ def config_pbtxt(model_name: str, engine_dir: Path, *, decoupled: bool, device: 
 
 
 def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3", decoupled: bool = True,
-               device: str = "cpu", max_tokens_limit: int | None = None, overwrite: bool = False, **flags) -> Path:
+               device: str | None = None, max_tokens_limit: int | None = None, overwrite: bool = False,
+               **flags) -> Path:
     """Write OUT/MODEL/{config.pbtxt, 1/model.py}; returns the model dir. Other models in OUT are kept.
+    device: the model's (None: the engine target's, loader.default_device);
     max_tokens_limit: a request's max_tokens at most (None: the engine's max_seq_len, as `serve`);
     flags: as config_pbtxt's."""
     engine_dir = Path(engine_dir).resolve()
@@ -85,6 +87,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
         raise FileNotFoundError(f"{engine_dir}: not a k3build engine (no config.json)")
     # the config first: bad flags leave OUT as it was
     engine_config = read_engine_config(engine_dir)
+    device = device or default_device(engine_config)
     check_build_limits(EngineOptions(device=device, **given(flags)), engine_config, engine_dir)
     _, max_tokens_limit = sequence_limits(engine_config, max_tokens_limit=max_tokens_limit)
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
@@ -108,7 +111,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 @click.option("--decoupled/--no-decoupled", default=True, show_default=True,
               help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request "
                    "(for /infer clients; requests that arrive while a batch runs wait for it).")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (the engine's target).")
+@click.option("--device", default=None,
+              help="cpu, cuda or cuda:N [the engine's target's: cuda for an sm90 or gfx942 engine, else cpu].")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
               help="Cap on a request's max_tokens [the engine's max_seq_len].")
 @engine_flags
