@@ -9,7 +9,8 @@ import sys
 
 import click
 
-from .engine_flags import as_options, engine_flags, given, use_weight_config, weight_config_option
+from .engine_flags import (as_options, device_option, engine_flags, given, use_weight_config,
+                           weight_config_option)
 from .loader import EngineError
 
 
@@ -40,8 +41,7 @@ def main():
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--repetition-penalty", type=float, default=None,
               help="> 0; 1 = off. [default: generation_config.json, else 1]")
-@click.option("--device", default=None,
-              help="cpu, cuda or cuda:N [the engine's target's: cuda for an sm90 or gfx942 engine, else cpu].")
+@device_option
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one prompt).")
 @weight_config_option
 @engine_flags

@@ -146,6 +146,12 @@ def to_params(values: dict) -> dict[str, str]:
     return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in given(values).items()}
 
 
+def device_option(fn):
+    """`--device` (generate, serve, triton-repo); left out, the command takes loader.default_device's."""
+    return click.option("--device", default=None, help="cpu, cuda or cuda:N [the engine's target's: cuda for an sm90 "
+                                                      "or gfx942 engine, else cpu].")(fn)
+
+
 def weight_config_option(fn):
     """`--distributed-weight-config FILE` (generate, serve); use_weight_config applies it."""
     return click.option("--distributed-weight-config", type=click.Path(exists=True, dir_okay=False), default=None,

@@ -86,11 +86,14 @@ def _device_target(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
+def _gpu_target(target) -> bool:
+    return isinstance(target, str) and target.startswith(("sm", "gfx"))
+
+
 def default_device(cfg: dict) -> str:
     """The device the CLIs run an engine on when --device is not given: its target's (cuda for an sm90 or gfx942
     engine: ROCm's torch names its GPUs cuda too; cpu for a cpu one)."""
-    target = cfg.get("stamp", {}).get("target")
-    return "cuda" if isinstance(target, str) and target.startswith(("sm", "gfx")) else "cpu"
+    return "cuda" if _gpu_target(cfg.get("stamp", {}).get("target")) else "cpu"
 
 
 def check_device_present(device: torch.device, path: Path, target: str | None = None) -> None:
@@ -100,7 +103,7 @@ def check_device_present(device: torch.device, path: Path, target: str | None = 
         return
     if not torch.cuda.is_available():
         build = "" if (torch.version.cuda or torch.version.hip) else ", a CPU-only build"
-        gpu_engine = f"this {target} engine runs on " if default_device({"stamp": {"target": target}}) == "cuda" else ""
+        gpu_engine = f"this {target} engine runs on " if _gpu_target(target) else ""
         raise EngineError(f"{path}: {gpu_engine}--device {device}: torch {torch.__version__}{build} sees no GPU here; "
                           "a cpu engine (`k3build build --target cpu`) runs with --device cpu")
     if device.index is not None and device.index >= torch.cuda.device_count():
@@ -128,7 +131,7 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
     if device is not None:
         check_device_present(device, path, stamp.get("target"))
         here, target = _device_target(device), stamp.get("target")
-        if here == "cpu" and isinstance(target, str) and target.startswith(("sm", "gfx")):
+        if here == "cpu" and _gpu_target(target):
             raise EngineError(f"{path}: engine built for target {target!r} but this device is 'cpu'; run it on a GPU "
                               "with --device cuda (the CLIs' default for it; the Python API's is cpu), or rebuild "
                               "with `k3build build --target cpu`")

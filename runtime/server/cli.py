@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..engine_flags import (as_options, engine_flags, given, sequence_limits, use_weight_config,
+from ..engine_flags import (as_options, device_option, engine_flags, given, sequence_limits, use_weight_config,
                             weight_config_option)
 
 
@@ -57,8 +57,7 @@ def _check_bindable(host: str, port: int) -> None:
               help="Longest prompt accepted, at most the engine's max_seq_len - 1 [that].")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
               help="Cap on a request's max_tokens, at most the engine's max_seq_len [that].")
-@click.option("--device", default=None,
-              help="cpu, cuda or cuda:N [the engine's target's: cuda for an sm90 or gfx942 engine, else cpu].")
+@device_option
 @engine_flags
 @click.option("--enable-deepep", is_flag=True,
               help="Exchange experts with DeepEP: refuse to start unless deep_ep imports and its low-latency "

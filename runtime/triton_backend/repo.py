@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..engine_flags import as_options, engine_flags, given, sequence_limits, to_params
+from ..engine_flags import as_options, device_option, engine_flags, given, sequence_limits, to_params
 from ..engine_options import EngineOptions, check_build_limits
 from ..loader import EngineError, default_device, read_engine_config
 
@@ -111,8 +111,7 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
 @click.option("--decoupled/--no-decoupled", default=True, show_default=True,
               help="Decoupled = streaming (gRPC stream / generate_stream); --no-decoupled = one response per request "
                    "(for /infer clients; requests that arrive while a batch runs wait for it).")
-@click.option("--device", default=None,
-              help="cpu, cuda or cuda:N [the engine's target's: cuda for an sm90 or gfx942 engine, else cpu].")
+@device_option
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
               help="Cap on a request's max_tokens [the engine's max_seq_len].")
 @engine_flags
