@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+from k3plugins.progress import progress_bar
 
 from . import weight_store_proto as proto
 
@@ -228,18 +229,24 @@ class WeightStore:
         threading.Thread(target=self._serve, name="weight-store-control", daemon=True).start()
 
     def load(self) -> None:
-        for r, src in self.sources.items():
-            dst = self.opts.shm_dir / f"rank{r}.safetensors"
-            sha = copy_verified(src, dst, self.stop, self._count)
-            if (built := self.built_sha.get(r)) and sha != built:  # the store hashes every byte anyway: free here
-                raise StoreError(f"{src}: damaged since its build (sha256 {sha[:12]}, {self.opts.engine_dir}/"
-                                 f"config.json records {built[:12]}); copy the engine whole again, or rebuild it")
-            if diffs := self.prints[r].differences(proto.rank_print(dst)):
-                raise StoreError(f"{src} changed after the store started: {'; '.join(diffs)}; restart the store")
-            with self._lock:
-                self.content_sha[r] = sha
+        # a node's ranks are hundreds of GiB (K3 at TEP16: ~97 GiB a rank): minutes of copying, shown as it goes
+        with progress_bar(total=self.total_bytes, desc="weight-store copy", unit="B", unit_scale=True,
+                          unit_divisor=1024) as bar:
+            for r, src in self.sources.items():
+                self._load_rank(r, src, bar)
         with self._lock:
             self.state = "ready"
+
+    def _load_rank(self, r: int, src: Path, bar) -> None:
+        dst = self.opts.shm_dir / f"rank{r}.safetensors"
+        sha = copy_verified(src, dst, self.stop, lambda n: (self._count(n), bar.update(n)))
+        if (built := self.built_sha.get(r)) and sha != built:  # the store hashes every byte anyway: free here
+            raise StoreError(f"{src}: damaged since its build (sha256 {sha[:12]}, {self.opts.engine_dir}/"
+                             f"config.json records {built[:12]}); copy the engine whole again, or rebuild it")
+        if diffs := self.prints[r].differences(proto.rank_print(dst)):
+            raise StoreError(f"{src} changed after the store started: {'; '.join(diffs)}; restart the store")
+        with self._lock:
+            self.content_sha[r] = sha
 
     def _count(self, n: int) -> None:
         with self._lock:

@@ -209,6 +209,9 @@ def test_signal_removes_shm_files_and_exits_0(engine, stores, sig, cmd):
     out, err = store.proc.communicate(timeout=10)
     assert store.proc.returncode == 0, err
     assert not store.dir.exists() and "removed" in out
+    # the copy's progress on stderr (lines, not a terminal's bar): its last line all of the ranks' bytes
+    done = [line for line in err.splitlines() if line.startswith("weight-store copy: 100%")]
+    assert len(done) == 1 and "\r" not in err, err
 
 
 def test_refuses_when_the_copy_does_not_fit(engine, stores):
