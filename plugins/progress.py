@@ -1,4 +1,4 @@
-"""Progress bars for long host work (synth, convert, build, an engine's load), here because the builder and the
+"""Progress bars for long host work (synth, convert, build, a weight load or copy), here because the builder and the
 runtime both stand on this package: tqdm on a terminal; off one (a file, a pipe, a service's journal) a plain line
 every LOG_EVERY_S seconds and one at the end, each ended by a newline. tqdm alone writes a log one line of carriage
 returns that never ends (or, with disable=None, nothing at all: a convert of a whole checkpoint silent for an hour).
