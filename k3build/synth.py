@@ -83,21 +83,19 @@ def synth(out_dir: str | Path, cfg: K3Config, *, seed: int = 0, num_shards: int 
                              "only synth's own output or an empty directory); remove it yourself or pick another path")
         check_only_ours(out_dir, ValueError)
     specs = checkpoint_tensors(cfg, "k3")
-    check_free_space(out_dir, sum(math.prod(shape) * DTYPE_SIZES[dtype] for shape, dtype in specs.values()),
-                     ValueError)
+    sizes = {n: math.prod(shape) * DTYPE_SIZES[dtype] for n, (shape, dtype) in specs.items()}
+    check_free_space(out_dir, sum(sizes.values()), ValueError)
     with staged_output(out_dir, ValueError) as staging:
-        _write_checkpoint(staging, cfg, specs, seed, num_shards, progress)
+        _write_checkpoint(staging, cfg, specs, sizes, seed, num_shards, progress)
     return out_dir
 
 
-def _write_checkpoint(out_dir: Path, cfg: K3Config, specs: dict, seed: int, num_shards: int,
+def _write_checkpoint(out_dir: Path, cfg: K3Config, specs: dict, sizes: dict[str, int], seed: int, num_shards: int,
                       progress: bool) -> None:
-    names = list(specs)
-    sizes = [math.prod(specs[n][0]) * DTYPE_SIZES[specs[n][1]] for n in names]
-    total = sum(sizes)
+    total = sum(sizes.values())
     shards: list[list[str]] = [[] for _ in range(num_shards)]
     acc = 0
-    for n, s in zip(names, sizes):
+    for n, s in sizes.items():
         shards[min(num_shards - 1, acc * num_shards // max(total, 1))].append(n)
         acc += s
     shards = [s for s in shards if s]
