@@ -240,17 +240,11 @@ class K3Config:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "K3Config":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json there") from None
-        except IsADirectoryError:
-            raise ConfigError(f"{path}: a directory, expected a config.json") from None
-        except UnicodeDecodeError as e:  # a binary file (a safetensors shard given for the checkpoint's config)
-            raise ConfigError(f"{path}: not valid JSON (not UTF-8 text: {e})") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_json(path, read_json(path))
+
+    @classmethod
+    def from_json(cls, path: str | Path, d: Any) -> "K3Config":
+        """from_dict on config.json's parsed contents (read_json's), its errors naming the file."""
         try:
             return cls.from_dict(d)
         except ConfigError as e:
@@ -542,3 +536,20 @@ def to_hf_wrapper_config(cfg: K3Config) -> dict[str, Any]:
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
         "tie_word_embeddings": False, "text_config": to_hf_text_config(cfg),
     }
+
+
+def read_json(path: str | Path) -> Any:
+    """A config.json's parsed contents; ConfigError naming the file when it is missing or not JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config.json there") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, expected a config.json") from None
+    except UnicodeDecodeError as e:  # a binary file (a safetensors shard given for the checkpoint's config)
+        raise ConfigError(f"{path}: not valid JSON (not UTF-8 text: {e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # no permission, an I/O error
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from .build.options import DTYPES, BuildOptions
-from .config import ConfigError, K3Config, preset
+from .config import ConfigError, K3Config, preset, read_json
 from .mapping import Mapping, MappingError, moe_tp_from_flags
 from .memory import CATEGORIES, GiB, MiB, DEFAULT_OVERHEAD_BYTES, MemoryPlan, plan_memory
 from .recipe import RecipeError, load_recipe
@@ -107,14 +107,11 @@ def _model(ckpt: Path | None, preset_name: str | None, rec) -> tuple[K3Config, M
     if preset_name:
         return preset(preset_name), None
     path = ckpt / "config.json" if ckpt.is_dir() else ckpt
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raw = None  # K3Config.from_file names what is wrong with it
+    raw = read_json(path)
     if isinstance(raw, dict) and "build_config" in raw:
         raise ConfigError(f"{path}: an engine's config, not a checkpoint's; plan takes a checkpoint (converted or "
                           "not), --preset or --recipe (`k3build inspect ENGINE` shows an engine's memory plan)")
-    cfg = K3Config.from_file(path)
+    cfg = K3Config.from_json(path, raw)
     m = raw.get("mapping") if isinstance(raw, dict) else None
     try:
         return cfg, Mapping.from_dict(m) if isinstance(m, dict) else None
