@@ -23,6 +23,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
     ("bench_convert.py", ["--sizes", "4xabc"], "--sizes '4xabc': expected LAYERSxEXPERTS sizes of counts >= 1"),
     ("bench_convert.py", ["--workers", "0"], "argument --workers: expected a count >= 1, got '0'"),
     ("ncu_summary.py", ["/nonexistent"], "/nonexistent: no such file"),
+    ("mla_fp8_drift.py", ["--heads", "0"], "argument --heads: expected a count >= 1, got '0'"),
     ("ncu_summary.py", [__file__, "--top", "0"], "argument --top: expected a count >= 1, got '0'"),
 ])
 def test_bad_arguments_are_usage_errors(tool, args, want):
