@@ -244,6 +244,8 @@ def mla_decode_sm90_kernel(q_lat_ptr, q_pe_ptr, lat_desc, pe_desc, pt_ptr, qseq_
 # than SMs (splits), so that the SMs they free take the next ones. Two programs of 48 heads on N each (96 heads with
 # no padding at all) cannot be written: a Gluon register tensor's dimensions are powers of two, so S^T [64, 48] and
 # O^T [256, 48] are refused at compile time ("shape must have power-of-2 ... dimensions", tried on triton 3.6).
+# Scores in e4m3 (twice the MMA rate) would end the padding's cost, but drift past the parity bar (rel-L2 0.04-0.11
+# against bf16's 0.003-0.008; tools/mla_fp8_drift.py, BENCHMARKS.md's fifty-sixth session).
 NARROW = 32
 # off: on an H200 1.8 % faster at 64 x 8K without splits, 11 % slower at 32 x 64K with the two splits the host
 # picks there (BENCHMARKS.md, forty-seventh session); its GPU tests pass
