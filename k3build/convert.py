@@ -27,8 +27,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -40,6 +38,7 @@ import torch
 from k3plugins.progress import progress_bar
 
 from . import __version__
+from .command import writing_command
 from .config import K3Config
 from .convert_plan import (FORMAT, ConvertError, Job, Source, check_mapping, open_source, output_config,
                            plan_jobs)
@@ -47,7 +46,7 @@ from .finite import first_nonfinite
 from .generation_config import read_generation_config
 from .mapping import Mapping, MappingError, moe_tp_from_flags
 from .mxfp4 import MXFP4Error, check_scale, dequantize_mxfp4, quantize_mxfp4
-from .output_dir import check_free_space, check_output_dir, exit_on_sigterm, os_error_message, staged_output
+from .output_dir import check_free_space, check_output_dir, staged_output
 from .safetensors_io import FileLayout, SafetensorsError, plan_file, pwrite_all, read_tensor, tensor_bytes
 from .schema import SchemaError, to_canonical_tensor
 from .tokenizer import TOKENIZER_FILES, check_tokenizer_files, tokenizer_note
@@ -302,8 +301,7 @@ def _write_config(tmp: Path, src: Source, cfg: K3Config, mapping: Mapping, conve
 def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp, quantize, workers, overwrite,
                 progress):
     """Shard checkpoint CKPT into OUT/rank{N}.safetensors for the given mapping."""
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    try:
+    with writing_command("convert", out, (ConvertError, MappingError)):
         if moe_tp_size is None:  # as plan fills it in, so that plan's flags convert the same mapping
             moe_tp_size = moe_tp_from_flags(tp_size, ep_size)
         if tp_size is None:
@@ -311,13 +309,6 @@ def convert_cmd(ckpt, out, tp_size, ep_size, pp_size, moe_tp_size, attention_dp,
         mapping = Mapping(tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp_size, moe_ep_size=ep_size,
                           attention_dp=attention_dp)
         path = convert(ckpt, out, mapping, quantize=quantize, workers=workers, overwrite=overwrite, progress=progress)
-    except (ConvertError, MappingError) as e:
-        raise click.ClickException(str(e)) from None
-    except OSError as e:  # the output's disk filled up or went away meanwhile: the staging dir is gone already
-        raise click.ClickException(os_error_message(Path(out), "be written", e)) from None
-    except KeyboardInterrupt:  # Ctrl-C: the staging dir is gone already; say so and exit as build does
-        click.echo(f"\nconvert interrupted; {out} was not written", err=True)
-        sys.exit(130)
     click.echo(f"wrote {path} ({mapping.world_size} ranks)")
     note = tokenizer_note(Path(ckpt))  # the checkpoint, where a tokenizer.json would be put
     if note:

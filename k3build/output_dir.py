@@ -293,7 +293,7 @@ def _hold_signals() -> Callable[[], None]:
 @contextmanager
 def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
     """`with staged_output(OUT, error) as tmp:` write OUT's content into tmp; when the block ends it moves into place
-    whole, and when it raises (Ctrl-C and SIGTERM through exit_on_sigterm included) tmp goes with what it held.
+    whole, and when it raises (Ctrl-C and SIGTERM through writing_command included) tmp goes with what it held.
     OUT's parent is made first and dead runs' staging dirs for OUT removed; `error` for what cannot be written, and
     while another live run writes OUT (its staging dir's pid file says so).
     OUT a symlink: the output goes where it points (on that filesystem), and the link stays."""
@@ -316,8 +316,3 @@ def staged_output(out: Path, error: type[Exception]) -> Iterator[Path]:
             except OSError:
                 break
         raise
-
-
-def exit_on_sigterm(signum, frame):
-    """A SIGTERM handler: exit through the command's clean-up (its staging dir removed), as Ctrl-C does."""
-    raise SystemExit(128 + signum)

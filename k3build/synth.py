@@ -12,8 +12,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
-import sys
 import zlib
 from pathlib import Path
 
@@ -21,9 +19,10 @@ import click
 import torch
 from k3plugins.progress import progress_bar
 
+from .command import writing_command
 from .config import ConfigError, K3Config, _k3_layer_types, preset, to_hf_wrapper_config
 from .mxfp4 import quantize_mxfp4
-from .output_dir import check_free_space, check_only_ours, config_of, exit_on_sigterm, os_error_message, staged_output
+from .output_dir import check_free_space, check_only_ours, config_of, staged_output
 from .safetensors_io import DTYPE_SIZES, TORCH_DTYPES, plan_file, pwrite_all, tensor_bytes
 from .schema import PREFIX, checkpoint_tensors
 from .tokenizer import write_tokenizer
@@ -148,8 +147,7 @@ def _write_checkpoint(out_dir: Path, cfg: K3Config, specs: dict, sizes: dict[str
 @click.option("--progress/--no-progress", default=True, help="Show progress (in a log: a line every 30 s).")
 def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, overwrite, progress):
     """Write a random K3 checkpoint (MXFP4 experts) to OUT."""
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    try:
+    with writing_command("synth", out, (ConfigError, ValueError)):
         cfg = preset(preset_name)
         if num_layers is not None:
             cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers, layer_types=_k3_layer_types(num_layers))
@@ -157,11 +155,4 @@ def synth_cmd(out, preset_name, seed, shards, dtype, num_layers, num_experts, ov
             cfg = dataclasses.replace(cfg, num_experts=num_experts,
                                       num_experts_per_token=min(cfg.num_experts_per_token, num_experts))
         synth(out, cfg, seed=seed, num_shards=shards, overwrite=overwrite, progress=progress)
-    except (ConfigError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    except OSError as e:  # the output's disk filled up or went away meanwhile: the staging dir is gone already
-        raise click.ClickException(os_error_message(Path(out), "be written", e)) from None
-    except KeyboardInterrupt:  # Ctrl-C: the staging dir is gone already; say so and exit as build does
-        click.echo(f"\nsynth interrupted; {out} was not written", err=True)
-        sys.exit(130)
     click.echo(f"wrote {out}")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import sys
 from pathlib import Path
 
 import click
 
+from ..command import writing_command
 from ..config import ConfigError
 from ..convert import FORMAT as CONVERTED_FORMAT
 from ..mapping import Mapping, MappingError
@@ -64,14 +63,6 @@ def _os_error(e: OSError, converted: str, engine: str) -> str:
     return os_error_message(Path(engine), "be written", e)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, unwinding like Ctrl-C so that the staging dir is removed on the way out; the exit is 143."""
-
-
-def _raise_interrupt(signum, frame):
-    raise _Terminated
-
-
 @click.command("build")
 @click.argument("converted", type=click.Path(exists=True, file_okay=False))
 @click.argument("engine", type=click.Path())
@@ -99,8 +90,8 @@ def _raise_interrupt(signum, frame):
               help="Show progress per rank (in a log: a line every 30 s).")
 def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
     """Build per-rank engines from a converted checkpoint."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
+    with writing_command("build", engine, (BuildError, ConfigError, MappingError, ValueError, KeyError),
+                         os_error=lambda e: _os_error(e, converted, engine)):
         from_recipe = _recipe_build_options(recipe, converted)
         given = {k: v for k, v in flags.items() if v is not None}
         for k in sorted(set(from_recipe) & set(given)):
@@ -118,15 +109,6 @@ def build_cmd(converted, engine, recipe, overwrite, progress, **flags):
                 section = "[runtime]" if named == ["expert_backend"] else "[build]"
                 raise BuildError(f"{recipe} {section}: {e}") from None
             raise
-    except (BuildError, ConfigError, MappingError, ValueError, KeyError) as e:
-        raise click.ClickException(str(e)) from None
-    except OSError as e:  # the engine's disk filled up (or a file went away) meanwhile: the staging dir is gone already
-        raise click.ClickException(_os_error(e, converted, engine)) from None
-    except KeyboardInterrupt as e:
-        click.echo(f"\nbuild interrupted; {engine} was not written", err=True)
-        sys.exit(128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     click.echo(f"engine written to {out}")
 
 
