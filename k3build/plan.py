@@ -91,10 +91,12 @@ def plan_cmd(ckpt, preset_name, recipe, tp_size, ep_size, pp_size, moe_tp_size, 
                                "concurrency_by_length": {str(k): p.max_concurrent_requests for k, p in by_len.items()},
                                "memory_requests_by_length": {str(k): p.memory_requests for k, p in by_len.items()}},
                               indent=1))
+        if not plan.fits:
+            raise click.ClickException(f"does not fit: {plan.reason}")
     else:
-        click.echo(render(cfg, plan, by_len))
-    if not plan.fits:
-        raise click.ClickException(f"does not fit: {plan.reason}")
+        click.echo(render(cfg, plan, by_len))  # its last line says why it does not fit: exit 1 without repeating it
+        if not plan.fits:
+            raise SystemExit(1)
 
 
 def _model(ckpt: Path | None, preset_name: str | None, rec) -> tuple[K3Config, Mapping | None]:

@@ -24,12 +24,22 @@ def _run(file, n: int = 50, **kwargs) -> str:
     return file.getvalue()
 
 
-def test_a_log_gets_the_first_and_last_lines_within_the_interval():
+def test_a_log_gets_the_last_line_within_the_interval():
     text = _run(io.StringIO())
     assert "\r" not in text and text.endswith("\n")
     lines = text.splitlines()
-    assert len(lines) == 2, lines  # 50 updates inside LOG_EVERY_S: the start and the end only
-    assert lines[0].startswith("work:   0%") and lines[-1].startswith("work: 100%") and "50/50" in lines[-1]
+    assert len(lines) == 1, lines  # 50 updates inside LOG_EVERY_S: the end only (no 0 % as it opens)
+    assert lines[0].startswith("work: 100%") and "50/50" in lines[0]
+
+
+def test_a_log_gets_nothing_from_work_that_fails_at_once():
+    log = io.StringIO()
+    try:
+        with progress.progress_bar(total=3, desc="work", file=log):
+            raise ValueError("bad input")
+    except ValueError:
+        pass
+    assert log.getvalue() == ""
 
 
 def test_a_log_gets_a_line_each_interval(monkeypatch):
@@ -63,6 +73,8 @@ def test_convert_and_build_show_progress_lines_in_a_log(k3_tiny_ckpt, tmp_path):
     assert res.exit_code == 0, res.output
     assert "\r" not in res.stderr
     assert any(line.startswith("build rank0: 100%") for line in res.stderr.splitlines()), res.stderr
+    bad = runner.invoke(main, ["convert", str(tmp_path / "nope"), str(tmp_path / "c1")])
+    assert bad.exit_code == 1 and bad.stderr == f"Error: {tmp_path / 'nope'}: not a checkpoint directory\n"
     quiet = runner.invoke(main, ["convert", str(k3_tiny_ckpt), str(tmp_path / "quiet"), "--no-progress"])
     assert quiet.exit_code == 0 and "convert:" not in quiet.stderr and "plan (" not in quiet.stderr, quiet.stderr
 

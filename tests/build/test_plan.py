@@ -44,7 +44,10 @@ def test_dep16_refused_with_reason():
     res = _run(*K3_16, "--attention-dp", "--max-seq-len", "8192", "--max-num-tokens", "1024")
     assert res.exit_code == 1
     assert "DOES NOT FIT" in res.stdout and "weights alone need 189.9" in res.stdout
-    assert "does not fit: rank 0" in res.stderr
+    assert "does not fit" not in res.stderr  # said once, in the table's last line
+    as_json = _run(*K3_16, "--attention-dp", "--max-seq-len", "8192", "--max-num-tokens", "1024", "--json")
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["fits"] is False
+    assert as_json.stderr.strip() == f"Error: does not fit: {json.loads(as_json.stdout)['reason']}"
     # The table shows the replicated attention (57 GiB of KDA) next to the experts.
     row = next(line for line in res.stdout.splitlines() if line.startswith("0-15 ") and "189.94" in line)
     assert "57.08" in row and "84.19" in row
