@@ -116,13 +116,14 @@ class Handlers:
                                     f"holds {most} tokens a request (its max_seq_len and KV cache)", "messages",
                                "context_length_exceeded")
             max_tokens = min(limit, most - prompt_len)
-        if max_tokens > limit:
-            raise APIError(400, f"{field}: {max_tokens} is over this server's limit of {limit}", field)
+        # past the model's context first: its code tells a client to shorten (also a max_tokens over both limits)
         if self.max_model_len and prompt_len + max_tokens > self.max_model_len:  # OpenAI: a 400, not a cut output
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                 f"asks for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in "
                                 f"the output): reduce {field} or the prompt", field,
                            "context_length_exceeded")
+        if max_tokens > limit:
+            raise APIError(400, f"{field}: {max_tokens} is over this server's limit of {limit}", field)
         # a field the request leaves out (or null): the model's generation_config.json value, else SamplingParams'
         # default (OpenAI's: temperature 1, top_p 1, no top_k, min_p or repetition penalty)
         given = {k: getattr(body, k) for k in GENERATION_DEFAULTS if getattr(body, k) is not None}

@@ -41,7 +41,7 @@ CASES = [  # (body, status, words the message must contain)
     (ok(max_tokens="16"), 400, "max_tokens"),
     (ok(max_tokens=-1), 400, "max_tokens"),
     (ok(max_tokens=0), 400, "max_tokens"),
-    (ok(max_tokens=10**9), 400, "limit"),
+    (ok(max_tokens=10**9), 400, "maximum context length"),
     (ok(prompt=[1] * 300), 400, "prompt: 300 tokens is over this server's limit of 256 prompt tokens"),
     (b'{"model": "k3-tiny", "prompt": "a\\ud800b"}', 400,
      "prompt: not valid Unicode text: a lone surrogate '\\ud800' at character 1"),
@@ -133,7 +133,7 @@ def test_bad_chat_request(server, body, words):
 
 
 @pytest.mark.parametrize("value, words", [(0, "expected an int"), (65, "over this server's limit"),
-                                          (10**6, "over this server's limit")])
+                                          (10**6, "maximum context length")])
 def test_max_completion_tokens_errors_name_it(server, value, words):
     """A chat request's max_completion_tokens that cannot run is refused naming that field (message and param), not
     max_tokens, which the client did not send; max_tokens' own errors name max_tokens."""
@@ -141,8 +141,9 @@ def test_max_completion_tokens_errors_name_it(server, value, words):
     for field in ("max_completion_tokens", "max_tokens"):
         r = post(server, {**hi, field: value}, "/v1/chat/completions")
         err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == field and err["message"].startswith(f"{field}: "), err
-        assert words in err["message"]
+        assert r.status_code == 400 and err["param"] == field and words in err["message"], err
+        # OpenAI's context message names the field at its end ("reduce max_tokens or the prompt")
+        assert err["message"].startswith(f"{field}: ") or err["message"].endswith(f"reduce {field} or the prompt")
 
 
 def test_openai_client_errors(server):
@@ -189,6 +190,17 @@ def test_the_engines_own_refusal_is_a_400(make_server, tiny_engine):
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
         assert f"maximum context length is {max_len} tokens; the request asks for {max_len + 4}" in err["message"]
+        # a max_tokens past both the context and the server's limit: the context's code, which tells a client
+        # to shorten (it was the limit's 400, with no code)
+        err = post(s, ok(max_tokens=10 * max_len)).json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens", err
+    finally:
+        s.close()
+    # under the context but over the server's own limit: that limit, named, no context code
+    s = make_server(tiny_engine, max_tokens_limit=4)
+    try:
+        err = post(s, ok(max_tokens=8)).json()["error"]
+        assert err["message"] == "max_tokens: 8 is over this server's limit of 4" and err["code"] is None, err
     finally:
         s.close()
 
