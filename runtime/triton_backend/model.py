@@ -32,6 +32,28 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 STATS_PERIOD_S = 1.0
 
 
+# TensorRT-LLM backend inputs this model does not take, with what it takes instead. Sent as inputs, Triton refuses
+# them ("unexpected inference input"); a /generate body's fields that are no input reach the model as request
+# parameters instead, which it would ignore: a client written for TensorRT-LLM would think its end_id applied.
+# Only these names are refused: other parameters may be HTTP headers an operator forwards (--http-header-forward-*).
+_TENSORRT_LLM_ONLY = {
+    "end_id": "stop_token_ids (the engine's EOS ends a request unless ignore_eos)", "pad_id": "nothing (no padding)",
+    "random_seed": "seed", "runtime_top_k": "top_k", "runtime_top_p": "top_p", "beam_width": "nothing (no beams)",
+    "bad_words": "nothing", "embedding_bias": "nothing", "len_penalty": "nothing", "num_return_sequences": "nothing",
+}
+
+
+def _refuse_tensorrt_llm_parameters(request) -> None:
+    try:
+        given = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError):  # a stub without parameters(), or none
+        return
+    names = sorted(set(given) & set(_TENSORRT_LLM_ONLY)) if isinstance(given, dict) else []
+    if names:
+        raise ValueError(f"{names[0]}: not taken by this model (a TensorRT-LLM input); it takes "
+                         f"{_TENSORRT_LLM_ONLY[names[0]]}")
+
+
 def _scalar(request, name, default, kind):
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
@@ -356,6 +378,7 @@ class TritonPythonModel:
                 if t.shape()[0] != 1:
                     raise ValueError(f"{t.name()}: a batch of {t.shape()[0]}; send one request a prompt, each "
                                      "input shaped [1, ...] (requests sent together are batched by the server)")
+        _refuse_tensorrt_llm_parameters(request)
         text = _scalar(request, "text_input", None, str)
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         if (text is None) == (ids_t is None):

@@ -404,6 +404,35 @@ def test_bad_inputs_are_errors_and_server_keeps_serving(triton):
         _stream(f"127.0.0.1:{triton.ports[1]}", "k3", [dict(text_input="x", max_tokens=-2)])
 
 
+def test_tensorrt_llm_only_fields_are_refused_not_ignored(triton):
+    """/generate's fields that are no input reach the model as request parameters: end_id and the other
+    TensorRT-LLM names are refused naming what the model takes, not silently ignored; so are they as parameters
+    of an /infer request. Plain /generate requests answer."""
+    import httpx
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    base = f"http://127.0.0.1:{triton.ports[0]}/v2/models"
+    for model in ("k3_unary", "k3"):
+        r = httpx.post(f"{base}/{model}/generate", json={"text_input": "hi", "max_tokens": 2, "end_id": 2},
+                       timeout=60)
+        assert r.status_code == 400 and "end_id: not taken by this model" in r.text, r.text
+        assert "stop_token_ids" in r.text, r.text
+        r = httpx.post(f"{base}/{model}/generate", json={"text_input": "hi", "max_tokens": 2, "random_seed": 3},
+                       timeout=60)
+        assert r.status_code == 400 and "random_seed: not taken by this model" in r.text and "seed" in r.text
+        ok = httpx.post(f"{base}/{model}/generate", json={"text_input": "hi", "max_tokens": 2, "temperature": 0.0},
+                        timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text
+    c = th.InferenceServerClient(f"127.0.0.1:{triton.ports[0]}")
+    try:
+        with pytest.raises(InferenceServerException, match="pad_id: not taken") as e:
+            c.infer("k3_unary", _unary(th, input_ids=[1, 2], max_tokens=2), parameters={"pad_id": 0})
+        assert e.value.status() == "400"
+    finally:
+        c.close()
+
+
 def test_stop_strings_without_a_tokenizer_refuse_that_request_alone(triton, llm):
     """An engine without a tokenizer cannot match stop strings: a request that sends some is refused (400, naming
     stop), and the requests sent with it, to the unary or the decoupled model, are answered as usual."""
