@@ -110,6 +110,20 @@ def check_device_present(device: torch.device, path: Path, target: str | None = 
         raise EngineError(f"{path}: --device {device}: torch sees {torch.cuda.device_count()} GPU(s) here")
 
 
+def check_device_kind(cfg: dict, path: Path, device: torch.device) -> None:
+    """What the device's kind alone says on any host (no GPU needed to tell): a GPU engine refused on the cpu, a
+    cpu engine on a GPU."""
+    target = cfg["stamp"].get("target")
+    if device.type == "cpu" and _gpu_target(target):
+        raise EngineError(f"{path}: engine built for target {target!r} but this device is 'cpu'; run it on a GPU "
+                          "with --device cuda (the CLIs' default for it; the Python API's is cpu), or rebuild "
+                          "with `k3build build --target cpu`")
+    if device.type != "cpu" and target == "cpu":
+        raise EngineError(f"{path}: engine built for target 'cpu' but --device {device} is a GPU; run it with "
+                          "--device cpu (the CLIs' default for it), or rebuild with `k3build build --target sm90` "
+                          "(or gfx942)")
+
+
 def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> None:
     """Refuse an engine this runtime cannot run, naming what to rebuild: its format, plugin ABI, each plugin's
     version and tactic, its target. The stamp's torch, triton and k3build versions are the build machine's and stay
@@ -129,12 +143,9 @@ def check_stamp(cfg: dict, path: Path, device: torch.device | None = None) -> No
             have = f"v{impl.version}" if impl else "none"
             raise EngineError(f"{path}: plugin {op}/{p['tactic']} v{p['version']} is not available here ({have}); {rebuild}")
     if device is not None:
+        check_device_kind(cfg, path, device)
         check_device_present(device, path, stamp.get("target"))
         here, target = _device_target(device), stamp.get("target")
-        if here == "cpu" and _gpu_target(target):
-            raise EngineError(f"{path}: engine built for target {target!r} but this device is 'cpu'; run it on a GPU "
-                              "with --device cuda (the CLIs' default for it; the Python API's is cpu), or rebuild "
-                              "with `k3build build --target cpu`")
         if here != target:
             raise EngineError(f"{path}: engine built for target {target!r} but this device is {here!r}; "
                               f"rebuild with `k3build build --target {here if here in ('cpu', 'sm90', 'gfx942') else '<target>'}`")

@@ -8,10 +8,11 @@ import shutil
 from pathlib import Path
 
 import click
+import torch
 
 from ..engine_flags import as_options, device_option, engine_flags, given, sequence_limits, to_params
 from ..engine_options import EngineOptions, check_build_limits
-from ..loader import EngineError, default_device, read_engine_config
+from ..loader import EngineError, check_device_kind, default_device, read_engine_config
 
 _INPUTS = [  # (name, Triton type, dims); all optional so a client sends only what it sets
     ("text_input", "TYPE_STRING", [1]),
@@ -89,6 +90,12 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     engine_config = read_engine_config(engine_dir)
     device = device or default_device(engine_config)
     check_build_limits(EngineOptions(device=device, **given(flags)), engine_config, engine_dir)
+    # the kind only: the repository may be written on a host without the engine's GPU (its server's has it)
+    check_device_kind(engine_config, engine_dir / "config.json", torch.device(device))
+    out_dir = Path(out).resolve()
+    if out_dir == engine_dir or engine_dir in out_dir.parents:  # a file k3build did not write: a later build
+        raise ValueError(f"{out}: inside the engine {engine_dir}; write the repository beside it "  # refuses it
+                         "(k3build build --overwrite refuses an engine dir holding files of others)")
     _, max_tokens_limit = sequence_limits(engine_config, max_tokens_limit=max_tokens_limit)
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
                           max_batch_size=flags.get("max_num_seqs") or engine_config["build_config"]["max_batch_size"],

@@ -125,6 +125,12 @@ def test_triton_repo_refuses_bad_options(tiny_engine, tmp_path):
         res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(repo), "--overwrite", *flags])
         assert res.exit_code != 0 and says in res.output, res.output
     assert sorted(p.name for p in repo.iterdir()) == ["k3"]
+    # a cpu engine on a GPU fails wherever Triton loads it; inside the engine dir, a later build would refuse it
+    for out, flags, says in ((repo, ["--device", "cuda"], "engine built for target 'cpu' but --device cuda is a GPU"),
+                             (tiny_engine / "repo", [], "inside the engine")):
+        res = CliRunner().invoke(main, ["triton-repo", str(tiny_engine), str(out), "--overwrite", *flags])
+        assert res.exit_code == 1 and says in res.output and "Traceback" not in res.output, res.output
+    assert sorted(p.name for p in repo.iterdir()) == ["k3"] and not (tiny_engine / "repo").exists()
 
 
 # appended to k3_gated's model.py: its responses go out only while the file GATE exists, whichever thread sends them
