@@ -273,7 +273,7 @@ class Handlers:
             if chat:
                 for i in range(len(streams)):
                     yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                                 "logprobs": None})
+                                 "stop_reason": None, "logprobs": None})
             while live:
                 i, ch = await q.get()
                 if ch is None:
@@ -286,7 +286,8 @@ class Handlers:
                 if echo and i not in echoed:  # the prompt first, as a chunk of its own
                     echoed.add(i)
                     said, columns, shifts[i] = echo(self.token_text, i, ch.prompt_logprobs)
-                    yield event({"index": i, "text": said, "logprobs": columns, "finish_reason": None})
+                    yield event({"index": i, "text": said, "logprobs": columns, "finish_reason": None,
+                                 "stop_reason": None})
                 if echo and echo.only:
                     yield event({"index": i, "text": "", "logprobs": None, "finish_reason": "length",
                                  "stop_reason": None})

@@ -360,6 +360,8 @@ def test_stop_reason_as_vllm_returns_it(client, llm):
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                  stream=True, extra_body={"stop_token_ids": [first]}))
     assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == first
+    # every chunk has the field, the role's first one too (null until the last)
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [first]
 
 
 def test_penalties_and_logit_bias_match_python_api(client, llm):
