@@ -41,12 +41,14 @@ def main():
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="In [-2, 2]; 0 = off.")
 @click.option("--repetition-penalty", type=float, default=None,
               help="> 0; 1 = off. [default: generation_config.json, else 1]")
+@click.option("--ignore-eos", is_flag=True, help="Generate past the end-of-sequence token, to --max-tokens (timing).")
 @device_option
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come (one prompt).")
 @weight_config_option
 @engine_flags
 def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, top_k, min_p, seed, n, presence_penalty,
-                 frequency_penalty, repetition_penalty, device, stream, distributed_weight_config, **flags):
+                 frequency_penalty, repetition_penalty, ignore_eos, device, stream, distributed_weight_config,
+                 **flags):
     """Generate completions for the --prompt texts and the --prompt-file's."""
     use_weight_config(distributed_weight_config)
     from .api import LLM
@@ -71,7 +73,7 @@ def generate_cmd(engine, prompts, prompt_file, max_tokens, temperature, top_p, t
                                    ("min_p", min_p), ("repetition_penalty", repetition_penalty)) if v is not None}
         sampling = {"temperature": 0.0, **(config.get("generation_config") or {}).get("sampling", {}), **chosen}
         params = SamplingParams(max_tokens=max_tokens, seed=seed, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, n=n, **sampling)
+                                frequency_penalty=frequency_penalty, n=n, ignore_eos=ignore_eos, **sampling)
         tokenizer = load_tokenizer(engine)
         if tokenizer is None:
             raise click.ClickException(f"{engine}: the engine has no tokenizer.json (its checkpoint had none, or it "

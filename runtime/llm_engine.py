@@ -255,8 +255,16 @@ class LLMEngine:
                                                  runner.cache.config) if self.pp_size > 1 else None
 
     def _workers_lost(self, error: BaseException) -> None:
-        """KeepAlive's on_error (the comm lock held): nothing more is exchanged with the workers but their release."""
-        self._broken, self.failure = True, error
+        """KeepAlive's on_error (the comm lock held): nothing more is exchanged with the workers."""
+        self.failure = error
+        self._break()
+
+    def _break(self) -> None:
+        """A step failed: nothing more is exchanged with the other ranks, not even a release (comm.broken) while
+        they may be inside the step's collectives; this process's exit ends their wait."""
+        self._broken = True
+        if self.comm is not None:
+            self.comm.broken = True
 
     def _check_usable(self) -> None:
         if self.failure is not None:  # its text kept: launch.run names the rank from it
@@ -385,8 +393,8 @@ class LLMEngine:
             if self.comm is None:  # its requests re-prefill; without this every later schedule() refuses
                 for sched, plan in zip(self.schedulers, plans):
                     sched.discard(plan)
-            else:  # other ranks may be inside the step: nothing more is exchanged with them but their release
-                self._broken = True
+            else:  # other ranks may be inside the step
+                self._break()
             raise
         for d, (sched, plan) in enumerate(zip(self.schedulers, plans)):
             lps, prompts = self._logprobs(plan, rows[d], _reporters(sched, plan))
@@ -483,7 +491,8 @@ class LLMEngine:
         try:
             return fn()
         except BaseException:
-            self._broken = self.options.async_scheduling or self.comm is not None
+            if self.options.async_scheduling or self.comm is not None:
+                self._break()
             raise
 
     def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple] | None]:

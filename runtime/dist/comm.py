@@ -116,6 +116,9 @@ class DistCommunicator(Communicator):
         self.keep_alive = None  # the driver's KeepAlive (dist/keep_alive.py), stopped before its workers' release
         # the driver has opened its rank: its workers, past the load barrier, wait for steps (launch.release_workers)
         self.opened = False
+        # a step failed on the driver while the workers may be inside it (its collectives): they are not sent a
+        # stop, which would wait there for them, and they for it, until the step timeout (launch.release_workers)
+        self.broken = False
 
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         y = x.float() if self.upcast and x.dtype != torch.float32 else x.contiguous()

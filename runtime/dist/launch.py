@@ -171,8 +171,9 @@ def release_workers(comm: DistCommunicator) -> None:
         if comm.keep_alive is not None:
             comm.keep_alive.stop()
         # A driver that failed opening its rank leaves its workers elsewhere (the load barrier, under a 30-minute
-        # timeout): a stop would wait for them for the step timeout; its leaving ends their wait at once.
-        if comm.opened:
+        # timeout), and one whose step failed (a Ctrl-C, an error) may leave them inside that step's collectives:
+        # a stop would wait for them for the step timeout; this process's exit ends their wait at once.
+        if comm.opened and not comm.broken:
             comm.control.broadcast((Step((), stop=True),))
 
 
@@ -320,8 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:  # the command's own error, one line as k3runtime alone prints it
         e.show()
         raise SystemExit(e.exit_code) from None
-    except click.Abort:
-        raise SystemExit(1) from None
+    except (click.Abort, KeyboardInterrupt):  # Ctrl-C (a bare traceback on the workers before)
+        click.echo(f"\nrank {os.environ.get('RANK', '?')}: interrupted", err=True)
+        raise SystemExit(130) from None
     except EngineError as e:  # on any rank (a worker finds a rank count that does not match, for one)
         click.echo(f"Error (rank {os.environ.get('RANK', '?')}): {e}", err=True)
         raise SystemExit(1) from None

@@ -70,6 +70,63 @@ def _log_killing(proc: subprocess.Popen, victim: int, pattern: str) -> str:
     return "".join(lines)
 
 
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text().split()):
+            out += [child, *_descendants(child)]
+    return out
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in _descendants(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def test_ctrl_c_on_the_driver_mid_generation_ends_the_job_at_once(k3_short_ckpt, tmp_path):
+    """SIGINT to rank 0 of `k3runtime.dist.launch ENGINE generate` while it generates: it says so and leaves
+    without sending its workers a stop (they may be inside the step's collectives, where a stop would wait for them,
+    and they for it, until K3_DIST_TIMEOUT_S: 61 s before, in silence), and the workers end as its exit closes
+    their collectives, naming it."""
+    engine = build_engine(k3_short_ckpt, tmp_path / "engine", mapping=Mapping(tp_size=2), max_seq_len=4096,
+                          max_num_tokens=512)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "K3_DIST_TIMEOUT_S": "40"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "k3runtime.dist.launch", str(engine), "generate", "--prompt", "Hello",
+                             "--max-tokens", "4000", "--ignore-eos", "--stream"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while "load rank0: 100%" not in "".join(log):  # the weights read: generation starts
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)
+        driver = _rank_pid(proc.pid, 0)
+        assert driver is not None, "".join(log)[-3000:]
+        os.kill(driver, signal.SIGINT)
+        stopped_at = time.monotonic()
+        proc.wait(timeout=120)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    text = "".join(log)
+    assert proc.returncode != 0 and elapsed < 15, (elapsed, text[-3000:])
+    assert "rank 0: interrupted" in text and "exitcode  : 130" in text, text[-3000:]
+    assert "Error (rank 1): rank 0 left the job" in text or "(pid: " in text, text[-3000:]
+    assert "KeyboardInterrupt" not in text, text[-3000:]  # no rank's bare traceback
+
+
 def test_killed_rank_ends_the_job_naming_it(k3_short_ckpt, tmp_path):
     rc, elapsed, log = _stop_a_rank_mid_generation(tmp_path, k3_short_ckpt, signal.SIGKILL, 30)
     assert rc != 0
