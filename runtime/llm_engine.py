@@ -389,12 +389,14 @@ class LLMEngine:
             # on a GPU the host waits here: a CUDA error or a Ctrl-C of the step surfaces in these reads
             tokens = [t.tolist() for t in results]
             rows = [lp.tolist() if lp is not None else None for lp in logprobs]
-        except BaseException:  # a failing model or sampler, a KeyboardInterrupt
+        except BaseException as e:  # a failing model or sampler, a KeyboardInterrupt
             if self.comm is None:  # its requests re-prefill; without this every later schedule() refuses
                 for sched, plan in zip(self.schedulers, plans):
                     sched.discard(plan)
             else:  # other ranks may be inside the step
                 self._break()
+                if (lost := self.comm.lost(e)) is not None:  # gloo's or NCCL's text names no rank
+                    raise lost from e
             raise
         for d, (sched, plan) in enumerate(zip(self.schedulers, plans)):
             lps, prompts = self._logprobs(plan, rows[d], _reporters(sched, plan))
@@ -490,9 +492,11 @@ class LLMEngine:
         self._check_usable()
         try:
             return fn()
-        except BaseException:
+        except BaseException as e:
             if self.options.async_scheduling or self.comm is not None:
                 self._break()
+            if self.comm is not None and (lost := self.comm.lost(e)) is not None:
+                raise lost from e
             raise
 
     def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple] | None]:

@@ -120,6 +120,16 @@ class DistCommunicator(Communicator):
         # stop, which would wait there for them, and they for it, until the step timeout (launch.release_workers)
         self.broken = False
 
+    def lost(self, exc: BaseException) -> heartbeat.RankLost | None:
+        """A failed step's error naming the rank it lost (silent, stuck, left or dead: heartbeat.explain, which may
+        watch the beats for a few seconds), for the driver's callers (a server's 503); None when exc is no failed
+        collective."""
+        why = heartbeat.explain(exc, collective_timeout().total_seconds())
+        if not why:
+            return None
+        said = str(exc).strip().splitlines()
+        return heartbeat.RankLost(f"{why} ({type(exc).__name__}: {said[0][:300] if said else ''})")
+
     def all_reduce(self, x: torch.Tensor, group: str) -> torch.Tensor:
         y = x.float() if self.upcast and x.dtype != torch.float32 else x.contiguous()
         with heartbeat.collective(self.group_keys[group]):

@@ -146,6 +146,17 @@ def silent_ranks(watch_s: float) -> list[int]:
     return sorted(r for r, beat in after.items() if beat == before.get(r) and beat != LEFT)
 
 
+class RankLost(RuntimeError):
+    """A collective failed because of another rank (timed out on it, or lost it); the message names it."""
+
+
+def explain(exc: BaseException, timeout_s: float) -> str | None:
+    """explain_timeout's or explain_lost_peer's message for a failed collective (a RankLost's own); else None."""
+    if isinstance(exc, RankLost):
+        return str(exc)
+    return explain_timeout(exc, timeout_s) or explain_lost_peer(exc)
+
+
 def explain_timeout(exc: BaseException, timeout_s: float) -> str | None:
     """A message naming the silent ranks when `exc` is a collective timeout, or else the stuck ones (stuck_ranks);
     None otherwise (after watching the beats for up to 5 s)."""

@@ -260,7 +260,7 @@ def run(engine_dir: str, driver_fn, device: str = "cpu"):
             worker_loop(engine_dir, device)
         except Exception as e:
             # name the rank that went silent, when that is why a collective timed out, or the ranks that left
-            why = heartbeat.explain_timeout(e, collective_timeout().total_seconds()) or heartbeat.explain_lost_peer(e)
+            why = heartbeat.explain(e, collective_timeout().total_seconds())
             if why:
                 raise EngineError(why) from e
             raise
