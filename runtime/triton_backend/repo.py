@@ -93,8 +93,8 @@ def write_repo(engine_dir: str | Path, out: str | Path, *, model_name: str = "k3
     # the kind only: the repository may be written on a host without the engine's GPU (its server's has it)
     check_device_kind(engine_config, engine_dir / "config.json", torch.device(device))
     out_dir = Path(out).resolve()
-    if out_dir == engine_dir or engine_dir in out_dir.parents:  # a file k3build did not write: a later build
-        raise ValueError(f"{out}: inside the engine {engine_dir}; write the repository beside it "  # refuses it
+    if out_dir == engine_dir or engine_dir in out_dir.parents:  # files k3build did not write: a rebuild refuses them
+        raise ValueError(f"{out}: inside the engine {engine_dir}; write the repository beside it "
                          "(k3build build --overwrite refuses an engine dir holding files of others)")
     _, max_tokens_limit = sequence_limits(engine_config, max_tokens_limit=max_tokens_limit)
     config = config_pbtxt(model_name, engine_dir, decoupled=decoupled, device=device, max_tokens_limit=max_tokens_limit,
