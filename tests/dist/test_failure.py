@@ -102,7 +102,8 @@ def test_ctrl_c_on_the_driver_mid_generation_ends_the_job_at_once(k3_short_ckpt,
     text = "".join(log)
     assert proc.returncode != 0 and elapsed < 15, (elapsed, text[-3000:])
     assert "rank 0: interrupted" in text and "exitcode  : 130" in text, text[-3000:]
-    assert "Error (rank 1): rank 0 left the job" in text or "(pid: " in text, text[-3000:]
+    # rank 1 ends by its own error naming rank 0 or, when torchrun is quicker, by its SIGTERM (not a timeout)
+    assert re.search(r"Error \(rank 1\): rank 0 left the job|exitcode\s*: -15 \(pid", text), text[-3000:]
     assert "KeyboardInterrupt" not in text, text[-3000:]  # no rank's bare traceback
 
 
