@@ -7,10 +7,10 @@ its rank waits inside a collective, and stops when the process stops or leaves (
 ranks whose stamps do not move for a few seconds are the silent ones.
 
 The store is the job's lifeline (the torchrun agent of the rendezvous host holds it: MASTER_ADDR's, on node 0, which
-need not be this rank's own agent): a rank whose beats fail ORPHAN_BEATS times in a row has lost it, that agent killed,
-gone with its node, or ended with a failure of its own ranks, and no one is left to stop it; it stops itself (SIGTERM,
-so that a server shuts down; a hard exit if that does not end it), rather than serving on as an orphan that holds the
-accelerator and the server's port.
+need not be this rank's own agent): a rank whose beats fail ORPHAN_BEATS times in a row (or once on its closed socket:
+STORE_GONE) has lost it, that agent killed, gone with its node, or ended with a failure of its own ranks, and no one
+is left to stop it; it stops itself (SIGTERM, so that a server shuts down; a hard exit if that does not end it),
+rather than serving on as an orphan that holds the accelerator and the server's port.
 
 A rank that hangs while its process lives on (a blocking call, a deadlock on the host) keeps beating. So each beat
 also carries how many collectives the rank has entered on each of its groups and the one it waits in (collective):
@@ -33,6 +33,9 @@ import torch.distributed as dist
 
 PERIOD_S = 1.0
 ORPHAN_BEATS = 3  # beats failed in a row: the store is gone (its torchrun agent killed?), this rank stops itself
+# a beat failed with one of these has found the store's socket closed, not a slow store: no use trying twice more
+# (each failed beat also costs a dozen lines of TCPStore's C++ warning in the log)
+STORE_GONE = ("broken pipe", "connection reset", "connection refused")
 ORPHAN_GRACE_S = 30.0  # after its SIGTERM, how long an orphaned rank may take to stop before a hard exit
 _KEY = "k3/heartbeat/{}"
 
@@ -77,23 +80,25 @@ def start() -> None:
     if store is None:
         return
     done = threading.Event()
-
-    def beat():
-        failed = 0
-        while not done.is_set():
-            try:
-                store.set(_KEY.format(rank), json.dumps(_state()))
-                failed = 0
-            except Exception as e:  # noqa: BLE001 - the store went away with the job, or a hiccup
-                failed += 1
-                if failed >= ORPHAN_BEATS and not done.is_set():
-                    _orphaned(rank, e, done)
-                    return
-            done.wait(PERIOD_S)
-
-    thread = threading.Thread(target=beat, name=f"k3-heartbeat-{rank}", daemon=True)
+    thread = threading.Thread(target=_beat, args=(store, rank, done), name=f"k3-heartbeat-{rank}", daemon=True)
     thread.start()
     _beating.append((thread, done, store, rank))
+
+
+def _beat(store, rank: int, done: threading.Event) -> None:
+    """The beating thread: this rank's state every PERIOD_S until done, or until the store is found gone."""
+    failed = 0
+    while not done.is_set():
+        try:
+            store.set(_KEY.format(rank), json.dumps(_state()))
+            failed = 0
+        except Exception as e:  # noqa: BLE001 - the store went away with the job, or a hiccup
+            failed += 1
+            gone = any(words in str(e).lower() for words in STORE_GONE)
+            if (gone or failed >= ORPHAN_BEATS) and not done.is_set():
+                _orphaned(rank, e, done)
+                return
+        done.wait(PERIOD_S)
 
 
 def _orphaned(rank: int, error: BaseException, done: threading.Event) -> None:

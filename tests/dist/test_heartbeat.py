@@ -167,3 +167,53 @@ def test_an_orphaned_rank_names_the_store_it_lost(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert sent == [signal.SIGTERM]
     assert "rank 1 lost the job's store at node0.example:29500 (Broken pipe)" in err and "its launcher" not in err, err
+
+
+def test_a_beat_that_finds_the_store_closed_stops_at_once(monkeypatch, tmp_path):
+    """A beat failing on the store's closed socket (its agent killed: "Broken pipe") orphans the rank at once, not
+    after ORPHAN_BEATS failures, each of which writes a dozen lines of TCPStore's C++ warning to the log."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from k3runtime.dist import heartbeat
+    from liveness import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                               f"s = d.TCPStore('127.0.0.1', {port}, 2, True); time.sleep(1.5)"])
+    try:
+        client = None
+        for _ in range(100):  # until the server listens
+            try:
+                client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=5))
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.05)
+        assert client is not None
+        client.set("k3/probe", "1")
+        server.wait(timeout=30)
+    finally:
+        server.kill()
+
+    class Counting:  # the real store, its failed sets counted
+        failed = 0
+
+        def set(self, key, value):
+            try:
+                client.set(key, value)
+            except Exception:
+                Counting.failed += 1
+                raise
+
+    orphaned = []
+    monkeypatch.setattr(heartbeat, "PERIOD_S", 0.05)
+    monkeypatch.setattr(heartbeat, "_orphaned", lambda rank, e, done: orphaned.append(str(e)))
+    done = threading.Event()
+    thread = threading.Thread(target=heartbeat._beat, args=(Counting(), 1, done), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    done.set()
+    assert orphaned and any(w in orphaned[0].lower() for w in ("broken pipe", "connection reset")), orphaned
+    assert Counting.failed == 1  # ORPHAN_BEATS (3) before
