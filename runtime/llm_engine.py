@@ -259,12 +259,15 @@ class LLMEngine:
         self.failure = error
         self._break()
 
-    def _break(self) -> None:
-        """A step failed: nothing more is exchanged with the other ranks, not even a release (comm.broken) while
-        they may be inside the step's collectives; this process's exit ends their wait."""
+    def _break(self, error: BaseException | None = None) -> None:
+        """A step failed (with `error`): nothing more is exchanged with the other ranks, not even a release
+        (comm.broken) while they may be inside the step's collectives; this process's exit ends their wait. An error
+        of a collective that lost another rank is raised again naming that rank (gloo's or NCCL's text names none)."""
         self._broken = True
         if self.comm is not None:
             self.comm.broken = True
+            if error is not None and (lost := self.comm.lost(error)) is not None:
+                raise lost from error
 
     def _check_usable(self) -> None:
         if self.failure is not None:  # its text kept: launch.run names the rank from it
@@ -394,9 +397,7 @@ class LLMEngine:
                 for sched, plan in zip(self.schedulers, plans):
                     sched.discard(plan)
             else:  # other ranks may be inside the step
-                self._break()
-                if (lost := self.comm.lost(e)) is not None:  # gloo's or NCCL's text names no rank
-                    raise lost from e
+                self._break(e)
             raise
         for d, (sched, plan) in enumerate(zip(self.schedulers, plans)):
             lps, prompts = self._logprobs(plan, rows[d], _reporters(sched, plan))
@@ -494,9 +495,7 @@ class LLMEngine:
             return fn()
         except BaseException as e:
             if self.options.async_scheduling or self.comm is not None:
-                self._break()
-            if self.comm is not None and (lost := self.comm.lost(e)) is not None:
-                raise lost from e
+                self._break(e)
             raise
 
     def _launch(self, steps: tuple[Step, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple] | None]:
