@@ -1,8 +1,8 @@
 """A small byte-level BPE tokenizer for synthetic checkpoints, trained in-process (no downloads).
 
-Ids follow the config: pad/bos/eos sit at `cfg.pad_token_id`/`bos_token_id`/`eos_token_id`, chat markers take
-the lowest free ids, trained tokens fill the rest, and `<|reserved_N|>` fillers bring the vocabulary to exactly
-`cfg.vocab_size`.
+Ids follow the config: pad/bos/eos sit at `cfg.pad_token_id`/`bos_token_id`/`eos_token_id`, chat markers and then
+Kimi's tool-call markers take the lowest free ids, trained tokens fill the rest, and `<|reserved_N|>` fillers bring
+the vocabulary to exactly `cfg.vocab_size`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,26 @@ from .config import K3Config
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|end_of_msg|>"
 CHAT_MARKERS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>")
+# Kimi's: an assistant's calls are one section of calls, each `<|tool_call_begin|>functions.NAME:IDX`
+# `<|tool_call_argument_begin|>{JSON}<|tool_call_end|>` (k3runtime's server reads them back as vLLM's kimi_k2 parser)
+TOOL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+# As transformers renders it (trim_blocks: no newline may follow a block tag). Tools are declared in a system-like
+# turn of their own, as JSON; a tool's result is a system-like turn naming the call it answers; a content left out
+# or null renders as nothing.
 CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"
-    "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|end_of_msg|>"
-    "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+    "{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|end_of_msg|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] in ('user', 'assistant') %}<|im_{{ m['role'] }}|>{% else %}<|im_system|>{% endif %}"
+    "{{ m['role'] }}<|im_middle|>"
+    "{% if m['role'] == 'tool' %}result of {{ m['tool_call_id'] }}: {% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] %}<|tool_calls_section_begin|>{% for c in m['tool_calls'] %}"
+    "<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>{{ c['function']['arguments'] }}<|tool_call_end|>"
+    "{% endfor %}<|tool_calls_section_end|>{% endif %}"
+    "<|end_of_msg|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
 )
 MAX_TRAINED = 4096  # merges learnable from the built-in text are far fewer anyway
 
@@ -48,7 +64,7 @@ def _special_ids(cfg: K3Config) -> dict[int, str]:
             raise ValueError(f"token id {i} for {tok}: must be unique and in 0..vocab_size-1={cfg.vocab_size - 1}")
         fixed[i] = tok
     free = (i for i in range(cfg.vocab_size) if i not in fixed)
-    for tok in CHAT_MARKERS:
+    for tok in (*CHAT_MARKERS, *TOOL_MARKERS):
         fixed[next(free)] = tok
     return fixed
 
@@ -88,7 +104,7 @@ def write_tokenizer(out_dir: str | Path, cfg: K3Config) -> None:
         "bos_token": BOS if cfg.bos_token_id is not None else None,
         "eos_token": EOS if cfg.eos_token_id is not None else None,
         "pad_token": PAD if cfg.pad_token_id is not None else None,
-        "additional_special_tokens": list(CHAT_MARKERS),
+        "additional_special_tokens": [*CHAT_MARKERS, *TOOL_MARKERS],
         "model_max_length": cfg.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,

@@ -84,26 +84,28 @@ class Tokenizer:
     def _add_bos(self) -> bool:
         return bool(self.config.get("add_bos_token", False))
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat template's prompt for `messages`, as token ids, where a message's text (its content and name)
-        never becomes a special token: a client whose message spells `<|im_system|>` sends those characters, not
-        a turn of its own. The template's own special tokens are what it renders. Each spelling is stood in for
-        by one private-use character while the template renders (so its filters see the text as it is), then
-        encoded as text; the tokens next to it may differ from encoding the message whole."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The chat template's prompt for `messages` (and `tools`, as transformers' apply_chat_template takes them),
+        as token ids, where the client's text (every string of the messages and the tools: contents, names, tool
+        calls' arguments, tools' descriptions) never becomes a special token: a client whose message spells
+        `<|im_system|>` sends those characters, not a turn of its own. The template's own special tokens are what
+        it renders. Each spelling is stood in for by one private-use character while the template renders (so its
+        filters see the text as it is), then encoded as text; the tokens next to it may differ from encoding the
+        message whole."""
         if self._specials is None:
             self._specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
                                     key=len, reverse=True)  # the longest spelling first where two overlap
             self._spelled = re.compile("|".join(map(re.escape, self._specials)) or "(?!)")
-        texts = [(m, f) for m in messages for f in _MESSAGE_TEXT if isinstance(m.get(f), str)]
-        if not any(self._spelled.search(m[f]) for m, f in texts):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))  # the usual case
+        if not any(self._spelled.search(s) for s in _strings([messages, tools])):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))  # the usual case
 
         def stand_in(text: str) -> str:
             text = re.sub(_STAND_INS, "", text)  # (a message's own characters of that range are dropped)
             return self._spelled.sub(lambda m: chr(_STAND_IN + self._specials.index(m.group())), text)
 
-        hidden = [{**m, **{f: stand_in(m[f]) for f in _MESSAGE_TEXT if isinstance(m.get(f), str)}} for m in messages]
-        text = self.apply_chat_template(hidden, add_generation_prompt)
+        text = self.apply_chat_template(_map_strings(messages, stand_in), add_generation_prompt,
+                                        _map_strings(tools, stand_in))
         _check_unicode(text)
         if self._as_text is None:
             self._as_text = _HFTokenizer.from_str(self._tok.to_str())
@@ -115,6 +117,10 @@ class Tokenizer:
             elif part or i == 0:
                 ids += self._tok.encode(part, add_special_tokens=self._add_bos and i == 0).ids
         return ids
+
+    def special_tokens(self) -> dict[int, str]:
+        """The special tokens (what skip_special_tokens leaves out): id -> spelling."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -134,10 +140,12 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """The template rendered as transformers' apply_chat_template (what vLLM serves) renders it: a sandbox (a
-        checkpoint's template is untrusted code), trim_blocks and lstrip_blocks, undefined names falsy (`tools`,
-        a message's `tool_calls`: Kimi's template tests both), raise_exception, strftime_now and its tojson."""
+        checkpoint's template is untrusted code), trim_blocks and lstrip_blocks, undefined names falsy (a message's
+        `tool_calls`: Kimi's template tests it), raise_exception, strftime_now and its tojson; `tools` as
+        transformers passes a list of JSON-schema dicts (None: no tools)."""
         if not self.chat_template:
             raise ValueError("the engine's tokenizer has no chat template; use completions instead")
         # a special token as a string, or as transformers writes an AddedToken ({"content": ..., "lstrip": ...})
@@ -145,7 +153,7 @@ class Tokenizer:
                    if k.endswith("_token")}
         special = {k: v for k, v in special.items() if isinstance(v, str)}
         return _compiled_chat_template(self.chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special)
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **special)
 
 
 @functools.lru_cache(maxsize=8)
@@ -169,11 +177,34 @@ def _compiled_chat_template(source: str):
     return env.from_string(source)
 
 
-# encode_chat: the message fields a template renders as text, and the stand-ins for special-token spellings in them
-# (Supplementary Private Use Area-A, one character a special token)
-_MESSAGE_TEXT = ("content", "name")
+# encode_chat: the stand-ins for special-token spellings in the client's text (Supplementary Private Use Area-A, one
+# character a special token)
 _STAND_IN = 0xF0000
 _STAND_INS = "[\U000F0000-\U000FFFFD]"
+
+
+def _strings(x):
+    """Every string in nested lists and dicts (keys too: a tool's JSON schema names its properties)."""
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _strings(v)
+
+
+def _map_strings(x, f):
+    """x with f applied to every string in it (_strings')."""
+    if isinstance(x, str):
+        return f(x)
+    if isinstance(x, dict):
+        return {_map_strings(k, f): _map_strings(v, f) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_map_strings(v, f) for v in x]
+    return x
 
 
 def _check_unicode(text: str) -> None:
@@ -243,6 +274,7 @@ class IncrementalText:
         self.text = ""  # the text of ids[:read]
         self.prefix = self.read = 0  # the windows: ids[prefix:read] (already in text) and ids[prefix:]
         self._pending = ""  # the text of ids[read:] so far, an unfinished character at its end
+        self._char = 0  # where that character starts in it
 
     def push(self, token_id: int, final: bool = False) -> int:
         """Add one token; return where its text starts (a token with a piece of a character starts at the
@@ -253,7 +285,7 @@ class IncrementalText:
         new = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=skip)[len(done):]
         common = 0
         if self._pending and self._continues(token_id):  # the character that the pending text ends with
-            common = len(self._pending.rstrip("\ufffd"))    # (U+FFFD; one a byte with byte-fallback tokens)
+            common = self._char
         elif self._pending:
             common = len(os.path.commonprefix([self._pending, new]))
         start = len(self.text) + common
@@ -261,7 +293,9 @@ class IncrementalText:
             self.text, self._pending = self.text + new, ""
             self.prefix, self.read = self.read, len(self.ids)
         else:
-            self._pending = new
+            # the unfinished character (U+FFFD; one a byte with byte-fallback tokens) starts past this token's whole
+            # characters, or the continued one's: not at an invalid byte's U+FFFD before them, text of its own
+            self._pending, self._char = new, common + len(new[common:].rstrip("\ufffd"))
         return start
 
     def _continues(self, token_id: int) -> bool:

@@ -18,7 +18,7 @@ from ..async_engine import AsyncLLMEngine
 from .config import ServerConfig
 from .handlers import APIError, Handlers
 from .metrics import PrometheusMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, loc_path
 
 
 def _error(status, message, param=None, code=None, type_="invalid_request_error"):
@@ -72,7 +72,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if len(same) > 1:  # a union field (prompt, stop, content): pydantic reports one error per alternative
             tried = "; ".join(f"as {'.'.join(str(y) for y in x['loc'][2:]) or 'value'}: {x['msg']}" for x in same[:4])
             return _error(400, f"{field}: no accepted form matches ({tried})", param=field)
-        where = ".".join(loc) or "body"
+        where = loc_path([x for x in err.get("loc", ()) if x != "body"]) or "body"
         return _error(400, f"{where}: {err['msg']}", param=field)
 
     @app.exception_handler(StarletteHTTPException)

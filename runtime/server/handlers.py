@@ -18,6 +18,7 @@ from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs, echoed_prompt, joined
 from .metrics import PrometheusMetrics
 from .protocol import MAX_CHOICES
+from .tool_calls import MARKERS, SpecialsOut, ToolDeltas, parse_tool_calls
 
 
 class APIError(Exception):
@@ -54,6 +55,10 @@ class Handlers:
         # the most tokens (prompt + output) one request's KV can ever hold: the smallest attention-DP rank's cache
         # (scheduler.room_error: the last sampled token needs no cache row)
         self.cache_tokens = min(s.page_pool.num_pages * s.config.page_size for s in engine.engine.schedulers) + 1
+        # ToolCallStream reads the markers from text that keeps them: the other special tokens, and the lengths of
+        # their spellings, that a request with skip_special_tokens leaves out
+        specials = self.tok.special_tokens() if self.tok is not None else {}
+        self.unmarked = {i: len(s) for i, s in specials.items() if s not in MARKERS}
         self.admission_waiting = 0
         self._running = 0
 
@@ -165,11 +170,9 @@ class Handlers:
         if self.tok is None or not self.tok.chat_template:
             raise APIError(400, "messages: this engine's tokenizer has no chat template; use /v1/completions",
                            "messages")
-        # "developer" is OpenAI's new name for "system"; chat templates (Kimi's included) know only the latter
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 **({"name": m.name} if m.name else {})} for m in body.messages]
+        msgs = [m.for_template() for m in body.messages]
         try:  # a message's text never becomes a special token (Tokenizer.encode_chat)
-            ids = await asyncio.to_thread(self.tok.encode_chat, msgs)
+            ids = await asyncio.to_thread(self.tok.encode_chat, msgs, True, body.tools or None)
         except ValueError as e:  # text no tokenizer takes (a lone surrogate)
             raise APIError(400, f"messages: {e}", "messages") from None
         except Exception as e:  # a template that cannot render these messages is the client's input problem
@@ -179,7 +182,10 @@ class Handlers:
             raise APIError(400, "max_tokens / max_completion_tokens: set at most one", "max_tokens")
         new = body.max_completion_tokens is not None
         mt, field = (body.max_completion_tokens, "max_completion_tokens") if new else (body.max_tokens, "max_tokens")
-        return await self._serve(request, body, [ids], [self._params(body, mt, len(ids), field)], chat=True)
+        params = self._params(body, mt, len(ids), field)
+        if body.parse_tool_calls:  # the markers are special tokens: kept in the text (as vLLM's kimi_k2 parser does)
+            params = replace(params, skip_special_tokens=False)
+        return await self._serve(request, body, [ids], [params], chat=True)
 
     async def _start(self, ids, params, n: int) -> list[RequestStream]:
         """Each prompt's requests, n of them (its choices, in order; choice j seeded seed + j when a seed is set,
@@ -217,11 +223,14 @@ class Handlers:
                     s.close()
                 self._release()
 
+        tools = chat and body.parse_tool_calls
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close, echo), close)
+            deltas = [ToolDeltas(self._tool_text(body)) for _ in streams] if tools else None
+            return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close, echo, deltas), close)
         try:
-            collect = (_collect(s, ChoiceOffsets(self.token_text)) for s in streams)
+            collect = (_collect(s, ChoiceOffsets(self.token_text), self._tool_text(body) if tools else None)
+                       for s in streams)
             outs = await _until_disconnect(request, asyncio.gather(*collect))
         finally:
             close()
@@ -236,7 +245,13 @@ class Handlers:
                 said, columns, shift = echo(self.token_text, i, prompt_lps)
                 text = said + text
                 c["logprobs"] = None if columns is None else joined(columns, c["logprobs"], shift)
-            if chat:
+            if tools:
+                content, calls = parse_tool_calls(text)
+                c["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    c["message"]["tool_calls"] = [call.to_openai() for call in calls]
+                    c["finish_reason"] = "tool_calls" if reason != "length" else reason
+            elif chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
@@ -246,7 +261,8 @@ class Handlers:
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": _usage(sum(map(len, ids)), n_out)}
 
-    async def _sse(self, streams, ids, meta, chat, include_usage, return_ids, close, echo: _Echo | None = None):
+    async def _sse(self, streams, ids, meta, chat, include_usage, return_ids, close, echo: _Echo | None = None,
+                   tools: list[ToolDeltas] | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         q: asyncio.Queue = asyncio.Queue()
 
@@ -297,7 +313,10 @@ class Handlers:
                 start = offsets[i].push(ch.token_id, ch.text_offset) + shifts[i]
                 c = {"index": i, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                      "logprobs": self._logprobs(chat, [ch.token_id], lps, [start])}
-                if chat:
+                if tools:
+                    c["delta"], c["finish_reason"] = tools[i].push(ch.token_id, ch.text_offset, ch.text,
+                                                                   ch.finish_reason)
+                elif chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
                 else:
                     c["text"] = ch.text
@@ -311,6 +330,11 @@ class Handlers:
             for t in tasks:
                 t.cancel()
             close()
+
+    def _tool_text(self, body) -> SpecialsOut:
+        """A choice's text to read tool calls in (its request runs with skip_special_tokens false): less the
+        special tokens but the markers when the client asked to skip them."""
+        return SpecialsOut(self.unmarked if body.skip_special_tokens else {})
 
     def _logprobs(self, chat: bool, ids: list[int], lps: list | None, starts: list[int]) -> dict | None:
         """A choice's (or a streamed choice's chunk's) `logprobs`, None when its request did not ask; `starts`:
@@ -344,16 +368,16 @@ def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(stream: RequestStream, offsets: ChoiceOffsets
+async def _collect(stream: RequestStream, offsets: ChoiceOffsets, tool_text: SpecialsOut | None = None
                    ) -> tuple[str, list[int], str | None, list | None, list[int], tuple | None, int | str | None]:
     """A request's text, token ids, finish reason, tokens' logprobs (None when it did not ask), where its tokens
     start in its text, its prompt's logprobs (None when it did not ask), and its stop reason (vLLM's: the stop
-    string or stop token id that ended it)."""
+    string or stop token id that ended it). tool_text: the text to read tool calls in is taken through it."""
     text, tids, reason, lps, starts, prompt, why = [], [], None, [], [], None, None
     try:
         async for ch in stream:
             prompt = ch.prompt_logprobs if prompt is None else prompt
-            text.append(ch.text)
+            text.append(ch.text if tool_text is None else tool_text.push(ch.token_id, ch.text_offset, ch.text))
             tids.append(ch.token_id)
             reason, why = ch.finish_reason, ch.stop_reason
             lps.append(ch.logprobs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from ..sampling_params import MAX_LOGPROBS
 
@@ -114,21 +114,90 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="JSON text, as the model wrote it; the template gets it as sent.")
 
-    def text(self) -> str:
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
+
+    def text(self) -> str | None:
+        if self.content is None:
+            return None
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def problem(self) -> str | None:
+        """What is missing or out of place for its role (OpenAI's rules), as "field: why"."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            return "content: required" + (" (an assistant message may leave it out only with tool_calls)"
+                                          if self.role == "assistant" else "")
+        if self.tool_calls is not None and self.role != "assistant":
+            return "tool_calls: only an assistant message carries tool calls"
+        if self.role == "tool" and not self.tool_call_id:
+            return "tool_call_id: required in a tool message (the id of the call it answers)"
+        if self.tool_call_id is not None and self.role != "tool":
+            return "tool_call_id: only a tool message answers a call"
+        return None
+
+    def for_template(self) -> dict:
+        """The message as a chat template gets it from transformers' apply_chat_template: the client's fields (a
+        content left out stays out), "developer" as "system" (OpenAI's new name for it; templates, Kimi's included,
+        know only the latter), text parts joined."""
+        m = {"role": "system" if self.role == "developer" else self.role}
+        if "content" in self.model_fields_set:
+            m["content"] = self.text()
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_calls is not None:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
+
+class FunctionDefinition(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # other keys (OpenAI's "strict") reach the template too
+    # OpenAI's rule; the parser also needs it: the model writes the name between a "." and a ":"
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+_TOOLS = TypeAdapter(list[Tool])
+
+
+def loc_path(loc) -> str:
+    """A pydantic error location as a path: tools[1].function.name."""
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    # the tools' dicts reach the chat template as the client sent them (validated against Tool, not rewritten)
     tools: list | None = None
+    tool_choice: str | dict | None = Field(None, description='"auto" (the default with tools) or "none" (tools in '
+                                                             'the prompt, the output not parsed into calls).')
+    parallel_tool_calls: bool | None = None
     functions: list | None = None
+    function_call: str | dict | None = None
     audio: dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -137,15 +206,41 @@ class ChatCompletionRequest(_Sampling):
         """SamplingParams.logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def parse_tool_calls(self) -> bool:
+        """Whether the output is read for tool calls: tools given, tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def unsupported(self):
-        if self.tools or self.functions:
-            field = "tools" if self.tools else "functions"
-            return field, f"{field}: tool calling is not supported"
+        if self.functions or self.function_call not in (None, "none"):
+            field = "functions" if self.functions else "function_call"
+            return field, f"{field}: deprecated by OpenAI and not supported; send tools (and tool_choice) instead"
+        for i, m in enumerate(self.messages):
+            if problem := m.problem():
+                return "messages", f"messages[{i}].{problem}"
+        if self.tools:
+            try:
+                _TOOLS.validate_python(self.tools)
+            except ValidationError as e:
+                err = e.errors()[0]
+                return "tools", f"{loc_path(('tools', *err['loc']))}: {err['msg']}"
+        if (bad := self._bad_tool_choice()) is not None:
+            return "tool_choice", bad
         if self.audio:
             return "audio", "audio: audio output is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs: needs logprobs set to true"
         return super().unsupported()
+
+    def _bad_tool_choice(self) -> str | None:
+        c = self.tool_choice
+        if c is None or c in ("auto", "none"):
+            return None
+        if c == "required" or isinstance(c, dict):
+            what = '"required"' if c == "required" else "naming a function"
+            return (f"tool_choice: {what} is not supported (forcing a call needs constrained decoding); "
+                    'use "auto" or "none"')
+        return f'tool_choice: expected "auto", "none", "required" or a function, got {c!r}'
 
 
 class ErrorInfo(BaseModel):

@@ -52,7 +52,8 @@ def test_stream_equals_generate(llm):
     starts = [c.text_offset for c in chunks]
     assert starts == sorted(starts) and starts[0] == 0 and starts[-1] <= len(ref.text)
     pieces = [llm.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in ref.token_ids]
-    whole = [i for i, p in enumerate(pieces) if "\ufffd" not in p]
+    # (a special token's text, its spelling, is left out of the output's: the tiny model's output holds three)
+    whole = [i for i, p in enumerate(pieces) if "\ufffd" not in p and llm.tokenizer.decode([ref.token_ids[i]]) == p]
     assert whole and all(ref.text.startswith(pieces[i], starts[i]) for i in whole)
 
 

@@ -12,7 +12,7 @@ from engines import build_engine
 
 from k3runtime.cli import main
 
-LAYER_TYPES = ("kda", "mla", "kda", "kda", "mla", "mla")  # tests/dist's short model: greedy "Hello" meets EOS early
+LAYER_TYPES = ("kda", "mla", "kda", "kda", "mla", "mla")  # tests/dist's short model: greedy "The" meets EOS early
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def short_engine(tmp_path_factory):
 
 
 def _run(engine, *flags) -> tuple[int, str, str]:
-    res = CliRunner().invoke(main, ["generate", str(engine), "--prompt", "Hello", "--max-tokens", "48", *flags])
+    res = CliRunner().invoke(main, ["generate", str(engine), "--prompt", "The", "--max-tokens", "48", *flags])
     assert res.exit_code == 0, res.output
     count, reason = re.search(r"-> (\d+) tokens \((\w+)\)", res.stdout).groups()
     return int(count), reason, res.stdout.split("\n", 1)[1]
