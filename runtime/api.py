@@ -178,6 +178,36 @@ class LLM:
                     self._end(req, abort=True)
         return list(outputs.values())
 
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+             *, tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[CompletionOutput]:
+        """vLLM's LLM.chat: a conversation (a list of {"role", "content", ...} messages) or a list of them, each
+        rendered by the tokenizer's chat template (with `tools`, as transformers' apply_chat_template takes them),
+        then generate(). A message's text never becomes a special token (Tokenizer.encode_chat); content may be
+        text parts ({"type": "text", "text": ...}), joined by newlines as the OpenAI server joins them. The text is
+        returned as written: read Kimi's tool calls in it with skip_special_tokens=False (its markers are special
+        tokens)."""
+        import jinja2  # (as the tokenizer's template: only where a chat is rendered)
+
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("chat: " + ("the engine has no tokenizer" if self.tokenizer is None else
+                                         "the engine's tokenizer has no chat template") + "; use generate()")
+        single = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError(f"messages: expected a conversation (a list of message dicts) or a list of them, got "
+                             f"{_kind(messages)}")
+        ids = []
+        for c, conv in enumerate(conversations):
+            where = "messages" if single else f"messages[{c}]"
+            if not isinstance(conv, (list, tuple)) or not conv:
+                raise ValueError(f"{where}: expected a non-empty list of message dicts, got {_kind(conv)}")
+            msgs = [_chat_message(m, f"{where}[{i}]") for i, m in enumerate(conv)]
+            try:
+                ids.append(self.tokenizer.encode_chat(msgs, add_generation_prompt, tools))
+            except jinja2.TemplateError as e:  # the template's raise_exception, or what it cannot render
+                raise ValueError(f"{where}: the chat template cannot render it: {e}") from None
+        return self.generate(ids, params)
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield tokens of one request as they are produced (other requests of this engine keep running)."""
         params = self.get_default_sampling_params() if params is None else params
@@ -242,6 +272,21 @@ class LLM:
         ids = self._ids(token_ids)
         with self._lock:
             return self.engine.score(ids).cpu()
+
+
+def _chat_message(m, where: str) -> dict:
+    """A message as the template gets it: text parts joined (OpenAI's content parts; other kinds refused)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"{where}: expected a dict with a string 'role', got {_kind(m)}")
+    content = m.get("content")
+    if isinstance(content, (list, tuple)):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ValueError(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are taken")
+        return {**m, "content": "\n".join(p["text"] for p in content)}
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"{where}.content: expected a string, text parts or None, got {_kind(content)}")
+    return m
 
 
 def _is_id(t) -> bool:

@@ -1,6 +1,8 @@
 """The Python API (issue 3, requirement 5): text in and out through the engine's tokenizer, stop strings,
 streaming, `.logits`, what SamplingParams' top_k / top_p / temperature / seed do, and a bf16-state engine."""
 
+import re
+
 import pytest
 import torch
 from engines import build_engine
@@ -455,3 +457,47 @@ def test_n_above_one_is_refused_where_one_request_runs(llm):
     with pytest.raises(ValueError, match=r"^n: a request is one choice"):
         llm.engine.add_request([5, 6], SamplingParams(max_tokens=4, n=2))
     assert not llm.engine.has_unfinished()
+
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The quick brown fox?"}]
+CHAT_TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+def test_chat_renders_as_transformers_then_generates(llm, k3_tiny_engine):
+    """LLM.chat (vLLM's): each conversation's prompt is transformers' apply_chat_template (tools included) on the
+    engine's tokenizer, and its output is generate()'s on those ids; conversations come back in order."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(k3_tiny_engine)
+    want = [hf.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False),
+            hf.apply_chat_template(CHAT[1:], tools=CHAT_TOOLS, add_generation_prompt=True, return_dict=False)]
+    assert len(want[1]) > len(hf.apply_chat_template(CHAT[1:], add_generation_prompt=True, return_dict=False))
+    one = llm.chat(CHAT, greedy(6))
+    assert [o.prompt_token_ids for o in one] == want[:1]
+    assert one[0].token_ids == llm.generate([want[0]], greedy(6))[0].token_ids
+    both = llm.chat([CHAT, CHAT[1:]], greedy(6), tools=CHAT_TOOLS)
+    assert [o.prompt_token_ids for o in both] == [hf.apply_chat_template(c, tools=CHAT_TOOLS, add_generation_prompt=True,
+                                                                         return_dict=False) for c in (CHAT, CHAT[1:])]
+    assert both[1].prompt_token_ids == want[1]
+    # text parts join with newlines, as the OpenAI server joins them
+    parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": "The quick"},
+                                                   {"type": "text", "text": "brown fox?"}]}]
+    joined = [CHAT[0], {"role": "user", "content": "The quick\nbrown fox?"}]
+    assert llm.chat(parts, greedy(1))[0].prompt_token_ids == hf.apply_chat_template(
+        joined, add_generation_prompt=True, return_dict=False)
+
+
+@pytest.mark.parametrize("messages, named", [([], "messages: expected a conversation"),
+                                             ([CHAT, "hi"], "messages[1]: expected a non-empty list"),
+                                             ([{"content": "hi"}], "messages[0]: expected a dict with a string 'role'"),
+                                             ([{"role": "user", "content": [{"type": "image_url"}]}],
+                                              "messages[0].content: only text parts"),
+                                             ([{"role": "user", "content": 3}], "messages[0].content: expected")])
+def test_chat_refuses_what_no_template_takes_naming_it(llm, messages, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        llm.chat(messages, greedy(1))
+
+
+def test_chat_needs_a_tokenizer(k3_tiny_engine):
+    with pytest.raises(ValueError, match=r"chat: the engine has no tokenizer; use generate\(\)"):
+        LLM(k3_tiny_engine, tokenizer=None).chat(CHAT)
