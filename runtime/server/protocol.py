@@ -234,6 +234,8 @@ class ChatCompletionRequest(_Sampling):
 
     def _bad_tool_choice(self) -> str | None:
         c = self.tool_choice
+        if c is not None and c != "none" and not self.tools:  # OpenAI's and vLLM's 400: nothing to choose from
+            return f"tool_choice: {c!r} needs tools"
         if c is None or c in ("auto", "none"):
             return None
         if c == "required" or isinstance(c, dict):

@@ -212,6 +212,7 @@ def test_a_streamed_request_with_tools_ends(client):
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
      "tool_choice: naming a function is not supported"),
     ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice: expected"),
+    ({"tool_choice": "auto", "tools": None}, "tool_choice", "tool_choice: 'auto' needs tools"),
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "get time"}}]}, "tools",
      "tools[1].function.name: String should match pattern"),
     ({"tools": [TOOLS[0], {"type": "function", "function": {"description": "no name"}}]}, "tools",
@@ -226,7 +227,7 @@ def test_a_streamed_request_with_tools_ends(client):
     ({"messages": HISTORY[:2] + [{**HISTORY[2], "tool_calls": [{"id": "x", "type": "function",
                                                                 "function": {"name": "f", "arguments": {}}}]}]},
      "messages", "messages[2].tool_calls[0].function.arguments: Input should be a valid string"),
-], ids=["required", "named", "unknown-choice", "bad-name", "no-name", "not-function", "parameters", "functions",
+], ids=["required", "named", "unknown-choice", "auto-without-tools", "bad-name", "no-name", "not-function", "parameters", "functions",
         "tool-without-id", "assistant-without-content", "arguments-not-a-string"])
 def test_tool_requests_it_cannot_serve_are_400s_naming_the_field(server, change, param, words):
     body = {"model": MODEL, "messages": HISTORY, "tools": TOOLS, "max_tokens": 2, **change}
