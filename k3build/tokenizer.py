@@ -23,7 +23,8 @@ TOOL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 # As transformers renders it (trim_blocks: no newline may follow a block tag). Tools are declared in a system-like
 # turn of their own, as JSON; a tool's result is a system-like turn naming the call it answers; a content left out
-# or null renders as nothing.
+# or null renders as nothing. A call's arguments render as sent when a string, else as JSON (Kimi's template does
+# the same: transformers' docs give them as a dict, which would otherwise render as Python's repr).
 CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"
     "{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|end_of_msg|>{% endif %}"
@@ -33,7 +34,8 @@ CHAT_TEMPLATE = (
     "{% if m['role'] == 'tool' %}result of {{ m['tool_call_id'] }}: {% endif %}"
     "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
     "{% if m['tool_calls'] %}<|tool_calls_section_begin|>{% for c in m['tool_calls'] %}"
-    "<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>{{ c['function']['arguments'] }}<|tool_call_end|>"
+    "<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>{% set a = c['function']['arguments'] %}"
+    "{% if a is string %}{{ a }}{% else %}{{ a | tojson }}{% endif %}<|tool_call_end|>"
     "{% endfor %}<|tool_calls_section_end|>{% endif %}"
     "<|end_of_msg|>{% endfor %}"
     "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"

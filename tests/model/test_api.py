@@ -487,6 +487,23 @@ def test_chat_renders_as_transformers_then_generates(llm, k3_tiny_engine):
         joined, add_generation_prompt=True, return_dict=False)
 
 
+def test_chat_tool_call_arguments_as_a_dict_render_as_json(llm, k3_tiny_engine):
+    """transformers' docs give an assistant's tool call arguments as a dict: the template renders them as JSON
+    (Kimi's does, `| tojson`), the prompt a string of that JSON gives, not Python's repr ({'city': ...})."""
+    from transformers import PreTrainedTokenizerFast
+
+    def history(arguments):
+        return [CHAT[1], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "functions.f:0", "content": "sunny"}]
+
+    as_dict = llm.chat(history({"city": "東京"}), greedy(1), tools=CHAT_TOOLS)[0].prompt_token_ids
+    assert as_dict == llm.chat(history('{"city": "東京"}'), greedy(1), tools=CHAT_TOOLS)[0].prompt_token_ids
+    hf = PreTrainedTokenizerFast.from_pretrained(k3_tiny_engine)
+    assert as_dict == hf.apply_chat_template(history({"city": "東京"}), tools=CHAT_TOOLS, add_generation_prompt=True,
+                                             return_dict=False)
+
+
 @pytest.mark.parametrize("messages, named", [([], "messages: expected a conversation"),
                                              ([CHAT, "hi"], "messages[1]: expected a non-empty list"),
                                              ([{"content": "hi"}], "messages[0]: expected a dict with a string 'role'"),
