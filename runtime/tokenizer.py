@@ -97,8 +97,12 @@ class Tokenizer:
             self._specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
                                     key=len, reverse=True)  # the longest spelling first where two overlap
             self._spelled = re.compile("|".join(map(re.escape, self._specials)) or "(?!)")
-        if not any(self._spelled.search(s) for s in _strings([messages, tools])):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))  # the usual case
+        # The template renders its own BOS: the text is encoded without special tokens, as transformers'
+        # apply_chat_template and vLLM encode it (add_bos_token would put a second BOS before the template's).
+        if not any(self._spelled.search(s) for s in _strings([messages, tools])):  # the usual case
+            text = self.apply_chat_template(messages, add_generation_prompt, tools)
+            _check_unicode(text)
+            return self._tok.encode(text, add_special_tokens=False).ids
 
         def stand_in(text: str) -> str:
             text = re.sub(_STAND_INS, "", text)  # (a message's own characters of that range are dropped)
@@ -114,8 +118,8 @@ class Tokenizer:
         for i, part in enumerate(re.split(f"({_STAND_INS})", text)):  # the template's text, a stand-in, ...
             if i % 2:
                 ids += self._as_text.encode(self._specials[ord(part) - _STAND_IN], add_special_tokens=False).ids
-            elif part or i == 0:
-                ids += self._tok.encode(part, add_special_tokens=self._add_bos and i == 0).ids
+            elif part:
+                ids += self._tok.encode(part, add_special_tokens=False).ids
         return ids
 
     def special_tokens(self) -> dict[int, str]:

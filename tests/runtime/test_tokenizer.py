@@ -337,3 +337,32 @@ def test_chat_template_special_tokens_as_added_token_objects(tmp_path):
     got = Tokenizer(tmp_path).apply_chat_template(messages)
     assert got == "<|bos|>hi<|end_of_msg|>"
     assert got == AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+
+
+def test_chat_prompt_gets_the_templates_bos_only(tmp_path):
+    """A tokenizer that adds BOS to text (add_bos_token, its post-processor) whose chat template renders bos_token
+    itself: the chat prompt holds one BOS, as transformers' apply_chat_template (and vLLM) encode the rendered text
+    without special tokens; plain prompts still get theirs. Also where a message spells a special token."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, preset("tiny"))
+    conf = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    conf["add_bos_token"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = next(t for t in spec["added_tokens"] if t["content"] == conf["bos_token"])
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": bos["content"],
+                                                                                         "type_id": 0}},
+                                                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 0}}],
+                              "special_tokens": {bos["content"]: {"id": bos["content"], "ids": [bos["id"]],
+                                                                  "tokens": [bos["content"]]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.encode("hi")[0] == bos["id"]  # a plain prompt: BOS added
+    for content in ("hi", "hi <|im_user|>"):  # the usual case, and the stand-in path
+        messages = [{"role": "user", "content": content}]
+        ids = tok.encode_chat(messages)
+        assert ids.count(bos["id"]) == 1 and ids[0] == bos["id"], content
+        if content == "hi":
+            assert ids == hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
