@@ -206,6 +206,8 @@ class LLM:
                 ids.append(self.tokenizer.encode_chat(msgs, add_generation_prompt, tools))
             except jinja2.TemplateError as e:  # the template's raise_exception, or what it cannot render
                 raise ValueError(f"{where}: the chat template cannot render it: {e}") from None
+            except ValueError as e:  # text no tokenizer takes (a lone surrogate)
+                raise ValueError(f"{where}: {e}") from None
         return self.generate(ids, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
@@ -296,6 +298,8 @@ def _is_id(t) -> bool:
 def _kind(x) -> str:
     """What a bad prompt is, for its error: its type, or a list's first element that is not an int."""
     if isinstance(x, (list, tuple)):
+        if not x:
+            return "an empty list"
         bad = next((t for t in x if not _is_id(t)), None)
         return f"a list holding {type(bad).__name__} {bad!r}"
     return type(x).__name__

@@ -504,7 +504,10 @@ def test_chat_tool_call_arguments_as_a_dict_render_as_json(llm, k3_tiny_engine):
                                              return_dict=False)
 
 
-@pytest.mark.parametrize("messages, named", [([], "messages: expected a conversation"),
+@pytest.mark.parametrize("messages, named", [([], "messages: expected a conversation (a list of message dicts) or a "
+                                                 "list of them, got an empty list"),
+                                             ([CHAT, [{"role": "user", "content": "a\ud800"}]],
+                                              "messages[1]: not valid Unicode"),
                                              ([CHAT, "hi"], "messages[1]: expected a non-empty list"),
                                              ([{"content": "hi"}], "messages[0]: expected a dict with a string 'role'"),
                                              ([{"role": "user", "content": [{"type": "image_url"}]}],
