@@ -224,9 +224,10 @@ class Handlers:
                 self._release()
 
         tools = chat and body.parse_tool_calls
+        max_calls = 1 if body.parallel_tool_calls is False else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            deltas = [ToolDeltas(self._tool_text(body)) for _ in streams] if tools else None
+            deltas = [ToolDeltas(self._tool_text(body), max_calls) for _ in streams] if tools else None
             return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close, echo, deltas), close)
         try:
             collect = (_collect(s, ChoiceOffsets(self.token_text), self._tool_text(body) if tools else None)
@@ -246,7 +247,7 @@ class Handlers:
                 text = said + text
                 c["logprobs"] = None if columns is None else joined(columns, c["logprobs"], shift)
             if tools:
-                content, calls = parse_tool_calls(text)
+                content, calls = parse_tool_calls(text, max_calls)
                 c["message"] = {"role": "assistant", "content": content}
                 if calls:
                     c["message"]["tool_calls"] = [call.to_openai() for call in calls]

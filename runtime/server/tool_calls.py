@@ -6,7 +6,8 @@ The model writes its calls after any text, in one section:
 its name what follows the id's last "." (before ":IDX"), its arguments the text as written (JSON or not). The
 markers are special tokens, which skip_special_tokens leaves out of the text: the request runs with them kept
 (SpecialsOut leaves the other special tokens out again). A section that is cut or malformed is no call: its text
-stays content. Text after the section is dropped, as vLLM drops it.
+stays content. Text after the section is dropped, as vLLM drops it; with parallel_tool_calls false, so are the calls
+after the first (vLLM's rule: the model is not stopped, its further calls are not given out).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class ToolCallStream:
     or a section that was cut or malformed, from the end of the last call given out (from its marker when none was).
     """
 
-    def __init__(self):
+    def __init__(self, max_calls: int | None = None):
+        self.max_calls = max_calls  # calls past it are read (the section must still be well-formed) but not given out
         self.text = ""
         self.sent = 0  # text[:sent] is given out, as content or as calls
         self.section: int | None = None  # where the section's marker starts
@@ -93,8 +95,9 @@ class ToolCallStream:
                 if call is None:
                     self.state = "bad"
                     return new
-                self.calls.append(call)
-                new.append(call)
+                if self.max_calls is None or len(self.calls) < self.max_calls:
+                    self.calls.append(call)
+                    new.append(call)
                 self.at = self.sent = self.at + len(rest) - len(body) + end + len(CALL_END)
                 continue
             if not (CALL_BEGIN.startswith(body) or SECTION_END.startswith(body)):  # neither, nor their beginning
@@ -114,10 +117,10 @@ class ToolCallStream:
         return content
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole output's (content, calls): the text before the section (None if empty) and its calls when the
-    section is whole and well-formed; else (the whole text, no calls)."""
-    stream = ToolCallStream()
+def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+    """A whole output's (content, calls): the text before the section (None if empty) and its calls (the first
+    max_calls) when the section is whole and well-formed; else (the whole text, no calls)."""
+    stream = ToolCallStream(max_calls)
     stream.push(text)
     if not stream.complete:
         return text, []
@@ -129,8 +132,8 @@ class ToolDeltas:
     then each call (a `delta.tool_calls` entry) once its end marker came; the last chunk's finish_reason
     "tool_calls" after a whole section (unless the output was cut by length)."""
 
-    def __init__(self, text: SpecialsOut):
-        self.text, self.calls = text, ToolCallStream()
+    def __init__(self, text: SpecialsOut, max_calls: int | None = None):
+        self.text, self.calls = text, ToolCallStream(max_calls)
 
     def push(self, token_id: int, text_offset: int | None, text: str, finish_reason: str | None
              ) -> tuple[dict, str | None]:

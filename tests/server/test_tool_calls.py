@@ -33,12 +33,12 @@ def _ids(tok, *parts) -> list[int]:
     return [i for p in parts for i in ([specials[p]] if p in specials else tok.encode(p))]
 
 
-def _run(tok, ids, reason="stop", skip=True, stop=()):
+def _run(tok, ids, reason="stop", skip=True, stop=(), max_calls=None):
     """What the server sends for an output of `ids` when it reads tool calls: the request runs with special tokens
     kept (the engine's Detokenizer, a token at a time, as the engine streams), then the streamed deltas and finish
     reason (ToolDeltas), and the whole message's (content, calls) (parse_tool_calls of the same text)."""
     drop = {i: len(s) for i, s in tok.special_tokens().items() if s not in MARKERS} if skip else {}
-    det, deltas, whole, out = Detokenizer(tok, stop, skip_special_tokens=False), ToolDeltas(SpecialsOut(drop)), \
+    det, deltas, whole, out = Detokenizer(tok, stop, skip_special_tokens=False), ToolDeltas(SpecialsOut(drop), max_calls), \
         SpecialsOut(drop), None
     streamed, text = [], ""
     for k, t in enumerate(ids):
@@ -47,7 +47,7 @@ def _run(tok, ids, reason="stop", skip=True, stop=()):
         text += whole.push(t, det.offset, released)
         delta, out = deltas.push(t, det.offset, released, reason if last else None)
         streamed.append(delta)
-    return streamed, out, parse_tool_calls(text)
+    return streamed, out, parse_tool_calls(text, max_calls)
 
 
 def _content(streamed) -> str:
@@ -72,6 +72,18 @@ def test_two_calls_after_content(tok):
     ends = [k for k, t in enumerate(ids) if t == _ids(tok, CE)[0]]
     assert [k for k, d in enumerate(streamed) if "tool_calls" in d] == ends
     assert all("<|" not in d.get("content", "") for d in streamed)
+
+
+def test_parallel_tool_calls_false_gives_the_first_call_only(tok):
+    """max_calls=1 (parallel_tool_calls false): the second call is read but not given out, streamed or whole; a
+    malformed second call still makes the section content, as with no limit."""
+    two = [SB, CB, "functions.get_weather:0", AB, '{"city": "Paris"}', CE, CB, "functions.get_time:1", AB, "{}", CE]
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, "Hi", *two, SE, EOS), max_calls=1)
+    assert _content(streamed) == content == "Hi" and reason == "tool_calls"
+    assert [c["id"] for c in _calls(streamed)] == [c.id for c in calls] == ["functions.get_weather:0"]
+    bad = two[:-4] + ["get_time", AB, "{}", CE, SE]  # the second call's id lacks ":IDX"
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, *bad), max_calls=1)
+    assert calls == [] and reason == "stop" and SB in content
 
 
 def test_no_content_and_non_json_arguments_kept_as_written(tok):
@@ -280,6 +292,8 @@ def test_the_model_writes_a_call(client, llm):
     calls = [t for c in chunks for t in c.delta.tool_calls or ()]
     assert [t.model_dump() for t in calls] == [{"index": 0, "id": "f:0", "type": "function",
                                                  "function": {"name": "f", "arguments": "{}"}}]
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert one.message.tool_calls == r.message.tool_calls and one.finish_reason == "tool_calls"
     plain = client.chat.completions.create(**kw, tool_choice="none").choices[0]
     assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("f:0{}", None, "stop")
     # the history a client sends back with the call and its result is taken
