@@ -15,7 +15,7 @@ from .llm_engine import LLMEngine, TokenEvent
 from .logprobs import TokenLogprobs
 from .request import Request
 from .sampling_params import SamplingParams
-from .tokenizer import Detokenizer, Tokenizer, resolve_tokenizer
+from .tokenizer import ChatTextError, Detokenizer, Tokenizer, resolve_tokenizer
 
 
 @dataclass
@@ -206,8 +206,8 @@ class LLM:
                 ids.append(self.tokenizer.encode_chat(msgs, add_generation_prompt, tools))
             except jinja2.TemplateError as e:  # the template's raise_exception, or what it cannot render
                 raise ValueError(f"{where}: the chat template cannot render it: {e}") from None
-            except ValueError as e:  # text no tokenizer takes (a lone surrogate)
-                raise ValueError(f"{where}: {e}") from None
+            except ChatTextError as e:  # text no tokenizer takes (a lone surrogate), named by its place
+                raise ValueError(f"{where if e.root == 'messages' else e.root}{e.where}: {e.why}") from None
         return self.generate(ids, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:

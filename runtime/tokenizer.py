@@ -93,6 +93,7 @@ class Tokenizer:
         it renders. Each spelling is stood in for by one private-use character while the template renders (so its
         filters see the text as it is), then encoded as text; the tokens next to it may differ from encoding the
         message whole."""
+        _check_chat_text(messages, tools)
         if self._specials is None:
             self._specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
                                     key=len, reverse=True)  # the longest spelling first where two overlap
@@ -198,6 +199,37 @@ def _strings(x):
     elif isinstance(x, (list, tuple)):
         for v in x:
             yield from _strings(v)
+
+
+def _paths(x, where: str = ""):
+    """(where, string) for every string of _strings', where is its place: "[1].content", "[0].function.name"."""
+    if isinstance(x, str):
+        yield where, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield f"{where} (a key)", k
+            yield from _paths(v, f"{where}.{k}" if isinstance(k, str) else where)
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _paths(v, f"{where}[{i}]")
+
+
+class ChatTextError(ValueError):
+    """A string of a chat's messages or tools that no tokenizer takes: root ("messages" or "tools"), where in it
+    ("[1].content"), and why (the character and its place in that string)."""
+
+    def __init__(self, root: str, where: str, why: str):
+        super().__init__(f"{root}{where}: {why}")
+        self.root, self.where, self.why = root, where, why
+
+
+def _check_chat_text(messages, tools) -> None:
+    for root, x in (("messages", messages), ("tools", tools)):
+        for where, text in _paths(x):
+            try:
+                _check_unicode(text)
+            except ValueError as e:
+                raise ChatTextError(root, where, str(e)) from None
 
 
 def _map_strings(x, f):

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from ..sampling_params import GENERATION_DEFAULTS, SamplingParams
+from ..tokenizer import ChatTextError
 from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs, echoed_prompt, joined
 from .metrics import PrometheusMetrics
@@ -173,8 +174,8 @@ class Handlers:
         msgs = [m.for_template() for m in body.messages]
         try:  # a message's text never becomes a special token (Tokenizer.encode_chat)
             ids = await asyncio.to_thread(self.tok.encode_chat, msgs, True, body.tools or None)
-        except ValueError as e:  # text no tokenizer takes (a lone surrogate)
-            raise APIError(400, f"messages: {e}", "messages") from None
+        except ChatTextError as e:  # text no tokenizer takes (a lone surrogate), named by its place
+            raise APIError(400, str(e), e.root) from None
         except Exception as e:  # a template that cannot render these messages is the client's input problem
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         ids = self._encode(ids, "messages")
@@ -224,7 +225,7 @@ class Handlers:
                 self._release()
 
         tools = chat and body.parse_tool_calls
-        max_calls = 1 if body.parallel_tool_calls is False else None
+        max_calls = 1 if tools and body.parallel_tool_calls is False else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             deltas = [ToolDeltas(self._tool_text(body), max_calls) for _ in streams] if tools else None

@@ -121,7 +121,9 @@ CHAT_CASES = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
-    (b'{"model": "k3-tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}', "messages: not valid Unicode"),
+    (b'{"model": "k3-tiny", "messages": [{"role": "system", "content": "x"}, '
+     b'{"role": "user", "content": "a\\ud800"}]}',
+     "messages[1].content: not valid Unicode text: a lone surrogate '\\ud800' at character 1"),
 ]
 
 

@@ -239,11 +239,17 @@ def test_a_streamed_request_with_tools_ends(client):
     ({"messages": HISTORY[:2] + [{**HISTORY[2], "tool_calls": [{"id": "x", "type": "function",
                                                                 "function": {"name": "f", "arguments": {}}}]}]},
      "messages", "messages[2].tool_calls[0].function.arguments: Input should be a valid string"),
-], ids=["required", "named", "unknown-choice", "auto-without-tools", "bad-name", "no-name", "not-function", "parameters", "functions",
-        "tool-without-id", "assistant-without-content", "arguments-not-a-string"])
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "description": "ab\ud800"}}]}, "tools",
+     "tools[1].function.description: not valid Unicode text: a lone surrogate '\\ud800' at character 2"),
+    ({"messages": HISTORY[:3] + [{**HISTORY[3], "content": "\udfff"}]}, "messages",
+     "messages[3].content: not valid Unicode text: a lone surrogate '\\udfff' at character 0"),
+], ids=["required", "named", "unknown-choice", "auto-without-tools", "bad-name", "no-name", "not-function", "parameters",
+        "functions", "tool-without-id", "assistant-without-content", "arguments-not-a-string", "surrogate-in-tools",
+        "surrogate-in-tool-result"])
 def test_tool_requests_it_cannot_serve_are_400s_naming_the_field(server, change, param, words):
     body = {"model": MODEL, "messages": HISTORY, "tools": TOOLS, "max_tokens": 2, **change}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body),  # (JSON's \\ud800 escapes)
+                   headers={"content-type": "application/json"}, timeout=60)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and words in err["message"], err
 
