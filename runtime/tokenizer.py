@@ -85,14 +85,15 @@ class Tokenizer:
         return bool(self.config.get("add_bos_token", False))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, opening: str = "") -> list[int]:
         """The chat template's prompt for `messages` (and `tools`, as transformers' apply_chat_template takes them),
         as token ids, where the client's text (every string of the messages and the tools: contents, names, tool
         calls' arguments, tools' descriptions) never becomes a special token: a client whose message spells
         `<|im_system|>` sends those characters, not a turn of its own. The template's own special tokens are what
         it renders. Each spelling is stood in for by one private-use character while the template renders (so its
         filters see the text as it is), then encoded as text; the tokens next to it may differ from encoding the
-        message whole."""
+        message whole. opening: text the answer is made to start with (the server's, not a client's: its special
+        tokens' spellings are those tokens), after the generation prompt."""
         _check_chat_text(messages, tools)
         if self._specials is None:
             self._specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
@@ -101,7 +102,7 @@ class Tokenizer:
         # The template renders its own BOS: the text is encoded without special tokens, as transformers'
         # apply_chat_template and vLLM encode it (add_bos_token would put a second BOS before the template's).
         if not any(self._spelled.search(s) for s in _strings([messages, tools])):  # the usual case
-            text = self.apply_chat_template(messages, add_generation_prompt, tools)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools) + opening
             _check_unicode(text)
             return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -110,7 +111,7 @@ class Tokenizer:
             return self._spelled.sub(lambda m: chr(_STAND_IN + self._specials.index(m.group())), text)
 
         text = self.apply_chat_template(_map_strings(messages, stand_in), add_generation_prompt,
-                                        _map_strings(tools, stand_in))
+                                        _map_strings(tools, stand_in)) + opening
         _check_unicode(text)
         if self._as_text is None:
             self._as_text = _HFTokenizer.from_str(self._tok.to_str())

@@ -19,7 +19,7 @@ from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs, echoed_prompt, joined
 from .metrics import PrometheusMetrics
 from .protocol import MAX_CHOICES
-from .tool_calls import MARKERS, SpecialsOut, ToolDeltas, parse_tool_calls
+from .tool_calls import CALL_END, MARKERS, CallRules, SpecialsOut, ToolDeltas, parse_tool_calls
 
 
 class APIError(Exception):
@@ -60,6 +60,7 @@ class Handlers:
         # their spellings, that a request with skip_special_tokens leaves out
         specials = self.tok.special_tokens() if self.tok is not None else {}
         self.unmarked = {i: len(s) for i, s in specials.items() if s not in MARKERS}
+        self.call_end = next((i for i, s in specials.items() if s == CALL_END), None)  # (a forced call's stop)
         self.admission_waiting = 0
         self._running = 0
 
@@ -172,8 +173,9 @@ class Handlers:
             raise APIError(400, "messages: this engine's tokenizer has no chat template; use /v1/completions",
                            "messages")
         msgs = [m.for_template() for m in body.messages]
+        rules = self._call_rules(body)
         try:  # a message's text never becomes a special token (Tokenizer.encode_chat)
-            ids = await asyncio.to_thread(self.tok.encode_chat, msgs, True, body.tools or None)
+            ids = await asyncio.to_thread(self.tok.encode_chat, msgs, True, body.tools or None, rules.opening)
         except ChatTextError as e:  # text no tokenizer takes (a lone surrogate), named by its place
             raise APIError(400, str(e), e.root) from None
         except Exception as e:  # a template that cannot render these messages is the client's input problem
@@ -186,7 +188,17 @@ class Handlers:
         params = self._params(body, mt, len(ids), field)
         if body.parse_tool_calls:  # the markers are special tokens: kept in the text (as vLLM's kimi_k2 parser does)
             params = replace(params, skip_special_tokens=False)
-        return await self._serve(request, body, [ids], [params], chat=True)
+        if rules.stop_at_call_end:
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, self.call_end))
+        return await self._serve(request, body, [ids], [params], chat=True, rules=rules)
+
+    def _call_rules(self, body) -> CallRules:
+        if not body.parse_tool_calls:
+            return CallRules()
+        if body.tool_choice not in (None, "auto") and self.call_end is None:
+            raise APIError(400, "tool_choice: this engine's tokenizer has no tool-call markers to force a call with",
+                           "tool_choice")
+        return CallRules.of(body.tool_choice, body.parallel_tool_calls, body.past_calls())
 
     async def _start(self, ids, params, n: int) -> list[RequestStream]:
         """Each prompt's requests, n of them (its choices, in order; choice j seeded seed + j when a seed is set,
@@ -206,7 +218,8 @@ class Handlers:
             raise
         return streams
 
-    async def _serve(self, request: Request, body, ids, params, chat: bool, echo: _Echo | None = None):
+    async def _serve(self, request: Request, body, ids, params, chat: bool, echo: _Echo | None = None,
+                     rules: CallRules = CallRules()):
         await _until_disconnect(request, self._admit())  # a client that leaves while queued gives its place up
         try:
             streams = await self._start(ids, params, body.n)
@@ -225,10 +238,9 @@ class Handlers:
                 self._release()
 
         tools = chat and body.parse_tool_calls
-        max_calls = 1 if tools and body.parallel_tool_calls is False else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            deltas = [ToolDeltas(self._tool_text(body), max_calls) for _ in streams] if tools else None
+            deltas = [ToolDeltas(self._tool_text(body), rules) for _ in streams] if tools else None
             return _SSE(self._sse(streams, ids, meta, chat, usage, body.return_token_ids, close, echo, deltas), close)
         try:
             collect = (_collect(s, ChoiceOffsets(self.token_text), self._tool_text(body) if tools else None)
@@ -248,20 +260,25 @@ class Handlers:
                 text = said + text
                 c["logprobs"] = None if columns is None else joined(columns, c["logprobs"], shift)
             if tools:
-                content, calls = parse_tool_calls(text, max_calls)
+                content, calls = parse_tool_calls(text, rules)
                 c["message"] = {"role": "assistant", "content": content}
                 if calls:
                     c["message"]["tool_calls"] = [call.to_openai() for call in calls]
-                    c["finish_reason"] = "tool_calls" if reason != "length" else reason
+                    c["finish_reason"] = rules.reason if reason != "length" else reason
             elif chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
             if body.return_token_ids:
                 c["token_ids"] = tids
+                if not chat:  # vLLM's places: a completion choice's prompt, a chat response's one prompt
+                    c["prompt_token_ids"] = ids[i // body.n]
             choices.append(c)
-        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": _usage(sum(map(len, ids)), n_out)}
+        out = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+               "usage": _usage(sum(map(len, ids)), n_out)}
+        if chat and body.return_token_ids:
+            out["prompt_token_ids"] = ids[0]
+        return out
 
     async def _sse(self, streams, ids, meta, chat, include_usage, return_ids, close, echo: _Echo | None = None,
                    tools: list[ToolDeltas] | None = None):
@@ -276,8 +293,13 @@ class Handlers:
                 q.put_nowait((i, e))
             q.put_nowait((i, None))
 
-        def event(choice: dict, usage=None) -> str:
-            data = {**meta, "object": obj, "choices": [choice] if choice else []}
+        prompted: set[int] = set()  # the completion choices whose prompt_token_ids went out (in their first chunk)
+
+        def event(choice: dict, usage=None, top: dict | None = None) -> str:
+            if return_ids and not chat and choice and choice["index"] not in prompted:
+                prompted.add(choice["index"])
+                choice["prompt_token_ids"] = ids[choice["index"] * len(ids) // len(streams)]
+            data = {**meta, "object": obj, "choices": [choice] if choice else [], **(top or {})}
             if usage is not None:
                 data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n"
@@ -291,7 +313,8 @@ class Handlers:
             if chat:
                 for i in range(len(streams)):
                     yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                                 "stop_reason": None, "logprobs": None})
+                                 "stop_reason": None, "logprobs": None},
+                                top={"prompt_token_ids": ids[0]} if return_ids and i == 0 else None)
             while live:
                 i, ch = await q.get()
                 if ch is None:

@@ -48,7 +48,8 @@ class _Sampling(_Strict):
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     skip_special_tokens: bool = Field(True, description="Extension (vLLM's): leave special tokens out of the text.")
-    return_token_ids: bool = Field(False, description="Extension: add the generated token ids to each choice.")
+    return_token_ids: bool = Field(False, description="Extension (vLLM's): the generated token ids in each choice, "
+                                   "the prompt's in a completion choice and at a chat response's top level.")
 
     @field_validator("n", "stream", "ignore_eos", "skip_special_tokens", "return_token_ids", "min_tokens", "echo",
                      "max_tokens", mode="before", check_fields=False)
@@ -193,8 +194,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     # the tools' dicts reach the chat template as the client sent them (validated against Tool, not rewritten)
     tools: list | None = None
-    tool_choice: str | dict | None = Field(None, description='"auto" (the default with tools) or "none" (tools in '
-                                                             'the prompt, the output not parsed into calls).')
+    tool_choice: str | dict | None = Field(None, description='"auto" (the default with tools), "none" (tools in '
+                                                             'the prompt, the output not parsed into calls), '
+                                                             '"required" or a function by name (a call forced by '
+                                                             "the answer's opening).")
     parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
@@ -236,13 +239,22 @@ class ChatCompletionRequest(_Sampling):
         c = self.tool_choice
         if c is not None and c != "none" and not self.tools:  # OpenAI's and vLLM's 400: nothing to choose from
             return f"tool_choice: {c!r} needs tools"
-        if c is None or c in ("auto", "none"):
+        if c is None or c in ("auto", "none", "required"):
             return None
-        if c == "required" or isinstance(c, dict):
-            what = '"required"' if c == "required" else "naming a function"
-            return (f"tool_choice: {what} is not supported (forcing a call needs constrained decoding); "
-                    'use "auto" or "none"')
+        if isinstance(c, dict):
+            f = c.get("function")
+            name = f.get("name") if isinstance(f, dict) else None
+            if c.get("type") != "function" or not isinstance(name, str):
+                return f'tool_choice: expected {{"type": "function", "function": {{"name": ...}}}}, got {c!r}'
+            names = [t["function"]["name"] for t in self.tools]
+            if name not in names:
+                return f"tool_choice.function.name: {name!r} is not among the tools ({', '.join(names)})"
+            return None
         return f'tool_choice: expected "auto", "none", "required" or a function, got {c!r}'
+
+    def past_calls(self) -> int:
+        """The tool calls in the conversation so far (Kimi numbers a call's id across the conversation)."""
+        return sum(len(m.tool_calls or ()) for m in self.messages)
 
 
 class ErrorInfo(BaseModel):

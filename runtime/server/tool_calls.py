@@ -8,6 +8,10 @@ markers are special tokens, which skip_special_tokens leaves out of the text: th
 (SpecialsOut leaves the other special tokens out again). A section that is cut or malformed is no call: its text
 stays content. Text after the section is dropped, as vLLM drops it; with parallel_tool_calls false, so are the calls
 after the first (vLLM's rule: the model is not stopped, its further calls are not given out).
+
+tool_choice "required" or a named function is forced by the answer's opening (CallRules.opening): the prompt ends
+with the section's and a call's markers (and the function's id and the arguments' marker when named), which the
+model continues; it is not constrained decoding, so the arguments are the model's text, unchecked.
 """
 
 from __future__ import annotations
@@ -34,6 +38,30 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
+@dataclass(frozen=True)
+class CallRules:
+    """How one request's output is read for calls. max_calls: how many are given out (None: all); opening: the text
+    the answer was made to start with (a forced call), read before the output and never content; reason: the
+    finish_reason of an answer with calls ("stop" for a named function, as OpenAI and vLLM answer a forced one);
+    stop_at_call_end: the call's end marker ends the output (a named function: one call, closed by the server)."""
+    max_calls: int | None = None
+    opening: str = ""
+    reason: str = "tool_calls"
+    stop_at_call_end: bool = False
+
+    @classmethod
+    def of(cls, tool_choice, parallel_tool_calls: bool | None, past_calls: int) -> CallRules:
+        """The rules of a request's tool_choice (validated: "auto", "required" or a function by name) and
+        parallel_tool_calls; past_calls: the calls in its history (Kimi numbers calls across the conversation)."""
+        one = 1 if parallel_tool_calls is False else None
+        if tool_choice == "required":
+            return cls(one, SECTION_BEGIN + CALL_BEGIN)
+        if isinstance(tool_choice, dict):
+            fid = f"functions.{tool_choice['function']['name']}:{past_calls}"
+            return cls(1, SECTION_BEGIN + CALL_BEGIN + fid + ARGS_BEGIN, "stop", True)
+        return cls(one)
+
+
 def _call(body: str) -> ToolCall | None:
     """A call from the text between its begin and end markers; None when it is malformed."""
     head, sep, args = body.partition(ARGS_BEGIN)
@@ -53,17 +81,20 @@ class ToolCallStream:
 
     A tail that could begin the section's marker is held back, so a marker split across deltas never reaches the
     content. At the end (finish) whatever was held back and given out as no call is content: a marker's beginning,
-    or a section that was cut or malformed, from the end of the last call given out (from its marker when none was).
+    or a section that was cut or malformed, from the end of the last call given out (from its marker when none was),
+    never the rules' opening. A forced section the output ends after a whole call is closed by that end.
     """
 
-    def __init__(self, max_calls: int | None = None):
-        self.max_calls = max_calls  # calls past it are read (the section must still be well-formed) but not given out
+    def __init__(self, rules: CallRules = CallRules()):
+        self.rules = rules  # calls past max_calls are read (the section must still be well-formed), not given out
         self.text = ""
         self.sent = 0  # text[:sent] is given out, as content or as calls
         self.section: int | None = None  # where the section's marker starts
         self.at = 0  # inside the section: where the next call or the section's end is looked for
         self.calls: list[ToolCall] = []
         self.state = "content"  # then "section"; "done" once it ended well, "bad" when malformed
+        self.push(rules.opening)
+        self.floor = len(rules.opening)  # the text before it was not the model's: never content
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         """Add text; returns the content it releases and the calls it completes."""
@@ -95,7 +126,7 @@ class ToolCallStream:
                 if call is None:
                     self.state = "bad"
                     return new
-                if self.max_calls is None or len(self.calls) < self.max_calls:
+                if self.rules.max_calls is None or len(self.calls) < self.rules.max_calls:
                     self.calls.append(call)
                     new.append(call)
                 self.at = self.sent = self.at + len(rest) - len(body) + end + len(CALL_END)
@@ -111,29 +142,32 @@ class ToolCallStream:
 
     def finish(self) -> str:
         """The output ended: the held-back text that is content after all ("" after a section that ended well)."""
+        if self.rules.opening and self.state == "section" and self.calls and not self.text[self.at:].strip():
+            self.state = "done"
         if self.complete:
             return ""
-        content, self.sent = self.text[self.sent:], len(self.text)
+        content, self.sent = self.text[max(self.sent, self.floor):], len(self.text)
         return content
 
 
-def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, rules: CallRules = CallRules()) -> tuple[str | None, list[ToolCall]]:
     """A whole output's (content, calls): the text before the section (None if empty) and its calls (the first
     max_calls) when the section is whole and well-formed; else (the whole text, no calls)."""
-    stream = ToolCallStream(max_calls)
+    stream = ToolCallStream(rules)
     stream.push(text)
+    stream.finish()
     if not stream.complete:
         return text, []
-    return text[:stream.section] or None, stream.calls
+    return stream.text[stream.floor:stream.section] or None, stream.calls
 
 
 class ToolDeltas:
     """A streamed choice's chat deltas when its output is read for tool calls: content until the section begins,
     then each call (a `delta.tool_calls` entry) once its end marker came; the last chunk's finish_reason
-    "tool_calls" after a whole section (unless the output was cut by length)."""
+    "tool_calls" (the rules' reason) after a whole section (unless the output was cut by length)."""
 
-    def __init__(self, text: SpecialsOut, max_calls: int | None = None):
-        self.text, self.calls = text, ToolCallStream(max_calls)
+    def __init__(self, text: SpecialsOut, rules: CallRules = CallRules()):
+        self.text, self.calls = text, ToolCallStream(rules)
 
     def push(self, token_id: int, text_offset: int | None, text: str, finish_reason: str | None
              ) -> tuple[dict, str | None]:
@@ -141,7 +175,8 @@ class ToolDeltas:
         content, calls = self.calls.push(self.text.push(token_id, text_offset, text))
         if finish_reason is not None:
             content += self.calls.finish()
-            finish_reason = "tool_calls" if self.calls.complete and finish_reason != "length" else finish_reason
+            if self.calls.complete and finish_reason != "length":
+                finish_reason = self.calls.rules.reason
         delta = {"content": content} if content or (finish_reason is None and not calls) else {}
         if calls:
             first = len(self.calls.calls) - len(calls)

@@ -50,6 +50,30 @@ def test_token_id_and_batch_prompts(client, llm):
     assert r.usage.completion_tokens == 12
 
 
+def test_prompt_token_ids_where_vllm_puts_them(client, llm):
+    """return_token_ids: a completion choice holds its prompt's ids (two prompts x n=2: each choice its own prompt),
+    streamed in the choice's first chunk only; a chat response holds the rendered prompt's at its top level,
+    streamed in the first chunk."""
+    ids = [[5, 17, 99, 3], [7, 8]]
+    kw = dict(model=MODEL, prompt=ids, max_tokens=3, n=2, temperature=0, extra_body={"return_token_ids": True})
+    r = client.completions.create(**kw)
+    assert [(c.index, c.model_extra["prompt_token_ids"]) for c in r.choices] == [
+        (0, ids[0]), (1, ids[0]), (2, ids[1]), (3, ids[1])]
+    seen = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            seen.setdefault(c.index, []).append(c.model_extra.get("prompt_token_ids"))
+    assert {i: (got[0], got[1:]) for i, got in seen.items()} == {i: (ids[i // 2], [None] * 2) for i in range(4)}
+    messages = [{"role": "user", "content": "hi"}]
+    want = llm.tokenizer.encode_chat(messages)
+    kw = dict(model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(**kw)
+    assert r.model_extra["prompt_token_ids"] == want and r.usage.prompt_tokens == len(want)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert [c.model_extra.get("prompt_token_ids") for c in chunks] == [want] + [None] * (len(chunks) - 1)
+    assert "prompt_token_ids" not in client.chat.completions.create(**{**kw, "extra_body": {}}).model_extra
+
+
 def test_streaming_completion_equals_non_streaming(client, llm):
     ref = llm.generate(PROMPTS[1], greedy(10))[0]
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,

@@ -12,7 +12,7 @@ import pytest
 
 from k3build.config import preset
 from k3build.tokenizer import write_tokenizer
-from k3runtime.server.tool_calls import MARKERS, SpecialsOut, ToolCallStream, ToolDeltas, parse_tool_calls
+from k3runtime.server.tool_calls import MARKERS, CallRules, SpecialsOut, ToolCallStream, ToolDeltas, parse_tool_calls
 from k3runtime.tokenizer import Detokenizer, Tokenizer
 
 MODEL = "k3-tiny"
@@ -33,12 +33,12 @@ def _ids(tok, *parts) -> list[int]:
     return [i for p in parts for i in ([specials[p]] if p in specials else tok.encode(p))]
 
 
-def _run(tok, ids, reason="stop", skip=True, stop=(), max_calls=None):
+def _run(tok, ids, reason="stop", skip=True, stop=(), rules=CallRules()):
     """What the server sends for an output of `ids` when it reads tool calls: the request runs with special tokens
     kept (the engine's Detokenizer, a token at a time, as the engine streams), then the streamed deltas and finish
     reason (ToolDeltas), and the whole message's (content, calls) (parse_tool_calls of the same text)."""
     drop = {i: len(s) for i, s in tok.special_tokens().items() if s not in MARKERS} if skip else {}
-    det, deltas, whole, out = Detokenizer(tok, stop, skip_special_tokens=False), ToolDeltas(SpecialsOut(drop), max_calls), \
+    det, deltas, whole, out = Detokenizer(tok, stop, skip_special_tokens=False), ToolDeltas(SpecialsOut(drop), rules), \
         SpecialsOut(drop), None
     streamed, text = [], ""
     for k, t in enumerate(ids):
@@ -47,7 +47,7 @@ def _run(tok, ids, reason="stop", skip=True, stop=(), max_calls=None):
         text += whole.push(t, det.offset, released)
         delta, out = deltas.push(t, det.offset, released, reason if last else None)
         streamed.append(delta)
-    return streamed, out, parse_tool_calls(text, max_calls)
+    return streamed, out, parse_tool_calls(text, rules)
 
 
 def _content(streamed) -> str:
@@ -75,15 +75,50 @@ def test_two_calls_after_content(tok):
 
 
 def test_parallel_tool_calls_false_gives_the_first_call_only(tok):
-    """max_calls=1 (parallel_tool_calls false): the second call is read but not given out, streamed or whole; a
+    """At most one call (parallel_tool_calls false): the second call is read but not given out, streamed or whole; a
     malformed second call still makes the section content, as with no limit."""
     two = [SB, CB, "functions.get_weather:0", AB, '{"city": "Paris"}', CE, CB, "functions.get_time:1", AB, "{}", CE]
-    streamed, reason, (content, calls) = _run(tok, _ids(tok, "Hi", *two, SE, EOS), max_calls=1)
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, "Hi", *two, SE, EOS), rules=CallRules(1))
     assert _content(streamed) == content == "Hi" and reason == "tool_calls"
     assert [c["id"] for c in _calls(streamed)] == [c.id for c in calls] == ["functions.get_weather:0"]
     bad = two[:-4] + ["get_time", AB, "{}", CE, SE]  # the second call's id lacks ":IDX"
-    streamed, reason, (content, calls) = _run(tok, _ids(tok, *bad), max_calls=1)
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, *bad), rules=CallRules(1))
     assert calls == [] and reason == "stop" and SB in content
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_function_forced_by_the_opening(tok):
+    """tool_choice naming a function: the answer starts with the call's markers, the id (numbered after the
+    history's 2 calls) and the arguments' marker; the output is the arguments and the call's end marker (a stop id):
+    one call, finish_reason "stop" (OpenAI's for a forced call). Cut by length, no call: the model's text as content,
+    never the opening's markers."""
+    rules = CallRules.of(NAMED, None, 2)
+    assert rules.opening == f"{SB}{CB}functions.get_weather:2{AB}" and rules.stop_at_call_end
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, '{"city": "Paris"}', CE), rules=rules)
+    want = [{"index": 0, "id": "functions.get_weather:2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert _calls(streamed) == want and [calls[0].to_openai(0)] == want
+    assert content is None and _content(streamed) == "" and reason == "stop"
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, '{"city": "Pa'), reason="length", rules=rules)
+    assert calls == [] and _calls(streamed) == [] and reason == "length"
+    assert content == _content(streamed) == '{"city": "Pa'
+
+
+@pytest.mark.parametrize("end", [[SE, EOS], [EOS]], ids=["section-closed", "closed-by-the-end"])
+def test_required_forced_by_the_opening(tok, end):
+    """tool_choice "required": the answer starts with the section's and a call's markers; the model names the
+    function. A forced section the output ends after a whole call is closed by that end; output with no whole call
+    is content (the model's text only)."""
+    rules = CallRules.of("required", None, 0)
+    assert rules.opening == SB + CB and not rules.stop_at_call_end
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, "functions.get_time:0", AB, "{}", CE, *end),
+                                              rules=rules)
+    assert [c["function"]["name"] for c in _calls(streamed)] == [c.name for c in calls] == ["get_time"]
+    assert content is None and _content(streamed) == "" and reason == "tool_calls"
+    streamed, reason, (content, calls) = _run(tok, _ids(tok, "no call", EOS), rules=rules)
+    assert calls == [] and content == _content(streamed) == "no call" and reason == "stop"
 
 
 def test_no_content_and_non_json_arguments_kept_as_written(tok):
@@ -220,9 +255,10 @@ def test_a_streamed_request_with_tools_ends(client):
 
 
 @pytest.mark.parametrize("change, param, words", [
-    ({"tool_choice": "required"}, "tool_choice", 'tool_choice: "required" is not supported'),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
-     "tool_choice: naming a function is not supported"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_date"}}}, "tool_choice",
+     "tool_choice.function.name: 'get_date' is not among the tools (get_weather, get_time)"),
+    ({"tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice",
+     'tool_choice: expected {"type": "function", "function": {"name": ...}}'),
     ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice: expected"),
     ({"tool_choice": "auto", "tools": None}, "tool_choice", "tool_choice: 'auto' needs tools"),
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "get time"}}]}, "tools",
@@ -243,7 +279,7 @@ def test_a_streamed_request_with_tools_ends(client):
      "tools[1].function.description: not valid Unicode text: a lone surrogate '\\ud800' at character 2"),
     ({"messages": HISTORY[:3] + [{**HISTORY[3], "content": "\udfff"}]}, "messages",
      "messages[3].content: not valid Unicode text: a lone surrogate '\\udfff' at character 0"),
-], ids=["required", "named", "unknown-choice", "auto-without-tools", "bad-name", "no-name", "not-function", "parameters",
+], ids=["unknown-function", "named-flat", "unknown-choice", "auto-without-tools", "bad-name", "no-name", "not-function", "parameters",
         "functions", "tool-without-id", "assistant-without-content", "arguments-not-a-string", "surrogate-in-tools",
         "surrogate-in-tool-result"])
 def test_tool_requests_it_cannot_serve_are_400s_naming_the_field(server, change, param, words):
@@ -306,3 +342,52 @@ def test_the_model_writes_a_call(client, llm):
     back = messages + [r.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": "f:0",
                                                                   "content": json.dumps({"ok": True})}]
     assert client.chat.completions.create(**{**kw, "messages": back, "max_tokens": 1}).usage.prompt_tokens > len(prompt)
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_call(client, llm, tiny_engine, choice):
+    """tool_choice naming f, or "required": the prompt ends with the call's opening (its tokens as transformers
+    encodes the rendered chat plus that text), the tiny model steered into the rest: `{}<|tool_call_end|>` (named:
+    the end marker stops it), or `f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>` and
+    EOS (required). One call, unary and streamed; finish_reason "stop" named (as OpenAI's), "tool_calls" required.
+    Unsteered, the tiny model's text is the content, without the opening's markers."""
+    from transformers import PreTrainedTokenizerFast
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "call f"}]
+    tool_choice = {"type": "function", "function": {"name": "f"}} if choice == "named" else "required"
+    opening = CallRules.of(tool_choice, None, 0).opening
+    prompt = llm.tokenizer.encode_chat(messages, True, tools, opening)
+    hf = PreTrainedTokenizerFast.from_pretrained(tiny_engine)
+    rendered = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert prompt == hf(rendered + opening, add_special_tokens=False)["input_ids"]
+    rest = ["{}", CE] if choice == "named" else ["f:0", AB, "{}", CE, SE, EOS]
+    chain = _ids(llm.tokenizer, *rest)
+    kw = dict(model=MODEL, messages=messages, tools=tools, tool_choice=tool_choice, max_tokens=16, temperature=0,
+              presence_penalty=2, frequency_penalty=2, logit_bias=_steered_call(llm, prompt, chain))
+    r = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    c, reason = r.choices[0], "stop" if choice == "named" else "tool_calls"
+    assert r.usage.prompt_tokens == len(prompt) and c.model_extra["token_ids"] == chain
+    want = {"id": "functions.f:0" if choice == "named" else "f:0", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}
+    assert [t.model_dump() for t in c.message.tool_calls] == [want]
+    assert c.message.content is None and c.finish_reason == reason
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(**kw, stream=True)]
+    assert [t.model_dump() for ch in chunks for t in ch.delta.tool_calls or ()] == [{"index": 0, **want}]
+    assert chunks[-1].finish_reason == reason and not any(ch.delta.content for ch in chunks)
+    free = client.chat.completions.create(**{**kw, "logit_bias": None, "max_tokens": 8}).choices[0]
+    assert free.finish_reason == "length" and free.message.tool_calls is None
+    assert not any(m in free.message.content for m in (SB, CB))
+
+
+def test_a_named_call_is_numbered_after_the_history(client, tiny_engine):
+    """Kimi numbers calls across the conversation: after HISTORY's one call, the forced id is
+    functions.get_weather:1 (the prompt's ids, as transformers encodes the rendered chat plus the opening)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(tiny_engine)
+    rendered = hf.apply_chat_template(HISTORY, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    want = hf(rendered + f"{SB}{CB}functions.get_weather:1{AB}", add_special_tokens=False)["input_ids"]
+    r = client.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, max_tokens=1, temperature=0,
+                                       tool_choice=NAMED, extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == want
