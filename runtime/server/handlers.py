@@ -265,6 +265,7 @@ class Handlers:
                 if calls:
                     c["message"]["tool_calls"] = [call.to_openai() for call in calls]
                     c["finish_reason"] = rules.reason if reason != "length" else reason
+                c["stop_reason"] = self._stop_reason(why, rules)
             elif chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -341,6 +342,7 @@ class Handlers:
                 if tools:
                     c["delta"], c["finish_reason"] = tools[i].push(ch.token_id, ch.text_offset, ch.text,
                                                                    ch.finish_reason)
+                    c["stop_reason"] = self._stop_reason(ch.stop_reason, tools[i].calls.rules)
                 elif chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
                 else:
@@ -355,6 +357,10 @@ class Handlers:
             for t in tasks:
                 t.cancel()
             close()
+
+    def _stop_reason(self, why, rules: CallRules):
+        """vLLM's stop_reason, less the call's end marker the server made a stop id of (a named function's)."""
+        return None if rules.stop_at_call_end and why == self.call_end else why
 
     def _tool_text(self, body) -> SpecialsOut:
         """A choice's text to read tool calls in (its request runs with skip_special_tokens false): less the

@@ -372,9 +372,11 @@ def test_a_forced_call(client, llm, tiny_engine, choice):
             "function": {"name": "f", "arguments": "{}"}}
     assert [t.model_dump() for t in c.message.tool_calls] == [want]
     assert c.message.content is None and c.finish_reason == reason
+    assert c.model_extra["stop_reason"] is None  # (not the end marker the server made a stop id of)
     chunks = [ch.choices[0] for ch in client.chat.completions.create(**kw, stream=True)]
     assert [t.model_dump() for ch in chunks for t in ch.delta.tool_calls or ()] == [{"index": 0, **want}]
     assert chunks[-1].finish_reason == reason and not any(ch.delta.content for ch in chunks)
+    assert chunks[-1].model_extra["stop_reason"] is None
     free = client.chat.completions.create(**{**kw, "logit_bias": None, "max_tokens": 8}).choices[0]
     assert free.finish_reason == "length" and free.message.tool_calls is None
     assert not any(m in free.message.content for m in (SB, CB))
