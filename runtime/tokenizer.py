@@ -101,7 +101,7 @@ class Tokenizer:
             self._spelled = re.compile("|".join(map(re.escape, self._specials)) or "(?!)")
         # The template renders its own BOS: the text is encoded without special tokens, as transformers'
         # apply_chat_template and vLLM encode it (add_bos_token would put a second BOS before the template's).
-        if not any(self._spelled.search(s) for s in _strings([messages, tools])):  # the usual case
+        if not any(self._spelled.search(s) for _, s in _paths([messages, tools])):  # the usual case
             text = self.apply_chat_template(messages, add_generation_prompt, tools) + opening
             _check_unicode(text)
             return self._tok.encode(text, add_special_tokens=False).ids
@@ -189,27 +189,17 @@ _STAND_IN = 0xF0000
 _STAND_INS = "[\U000F0000-\U000FFFFD]"
 
 
-def _strings(x):
-    """Every string in nested lists and dicts (keys too: a tool's JSON schema names its properties)."""
-    if isinstance(x, str):
-        yield x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _strings(k)
-            yield from _strings(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _strings(v)
-
-
 def _paths(x, where: str = ""):
-    """(where, string) for every string of _strings', where is its place: "[1].content", "[0].function.name"."""
+    """(where, string) for every string in nested lists and dicts (keys too: a tool's JSON schema names its
+    properties), where its place is: "[1].content", "[0].function.name"."""
     if isinstance(x, str):
         yield where, x
     elif isinstance(x, dict):
         for k, v in x.items():
-            yield f"{where} (a key)", k
-            yield from _paths(v, f"{where}.{k}" if isinstance(k, str) else where)
+            at = f"{where}.{k}" if isinstance(k, str) and k.isidentifier() else f"{where}[{k!r}]"  # (repr: escaped)
+            if isinstance(k, str):
+                yield f"{at} (a key)", k
+            yield from _paths(v, at)
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
             yield from _paths(v, f"{where}[{i}]")
@@ -234,7 +224,7 @@ def _check_chat_text(messages, tools) -> None:
 
 
 def _map_strings(x, f):
-    """x with f applied to every string in it (_strings')."""
+    """x with f applied to every string in it (_paths')."""
     if isinstance(x, str):
         return f(x)
     if isinstance(x, dict):

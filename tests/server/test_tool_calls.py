@@ -279,9 +279,11 @@ def test_a_streamed_request_with_tools_ends(client):
      "tools[1].function.description: not valid Unicode text: a lone surrogate '\\ud800' at character 2"),
     ({"messages": HISTORY[:3] + [{**HISTORY[3], "content": "\udfff"}]}, "messages",
      "messages[3].content: not valid Unicode text: a lone surrogate '\\udfff' at character 0"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"k\ud800": {}}}}}]},
+     "tools", "tools[0].function.parameters.properties['k\\ud800'] (a key): not valid Unicode text"),
 ], ids=["unknown-function", "named-flat", "unknown-choice", "auto-without-tools", "bad-name", "no-name", "not-function", "parameters",
         "functions", "tool-without-id", "assistant-without-content", "arguments-not-a-string", "surrogate-in-tools",
-        "surrogate-in-tool-result"])
+        "surrogate-in-tool-result", "surrogate-in-a-key"])
 def test_tool_requests_it_cannot_serve_are_400s_naming_the_field(server, change, param, words):
     body = {"model": MODEL, "messages": HISTORY, "tools": TOOLS, "max_tokens": 2, **change}
     r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body),  # (JSON's \\ud800 escapes)
