@@ -15,7 +15,7 @@ from .llm_engine import LLMEngine, TokenEvent
 from .logprobs import TokenLogprobs
 from .request import Request
 from .sampling_params import SamplingParams
-from .tokenizer import ChatTextError, Detokenizer, Tokenizer, resolve_tokenizer
+from .tokenizer import ChatTextError, Detokenizer, Tokenizer, check_chat_text, resolve_tokenizer
 
 
 @dataclass
@@ -203,6 +203,7 @@ class LLM:
                 raise ValueError(f"{where}: expected a non-empty list of message dicts, got {_kind(conv)}")
             msgs = [_chat_message(m, f"{where}[{i}]") for i, m in enumerate(conv)]
             try:
+                check_chat_text(conv)  # as written: a text part is named apart from the others
                 ids.append(self.tokenizer.encode_chat(msgs, add_generation_prompt, tools))
             except jinja2.TemplateError as e:  # the template's raise_exception, or what it cannot render
                 raise ValueError(f"{where}: the chat template cannot render it: {e}") from None

@@ -94,7 +94,7 @@ class Tokenizer:
         filters see the text as it is), then encoded as text; the tokens next to it may differ from encoding the
         message whole. opening: text the answer is made to start with (the server's, not a client's: its special
         tokens' spellings are those tokens), after the generation prompt."""
-        _check_chat_text(messages, tools)
+        check_chat_text(messages, tools)
         if self._specials is None:
             self._specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
                                     key=len, reverse=True)  # the longest spelling first where two overlap
@@ -103,7 +103,6 @@ class Tokenizer:
         # apply_chat_template and vLLM encode it (add_bos_token would put a second BOS before the template's).
         if not any(self._spelled.search(s) for _, s in _paths([messages, tools])):  # the usual case
             text = self.apply_chat_template(messages, add_generation_prompt, tools) + opening
-            _check_unicode(text)
             return self._tok.encode(text, add_special_tokens=False).ids
 
         def stand_in(text: str) -> str:
@@ -112,7 +111,6 @@ class Tokenizer:
 
         text = self.apply_chat_template(_map_strings(messages, stand_in), add_generation_prompt,
                                         _map_strings(tools, stand_in)) + opening
-        _check_unicode(text)
         if self._as_text is None:
             self._as_text = _HFTokenizer.from_str(self._tok.to_str())
             self._as_text.encode_special_tokens = True
@@ -214,7 +212,9 @@ class ChatTextError(ValueError):
         self.root, self.where, self.why = root, where, why
 
 
-def _check_chat_text(messages, tools) -> None:
+def check_chat_text(messages, tools=None) -> None:
+    """ChatTextError naming the first string of the messages or tools (as the client wrote them: a text part is
+    named apart from the others) that no tokenizer takes."""
     for root, x in (("messages", messages), ("tools", tools)):
         for where, text in _paths(x):
             try:

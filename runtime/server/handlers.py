@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from ..async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from ..sampling_params import GENERATION_DEFAULTS, SamplingParams
-from ..tokenizer import ChatTextError
+from ..tokenizer import ChatTextError, check_chat_text
 from .config import ServerConfig
 from .logprobs import ChoiceOffsets, TokenText, chat_logprobs, completion_logprobs, echoed_prompt, joined
 from .metrics import PrometheusMetrics
@@ -60,7 +60,8 @@ class Handlers:
         # their spellings, that a request with skip_special_tokens leaves out
         specials = self.tok.special_tokens() if self.tok is not None else {}
         self.unmarked = {i: len(s) for i, s in specials.items() if s not in MARKERS}
-        self.call_end = next((i for i, s in specials.items() if s == CALL_END), None)  # (a forced call's stop)
+        self.call_end = next((i for i, s in specials.items() if s == CALL_END), None)  # (a named call's stop)
+        self.forces_calls = set(MARKERS) <= set(specials.values())  # a forced call's opening is made of them
         self.admission_waiting = 0
         self._running = 0
 
@@ -175,6 +176,7 @@ class Handlers:
         msgs = [m.for_template() for m in body.messages]
         rules = self._call_rules(body)
         try:  # a message's text never becomes a special token (Tokenizer.encode_chat)
+            check_chat_text([m.model_dump(exclude_unset=True) for m in body.messages])  # (text parts apart)
             ids = await asyncio.to_thread(self.tok.encode_chat, msgs, True, body.tools or None, rules.opening)
         except ChatTextError as e:  # text no tokenizer takes (a lone surrogate), named by its place
             raise APIError(400, str(e), e.root) from None
@@ -188,14 +190,14 @@ class Handlers:
         params = self._params(body, mt, len(ids), field)
         if body.parse_tool_calls:  # the markers are special tokens: kept in the text (as vLLM's kimi_k2 parser does)
             params = replace(params, skip_special_tokens=False)
-        if rules.stop_at_call_end:
+        if rules.named:  # its call's end marker ends the output
             params = replace(params, stop_token_ids=(*params.stop_token_ids, self.call_end))
         return await self._serve(request, body, [ids], [params], chat=True, rules=rules)
 
     def _call_rules(self, body) -> CallRules:
         if not body.parse_tool_calls:
             return CallRules()
-        if body.tool_choice not in (None, "auto") and self.call_end is None:
+        if body.tool_choice not in (None, "auto") and not self.forces_calls:
             raise APIError(400, "tool_choice: this engine's tokenizer has no tool-call markers to force a call with",
                            "tool_choice")
         return CallRules.of(body.tool_choice, body.parallel_tool_calls, body.past_calls())
@@ -295,11 +297,12 @@ class Handlers:
             q.put_nowait((i, None))
 
         prompted: set[int] = set()  # the completion choices whose prompt_token_ids went out (in their first chunk)
+        n = len(streams) // len(ids)  # choices a prompt
 
         def event(choice: dict, usage=None, top: dict | None = None) -> str:
             if return_ids and not chat and choice and choice["index"] not in prompted:
                 prompted.add(choice["index"])
-                choice["prompt_token_ids"] = ids[choice["index"] * len(ids) // len(streams)]
+                choice["prompt_token_ids"] = ids[choice["index"] // n]
             data = {**meta, "object": obj, "choices": [choice] if choice else [], **(top or {})}
             if usage is not None:
                 data["usage"] = usage
@@ -315,7 +318,7 @@ class Handlers:
                 for i in range(len(streams)):
                     yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                  "stop_reason": None, "logprobs": None},
-                                top={"prompt_token_ids": ids[0]} if return_ids and i == 0 else None)
+                                top={"prompt_token_ids": ids[0]} if return_ids else None)  # (each, as vLLM)
             while live:
                 i, ch = await q.get()
                 if ch is None:
@@ -342,7 +345,7 @@ class Handlers:
                 if tools:
                     c["delta"], c["finish_reason"] = tools[i].push(ch.token_id, ch.text_offset, ch.text,
                                                                    ch.finish_reason)
-                    c["stop_reason"] = self._stop_reason(ch.stop_reason, tools[i].calls.rules)
+                    c["stop_reason"] = self._stop_reason(ch.stop_reason, tools[i].rules)
                 elif chat:
                     c["delta"] = {"content": ch.text} if ch.text or ch.finish_reason is None else {}
                 else:
@@ -359,8 +362,9 @@ class Handlers:
             close()
 
     def _stop_reason(self, why, rules: CallRules):
-        """vLLM's stop_reason, less the call's end marker the server made a stop id of (a named function's)."""
-        return None if rules.stop_at_call_end and why == self.call_end else why
+        """vLLM's stop_reason, less the call's end marker a named function's call stops at (a stop id the server
+        adds: null, as vLLM's forced call, also where the client gave that id too)."""
+        return None if rules.named and why == self.call_end else why
 
     def _tool_text(self, body) -> SpecialsOut:
         """A choice's text to read tool calls in (its request runs with skip_special_tokens false): less the

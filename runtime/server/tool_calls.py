@@ -11,7 +11,9 @@ after the first (vLLM's rule: the model is not stopped, its further calls are no
 
 tool_choice "required" or a named function is forced by the answer's opening (CallRules.opening): the prompt ends
 with the section's and a call's markers (and the function's id and the arguments' marker when named), which the
-model continues; it is not constrained decoding, so the arguments are the model's text, unchecked.
+model continues; it is not constrained decoding, so the arguments are the model's text, unchecked. A forced section
+ends at the output's end or at the first text after a whole call that is not another call (the model's EOS, kept
+with skip_special_tokens false); a named call cut inside its arguments is still the call, as vLLM's forced call.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ class CallRules:
     """How one request's output is read for calls. max_calls: how many are given out (None: all); opening: the text
     the answer was made to start with (a forced call), read before the output and never content; reason: the
     finish_reason of an answer with calls ("stop" for a named function, as OpenAI and vLLM answer a forced one);
-    stop_at_call_end: the call's end marker ends the output (a named function: one call, closed by the server)."""
+    named: one named call is forced: its end marker ends the output (a stop id), and an output cut inside its
+    arguments is still that call, its arguments as far as they came."""
     max_calls: int | None = None
     opening: str = ""
     reason: str = "tool_calls"
-    stop_at_call_end: bool = False
+    named: bool = False
 
     @classmethod
     def of(cls, tool_choice, parallel_tool_calls: bool | None, past_calls: int) -> CallRules:
@@ -58,7 +61,7 @@ class CallRules:
             return cls(one, SECTION_BEGIN + CALL_BEGIN)
         if isinstance(tool_choice, dict):
             fid = f"functions.{tool_choice['function']['name']}:{past_calls}"
-            return cls(1, SECTION_BEGIN + CALL_BEGIN + fid + ARGS_BEGIN, "stop", True)
+            return cls(1, SECTION_BEGIN + CALL_BEGIN + fid + ARGS_BEGIN, "stop", named=True)
         return cls(one)
 
 
@@ -93,8 +96,8 @@ class ToolCallStream:
         self.at = 0  # inside the section: where the next call or the section's end is looked for
         self.calls: list[ToolCall] = []
         self.state = "content"  # then "section"; "done" once it ended well, "bad" when malformed
-        self.push(rules.opening)
         self.floor = len(rules.opening)  # the text before it was not the model's: never content
+        self.push(rules.opening)
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         """Add text; returns the content it releases and the calls it completes."""
@@ -132,7 +135,7 @@ class ToolCallStream:
                 self.at = self.sent = self.at + len(rest) - len(body) + end + len(CALL_END)
                 continue
             if not (CALL_BEGIN.startswith(body) or SECTION_END.startswith(body)):  # neither, nor their beginning
-                self.state = "bad"
+                self.state = "done" if self.rules.opening and self.calls else "bad"  # (a forced section ends)
             return new
 
     @property
@@ -140,14 +143,21 @@ class ToolCallStream:
         """Whether a whole, well-formed section with at least one call was read."""
         return self.state == "done"
 
-    def finish(self) -> str:
-        """The output ended: the held-back text that is content after all ("" after a section that ended well)."""
-        if self.rules.opening and self.state == "section" and self.calls and not self.text[self.at:].strip():
-            self.state = "done"
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The output ended: the held-back text that is content after all ("" after a section that ended well), and
+        a named call cut inside its arguments."""
+        new = []
+        if self.rules.opening and self.state == "section":
+            body = self.text[self.at:].lstrip()
+            if self.rules.named and not self.calls and (call := _call(body[len(CALL_BEGIN):])) is not None:
+                self.calls.append(call)
+                new.append(call)
+            if self.calls and (new or not body):
+                self.state = "done"
         if self.complete:
-            return ""
+            return "", new
         content, self.sent = self.text[max(self.sent, self.floor):], len(self.text)
-        return content
+        return content, new
 
 
 def parse_tool_calls(text: str, rules: CallRules = CallRules()) -> tuple[str | None, list[ToolCall]]:
@@ -155,7 +165,7 @@ def parse_tool_calls(text: str, rules: CallRules = CallRules()) -> tuple[str | N
     max_calls) when the section is whole and well-formed; else (the whole text, no calls)."""
     stream = ToolCallStream(rules)
     stream.push(text)
-    stream.finish()
+    stream.finish()  # (a forced section the output's end closes)
     if not stream.complete:
         return text, []
     return stream.text[stream.floor:stream.section] or None, stream.calls
@@ -167,16 +177,17 @@ class ToolDeltas:
     "tool_calls" (the rules' reason) after a whole section (unless the output was cut by length)."""
 
     def __init__(self, text: SpecialsOut, rules: CallRules = CallRules()):
-        self.text, self.calls = text, ToolCallStream(rules)
+        self.text, self.calls, self.rules = text, ToolCallStream(rules), rules
 
     def push(self, token_id: int, text_offset: int | None, text: str, finish_reason: str | None
              ) -> tuple[dict, str | None]:
         """A token's chunk (StreamChunk's fields) -> its (delta, finish_reason)."""
         content, calls = self.calls.push(self.text.push(token_id, text_offset, text))
         if finish_reason is not None:
-            content += self.calls.finish()
+            more, cut = self.calls.finish()
+            content, calls = content + more, calls + cut
             if self.calls.complete and finish_reason != "length":
-                finish_reason = self.calls.rules.reason
+                finish_reason = self.rules.reason
         delta = {"content": content} if content or (finish_reason is None and not calls) else {}
         if calls:
             first = len(self.calls.calls) - len(calls)

@@ -509,6 +509,10 @@ def test_chat_tool_call_arguments_as_a_dict_render_as_json(llm, k3_tiny_engine):
                                              ([CHAT, [{"role": "user", "content": "a\ud800"}]],
                                               "messages[1][0].content: not valid Unicode text: a lone surrogate "
                                               "'\\ud800' at character 1"),
+                                             ([{"role": "user", "content": [{"type": "text", "text": "ab"},
+                                                                            {"type": "text", "text": "c\ud800"}]}],
+                                              "messages[0].content[1].text: not valid Unicode text: a lone "
+                                              "surrogate '\\ud800' at character 1"),
                                              ([CHAT, "hi"], "messages[1]: expected a non-empty list"),
                                              ([{"content": "hi"}], "messages[0]: expected a dict with a string 'role'"),
                                              ([{"role": "user", "content": [{"type": "image_url"}]}],

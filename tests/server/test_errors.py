@@ -124,6 +124,9 @@ CHAT_CASES = [
     (b'{"model": "k3-tiny", "messages": [{"role": "system", "content": "x"}, '
      b'{"role": "user", "content": "a\\ud800"}]}',
      "messages[1].content: not valid Unicode text: a lone surrogate '\\ud800' at character 1"),
+    (b'{"model": "k3-tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, '
+     b'{"type": "text", "text": "c\\ud800"}]}]}',  # named in its part, not in the parts' joined text
+     "messages[0].content[1].text: not valid Unicode text: a lone surrogate '\\ud800' at character 1"),
 ]
 
 

@@ -69,8 +69,8 @@ def test_prompt_token_ids_where_vllm_puts_them(client, llm):
     kw = dict(model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"return_token_ids": True})
     r = client.chat.completions.create(**kw)
     assert r.model_extra["prompt_token_ids"] == want and r.usage.prompt_tokens == len(want)
-    chunks = list(client.chat.completions.create(**kw, stream=True))
-    assert [c.model_extra.get("prompt_token_ids") for c in chunks] == [want] + [None] * (len(chunks) - 1)
+    chunks = list(client.chat.completions.create(**kw, n=2, stream=True))  # each choice's first (vLLM's)
+    assert [c.model_extra.get("prompt_token_ids") for c in chunks] == [want] * 2 + [None] * (len(chunks) - 2)
     assert "prompt_token_ids" not in client.chat.completions.create(**{**kw, "extra_body": {}}).model_extra
 
 

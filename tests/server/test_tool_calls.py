@@ -92,29 +92,31 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def test_a_named_function_forced_by_the_opening(tok):
     """tool_choice naming a function: the answer starts with the call's markers, the id (numbered after the
     history's 2 calls) and the arguments' marker; the output is the arguments and the call's end marker (a stop id):
-    one call, finish_reason "stop" (OpenAI's for a forced call). Cut by length, no call: the model's text as content,
-    never the opening's markers."""
+    one call, finish_reason "stop" (OpenAI's for a forced call). Cut by length inside the arguments: still the call,
+    its arguments as far as they came (vLLM's forced call), no content."""
     rules = CallRules.of(NAMED, None, 2)
-    assert rules.opening == f"{SB}{CB}functions.get_weather:2{AB}" and rules.stop_at_call_end
+    assert rules.opening == f"{SB}{CB}functions.get_weather:2{AB}" and rules.named
     streamed, reason, (content, calls) = _run(tok, _ids(tok, '{"city": "Paris"}', CE), rules=rules)
     want = [{"index": 0, "id": "functions.get_weather:2", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
     assert _calls(streamed) == want and [calls[0].to_openai(0)] == want
     assert content is None and _content(streamed) == "" and reason == "stop"
     streamed, reason, (content, calls) = _run(tok, _ids(tok, '{"city": "Pa'), reason="length", rules=rules)
-    assert calls == [] and _calls(streamed) == [] and reason == "length"
-    assert content == _content(streamed) == '{"city": "Pa'
+    cut = [{**want[0], "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]
+    assert _calls(streamed) == cut and [calls[0].to_openai(0)] == cut and reason == "length"
+    assert content is None and _content(streamed) == ""
 
 
-@pytest.mark.parametrize("end", [[SE, EOS], [EOS]], ids=["section-closed", "closed-by-the-end"])
-def test_required_forced_by_the_opening(tok, end):
+@pytest.mark.parametrize("end, skip", [([SE, EOS], True), ([EOS], True), ([EOS], False), ([], True)],
+                         ids=["section-closed", "eos", "eos-kept", "output-end"])
+def test_required_forced_by_the_opening(tok, end, skip):
     """tool_choice "required": the answer starts with the section's and a call's markers; the model names the
-    function. A forced section the output ends after a whole call is closed by that end; output with no whole call
-    is content (the model's text only)."""
+    function. A forced section ends after a whole call at the output's end or at text that is not another call
+    (the EOS, kept with skip_special_tokens false); output with no whole call is content (the model's text only)."""
     rules = CallRules.of("required", None, 0)
-    assert rules.opening == SB + CB and not rules.stop_at_call_end
+    assert rules.opening == SB + CB and not rules.named
     streamed, reason, (content, calls) = _run(tok, _ids(tok, "functions.get_time:0", AB, "{}", CE, *end),
-                                              rules=rules)
+                                              skip=skip, rules=rules)
     assert [c["function"]["name"] for c in _calls(streamed)] == [c.name for c in calls] == ["get_time"]
     assert content is None and _content(streamed) == "" and reason == "tool_calls"
     streamed, reason, (content, calls) = _run(tok, _ids(tok, "no call", EOS), rules=rules)
@@ -174,11 +176,11 @@ def test_markers_split_across_deltas_never_reach_the_content(tok):
     for cut in range(len(text) + 1):
         s = ToolCallStream()
         (a, calls_a), (b, calls_b) = s.push(text[:cut]), s.push(text[cut:])
-        assert a + b + s.finish() == "Weather?" and [c.id for c in calls_a + calls_b] == ["functions.w:0"], cut
+        assert a + b + s.finish()[0] == "Weather?" and [c.id for c in calls_a + calls_b] == ["functions.w:0"], cut
         assert a == text[:min(cut, len("Weather?"))], cut
     # a tail that only begins like the marker is content once the output ends
     s = ToolCallStream()
-    assert s.push("so <|tool_calls") == ("so ", []) and s.finish() == "<|tool_calls"
+    assert s.push("so <|tool_calls") == ("so ", []) and s.finish() == ("<|tool_calls", [])
 
 
 @pytest.mark.parametrize("stop", [(), ("#" * 20,)], ids=["", "held-back"])
@@ -352,7 +354,8 @@ def test_a_forced_call(client, llm, tiny_engine, choice):
     encodes the rendered chat plus that text), the tiny model steered into the rest: `{}<|tool_call_end|>` (named:
     the end marker stops it), or `f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>` and
     EOS (required). One call, unary and streamed; finish_reason "stop" named (as OpenAI's), "tool_calls" required.
-    Unsteered, the tiny model's text is the content, without the opening's markers."""
+    Unsteered and cut by length, the tiny model's text is the named call's arguments, or (required) the content
+    without the opening's markers."""
     from transformers import PreTrainedTokenizerFast
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -379,9 +382,17 @@ def test_a_forced_call(client, llm, tiny_engine, choice):
     assert [t.model_dump() for ch in chunks for t in ch.delta.tool_calls or ()] == [{"index": 0, **want}]
     assert chunks[-1].finish_reason == reason and not any(ch.delta.content for ch in chunks)
     assert chunks[-1].model_extra["stop_reason"] is None
-    free = client.chat.completions.create(**{**kw, "logit_bias": None, "max_tokens": 8}).choices[0]
-    assert free.finish_reason == "length" and free.message.tool_calls is None
-    assert not any(m in free.message.content for m in (SB, CB))
+    free_kw = {**kw, "logit_bias": None, "max_tokens": 8}
+    free = client.chat.completions.create(**free_kw).choices[0]
+    streamed = [ch.choices[0] for ch in client.chat.completions.create(**free_kw, stream=True)]
+    assert free.finish_reason == streamed[-1].finish_reason == "length"
+    if choice == "named":  # cut inside the arguments: still the call, its arguments as far as they came
+        assert free.message.content is None and len(free.message.tool_calls) == 1
+        assert [t.model_dump() for ch in streamed for t in ch.delta.tool_calls or ()] == [
+            {"index": 0, **free.message.tool_calls[0].model_dump()}]
+    else:
+        assert free.message.tool_calls is None and not any(m in free.message.content for m in (SB, CB))
+        assert "".join(ch.delta.content or "" for ch in streamed) == free.message.content
 
 
 def test_a_named_call_is_numbered_after_the_history(client, tiny_engine):
