@@ -85,7 +85,8 @@ class ToolCallStream:
     A tail that could begin the section's marker is held back, so a marker split across deltas never reaches the
     content. At the end (finish) whatever was held back and given out as no call is content: a marker's beginning,
     or a section that was cut or malformed, from the end of the last call given out (from its marker when none was),
-    never the rules' opening. A forced section the output ends after a whole call is closed by that end.
+    never the rules' opening. A forced section ends after a whole call at the output's end or at text that is not
+    another call; a named call cut inside its arguments is still the call (finish).
     """
 
     def __init__(self, rules: CallRules = CallRules()):
