@@ -406,3 +406,27 @@ def test_a_named_call_is_numbered_after_the_history(client, tiny_engine):
     r = client.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, max_tokens=1, temperature=0,
                                        tool_choice=NAMED, extra_body={"return_token_ids": True})
     assert r.model_extra["prompt_token_ids"] == want
+
+
+def test_a_tokenizer_without_the_markers_cannot_force_a_call(tiny_engine, make_server, tmp_path):
+    """An engine whose tokenizer lacks a marker (the tiny engine's, its call end renamed): "required" and a named
+    function are 400s naming tool_choice (their opening would be encoded as plain text); "auto" still serves."""
+    import shutil
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine, engine)
+    tok = json.loads((engine / "tokenizer.json").read_text())
+    for t in tok["added_tokens"]:
+        if t["content"] == CE:
+            t["content"] = "<|call_done|>"
+    (engine / "tokenizer.json").write_text(json.dumps(tok))
+    s = make_server(engine, max_prompt_tokens=1024, max_tokens_limit=64)
+    try:
+        body = {"model": MODEL, "messages": HISTORY[:2], "tools": TOOLS, "max_tokens": 2}
+        for choice in ("required", NAMED):
+            r = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "tool_choice": choice}, timeout=60)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "tool_choice" and "no tool-call markers" in err["message"]
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    finally:
+        s.close()
